@@ -1,0 +1,34 @@
+"""cpuos: disposable, isolated Linux sandboxes for AI agents.
+
+    from cpuos import Sandbox
+    sbx = Sandbox.create(template="python", timeout="15m")
+    sbx.files.write("/work/main.py", code)
+    run = sbx.exec("python /work/main.py", timeout="2m", on_stdout=print)
+"""
+
+from ._async.sandbox import AsyncFiles, AsyncSandbox
+from ._durations import parse_duration
+from ._errors import (
+    AuthError,
+    Conflict,
+    CpuosError,
+    InvalidArgument,
+    LimitExceeded,
+    NoSpace,
+    NotFound,
+    PermissionDenied,
+    ServerError,
+    Timeout,
+    Unavailable,
+)
+from ._models import ExecResult, FileEntry, SandboxInfo
+from ._sync.sandbox import Files, Sandbox
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncFiles", "AsyncSandbox", "AuthError", "Conflict", "CpuosError", "ExecResult",
+    "FileEntry", "Files", "InvalidArgument", "LimitExceeded", "NoSpace", "NotFound",
+    "PermissionDenied", "Sandbox", "SandboxInfo", "ServerError", "Timeout", "Unavailable",
+    "parse_duration",
+]

@@ -1,0 +1,315 @@
+"""AsyncSandbox: the SDK, written once. ``cpuos._sync`` is generated from this file by
+``scripts/gen_sync.py`` (unasync); edit here, then regenerate."""
+
+from __future__ import annotations
+
+import codecs
+import inspect
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+from cpuos_agent.protocol import CONTENT_TYPE, FrameDecoder, ProtocolError
+
+from .._config import resolve
+from .._durations import parse_duration
+from .._errors import CpuosError, InvalidArgument, ServerError, Timeout, Unavailable, error_from
+from .._models import DEFAULT_MAX_OUTPUT, ExecResult, FileEntry, OutputBuffer, SandboxInfo
+
+OutputCallback = Callable[[str], Any]
+
+
+def _dur(value: str | float | int | None, what: str) -> float | None:
+    if value is None:
+        return None
+    try:
+        return parse_duration(value, what)
+    except ValueError as e:
+        raise InvalidArgument(str(e)) from None
+
+
+class _AsyncHTTP:
+    """The one I/O boundary: HTTP to the daemon, errors mapped to the CpuosError tree."""
+
+    def __init__(self, api_url: str | None, api_key: str | None,
+                 request_timeout: float = 60.0) -> None:
+        self.url, key = resolve(api_url, api_key)
+        self.client = httpx.AsyncClient(
+            base_url=self.url, headers={"Authorization": f"Bearer {key}"},
+            timeout=httpx.Timeout(request_timeout, read=None), follow_redirects=False)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    @staticmethod
+    def _raise(r: httpx.Response, body: bytes) -> None:
+        if r.status_code < 400:
+            return
+        try:
+            err = httpx.Response(r.status_code, content=body).json()["error"]
+            code, message, details = err.get("code"), err.get("message"), err.get("details")
+        except Exception:
+            code, message, details = None, body[:500].decode(errors="replace"), None
+        raise error_from(r.status_code, code, str(message or f"HTTP {r.status_code}"), details)
+
+    async def request(self, method: str, path: str, **kw: Any) -> Any:
+        try:
+            r = await self.client.request(method, path, **kw)
+        except httpx.TimeoutException as e:
+            raise Timeout(f"{method} {path}: {e}") from None
+        except httpx.TransportError as e:
+            raise Unavailable(f"cannot reach cpuosd at {self.url}: {e}") from None
+        self._raise(r, r.content)
+        return r.json()
+
+    async def stream(self, method: str, path: str, **kw: Any) -> AsyncIterator[bytes]:
+        try:
+            async with self.client.stream(method, path, **kw) as r:
+                if r.status_code >= 400:
+                    self._raise(r, await r.aread())
+                async for chunk in r.aiter_raw():
+                    yield chunk
+        except httpx.TimeoutException as e:
+            raise Timeout(f"{method} {path}: {e}") from None
+        except httpx.TransportError as e:
+            raise Unavailable(f"connection to cpuosd at {self.url} failed: {e}") from None
+
+
+class AsyncFiles:
+    """``sbx.files``: files inside the sandbox. Relative paths are relative to /work."""
+
+    def __init__(self, sbx: AsyncSandbox) -> None:
+        self._sbx = sbx
+
+    @property
+    def _base(self) -> str:
+        return f"/sandboxes/{self._sbx.id}/files"
+
+    async def write(self, path: str, data: str | bytes) -> FileEntry:
+        """Create or replace a file (parents are created); atomic inside the sandbox."""
+        if isinstance(data, str):
+            data = data.encode()
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise InvalidArgument("data must be str or bytes")
+        d = await self._sbx._http.request("PUT", self._base, params={"path": path},
+                                          content=bytes(data))
+        return FileEntry.from_json(d)
+
+    async def upload(self, local_path: str | Path, path: str) -> FileEntry:
+        """Stream a local file into the sandbox without holding it in memory."""
+        async def chunks() -> AsyncIterator[bytes]:
+            with open(local_path, "rb") as f:
+                while True:
+                    b = f.read(1 << 20)
+                    if not b:
+                        return
+                    yield b
+
+        d = await self._sbx._http.request("PUT", self._base, params={"path": path},
+                                          content=chunks())
+        return FileEntry.from_json(d)
+
+    async def read(self, path: str) -> bytes:
+        parts = []
+        async for chunk in self._sbx._http.stream("GET", self._base, params={"path": path}):
+            parts.append(chunk)
+        return b"".join(parts)
+
+    async def read_text(self, path: str, encoding: str = "utf-8") -> str:
+        return (await self.read(path)).decode(encoding)
+
+    async def download(self, path: str, local_path: str | Path) -> int:
+        """Stream a sandbox file to a local file; returns the byte count."""
+        n = 0
+        with open(local_path, "wb") as f:
+            async for chunk in self._sbx._http.stream("GET", self._base, params={"path": path}):
+                f.write(chunk)
+                n += len(chunk)
+        return n
+
+    async def list(self, path: str = "/work") -> list[FileEntry]:
+        d = await self._sbx._http.request("GET", self._base + "/list", params={"path": path})
+        return [FileEntry.from_json(e) for e in d["entries"]]
+
+    async def stat(self, path: str) -> FileEntry:
+        d = await self._sbx._http.request("GET", self._base + "/stat", params={"path": path})
+        return FileEntry.from_json(d)
+
+    async def exists(self, path: str) -> bool:
+        try:
+            await self.stat(path)
+        except CpuosError as e:
+            if e.code == "not_found":
+                return False
+            raise
+        return True
+
+    async def remove(self, path: str) -> None:
+        """Remove a file, or a directory with everything in it."""
+        await self._sbx._http.request("DELETE", self._base, params={"path": path})
+
+    async def mkdir(self, path: str) -> FileEntry:
+        d = await self._sbx._http.request("POST", self._base + "/mkdir", params={"path": path})
+        return FileEntry.from_json(d)
+
+
+class AsyncSandbox:
+    """A disposable, isolated Linux machine.
+
+    >>> sbx = await AsyncSandbox.create(template="python", timeout="15m")
+    >>> run = await sbx.exec("python -c 'print(1)'")
+    """
+
+    def __init__(self, info: SandboxInfo, http: _AsyncHTTP) -> None:
+        self.id = info.id
+        self._info = info
+        self._http = http
+        self.files = AsyncFiles(self)
+
+    # ---- construction -----------------------------------------------------------------
+    @classmethod
+    async def create(cls, template: str = "python", timeout: str | float = "5m", *,
+                     metadata: dict[str, str] | None = None, env: dict[str, str] | None = None,
+                     vcpus: int | None = None, memory_mib: int | None = None,
+                     api_url: str | None = None, api_key: str | None = None) -> AsyncSandbox:
+        body: dict[str, Any] = {"template": template, "timeout": timeout,
+                                "metadata": metadata or {}, "env": env or {}}
+        if vcpus is not None:
+            body["vcpus"] = vcpus
+        if memory_mib is not None:
+            body["memory_mib"] = memory_mib
+        http = _AsyncHTTP(api_url, api_key)
+        try:
+            d = await http.request("POST", "/sandboxes", json=body)
+        except BaseException:
+            await http.close()
+            raise
+        return cls(SandboxInfo.from_json(d), http)
+
+    @classmethod
+    async def connect(cls, sandbox_id: str, *, api_url: str | None = None,
+                      api_key: str | None = None) -> AsyncSandbox:
+        http = _AsyncHTTP(api_url, api_key)
+        try:
+            d = await http.request("GET", f"/sandboxes/{sandbox_id}")
+        except BaseException:
+            await http.close()
+            raise
+        return cls(SandboxInfo.from_json(d), http)
+
+    @classmethod
+    async def list(cls, *, all: bool = False, api_url: str | None = None,
+                   api_key: str | None = None) -> list[SandboxInfo]:
+        http = _AsyncHTTP(api_url, api_key)
+        try:
+            d = await http.request("GET", "/sandboxes", params={"all": str(all).lower()})
+        finally:
+            await http.close()
+        return [SandboxInfo.from_json(x) for x in d["sandboxes"]]
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        try:
+            await self.kill()
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Close this client's connection (the sandbox keeps running)."""
+        await self._http.close()
+
+    # ---- lifecycle --------------------------------------------------------------------
+    async def info(self) -> SandboxInfo:
+        self._info = SandboxInfo.from_json(await self._http.request("GET", f"/sandboxes/{self.id}"))
+        return self._info
+
+    async def set_timeout(self, timeout: str | float) -> SandboxInfo:
+        """Kill the sandbox ``timeout`` from now (extends or shortens its life)."""
+        d = await self._http.request("POST", f"/sandboxes/{self.id}/timeout",
+                                     json={"timeout": timeout})
+        self._info = SandboxInfo.from_json(d)
+        return self._info
+
+    async def kill(self) -> None:
+        try:
+            await self._http.request("DELETE", f"/sandboxes/{self.id}")
+        except CpuosError as e:
+            if e.code != "not_found":
+                raise
+
+    # ---- exec -------------------------------------------------------------------------
+    async def exec(self, cmd: str | list[str], *, timeout: str | float | None = None,
+                   env: dict[str, str] | None = None, cwd: str = "/work",
+                   stdin: str | bytes | None = None,
+                   on_stdout: OutputCallback | None = None,
+                   on_stderr: OutputCallback | None = None,
+                   max_output: int = DEFAULT_MAX_OUTPUT) -> ExecResult:
+        """Run ``cmd`` (a shell line for bash, or an argv list) and wait for it.
+
+        Output streams to ``on_stdout``/``on_stderr`` as it arrives (text decoded
+        as UTF-8, invalid bytes replaced); the result keeps raw bytes, at most
+        ``max_output`` per stream (head and tail, ``truncated`` set if cut).
+        A timeout kills the command's whole process tree and sets ``timed_out``.
+        """
+        body: dict[str, Any] = {"cmd": cmd, "env": env or {}, "cwd": cwd,
+                                "timeout": _dur(timeout, "timeout")}
+        if isinstance(stdin, str):
+            body["stdin"] = stdin
+        elif stdin is not None:
+            import base64
+
+            body["stdin_b64"] = base64.b64encode(stdin).decode()
+        bufs = {1: OutputBuffer(max_output), 2: OutputBuffer(max_output)}
+        cbs = {1: on_stdout, 2: on_stderr}
+        decoders = {1: codecs.getincrementaldecoder("utf-8")("replace"),
+                    2: codecs.getincrementaldecoder("utf-8")("replace")}
+        dec = FrameDecoder()
+        exit_h: dict[str, Any] | None = None
+        exec_id = None
+        try:
+            async for chunk in self._http.stream("POST", f"/sandboxes/{self.id}/exec", json=body,
+                                                 headers={"Accept": CONTENT_TYPE}):
+                for h, payload in dec.feed(chunk):
+                    t = h["t"]
+                    if t == "out" and h.get("fd") in (1, 2):
+                        fd = h["fd"]
+                        bufs[fd].add(payload)
+                        cb = cbs[fd]
+                        if cb is not None:
+                            text = decoders[fd].decode(payload)
+                            if text:
+                                r = cb(text)
+                                if inspect.isawaitable(r):
+                                    await r
+                    elif t == "started":
+                        exec_id = h.get("exec_id")
+                    elif t == "exit":
+                        exit_h = h
+                    elif t == "error":
+                        raise error_from(None, h.get("code"), str(h.get("message")))
+        except ProtocolError as e:
+            raise ServerError(f"malformed exec stream: {e}") from None
+        if exit_h is None:
+            raise Unavailable("exec stream ended without an exit status")
+        for fd in (1, 2):
+            cb = cbs[fd]
+            tail = decoders[fd].decode(b"", final=True)
+            if cb is not None and tail:
+                r = cb(tail)
+                if inspect.isawaitable(r):
+                    await r
+        return ExecResult(
+            exit_code=int(exit_h["exit_code"]), stdout_bytes=bufs[1].value(),
+            stderr_bytes=bufs[2].value(), duration=float(exit_h["duration"]),
+            timed_out=bool(exit_h.get("timed_out")), signal=exit_h.get("signal"),
+            truncated=bufs[1].truncated or bufs[2].truncated, exec_id=exec_id,
+            stdout_total=bufs[1].total, stderr_total=bufs[2].total)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.id} template={self._info.template}>"

@@ -1,0 +1,100 @@
+"""The SDK's error tree. Every failure is a ``CpuosError``::
+
+    CpuosError
+    ├── AuthError            401: missing or wrong API key
+    ├── PermissionDenied     403: the key or the sandbox user may not do this
+    ├── NotFound             404: no such sandbox / template / file (for this key)
+    ├── Conflict             409: wrong state (e.g. exec on a killed sandbox), exists, is a dir
+    ├── InvalidArgument      422: bad input (path, duration, command...)
+    ├── LimitExceeded        429
+    ├── NoSpace              507: the sandbox's disk is full
+    ├── Timeout              504 / client-side timeout
+    ├── Unavailable          503: daemon or sandbox agent unreachable
+    └── ServerError          5xx / malformed answers
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class CpuosError(Exception):
+    code = "internal"
+    status: int | None = None
+
+    def __init__(self, message: str, *, code: str | None = None, status: int | None = None,
+                 details: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+        if status is not None:
+            self.status = status
+        self.details = details or {}
+
+
+class AuthError(CpuosError):
+    code = "unauthorized"
+
+
+class PermissionDenied(CpuosError):
+    code = "permission_denied"
+
+
+class NotFound(CpuosError):
+    code = "not_found"
+
+
+class Conflict(CpuosError):
+    code = "conflict"
+
+
+class InvalidArgument(CpuosError, ValueError):
+    code = "invalid_argument"
+
+
+class LimitExceeded(CpuosError):
+    code = "limit_exceeded"
+
+
+class NoSpace(CpuosError):
+    code = "no_space"
+
+
+class Timeout(CpuosError, TimeoutError):
+    code = "timeout"
+
+
+class Unavailable(CpuosError):
+    code = "unavailable"
+
+
+class ServerError(CpuosError):
+    code = "internal"
+
+
+_BY_CODE: dict[str, type[CpuosError]] = {
+    "unauthorized": AuthError,
+    "permission_denied": PermissionDenied,
+    "not_found": NotFound,
+    "conflict": Conflict,
+    "already_exists": Conflict,
+    "is_a_directory": Conflict,
+    "not_a_directory": Conflict,
+    "invalid_argument": InvalidArgument,
+    "limit_exceeded": LimitExceeded,
+    "no_space": NoSpace,
+    "timeout": Timeout,
+    "unavailable": Unavailable,
+}
+
+_BY_STATUS: dict[int, type[CpuosError]] = {
+    401: AuthError, 403: PermissionDenied, 404: NotFound, 409: Conflict, 422: InvalidArgument,
+    429: LimitExceeded, 503: Unavailable, 504: Timeout, 507: NoSpace,
+}
+
+
+def error_from(status: int | None, code: str | None, message: str,
+               details: dict[str, Any] | None = None) -> CpuosError:
+    cls = _BY_CODE.get(code or "") or _BY_STATUS.get(status or 0) or ServerError
+    return cls(message, code=code, status=status, details=details)

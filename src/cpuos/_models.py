@@ -1,0 +1,109 @@
+"""Typed results."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_MAX_OUTPUT = 16 * 1024 * 1024
+
+
+class OutputBuffer:
+    """Keeps at most ``cap`` bytes of a stream: the head and the tail, and says if it cut."""
+
+    def __init__(self, cap: int = DEFAULT_MAX_OUTPUT) -> None:
+        self.cap = max(0, cap)
+        self.head = bytearray()
+        self.tail: deque[bytes] = deque()
+        self.tail_len = 0
+        self.total = 0
+
+    def add(self, data: bytes) -> None:
+        self.total += len(data)
+        room = self.cap // 2 - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
+        if not data:
+            return
+        self.tail.append(data)
+        self.tail_len += len(data)
+        limit = self.cap - self.cap // 2
+        while self.tail_len - len(self.tail[0]) >= limit:
+            self.tail_len -= len(self.tail.popleft())
+
+    @property
+    def _tail_keep(self) -> int:
+        return min(self.tail_len, self.cap - self.cap // 2)
+
+    @property
+    def truncated(self) -> bool:
+        return self.total > len(self.head) + self._tail_keep
+
+    def value(self) -> bytes:
+        tail = b"".join(self.tail)
+        return bytes(self.head) + tail[len(tail) - self._tail_keep:]
+
+
+@dataclass
+class ExecResult:
+    exit_code: int
+    stdout_bytes: bytes
+    stderr_bytes: bytes
+    duration: float
+    timed_out: bool = False
+    signal: int | None = None
+    truncated: bool = False
+    exec_id: str | None = None
+    stdout_total: int = 0
+    stderr_total: int = 0
+
+    @property
+    def stdout(self) -> str:
+        return self.stdout_bytes.decode("utf-8", errors="replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_bytes.decode("utf-8", errors="replace")
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+
+@dataclass
+class FileEntry:
+    name: str
+    path: str
+    type: str  # file | dir | symlink | other
+    size: int
+    mode: int
+    mtime: float
+    target: str | None = None
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> FileEntry:
+        return cls(name=d["name"], path=d["path"], type=d["type"], size=d["size"],
+                   mode=d["mode"], mtime=d["mtime"], target=d.get("target"))
+
+
+@dataclass
+class SandboxInfo:
+    id: str
+    template: str
+    state: str
+    reason: str | None
+    backend: str
+    created_at: float
+    started_at: float | None
+    ended_at: float | None
+    deadline: float | None
+    timeout_remaining: float | None
+    vcpus: int | None
+    memory_mib: int | None
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> SandboxInfo:
+        return cls(**{k: d.get(k) for k in cls.__dataclass_fields__})  # type: ignore[arg-type]

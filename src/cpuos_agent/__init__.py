@@ -1,0 +1,1 @@
+"""cpuos guest agent and the shared wire protocol (stdlib only)."""

@@ -1,0 +1,636 @@
+"""cpuos-agent: the process inside every sandbox (PID 1, unprivileged).
+
+Stdlib only. It connects out to the host's unix socket (a host directory
+bind-mounted at /run/cpuos), says hello, then serves requests multiplexed on
+that one connection: exec (streamed output, exit status, timeout, kill of the
+whole process tree) and file operations. If the connection drops it kills the
+commands it was running for it and reconnects.
+
+The host never trusts anything this program sends.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import selectors
+import shutil
+import signal
+import socket
+import stat as stat_mod
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, BinaryIO
+
+from . import protocol as P
+
+SOCKET_PATH = os.environ.get("CPUOS_AGENT_SOCKET", "/run/cpuos/agent.sock")
+EXEC_MARK = "CPUOS_EXEC_ID"
+DRAIN_AFTER_EXIT = 0.25  # seconds to wait for pipe EOF once the main process exited
+MAX_LIST = 10000
+
+# A shell line made only of these, whose first word is not a shell builtin, runs without
+# bash (saves a bash start, ~6 ms under gVisor); if the program is not found, bash runs it.
+SIMPLE = re.compile(r"^[A-Za-z0-9_./,:+@%-]+( +[A-Za-z0-9_./,:=+@%-]+)*$")
+SHELL_WORDS = {"cd", "export", "source", ".", "exit", "set", "unset", "alias", "exec", "eval",
+               "read", "ulimit", "umask", "wait", "trap", "shopt", "type", "hash", "command",
+               "builtin", "declare", "local", "let", "times", "jobs", "fg", "bg", "history"}
+
+
+def _argv_for(h: P.Header) -> tuple[list[str], list[str] | None]:
+    """(argv to try first, fallback argv) for an exec request."""
+    shell = h.get("shell")
+    if isinstance(shell, str):
+        full = ["/bin/bash", "-c", shell]
+        if SIMPLE.match(shell) and shell.split()[0] not in SHELL_WORDS:
+            return shell.split(), full
+        return full, None
+    argv = h.get("argv")
+    if isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv):
+        return argv, None
+    raise ValueError("exec needs 'shell' (a string) or 'argv' (a non-empty list of strings)")
+
+
+def _errcode(e: OSError) -> str:
+    return {
+        errno.ENOENT: P.E_NOT_FOUND,
+        errno.EACCES: P.E_PERMISSION,
+        errno.EPERM: P.E_PERMISSION,
+        errno.EROFS: P.E_PERMISSION,
+        errno.EEXIST: P.E_EXISTS,
+        errno.EISDIR: P.E_IS_DIR,
+        errno.ENOTDIR: P.E_NOT_DIR,
+        errno.ENOSPC: P.E_NO_SPACE,
+        errno.EDQUOT: P.E_NO_SPACE,
+        errno.ENAMETOOLONG: P.E_INVALID,
+        errno.ELOOP: P.E_INVALID,
+        errno.ENOTEMPTY: P.E_EXISTS,
+    }.get(e.errno or 0, P.E_INTERNAL)
+
+
+class Closed(Exception):
+    pass
+
+
+class Conn:
+    """One connection to the host: a locked sender and per-stream send credits."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.rfile: BinaryIO = sock.makefile("rb", buffering=1 << 20)
+        self._send_lock = threading.Lock()
+        self._credit_cv = threading.Condition()
+        self._credit: dict[int, int] = {}
+        self.closed = False
+
+    def send(self, header: P.Header, payload: bytes = b"") -> None:
+        data = P.encode(header, payload)
+        with self._send_lock:
+            if self.closed:
+                raise Closed()
+            try:
+                self.sock.sendall(data)
+            except OSError:
+                self.closed = True
+                raise Closed() from None
+
+    # flow control for agent -> host stream data
+    def open_stream(self, sid: int) -> None:
+        with self._credit_cv:
+            self._credit[sid] = P.WINDOW
+
+    def close_stream(self, sid: int) -> None:
+        with self._credit_cv:
+            self._credit.pop(sid, None)
+            self._credit_cv.notify_all()
+
+    def add_credit(self, sid: int, n: int) -> None:
+        with self._credit_cv:
+            if sid in self._credit:
+                self._credit[sid] += n
+                self._credit_cv.notify_all()
+
+    def send_data(self, sid: int, header: P.Header, data: bytes) -> None:
+        with self._credit_cv:
+            while not self.closed and self._credit.get(sid, 0) <= 0:
+                if sid not in self._credit:
+                    raise Closed()
+                self._credit_cv.wait(1.0)
+            if self.closed:
+                raise Closed()
+            self._credit[sid] -= len(data)
+        self.send(header, data)
+
+    def shutdown(self) -> None:
+        self.closed = True
+        with self._credit_cv:
+            self._credit_cv.notify_all()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+class Reaper:
+    """PID 1 duty: reap every child, hand exit statuses of our own spawns to their waiters.
+
+    A child may exit before its waiter registers; such statuses are kept briefly with the
+    time they were reaped, and a waiter accepts one only if it was reaped after its spawn
+    began (so a recycled pid never hands over a stale status).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiters: dict[int, tuple[threading.Event, list[int]]] = {}
+        self._early: dict[int, tuple[float, int]] = {}
+        self._wake = threading.Event()
+        threading.Thread(target=self._run, name="reaper", daemon=True).start()
+
+    def register(self, pid: int, spawned_at: float) -> tuple[threading.Event, list[int]]:
+        ev = threading.Event()
+        box: list[int] = []
+        with self._lock:
+            early = self._early.pop(pid, None)
+            if early is not None and early[0] >= spawned_at:
+                box.append(early[1])
+                ev.set()
+            else:
+                self._waiters[pid] = (ev, box)
+        self._wake.set()
+        return ev, box
+
+    def _run(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, 0)
+            except ChildProcessError:
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            except InterruptedError:
+                continue
+            now = time.monotonic()
+            with self._lock:
+                w = self._waiters.pop(pid, None)
+                if w is None:  # an orphan, or one of ours not yet registered
+                    self._early[pid] = (now, status)
+                    if len(self._early) > 256:
+                        self._early = {p: v for p, v in self._early.items() if now - v[0] < 60}
+                    continue
+            w[1].append(status)
+            w[0].set()
+
+
+def _children_map() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        # pid (comm) state ppid ...; comm may hold spaces and parens
+        rest = data[data.rfind(b")") + 2 :].split()
+        if len(rest) < 2:
+            continue
+        kids.setdefault(int(rest[1]), []).append(int(name))
+    return kids
+
+
+def _session_and_group(pid: int) -> tuple[int, int] | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            rest = f.read().rsplit(b")", 1)[1].split()
+        return int(rest[4]), int(rest[3])  # session, pgrp
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _has_mark(pid: int, mark: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return mark in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def _members(root: int, mark: bytes) -> set[int]:
+    """Every process of one exec: the root's descendants, its session and process group,
+    and anything carrying the exec's environment mark (how a setsid-and-orphaned grandchild,
+    reparented to PID 1, is still found)."""
+    kids = _children_map()
+    me = os.getpid()
+    found = {root}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        pid = int(name)
+        if pid in (me, root):
+            continue
+        sg = _session_and_group(pid)
+        if sg is not None and root in sg or _has_mark(pid, mark):
+            found.add(pid)
+    todo = list(found)
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            if c not in found and c != me:
+                found.add(c)
+                todo.append(c)
+    return found
+
+
+def kill_tree(root: int, mark: bytes) -> None:
+    """Stop every process of the exec (stopped processes cannot fork), until no new one
+    appears; then SIGKILL them all."""
+    seen: set[int] = set()
+    for _ in range(50):
+        new = _members(root, mark) - seen
+        if not new:
+            break
+        for p in new:
+            try:
+                os.kill(p, signal.SIGSTOP)
+            except OSError:
+                pass
+        seen |= new
+    for p in seen:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+class Exec:
+    def __init__(self, agent: Agent, conn: Conn, sid: int, h: P.Header) -> None:
+        self.agent, self.conn, self.sid, self.h = agent, conn, sid, h
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.killed_reason: str | None = None
+        self._stdin_buf: list[bytes | None] = []
+        self._stdin_cv = threading.Condition()
+
+    def start(self) -> None:
+        h = self.h
+        try:
+            argv, fallback = _argv_for(h)
+        except ValueError as e:
+            self.conn.send({"t": "err", "id": self.sid, "code": P.E_INVALID, "message": str(e)})
+            return
+        env = {k: v for k, v in (h.get("env") or {}).items()
+               if isinstance(k, str) and isinstance(v, str)}
+        self.mark = f"{EXEC_MARK}={self.sid}-{time.monotonic_ns()}"
+        env[EXEC_MARK] = self.mark.split("=", 1)[1]
+        cwd = h.get("cwd") or "/work"
+        use_stdin = bool(h.get("stdin"))
+        spawned_at = time.monotonic()
+        while True:
+            try:
+                self.proc = subprocess.Popen(
+                    argv, cwd=cwd, env=env,
+                    stdin=subprocess.PIPE if use_stdin else subprocess.DEVNULL,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    start_new_session=True, bufsize=0,
+                )
+                break
+            except OSError as e:
+                if fallback is not None and not os.path.isdir(cwd):
+                    fallback = None
+                if fallback is not None:
+                    argv, fallback = fallback, None
+                    continue
+                self.conn.send({"t": "err", "id": self.sid, "code": _errcode(e),
+                                "message": f"cannot start {argv[0]!r} in {cwd!r}: {e.strerror}"})
+                return
+        self.started = time.monotonic()
+        self.done_ev, self.status_box = self.agent.reaper.register(self.proc.pid, spawned_at)
+        self.conn.open_stream(self.sid)
+        self.agent.execs[self.sid] = self
+        self.conn.send({"t": "started", "id": self.sid, "pid": self.proc.pid})
+        if use_stdin:
+            threading.Thread(target=self._stdin_pump, daemon=True).start()
+        threading.Thread(target=self._run, name=f"exec-{self.sid}", daemon=True).start()
+
+    # stdin frames arrive on the reader thread; a pump thread writes them (a full pipe must
+    # never block the reader).
+    def feed_stdin(self, data: bytes | None) -> None:
+        with self._stdin_cv:
+            self._stdin_buf.append(data)
+            self._stdin_cv.notify()
+
+    def _stdin_pump(self) -> None:
+        assert self.proc is not None and self.proc.stdin is not None
+        while True:
+            with self._stdin_cv:
+                while not self._stdin_buf:
+                    self._stdin_cv.wait()
+                data = self._stdin_buf.pop(0)
+            try:
+                if data is None:
+                    self.proc.stdin.close()
+                    return
+                self.proc.stdin.write(data)
+            except OSError:
+                return
+
+    def kill(self, reason: str) -> None:
+        if self.proc is None or self.done_ev.is_set():
+            return
+        if self.killed_reason is None:
+            self.killed_reason = reason
+        kill_tree(self.proc.pid, self.mark.encode())
+
+    def _run(self) -> None:
+        proc = self.proc
+        assert proc is not None and proc.stdout is not None and proc.stderr is not None
+        timeout = self.h.get("timeout")
+        deadline = self.started + float(timeout) if timeout else None
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ, 1)
+        sel.register(proc.stderr, selectors.EVENT_READ, 2)
+        open_fds = 2
+        exited_at: float | None = None
+        try:
+            while open_fds:
+                now = time.monotonic()
+                if exited_at is None and self.done_ev.is_set():
+                    exited_at = now
+                if exited_at is not None and now - exited_at > DRAIN_AFTER_EXIT:
+                    break  # background processes keep the pipes; the command itself is done
+                if deadline is not None and exited_at is None and now >= deadline:
+                    self.kill("timeout")
+                    deadline = None
+                wait = 0.05
+                if deadline is not None:
+                    wait = min(wait, max(0.0, deadline - now))
+                for key, _ in sel.select(wait):
+                    f = key.fileobj
+                    try:
+                        data = os.read(f.fileno(), P.CHUNK)  # type: ignore[union-attr]
+                    except OSError:
+                        data = b""
+                    if not data:
+                        sel.unregister(f)
+                        open_fds -= 1
+                        continue
+                    self.conn.send_data(self.sid, {"t": "out", "id": self.sid, "fd": key.data},
+                                        data)
+            if not self.done_ev.wait(timeout=None if deadline is None else
+                                     max(0.0, deadline - time.monotonic())):
+                self.kill("timeout")
+                self.done_ev.wait()
+            status = self.status_box[0]
+            code = os.waitstatus_to_exitcode(status)
+            sig = -code if code < 0 else None
+            self.conn.send({
+                "t": "exit", "id": self.sid,
+                "exit_code": 128 + sig if sig else code, "signal": sig,
+                "timed_out": self.killed_reason == "timeout",
+                "killed": self.killed_reason is not None,
+                "duration": time.monotonic() - self.started,
+            })
+        except Closed:
+            self.kill("disconnected")
+        finally:
+            sel.close()
+            for f in (proc.stdout, proc.stderr):
+                f.close()
+            self.conn.close_stream(self.sid)
+            self.agent.execs.pop(self.sid, None)
+
+
+class Agent:
+    def __init__(self) -> None:
+        self.reaper = Reaper()
+        self.execs: dict[int, Exec] = {}
+        self.writes: dict[int, tuple[BinaryIO, str, str]] = {}
+
+    # ---- connection lifecycle -------------------------------------------------------
+    def serve_forever(self) -> None:
+        while True:
+            try:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.connect(SOCKET_PATH)
+            except OSError:
+                s.close()
+                time.sleep(0.05)
+                continue
+            conn = Conn(s)
+            try:
+                conn.send({"t": "hello", "version": P.PROTOCOL_VERSION, "pid": os.getpid(),
+                           "uid": os.getuid()})
+                self._serve(conn)
+            except (Closed, P.ProtocolError, OSError):
+                pass
+            finally:
+                conn.shutdown()
+                for ex in list(self.execs.values()):
+                    ex.kill("disconnected")
+                for f, tmp, _ in self.writes.values():
+                    f.close()
+                    _unlink_quiet(tmp)
+                self.writes.clear()
+
+    def _serve(self, conn: Conn) -> None:
+        while True:
+            fr = P.read_frame_sync(conn.rfile)
+            if fr is None:
+                return
+            h, payload = fr
+            t = h["t"]
+            sid = h.get("id")
+            if not isinstance(sid, int):
+                sid = 0
+            try:
+                self._dispatch(conn, t, sid, h, payload)
+            except Closed:
+                raise
+            except OSError as e:
+                conn.send({"t": "err", "id": sid, "code": _errcode(e),
+                           "message": f"{e.strerror or e}"})
+            except Exception as e:  # a bad request must never take the agent down
+                conn.send({"t": "err", "id": sid, "code": P.E_INTERNAL,
+                           "message": f"{type(e).__name__}: {e}"})
+
+    def _dispatch(self, conn: Conn, t: str, sid: int, h: P.Header, payload: bytes) -> None:
+        if t == "ping":
+            conn.send({"t": "pong", "id": sid, "time": time.time()})
+        elif t == "exec":
+            Exec(self, conn, sid, h).start()
+        elif t == "stdin":
+            ex = self.execs.get(sid)
+            if ex is not None:
+                ex.feed_stdin(payload if payload else None)
+        elif t == "kill":
+            ex = self.execs.get(sid)
+            if ex is not None:
+                ex.kill(str(h.get("reason") or "killed"))
+        elif t == "credit":
+            conn.add_credit(sid, int(h.get("n", 0)))
+        elif t == "write":
+            self._write_open(conn, sid, h)
+        elif t == "data":
+            w = self.writes.get(sid)
+            if w is not None:
+                try:
+                    w[0].write(payload)
+                except OSError as e:
+                    self.writes.pop(sid)
+                    w[0].close()
+                    _unlink_quiet(w[1])
+                    conn.send({"t": "err", "id": sid, "code": _errcode(e),
+                               "message": f"writing {w[2]}: {e.strerror}"})
+        elif t == "eof":
+            self._write_close(conn, sid, abort=bool(h.get("abort")))
+        elif t == "read":
+            threading.Thread(target=self._read, args=(conn, sid, h["path"]), daemon=True).start()
+        elif t == "stat":
+            conn.send({"t": "ok", "id": sid, "stat": _stat(h["path"])})
+        elif t == "list":
+            conn.send({"t": "ok", "id": sid, "entries": _list(h["path"])})
+        elif t == "remove":
+            _remove(h["path"], bool(h.get("recursive", True)))
+            conn.send({"t": "ok", "id": sid})
+        elif t == "mkdir":
+            os.makedirs(h["path"], mode=0o755, exist_ok=True)
+            conn.send({"t": "ok", "id": sid, "stat": _stat(h["path"])})
+        else:
+            conn.send({"t": "err", "id": sid, "code": P.E_INVALID, "message": f"unknown {t!r}"})
+
+    # ---- files ----------------------------------------------------------------------
+    def _write_open(self, conn: Conn, sid: int, h: P.Header) -> None:
+        path: str = h["path"]
+        parent = os.path.dirname(path) or "/"
+        os.makedirs(parent, exist_ok=True)
+        if os.path.isdir(path):
+            raise IsADirectoryError(errno.EISDIR, "is a directory", path)
+        tmp = os.path.join(parent, f".{os.path.basename(path)}.cpuos-{sid}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        self.writes[sid] = (os.fdopen(fd, "wb", buffering=1 << 20), tmp, path)
+
+    def _write_close(self, conn: Conn, sid: int, abort: bool) -> None:
+        w = self.writes.pop(sid, None)
+        if w is None:
+            return
+        f, tmp, path = w
+        try:
+            f.close()
+            if abort:
+                _unlink_quiet(tmp)
+                return
+            mode = None
+            try:
+                mode = stat_mod.S_IMODE(os.stat(path).st_mode)
+            except OSError:
+                pass
+            if mode is not None:
+                os.chmod(tmp, mode)
+            os.replace(tmp, path)
+        except OSError as e:
+            _unlink_quiet(tmp)
+            conn.send({"t": "err", "id": sid, "code": _errcode(e), "message": f"{e.strerror}"})
+            return
+        conn.send({"t": "ok", "id": sid, "stat": _stat(path)})
+
+    def _read(self, conn: Conn, sid: int, path: str) -> None:
+        try:
+            try:
+                f = open(path, "rb", buffering=0)
+            except OSError as e:
+                conn.send({"t": "err", "id": sid, "code": _errcode(e),
+                           "message": f"{path}: {e.strerror}"})
+                return
+            with f:
+                st = os.fstat(f.fileno())
+                if stat_mod.S_ISDIR(st.st_mode):
+                    conn.send({"t": "err", "id": sid, "code": P.E_IS_DIR,
+                               "message": f"{path}: is a directory"})
+                    return
+                conn.open_stream(sid)
+                conn.send({"t": "ok", "id": sid, "size": st.st_size})
+                try:
+                    while True:
+                        data = f.read(P.CHUNK)
+                        if not data:
+                            break
+                        conn.send_data(sid, {"t": "data", "id": sid}, data)
+                    conn.send({"t": "eof", "id": sid})
+                finally:
+                    conn.close_stream(sid)
+        except Closed:
+            pass
+        except OSError as e:
+            try:
+                conn.send({"t": "err", "id": sid, "code": _errcode(e), "message": str(e)})
+            except Closed:
+                pass
+
+
+def _unlink_quiet(p: str) -> None:
+    try:
+        os.unlink(p)
+    except OSError:
+        pass
+
+
+def _kind(mode: int) -> str:
+    if stat_mod.S_ISDIR(mode):
+        return "dir"
+    if stat_mod.S_ISREG(mode):
+        return "file"
+    if stat_mod.S_ISLNK(mode):
+        return "symlink"
+    return "other"
+
+
+def _stat(path: str) -> dict[str, Any]:
+    st = os.lstat(path)
+    d: dict[str, Any] = {"path": path, "name": os.path.basename(path) or "/",
+                         "type": _kind(st.st_mode), "size": st.st_size,
+                         "mode": stat_mod.S_IMODE(st.st_mode), "mtime": st.st_mtime}
+    if d["type"] == "symlink":
+        d["target"] = os.readlink(path)
+    return d
+
+
+def _list(path: str) -> list[dict[str, Any]]:
+    out = []
+    with os.scandir(path) as it:
+        for e in it:
+            if len(out) >= MAX_LIST:
+                break
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            out.append({"name": e.name, "path": os.path.join(path, e.name),
+                        "type": _kind(st.st_mode), "size": st.st_size,
+                        "mode": stat_mod.S_IMODE(st.st_mode), "mtime": st.st_mtime})
+    out.sort(key=lambda d: d["name"])
+    return out
+
+
+def _remove(path: str, recursive: bool) -> None:
+    st = os.lstat(path)
+    if stat_mod.S_ISDIR(st.st_mode):
+        if recursive:
+            shutil.rmtree(path)
+        else:
+            os.rmdir(path)
+    else:
+        os.unlink(path)
+
+
+def main() -> None:
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    os.umask(0o022)
+    sys.stdout = sys.stderr  # nothing of ours goes to a guest-visible stdout
+    Agent().serve_forever()
+
+
+if __name__ == "__main__":
+    main()

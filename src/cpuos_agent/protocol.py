@@ -1,0 +1,135 @@
+"""The one wire format of cpuos, shared by the host (daemon, SDK) and the guest agent.
+
+A *frame* is::
+
+    u32 header_len | u32 payload_len | header (UTF-8 JSON object) | payload (raw bytes)
+
+(big-endian). The header always carries ``t`` (the message type) and, for
+messages that belong to a request, ``id`` (the stream id chosen by the host).
+Bulk data (stdout/stderr chunks, file chunks) travels in the payload, never as
+base64.
+
+The same framing is used between the daemon and the SDK for streamed exec
+output (``application/x-cpuos-frames``).
+
+This module is stdlib-only: it is imported inside every sandbox.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+PROTOCOL_VERSION = 1
+CONTENT_TYPE = "application/x-cpuos-frames"
+
+MAX_HEADER = 64 * 1024
+MAX_PAYLOAD = 4 * 1024 * 1024
+CHUNK = 256 * 1024
+# Bytes of stream data the agent may send ahead of the host's credits (per stream).
+WINDOW = 8 * 1024 * 1024
+
+_PREFIX = struct.Struct("!II")
+PREFIX_LEN = _PREFIX.size
+
+
+class ProtocolError(Exception):
+    """The peer sent something that is not a valid frame."""
+
+
+Header = dict[str, Any]
+
+
+def encode(header: Header, payload: bytes | bytearray | memoryview = b"") -> bytes:
+    h = json.dumps(header, separators=(",", ":")).encode()
+    if len(h) > MAX_HEADER:
+        raise ProtocolError(f"header too large ({len(h)} bytes)")
+    if len(payload) > MAX_PAYLOAD:
+        raise ProtocolError(f"payload too large ({len(payload)} bytes)")
+    return b"".join((_PREFIX.pack(len(h), len(payload)), h, payload))
+
+
+def parse_prefix(prefix: bytes) -> tuple[int, int]:
+    hlen, plen = _PREFIX.unpack(prefix)
+    if hlen == 0 or hlen > MAX_HEADER:
+        raise ProtocolError(f"bad header length {hlen}")
+    if plen > MAX_PAYLOAD:
+        raise ProtocolError(f"bad payload length {plen}")
+    return hlen, plen
+
+
+def parse_header(raw: bytes) -> Header:
+    try:
+        h = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"header is not JSON: {e}") from None
+    if not isinstance(h, dict) or not isinstance(h.get("t"), str):
+        raise ProtocolError("header must be an object with a string 't'")
+    return h
+
+
+class FrameDecoder:
+    """Incremental decoder: feed bytes, get complete frames."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[tuple[Header, bytes]]:
+        self._buf += data
+        out: list[tuple[Header, bytes]] = []
+        buf = self._buf
+        pos = 0
+        n = len(buf)
+        while n - pos >= PREFIX_LEN:
+            hlen, plen = parse_prefix(bytes(buf[pos : pos + PREFIX_LEN]))
+            end = pos + PREFIX_LEN + hlen + plen
+            if end > n:
+                break
+            hstart = pos + PREFIX_LEN
+            header = parse_header(bytes(buf[hstart : hstart + hlen]))
+            out.append((header, bytes(buf[hstart + hlen : end])))
+            pos = end
+        if pos:
+            del buf[:pos]
+        return out
+
+    @property
+    def pending(self) -> int:
+        return len(self._buf)
+
+
+def read_frame_sync(f: Any) -> tuple[Header, bytes] | None:
+    """Read one frame from a binary file-like object; None on clean EOF."""
+    prefix = _read_exact(f, PREFIX_LEN, allow_eof=True)
+    if prefix is None:
+        return None
+    hlen, plen = parse_prefix(prefix)
+    raw = _read_exact(f, hlen + plen, allow_eof=False)
+    assert raw is not None
+    return parse_header(raw[:hlen]), raw[hlen:]
+
+
+def _read_exact(f: Any, n: int, allow_eof: bool) -> bytes | None:
+    chunks = []
+    got = 0
+    while got < n:
+        b = f.read(n - got)
+        if not b:
+            if got == 0 and allow_eof:
+                return None
+            raise ProtocolError("connection closed in the middle of a frame")
+        chunks.append(b)
+        got += len(b)
+    return b"".join(chunks)
+
+
+# Error codes shared by agent, daemon and SDK.
+E_NOT_FOUND = "not_found"
+E_INVALID = "invalid_argument"
+E_PERMISSION = "permission_denied"
+E_EXISTS = "already_exists"
+E_IS_DIR = "is_a_directory"
+E_NOT_DIR = "not_a_directory"
+E_NO_SPACE = "no_space"
+E_INTERNAL = "internal"

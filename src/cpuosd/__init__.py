@@ -1,0 +1,1 @@
+"""cpuosd: the cpuos daemon (REST + streaming API, sandbox lifecycle, backends)."""

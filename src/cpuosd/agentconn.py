@@ -1,0 +1,208 @@
+"""Host side of the agent channel: one unix socket per sandbox, listened on by the
+daemon; the guest agent connects out to it (and reconnects after a restore or a
+daemon restart). Requests are multiplexed as streams on that one connection.
+
+Nothing the agent sends is trusted: frame sizes are bounded by the protocol
+module, headers are checked by the callers, and a stream only ever receives
+frames carrying its own id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from cpuos_agent import protocol as P
+
+from .errors import ApiError
+
+log = logging.getLogger("cpuosd.agent")
+
+CREDIT_BATCH = 1 << 20
+DATA_TYPES = ("out", "data")
+
+
+class AgentGone(ApiError):
+    def __init__(self, message: str = "sandbox agent disconnected") -> None:
+        super().__init__("unavailable", message)
+
+
+class Stream:
+    def __init__(self, chan: AgentChannel, sid: int) -> None:
+        self.chan = chan
+        self.id = sid
+        self.queue: asyncio.Queue[tuple[P.Header, bytes]] = asyncio.Queue()
+        self._uncredited = 0
+        self.gen = chan.generation
+
+    async def send(self, header: P.Header, payload: bytes = b"") -> None:
+        header["id"] = self.id
+        await self.chan.send(header, payload, generation=self.gen)
+
+    async def get(self, timeout: float | None = None) -> tuple[P.Header, bytes]:
+        if timeout is None:
+            h, payload = await self.queue.get()
+        else:
+            h, payload = await asyncio.wait_for(self.queue.get(), timeout)
+        if h["t"] == "_gone":
+            raise AgentGone()
+        if h["t"] in DATA_TYPES:
+            self._uncredited += len(payload)
+            if self._uncredited >= CREDIT_BATCH or self.queue.empty():
+                n, self._uncredited = self._uncredited, 0
+                with contextlib.suppress(AgentGone):
+                    await self.chan.send({"t": "credit", "id": self.id, "n": n},
+                                         generation=self.gen)
+        return h, payload
+
+    def close(self) -> None:
+        self.chan.streams.pop(self.id, None)
+
+
+class AgentChannel:
+    def __init__(self, sock_path: Path) -> None:
+        self.sock_path = sock_path
+        self.streams: dict[int, Stream] = {}
+        self.generation = 0
+        self.hello: P.Header | None = None
+        self._ids = itertools.count(1)
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self._connected = asyncio.Event()
+        self._server: asyncio.AbstractServer | None = None
+        self._write_lock = asyncio.Lock()
+        self.on_disconnect: list[Any] = []
+
+    async def listen(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.sock_path.unlink()
+        self._server = await asyncio.start_unix_server(self._on_connect, path=str(self.sock_path),
+                                                       limit=P.MAX_PAYLOAD * 2)
+        os.chmod(self.sock_path, 0o666)
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    async def wait_connected(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(self._connected.wait(), timeout)
+        except asyncio.TimeoutError:
+            raise ApiError("unavailable", f"sandbox agent did not connect within {timeout:.0f}s"
+                           ) from None
+
+    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+                          ) -> None:
+        try:
+            h, _ = await asyncio.wait_for(self._read_frame(reader), 10)
+            if h["t"] != "hello":
+                raise P.ProtocolError("first frame must be hello")
+        except (asyncio.TimeoutError, P.ProtocolError, asyncio.IncompleteReadError, OSError) as e:
+            log.warning("agent handshake failed on %s: %s", self.sock_path, e)
+            writer.close()
+            return
+        self._drop_connection()  # a new agent connection replaces the old one
+        self.generation += 1
+        self.hello = h
+        self._writer = writer
+        self._connected.set()
+        self._reader_task = asyncio.current_task()  # type: ignore[assignment]
+        gen = self.generation
+        try:
+            while True:
+                hdr, payload = await self._read_frame(reader)
+                sid = hdr.get("id")
+                st = self.streams.get(sid) if isinstance(sid, int) else None
+                if st is not None and st.gen == gen:
+                    st.queue.put_nowait((hdr, payload))
+        except (asyncio.IncompleteReadError, P.ProtocolError, OSError) as e:
+            if not isinstance(e, asyncio.IncompleteReadError):
+                log.warning("agent channel %s: %s", self.sock_path, e)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            if self.generation == gen:
+                self._drop_connection()
+            writer.close()
+
+    @staticmethod
+    async def _read_frame(reader: asyncio.StreamReader) -> tuple[P.Header, bytes]:
+        prefix = await reader.readexactly(P.PREFIX_LEN)
+        hlen, plen = P.parse_prefix(prefix)
+        raw = await reader.readexactly(hlen + plen)
+        return P.parse_header(raw[:hlen]), raw[hlen:]
+
+    def _drop_connection(self) -> None:
+        had = self._writer is not None
+        if self._writer is not None:
+            self._writer.close()
+        self._writer = None
+        self._connected.clear()
+        for st in list(self.streams.values()):
+            st.queue.put_nowait(({"t": "_gone"}, b""))
+        self.streams.clear()
+        if had:
+            for cb in self.on_disconnect:
+                cb()
+
+    async def send(self, header: P.Header, payload: bytes = b"", generation: int | None = None
+                   ) -> None:
+        w = self._writer
+        if w is None or (generation is not None and generation != self.generation):
+            raise AgentGone()
+        data = P.encode(header, payload)
+        async with self._write_lock:
+            try:
+                w.write(data)
+                await w.drain()
+            except (ConnectionError, OSError):
+                raise AgentGone() from None
+
+    def open(self) -> Stream:
+        if not self.connected:
+            raise AgentGone("sandbox agent is not connected")
+        st = Stream(self, next(self._ids))
+        self.streams[st.id] = st
+        return st
+
+    async def call(self, header: P.Header, timeout: float = 30.0) -> P.Header:
+        """One request, one ok/err answer."""
+        st = self.open()
+        try:
+            await st.send(header)
+            try:
+                h, _ = await st.get(timeout)
+            except asyncio.TimeoutError:
+                raise ApiError("timeout", f"sandbox agent did not answer {header['t']!r}"
+                               ) from None
+            raise_for_agent_error(h)
+            return h
+        finally:
+            st.close()
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        self._drop_connection()
+        if self._reader_task is not None and self._reader_task is not asyncio.current_task():
+            self._reader_task.cancel()
+        with contextlib.suppress(FileNotFoundError):
+            self.sock_path.unlink()
+
+
+_AGENT_CODES = {P.E_NOT_FOUND, P.E_INVALID, P.E_PERMISSION, P.E_EXISTS, P.E_IS_DIR,
+                P.E_NOT_DIR, P.E_NO_SPACE}
+
+
+def raise_for_agent_error(h: P.Header) -> None:
+    if h.get("t") != "err":
+        return
+    code = h.get("code")
+    msg = h.get("message")
+    msg = msg[:500] if isinstance(msg, str) else "sandbox agent error"
+    raise ApiError(code if code in _AGENT_CODES else "internal", msg)

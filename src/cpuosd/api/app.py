@@ -1,0 +1,340 @@
+"""The HTTP API (FastAPI). OpenAPI at /openapi.json.
+
+Every route but /health needs ``Authorization: Bearer <key>``; a key sees only
+its own workspace (another workspace's sandbox is a 404). Errors are
+``{"error": {"code", "message", "details"}}`` with the matching status.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import logging
+import os
+import re
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cpuos._durations import parse_duration
+from cpuos_agent import protocol as P
+
+from ..backends.gvisor import GVisorBackend
+from ..config import Config
+from ..errors import ApiError, invalid
+from ..paths import ID_RE, check_path
+from ..sandboxes import Manager
+from ..store import SandboxRow, Store
+
+log = logging.getLogger("cpuosd.api")
+VERSION = "0.1.0"
+ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+
+
+# ---- request models ---------------------------------------------------------------------
+def _duration(v: Any, what: str) -> float:
+    try:
+        return parse_duration(v, what)
+    except ValueError as e:
+        raise ValueError(str(e)) from None
+
+
+def _check_env(v: dict[str, str]) -> dict[str, str]:
+    if len(v) > 256:
+        raise ValueError("at most 256 environment variables")
+    for k, val in v.items():
+        if not ENV_KEY.match(k):
+            raise ValueError(f"bad environment variable name {k[:80]!r}")
+        if "\x00" in val or len(val) > 32768:
+            raise ValueError(f"bad value for environment variable {k}")
+    return v
+
+
+class CreateSandbox(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    template: str = "python"
+    timeout: float | str = "5m"
+    metadata: dict[str, str] = Field(default_factory=dict, max_length=64)
+    env: dict[str, str] = Field(default_factory=dict)
+    vcpus: int = Field(2, ge=1, le=64)
+    memory_mib: int = Field(2048, ge=128, le=262144)
+
+    @field_validator("template")
+    @classmethod
+    def _t(cls, v: str) -> str:
+        if not ID_RE.match(v):
+            raise ValueError("template name must match ^[a-z0-9-]{1,64}$")
+        return v
+
+    @field_validator("timeout")
+    @classmethod
+    def _to(cls, v: Any) -> float:
+        return _duration(v, "timeout")
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        return _check_env(v)
+
+
+class SetTimeout(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    timeout: float | str
+
+    @field_validator("timeout")
+    @classmethod
+    def _to(cls, v: Any) -> float:
+        return _duration(v, "timeout")
+
+
+class ExecRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    cmd: str | list[str] = Field(description="a shell command line (run by bash -c) or an argv")
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str = "/work"
+    timeout: float | str | None = None
+    stdin: str | None = Field(None, description="text fed to the command's stdin")
+    stdin_b64: str | None = Field(None, description="bytes (base64) fed to stdin")
+
+    @field_validator("cmd")
+    @classmethod
+    def _cmd(cls, v: str | list[str]) -> str | list[str]:
+        if isinstance(v, str):
+            if not v.strip():
+                raise ValueError("cmd must not be empty")
+            if "\x00" in v:
+                raise ValueError("cmd contains a NUL byte")
+        else:
+            if not v or any("\x00" in a for a in v) or len(v) > 4096:
+                raise ValueError("argv must be 1..4096 strings without NUL bytes")
+        return v
+
+    @field_validator("timeout")
+    @classmethod
+    def _to(cls, v: Any) -> float | None:
+        return None if v is None else _duration(v, "timeout")
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        return _check_env(v)
+
+
+class NewWorkspace(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-z0-9-]+$")
+
+
+def workspace(request: Request) -> str:
+    auth = request.headers.get("authorization", "")
+    scheme, _, key = auth.partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise ApiError("unauthorized", "missing API key: send 'Authorization: Bearer <key>'")
+    wid = request.app.state.store.workspace_for_key(key.strip())
+    if wid is None:
+        raise ApiError("unauthorized", "invalid API key")
+    assert isinstance(wid, str)
+    return wid
+
+Ws = Annotated[str, Depends(workspace)]
+PathQ = Annotated[str, Query(description="path inside the sandbox (relative: to /work)")]
+
+
+
+# ---- app --------------------------------------------------------------------------------
+def bootstrap(cfg: Config, store: Store) -> None:
+    """First start: a default workspace and an admin key at $CPUOS_HOME/admin.key (0600)."""
+    if cfg.admin_key_path.exists() and store.workspace_by_name("default"):
+        return
+    wid = store.workspace_by_name("default") or store.create_workspace("default")
+    key = store.add_key(wid, "admin")
+    fd = os.open(cfg.admin_key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    os.chmod(cfg.admin_key_path, 0o600)
+
+
+def sandbox_json(row: SandboxRow) -> dict[str, Any]:
+    now = time.time()
+    return {
+        "id": row.id, "template": row.template, "state": row.state, "reason": row.reason,
+        "backend": row.backend, "created_at": row.created_at, "started_at": row.started_at,
+        "ended_at": row.ended_at, "deadline": row.deadline,
+        "timeout_remaining": max(0.0, row.deadline - now)
+        if row.deadline and row.state == "running" else None,
+        "vcpus": row.spec.get("vcpus"), "memory_mib": row.spec.get("memory_mib"),
+        "metadata": row.metadata,
+    }
+
+
+def create_app(cfg: Config | None = None) -> FastAPI:
+    cfg = cfg or Config()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        cfg.home.mkdir(parents=True, exist_ok=True)
+        os.chmod(cfg.home, 0o711)
+        store = Store(cfg.db_path)
+        bootstrap(cfg, store)
+        backend = GVisorBackend(cfg.runsc, cfg.runsc_root)
+        mgr = Manager(cfg, store, backend)
+        await mgr.startup()
+        app.state.store, app.state.mgr = store, mgr
+        try:
+            yield
+        finally:
+            await mgr.shutdown()
+            store.close()
+
+    app = FastAPI(title="cpuos", version=VERSION, lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, e: ApiError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse(ApiError("internal", f"internal error: {type(e).__name__}").body(),
+                            status_code=500)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
+        errs = [{"loc": [str(x) for x in err.get("loc", ())], "msg": str(err.get("msg"))}
+                for err in e.errors()]
+        msg = "; ".join(f"{'.'.join(x['loc'][1:]) or x['loc'][0]}: {x['msg']}" for x in errs)
+        return JSONResponse(invalid(msg or "invalid request", errors=errs).body(),
+                            status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "invalid_argument", 401: "unauthorized"}.get(
+            e.status_code, "internal" if e.status_code >= 500 else "invalid_argument")
+        return JSONResponse({"error": {"code": code, "message": str(e.detail), "details": {}}},
+                            status_code=e.status_code)
+
+    def mgr(request: Request) -> Manager:
+        m: Manager = request.app.state.mgr
+        return m
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"ok": True, "version": VERSION, "backend": "gvisor"}
+
+    @app.post("/workspaces", status_code=201)
+    async def new_workspace(body: NewWorkspace, request: Request, ws: Ws) -> dict[str, Any]:
+        store: Store = request.app.state.store
+        if ws != store.workspace_by_name("default"):
+            raise ApiError("permission_denied", "only the admin workspace can create workspaces")
+        if store.workspace_by_name(body.name):
+            raise ApiError("conflict", f"workspace {body.name!r} exists")
+        wid = store.create_workspace(body.name)
+        return {"id": wid, "name": body.name, "key": store.add_key(wid, "default")}
+
+    @app.post("/sandboxes", status_code=201)
+    async def create(body: CreateSandbox, request: Request, ws: Ws) -> dict[str, Any]:
+        cfg_ = mgr(request).cfg
+        if float(body.timeout) > cfg_.max_timeout:
+            raise invalid(f"timeout may be at most {cfg_.max_timeout:.0f}s", field="timeout")
+        row = await mgr(request).create(ws, body.template, float(body.timeout), body.metadata,
+                                        body.env, body.vcpus, body.memory_mib)
+        return sandbox_json(row)
+
+    @app.get("/sandboxes")
+    async def list_(request: Request, ws: Ws, all: bool = False) -> dict[str, Any]:
+        states: tuple[str, ...] = () if all else ("creating", "running", "killing")
+        rows = request.app.state.store.list_sandboxes(ws, states)
+        return {"sandboxes": [sandbox_json(r) for r in rows]}
+
+    @app.get("/sandboxes/{sid}")
+    async def info(sid: str, request: Request, ws: Ws) -> dict[str, Any]:
+        return sandbox_json(mgr(request).get(ws, sid))
+
+    @app.delete("/sandboxes/{sid}")
+    async def kill(sid: str, request: Request, ws: Ws) -> dict[str, Any]:
+        mgr(request).get(ws, sid)
+        await mgr(request).kill(sid, reason="killed")
+        return sandbox_json(mgr(request).get(ws, sid))
+
+    @app.post("/sandboxes/{sid}/timeout")
+    async def set_timeout(sid: str, body: SetTimeout, request: Request, ws: Ws
+                          ) -> dict[str, Any]:
+        if float(body.timeout) > mgr(request).cfg.max_timeout:
+            raise invalid("timeout too long", field="timeout")
+        return sandbox_json(mgr(request).set_timeout(ws, sid, float(body.timeout)))
+
+    @app.get("/sandboxes/{sid}/execs")
+    async def execs(sid: str, request: Request, ws: Ws) -> dict[str, Any]:
+        mgr(request).get(ws, sid)
+        return {"execs": request.app.state.store.list_execs(sid)}
+
+    @app.post("/sandboxes/{sid}/exec",
+              responses={200: {"content": {P.CONTENT_TYPE: {}},
+                               "description": "a stream of frames (see cpuos_agent.protocol): "
+                               "started, out (fd 1|2, raw bytes), then exit or error"}})
+    async def exec_(sid: str, body: ExecRequest, request: Request, ws: Ws) -> StreamingResponse:
+        lv = mgr(request).running(ws, sid)
+        argv = body.cmd
+        stdin: bytes | None = None
+        if body.stdin is not None and body.stdin_b64 is not None:
+            raise invalid("give stdin or stdin_b64, not both", field="stdin")
+        if body.stdin is not None:
+            stdin = body.stdin.encode()
+        elif body.stdin_b64 is not None:
+            try:
+                stdin = base64.b64decode(body.stdin_b64, validate=True)
+            except (binascii.Error, ValueError):
+                raise invalid("stdin_b64 is not valid base64", field="stdin_b64") from None
+        timeout = None if body.timeout is None else float(body.timeout)
+        frames = await mgr(request).exec_start(lv, argv, body.env, check_path(body.cwd, "cwd"),
+                                               timeout, stdin)
+        return StreamingResponse(frames, media_type=P.CONTENT_TYPE,
+                                 headers={"Cache-Control": "no-store"})
+
+    # ---- files --------------------------------------------------------------------------
+    @app.put("/sandboxes/{sid}/files")
+    async def put_file(sid: str, path: PathQ, request: Request, ws: Ws) -> dict[str, Any]:
+        lv = mgr(request).running(ws, sid)
+        return await mgr(request).write_file(lv, check_path(path), request.stream())
+
+    @app.get("/sandboxes/{sid}/files", responses={200: {"content": {"application/octet-stream": {}}}})
+    async def get_file(sid: str, path: PathQ, request: Request, ws: Ws) -> StreamingResponse:
+        lv = mgr(request).running(ws, sid)
+        body = await mgr(request).read_file(lv, check_path(path))
+        return StreamingResponse(body, media_type="application/octet-stream")
+
+    @app.delete("/sandboxes/{sid}/files")
+    async def remove_file(sid: str, path: PathQ, request: Request, ws: Ws) -> dict[str, Any]:
+        lv = mgr(request).running(ws, sid)
+        p = check_path(path)
+        if p == "/":
+            raise invalid("refusing to remove /", field="path")
+        await mgr(request).file_call(lv, "remove", p)
+        return {"removed": p}
+
+    @app.get("/sandboxes/{sid}/files/list")
+    async def list_files(sid: str, request: Request, ws: Ws, path: PathQ = "/work"
+                         ) -> dict[str, Any]:
+        lv = mgr(request).running(ws, sid)
+        return {"entries": await mgr(request).file_call(lv, "list", check_path(path))}
+
+    @app.get("/sandboxes/{sid}/files/stat")
+    async def stat_file(sid: str, path: PathQ, request: Request, ws: Ws) -> dict[str, Any]:
+        lv = mgr(request).running(ws, sid)
+        result: dict[str, Any] = await mgr(request).file_call(lv, "stat", check_path(path))
+        return result
+
+    @app.post("/sandboxes/{sid}/files/mkdir")
+    async def mkdir(sid: str, path: PathQ, request: Request, ws: Ws) -> dict[str, Any]:
+        lv = mgr(request).running(ws, sid)
+        result: dict[str, Any] = await mgr(request).file_call(lv, "mkdir", check_path(path))
+        return result
+
+    return app

@@ -1,0 +1,47 @@
+"""The backend contract. The API and SDK never know which backend runs a sandbox."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+
+@dataclass
+class SandboxSpec:
+    id: str
+    rootfs: Path  # the template's tree, shared and never written
+    dir: Path  # per-sandbox host directory owned by the daemon
+    agent_dir: Path  # host directory holding the cpuos_agent package (mounted read-only)
+    vcpus: int = 2
+    memory_mib: int = 2048
+    hostname: str = "sandbox"
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def sock_dir(self) -> Path:
+        return self.dir / "sock"
+
+    @property
+    def sock_path(self) -> Path:
+        return self.sock_dir / "agent.sock"
+
+
+@dataclass
+class Capabilities:
+    name: str
+    checkpoint: bool
+    network: bool
+
+
+class Backend(Protocol):
+    capabilities: Capabilities
+
+    async def start(self, spec: SandboxSpec) -> None:
+        """Start the sandbox; its agent will connect to ``spec.sock_path``."""
+
+    async def kill(self, sandbox_id: str) -> None:
+        """Stop and delete everything the backend made for this sandbox (idempotent)."""
+
+    async def running(self) -> dict[str, str]:
+        """All sandboxes this backend knows on the host: id -> state."""

@@ -1,0 +1,146 @@
+"""gVisor backend: Debian's ``runsc`` (ptrace platform), one runsc sandbox per cpuos sandbox.
+
+Root filesystem: the template tree, shared and never written, under runsc's
+``--overlay2=root:<dir>`` (a per-sandbox writable layer whose file store lives
+in the sandbox's own host directory). The agent runs as PID 1 with the
+sandbox user's uid and reaches the host through ``--host-uds=open`` on a
+socket in a per-sandbox directory bind-mounted at /run/cpuos. No network
+(``--network=none``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from ..errors import ApiError
+from .base import Capabilities, SandboxSpec
+
+log = logging.getLogger("cpuosd.gvisor")
+
+SANDBOX_UID = 1000
+SANDBOX_GID = 1000
+BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def oci_spec(spec: SandboxSpec) -> dict[str, Any]:
+    env = {
+        "PATH": BASE_PATH,
+        "HOME": "/home/user",
+        "USER": "user",
+        "LANG": "C.UTF-8",
+        "PYTHONPATH": "/opt/cpuos",
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
+    return {
+        "ociVersion": "1.0.2",
+        "process": {
+            "user": {"uid": SANDBOX_UID, "gid": SANDBOX_GID, "additionalGids": []},
+            "args": ["/usr/bin/python3", "-s", "-m", "cpuos_agent"],
+            "env": [f"{k}={v}" for k, v in env.items()],
+            "cwd": "/",
+            "terminal": False,
+            "noNewPrivileges": True,
+            "capabilities": {k: [] for k in
+                             ("bounding", "effective", "inheritable", "permitted", "ambient")},
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 65536, "soft": 65536}],
+        },
+        "root": {"path": str(spec.rootfs), "readonly": False},
+        "hostname": spec.hostname,
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+             "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+            {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+             "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
+            {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+             "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
+            {"destination": "/sys", "type": "sysfs", "source": "sysfs",
+             "options": ["nosuid", "noexec", "nodev", "ro"]},
+            {"destination": "/opt/cpuos", "type": "bind", "source": str(spec.agent_dir),
+             "options": ["rbind", "ro"]},
+            {"destination": "/run/cpuos", "type": "bind", "source": str(spec.sock_dir),
+             "options": ["rbind", "rw"]},
+        ],
+        "linux": {
+            "namespaces": [{"type": t} for t in ("pid", "ipc", "uts", "mount")],
+            "resources": {
+                "memory": {"limit": spec.memory_mib << 20},
+                "cpu": {"quota": 100000 * spec.vcpus, "period": 100000},
+            },
+            "cgroupsPath": f"/cpuos/{spec.id}",
+        },
+    }
+
+
+class GVisorBackend:
+    capabilities = Capabilities(name="gvisor", checkpoint=True, network=False)
+
+    def __init__(self, runsc: str, root: Path) -> None:
+        self.runsc = runsc
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def _global_flags(self) -> list[str]:
+        return [self.runsc, "--root", str(self.root), "--platform=ptrace"]
+
+    async def _run(self, *args: str, timeout: float = 30.0, log_path: Path | None = None
+                   ) -> tuple[int, bytes, bytes]:
+        """Run runsc; with ``log_path`` its output goes to that file (a detached sandbox
+        inherits runsc's stdio, so pipes would never reach EOF)."""
+        logf = open(log_path, "ab") if log_path is not None else None
+        try:
+            out_target = logf if logf is not None else asyncio.subprocess.PIPE
+            proc = await asyncio.create_subprocess_exec(
+                *args, stdin=asyncio.subprocess.DEVNULL, stdout=out_target, stderr=out_target,
+                start_new_session=True)
+        finally:
+            if logf is not None:
+                logf.close()
+        try:
+            if log_path is not None:
+                await asyncio.wait_for(proc.wait(), timeout)
+                out, err = b"", log_path.read_bytes()[-2000:]
+            else:
+                out, err = await asyncio.wait_for(proc.communicate(), timeout)
+        except asyncio.TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+            raise ApiError("internal", f"runsc {args[4:6]} timed out after {timeout}s") from None
+        assert proc.returncode is not None
+        return proc.returncode, out, err
+
+    async def start(self, spec: SandboxSpec) -> None:
+        bundle = spec.dir / "bundle"
+        overlay = spec.dir / "overlay"
+        for d in (bundle, overlay, spec.sock_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        os.chmod(spec.sock_dir, 0o755)
+        (bundle / "config.json").write_text(json.dumps(oci_spec(spec), indent=1))
+        args = self._global_flags() + [
+            "--network=none", "--host-uds=open", f"--overlay2=root:{overlay}",
+            "run", "--detach", "--bundle", str(bundle), spec.id,
+        ]
+        rc, _, err = await self._run(*args, log_path=spec.dir / "runsc.log")
+        if rc != 0:
+            tail = err.decode(errors="replace").strip()[-800:]
+            await self.kill(spec.id)
+            raise ApiError("internal", f"runsc failed to start the sandbox: {tail}")
+
+    async def kill(self, sandbox_id: str) -> None:
+        rc, _, err = await self._run(*self._global_flags(), "delete", "--force", sandbox_id)
+        if rc != 0 and b"does not exist" not in err and b"not exist" not in err:
+            log.warning("runsc delete %s: %s", sandbox_id, err.decode(errors="replace")[-300:])
+
+    async def running(self) -> dict[str, str]:
+        rc, out, err = await self._run(*self._global_flags(), "list", "-format=json")
+        if rc != 0:
+            raise ApiError("internal", f"runsc list failed: {err.decode(errors='replace')[-300:]}")
+        items = json.loads(out or b"null") or []
+        return {str(i["id"]): str(i.get("status", "")) for i in items}

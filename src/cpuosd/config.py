@@ -1,0 +1,52 @@
+"""Daemon configuration, from the environment (CPUOS_*)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_HOME = "/var/lib/cpuos"
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 7770
+
+
+def _int(name: str, default: int) -> int:
+    v = os.environ.get(name)
+    return int(v) if v else default
+
+
+@dataclass
+class Config:
+    home: Path = field(default_factory=lambda: Path(os.environ.get("CPUOS_HOME", DEFAULT_HOME)))
+    host: str = field(default_factory=lambda: os.environ.get("CPUOS_HOST", DEFAULT_HOST))
+    port: int = field(default_factory=lambda: _int("CPUOS_PORT", DEFAULT_PORT))
+    runsc: str = field(default_factory=lambda: os.environ.get("CPUOS_RUNSC", "runsc"))
+    # Output retained per exec stream in the daemon's record (head + tail).
+    output_cap: int = field(default_factory=lambda: _int("CPUOS_OUTPUT_CAP", 1 << 20))
+    default_timeout: float = 300.0
+    max_timeout: float = 24 * 3600.0
+    agent_connect_timeout: float = 15.0
+    reaper_interval: float = 0.5
+    default_vcpus: int = 2
+    default_memory_mib: int = 2048
+
+    @property
+    def db_path(self) -> Path:
+        return self.home / "cpuos.db"
+
+    @property
+    def admin_key_path(self) -> Path:
+        return self.home / "admin.key"
+
+    @property
+    def sandboxes_dir(self) -> Path:
+        return self.home / "sandboxes"
+
+    @property
+    def templates_dir(self) -> Path:
+        return self.home / "templates"
+
+    @property
+    def runsc_root(self) -> Path:
+        return self.home / "runsc"

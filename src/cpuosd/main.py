@@ -1,0 +1,47 @@
+"""``cpuosd``: run the daemon (also available as ``cpuos server``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from .config import Config
+
+
+def serve(host: str | None = None, port: int | None = None, home: str | None = None) -> None:
+    import uvicorn
+
+    from .api.app import create_app
+
+    if home:
+        os.environ["CPUOS_HOME"] = home
+    cfg = Config()
+    if host:
+        cfg.host = host
+    if port:
+        cfg.port = port
+    if os.geteuid() != 0:
+        print("cpuosd: must run as root (runsc checkpoint/restore and cgroups need it)",
+              file=sys.stderr)
+        raise SystemExit(2)
+    logging.basicConfig(level=os.environ.get("CPUOS_LOG_LEVEL", "INFO"),
+                        format='{"time":"%(asctime)s","level":"%(levelname)s",'
+                               '"logger":"%(name)s","msg":"%(message)s"}')
+    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning",
+                access_log=False, timeout_graceful_shutdown=5)
+
+
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="cpuosd", description="the cpuos daemon")
+    ap.add_argument("--host")
+    ap.add_argument("--port", type=int)
+    ap.add_argument("--home", help="state directory (default $CPUOS_HOME or /var/lib/cpuos)")
+    a = ap.parse_args()
+    serve(a.host, a.port, a.home)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,439 @@
+"""Sandbox lifecycle: create, exec, files, timeout reaper, kill, reconcile after restart.
+
+States: ``creating -> running -> killing -> killed``, plus ``error``. Every
+transition is written to SQLite before it is acted on, so a restarted daemon can
+reconcile its records with what really runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import secrets
+import shutil
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import cpuos_agent
+from cpuos_agent import protocol as P
+
+from .agentconn import AgentChannel, AgentGone, raise_for_agent_error
+from .backends.base import Backend, SandboxSpec
+from .config import Config
+from .errors import ApiError, not_found
+from .paths import check_id
+from .store import LIVE_STATES, SandboxRow, Store
+from .templates.builder import template_info
+
+log = logging.getLogger("cpuosd.sandboxes")
+
+ENTRY_TYPES = {"file", "dir", "symlink", "other"}
+MAX_ENTRIES = 10000
+
+
+def _now() -> float:
+    return time.time()
+
+
+@dataclass
+class Live:
+    row: SandboxRow
+    spec: SandboxSpec
+    chan: AgentChannel
+
+
+class Manager:
+    def __init__(self, cfg: Config, store: Store, backend: Backend) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.backend = backend
+        self.live: dict[str, Live] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._locks: dict[str, asyncio.Lock] = {}
+        self.agent_dir = self._install_agent()
+        cfg.sandboxes_dir.mkdir(parents=True, exist_ok=True)
+
+    # ---- setup ----------------------------------------------------------------------
+    def _install_agent(self) -> Path:
+        """Copy the agent package to $CPUOS_HOME/agent/<hash>/ (mounted read-only in sandboxes)."""
+        src = Path(cpuos_agent.__file__).parent
+        files = sorted(p for p in src.glob("*.py"))
+        h = hashlib.sha256()
+        for f in files:
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+        dest = self.cfg.home / "agent" / h.hexdigest()[:16]
+        if not (dest / "cpuos_agent" / "agent.py").exists():
+            tmp = dest.with_name(dest.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / "cpuos_agent").mkdir(parents=True)
+            for f in files:
+                shutil.copy2(f, tmp / "cpuos_agent" / f.name)
+            shutil.rmtree(dest, ignore_errors=True)
+            tmp.rename(dest)
+        return dest
+
+    def _spawn(self, coro: Any) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    def _lock(self, sid: str) -> asyncio.Lock:
+        return self._locks.setdefault(sid, asyncio.Lock())
+
+    def _spec(self, row: SandboxRow) -> SandboxSpec:
+        s = row.spec
+        return SandboxSpec(id=row.id, rootfs=Path(s["rootfs"]), dir=self.cfg.sandboxes_dir / row.id,
+                           agent_dir=self.agent_dir, vcpus=s["vcpus"], memory_mib=s["memory_mib"],
+                           hostname=s.get("hostname", "sandbox"), env=s.get("env", {}))
+
+    async def startup(self) -> None:
+        await self.reconcile()
+        self._spawn(self._reaper())
+
+    async def shutdown(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        for lv in list(self.live.values()):
+            await lv.chan.close()  # sandboxes keep running; a restarted daemon reattaches
+
+    # ---- reconcile ------------------------------------------------------------------
+    async def reconcile(self) -> None:
+        actual = await self.backend.running()
+        rows = self.store.list_sandboxes(states=LIVE_STATES)
+        keep: set[str] = set()
+        for row in rows:
+            if row.state == "running" and actual.get(row.id) == "running":
+                lv = Live(row, self._spec(row), AgentChannel(self._spec(row).sock_path))
+                self.live[row.id] = lv
+                lv.chan.on_disconnect.append(lambda sid=row.id: self._on_disconnect(sid))
+                await lv.chan.listen()
+                self._spawn(self._await_reattach(row.id))
+                keep.add(row.id)
+                log.info("reattaching to sandbox %s", row.id)
+            else:
+                reason = "lost" if row.state == "running" else "interrupted"
+                await self.backend.kill(row.id)
+                self._finish(row.id, "killed" if row.state == "killing" else "error", reason)
+        for cid in actual:
+            if cid not in keep:
+                log.warning("killing runsc sandbox %s that has no live record", cid)
+                await self.backend.kill(cid)
+        for d in self.cfg.sandboxes_dir.iterdir():
+            if d.name not in keep:
+                shutil.rmtree(d, ignore_errors=True)
+
+    async def _await_reattach(self, sid: str) -> None:
+        lv = self.live.get(sid)
+        if lv is None:
+            return
+        try:
+            await lv.chan.wait_connected(self.cfg.agent_connect_timeout)
+        except ApiError:
+            log.warning("sandbox %s: agent did not reconnect; killing it", sid)
+            await self.kill(sid, reason="lost")
+
+    def _on_disconnect(self, sid: str) -> None:
+        self._spawn(self._check_alive(sid))
+
+    async def _check_alive(self, sid: str) -> None:
+        """The agent dropped its connection: it reconnects unless the sandbox died."""
+        await asyncio.sleep(2.0)
+        lv = self.live.get(sid)
+        if lv is None or lv.chan.connected or lv.row.state != "running":
+            return
+        state = (await self.backend.running()).get(sid)
+        if state != "running":
+            await self.kill(sid, reason="exited", final_state="error")
+
+    # ---- lifecycle ------------------------------------------------------------------
+    async def create(self, workspace_id: str, template: str, timeout: float,
+                     metadata: dict[str, str], env: dict[str, str], vcpus: int,
+                     memory_mib: int) -> SandboxRow:
+        info = template_info(self.cfg.templates_dir, template)
+        if info is None:
+            raise ApiError("not_found", f"template {template!r} is not built; run "
+                           f"`cpuos template build {template}` on the daemon's host",
+                           {"template": template})
+        sid = "sbx-" + "".join(secrets.choice("abcdefghijklmnopqrstuvwxyz0123456789")
+                               for _ in range(12))
+        now = _now()
+        row = SandboxRow(
+            id=sid, workspace_id=workspace_id, template=template,
+            backend=self.backend.capabilities.name, state="creating", reason=None,
+            created_at=now, started_at=None, ended_at=None, deadline=now + timeout,
+            spec={"rootfs": info["rootfs"], "template_digest": info["digest"], "vcpus": vcpus,
+                  "memory_mib": memory_mib, "hostname": sid, "env": env, "timeout": timeout},
+            metadata=metadata,
+        )
+        self.store.insert_sandbox(row)
+        spec = self._spec(row)
+        chan = AgentChannel(spec.sock_path)
+        lv = Live(row, spec, chan)
+        self.live[sid] = lv
+        async with self._lock(sid):
+            try:
+                spec.sock_dir.mkdir(parents=True, exist_ok=True)
+                await chan.listen()
+                await self.backend.start(spec)
+                await chan.wait_connected(self.cfg.agent_connect_timeout)
+            except BaseException as e:
+                await self._teardown(sid)
+                self._finish(sid, "error", f"create failed: {e}"[:500])
+                raise
+            chan.on_disconnect.append(lambda: self._on_disconnect(sid))
+            started = _now()
+            deadline = started + timeout
+            self.store.update_sandbox(sid, state="running", started_at=started, deadline=deadline)
+            row.state, row.started_at, row.deadline = "running", started, deadline
+        return row
+
+    def get(self, workspace_id: str, sid: str) -> SandboxRow:
+        check_id(sid)
+        row = self.store.get_sandbox(sid)
+        if row is None or row.workspace_id != workspace_id:
+            raise not_found("sandbox", sid)
+        return row
+
+    def running(self, workspace_id: str, sid: str) -> Live:
+        row = self.get(workspace_id, sid)
+        lv = self.live.get(sid)
+        if row.state != "running" or lv is None:
+            raise ApiError("conflict", f"sandbox {sid} is {row.state}"
+                           + (f" ({row.reason})" if row.reason else ""),
+                           {"state": row.state, "reason": row.reason})
+        return lv
+
+    def set_timeout(self, workspace_id: str, sid: str, timeout: float) -> SandboxRow:
+        self.running(workspace_id, sid)
+        deadline = _now() + timeout
+        self.store.update_sandbox(sid, deadline=deadline)
+        lv = self.live[sid]
+        lv.row.deadline = deadline
+        return self.get(workspace_id, sid)
+
+    async def kill(self, sid: str, reason: str = "killed", final_state: str = "killed") -> None:
+        async with self._lock(sid):
+            row = self.store.get_sandbox(sid)
+            if row is None or row.state not in LIVE_STATES:
+                return
+            self.store.update_sandbox(sid, state="killing", reason=reason)
+            await self._teardown(sid)
+            self._finish(sid, final_state, reason)
+
+    async def _teardown(self, sid: str) -> None:
+        lv = self.live.pop(sid, None)
+        if lv is not None:
+            await lv.chan.close()
+        await self.backend.kill(sid)
+        shutil.rmtree(self.cfg.sandboxes_dir / sid, ignore_errors=True)
+
+    def _finish(self, sid: str, state: str, reason: str) -> None:
+        self.store.update_sandbox(sid, state=state, reason=reason, ended_at=_now())
+        self._locks.pop(sid, None)
+
+    async def _reaper(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.reaper_interval)
+            for sid in self.store.expired(_now()):
+                log.info("sandbox %s reached its deadline", sid)
+                try:
+                    await self.kill(sid, reason="timeout")
+                except Exception:
+                    log.exception("reaper failed to kill %s", sid)
+
+    # ---- exec -----------------------------------------------------------------------
+    async def exec_start(self, lv: Live, cmd: str | list[str], env: dict[str, str], cwd: str,
+                         timeout: float | None, stdin: bytes | None
+                         ) -> AsyncIterator[bytes]:
+        """Start a command; returns the frame stream for the HTTP response.
+
+        Errors that happen before the command runs raise ApiError (a proper HTTP
+        status); everything after is reported inside the stream.
+        """
+        eid = "exe-" + secrets.token_hex(6)
+        base_env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                    "HOME": "/home/user", "USER": "user", "LANG": "C.UTF-8",
+                    "TERM": "xterm", "HOSTNAME": lv.row.id}
+        st = lv.chan.open()
+        try:
+            target = {"shell": cmd} if isinstance(cmd, str) else {"argv": cmd}
+            await st.send({"t": "exec", **target, "env": {**base_env, **lv.spec.env, **env},
+                           "cwd": cwd, "timeout": timeout, "stdin": stdin is not None})
+            if stdin is not None:
+                for i in range(0, len(stdin), P.CHUNK):
+                    await st.send({"t": "stdin"}, stdin[i:i + P.CHUNK])
+                await st.send({"t": "stdin"})
+            h, _ = await st.get(15.0)
+            raise_for_agent_error(h)
+            if h["t"] != "started":
+                raise ApiError("internal", f"unexpected agent answer {h['t']!r}")
+        except asyncio.TimeoutError:
+            st.close()
+            raise ApiError("timeout", "sandbox agent did not start the command") from None
+        except BaseException:
+            st.close()
+            raise
+        self.store.insert_exec(eid, lv.row.id, ["/bin/bash", "-c", cmd] if isinstance(cmd, str)
+                               else cmd)
+        return self._exec_frames(lv, st, eid, timeout)
+
+    async def _exec_frames(self, lv: Live, st: Any, eid: str, timeout: float | None
+                           ) -> AsyncIterator[bytes]:
+        t0 = time.monotonic()
+        counts = {1: 0, 2: 0}
+        done = False
+        result: dict[str, Any] = {}
+        try:
+            yield P.encode({"t": "started", "exec_id": eid})
+            # The agent enforces the timeout; the host allows a grace period on top.
+            host_deadline = None if timeout is None else t0 + timeout + 10.0
+            while True:
+                wait = None if host_deadline is None else max(0.1, host_deadline - time.monotonic())
+                try:
+                    h, payload = await st.get(wait)
+                except asyncio.TimeoutError:
+                    result = {"t": "error", "code": "timeout",
+                              "message": "command did not finish after its timeout"}
+                    yield P.encode(result)
+                    break
+                t = h["t"]
+                if t == "out":
+                    fd = h.get("fd")
+                    if fd not in (1, 2):
+                        continue
+                    counts[fd] += len(payload)
+                    yield P.encode({"t": "out", "fd": fd}, payload)
+                elif t == "exit":
+                    result = _exit_frame(h, time.monotonic() - t0)
+                    yield P.encode(result)
+                    done = True
+                    break
+                elif t == "err":
+                    raise_for_agent_error(h)
+        except AgentGone:
+            row = self.store.get_sandbox(lv.row.id)
+            why = f"sandbox is {row.state} ({row.reason})" if row and row.state != "running" \
+                else "sandbox agent disconnected"
+            result = {"t": "error", "code": "unavailable", "message": why}
+            yield P.encode(result)
+        except ApiError as e:
+            result = {"t": "error", "code": e.code, "message": e.message}
+            yield P.encode(result)
+        finally:
+            if not done:
+                # client went away or we gave up: kill the command's whole tree
+                with contextlib.suppress(Exception):
+                    self._spawn(lv.chan.send({"t": "kill", "id": st.id, "reason": "cancelled"}))
+            st.close()
+            self.store.finish_exec(
+                eid, exit_code=result.get("exit_code"), signal=result.get("signal"),
+                timed_out=int(bool(result.get("timed_out"))), error=result.get("message"),
+                stdout_bytes=counts[1], stderr_bytes=counts[2])
+
+    # ---- files ----------------------------------------------------------------------
+    async def write_file(self, lv: Live, path: str, body: AsyncIterator[bytes]) -> dict[str, Any]:
+        st = lv.chan.open()
+        try:
+            await st.send({"t": "write", "path": path})
+            async for chunk in body:
+                for i in range(0, len(chunk), P.CHUNK):
+                    if not st.queue.empty():  # the agent refused early (e.g. permission)
+                        h, _ = await st.get()
+                        raise_for_agent_error(h)
+                    await st.send({"t": "data"}, chunk[i:i + P.CHUNK])
+            await st.send({"t": "eof"})
+            h, _ = await st.get(120.0)
+            raise_for_agent_error(h)
+            return _clean_stat(h.get("stat"), path)
+        except asyncio.TimeoutError:
+            raise ApiError("timeout", f"sandbox agent did not finish writing {path}") from None
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self._spawn(lv.chan.send({"t": "eof", "id": st.id, "abort": True}))
+            raise
+        finally:
+            st.close()
+
+    async def read_file(self, lv: Live, path: str) -> AsyncIterator[bytes]:
+        st = lv.chan.open()
+        try:
+            await st.send({"t": "read", "path": path})
+            h, _ = await st.get(30.0)
+            raise_for_agent_error(h)
+        except asyncio.TimeoutError:
+            st.close()
+            raise ApiError("timeout", f"sandbox agent did not open {path}") from None
+        except BaseException:
+            st.close()
+            raise
+
+        async def gen() -> AsyncIterator[bytes]:
+            try:
+                while True:
+                    h, payload = await st.get(60.0)
+                    if h["t"] == "data":
+                        yield payload
+                    elif h["t"] == "eof":
+                        return
+                    else:
+                        raise_for_agent_error(h)
+                        raise ApiError("internal", f"unexpected agent frame {h['t']!r}")
+            finally:
+                st.close()
+
+        return gen()
+
+    async def file_call(self, lv: Live, op: str, path: str, **extra: Any) -> Any:
+        h = await lv.chan.call({"t": op, "path": path, **extra})
+        if op == "list":
+            entries = h.get("entries")
+            if not isinstance(entries, list):
+                raise ApiError("internal", "sandbox agent sent a malformed listing")
+            return [_clean_stat(e, None, parent=path) for e in entries[:MAX_ENTRIES]]
+        if op in ("stat", "mkdir"):
+            return _clean_stat(h.get("stat"), path)
+        return None
+
+
+def _exit_frame(h: P.Header, duration: float) -> dict[str, Any]:
+    """Rebuild the agent's exit report from checked fields only."""
+    code = h.get("exit_code")
+    sig = h.get("signal")
+    return {
+        "t": "exit",
+        "exit_code": code if isinstance(code, int) and -1 <= code <= 255 else -1,
+        "signal": sig if isinstance(sig, int) and 0 < sig < 128 else None,
+        "timed_out": h.get("timed_out") is True,
+        "killed": h.get("killed") is True,
+        "duration": round(duration, 6),
+    }
+
+
+def _clean_stat(d: Any, path: str | None, parent: str | None = None) -> dict[str, Any]:
+    """Rebuild an entry from the agent with checked fields; never pass its data through."""
+    if not isinstance(d, dict):
+        raise ApiError("internal", "sandbox agent sent a malformed entry")
+    name = d.get("name")
+    if not isinstance(name, str) or not name or "\x00" in name or len(name) > 255 or (
+            "/" in name and name != "/"):
+        raise ApiError("internal", "sandbox agent sent a malformed file name")
+    if path is None:
+        path = (parent.rstrip("/") if parent else "") + "/" + name
+    size, mode, mtime = d.get("size"), d.get("mode"), d.get("mtime")
+    out: dict[str, Any] = {
+        "name": name,
+        "path": path,
+        "type": d.get("type") if d.get("type") in ENTRY_TYPES else "other",
+        "size": size if isinstance(size, int) and size >= 0 else 0,
+        "mode": mode if isinstance(mode, int) and 0 <= mode <= 0o7777 else 0,
+        "mtime": float(mtime) if isinstance(mtime, (int, float)) else 0.0,
+    }
+    target = d.get("target")
+    if out["type"] == "symlink" and isinstance(target, str):
+        out["target"] = target[:4096]
+    return out

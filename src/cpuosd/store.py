@@ -1,0 +1,179 @@
+"""SQLite state: workspaces, hashed API keys, sandboxes, execs.
+
+One connection, WAL mode, used from the event loop thread (every statement is
+small). Schema changes go through ``MIGRATIONS`` (append only).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MIGRATIONS = [
+    """
+    CREATE TABLE workspaces (
+        id TEXT PRIMARY KEY, name TEXT NOT NULL, created_at REAL NOT NULL
+    );
+    CREATE TABLE api_keys (
+        id TEXT PRIMARY KEY, workspace_id TEXT NOT NULL REFERENCES workspaces(id),
+        key_hash TEXT NOT NULL UNIQUE, label TEXT NOT NULL, created_at REAL NOT NULL
+    );
+    CREATE TABLE sandboxes (
+        id TEXT PRIMARY KEY, workspace_id TEXT NOT NULL REFERENCES workspaces(id),
+        template TEXT NOT NULL, backend TEXT NOT NULL, state TEXT NOT NULL,
+        reason TEXT, created_at REAL NOT NULL, started_at REAL, ended_at REAL,
+        deadline REAL, spec TEXT NOT NULL, metadata TEXT NOT NULL DEFAULT '{}'
+    );
+    CREATE INDEX sandboxes_ws ON sandboxes(workspace_id, state);
+    CREATE TABLE execs (
+        id TEXT PRIMARY KEY, sandbox_id TEXT NOT NULL REFERENCES sandboxes(id),
+        argv TEXT NOT NULL, started_at REAL NOT NULL, ended_at REAL,
+        exit_code INTEGER, signal INTEGER, timed_out INTEGER, error TEXT,
+        stdout_bytes INTEGER NOT NULL DEFAULT 0, stderr_bytes INTEGER NOT NULL DEFAULT 0
+    );
+    CREATE INDEX execs_sbx ON execs(sandbox_id, started_at);
+    """,
+]
+
+LIVE_STATES = ("creating", "running", "killing")
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def new_key() -> str:
+    return "cpk_" + secrets.token_urlsafe(32)
+
+
+@dataclass
+class SandboxRow:
+    id: str
+    workspace_id: str
+    template: str
+    backend: str
+    state: str
+    reason: str | None
+    created_at: float
+    started_at: float | None
+    ended_at: float | None
+    deadline: float | None
+    spec: dict[str, Any]
+    metadata: dict[str, str]
+
+    @classmethod
+    def from_row(cls, r: sqlite3.Row) -> SandboxRow:
+        d = dict(r)
+        d["spec"] = json.loads(d["spec"])
+        d["metadata"] = json.loads(d["metadata"])
+        return cls(**d)
+
+
+class Store:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        self._lock = threading.RLock()
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._migrate()
+        os.chmod(path, 0o600)
+
+    def close(self) -> None:
+        self._db.close()
+
+    def _migrate(self) -> None:
+        with self._lock:
+            v = self._db.execute("PRAGMA user_version").fetchone()[0]
+            for i, sql in enumerate(MIGRATIONS[v:], start=v + 1):
+                self._db.executescript(f"BEGIN; {sql}; PRAGMA user_version={i}; COMMIT;")
+
+    def _exec(self, sql: str, args: tuple[Any, ...] = ()) -> sqlite3.Cursor:
+        with self._lock:
+            return self._db.execute(sql, args)
+
+    # ---- workspaces and keys --------------------------------------------------------
+    def create_workspace(self, name: str) -> str:
+        wid = "ws-" + secrets.token_hex(6)
+        self._exec("INSERT INTO workspaces VALUES (?,?,?)", (wid, name, time.time()))
+        return wid
+
+    def workspace_by_name(self, name: str) -> str | None:
+        r = self._exec("SELECT id FROM workspaces WHERE name=?", (name,)).fetchone()
+        return r[0] if r else None
+
+    def add_key(self, workspace_id: str, label: str) -> str:
+        key = new_key()
+        self._exec("INSERT INTO api_keys VALUES (?,?,?,?,?)",
+                   ("key-" + secrets.token_hex(6), workspace_id, hash_key(key), label, time.time()))
+        return key
+
+    def workspace_for_key(self, key: str) -> str | None:
+        r = self._exec("SELECT workspace_id FROM api_keys WHERE key_hash=?",
+                       (hash_key(key),)).fetchone()
+        return r[0] if r else None
+
+    # ---- sandboxes ------------------------------------------------------------------
+    def insert_sandbox(self, row: SandboxRow) -> None:
+        self._exec(
+            "INSERT INTO sandboxes VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            (row.id, row.workspace_id, row.template, row.backend, row.state, row.reason,
+             row.created_at, row.started_at, row.ended_at, row.deadline,
+             json.dumps(row.spec), json.dumps(row.metadata)),
+        )
+
+    def update_sandbox(self, sid: str, **fields: Any) -> None:
+        cols = ", ".join(f"{k}=?" for k in fields)
+        self._exec(f"UPDATE sandboxes SET {cols} WHERE id=?", (*fields.values(), sid))
+
+    def get_sandbox(self, sid: str) -> SandboxRow | None:
+        r = self._exec("SELECT * FROM sandboxes WHERE id=?", (sid,)).fetchone()
+        return SandboxRow.from_row(r) if r else None
+
+    def list_sandboxes(self, workspace_id: str | None = None, states: tuple[str, ...] = ()
+                       ) -> list[SandboxRow]:
+        sql, args = "SELECT * FROM sandboxes WHERE 1=1", []
+        if workspace_id is not None:
+            sql += " AND workspace_id=?"
+            args.append(workspace_id)
+        if states:
+            sql += f" AND state IN ({','.join('?' * len(states))})"
+            args.extend(states)
+        sql += " ORDER BY created_at"
+        return [SandboxRow.from_row(r) for r in self._exec(sql, tuple(args)).fetchall()]
+
+    def expired(self, now: float) -> list[str]:
+        rows = self._exec("SELECT id FROM sandboxes WHERE state='running' AND deadline<=?",
+                          (now,)).fetchall()
+        return [r[0] for r in rows]
+
+    # ---- execs ----------------------------------------------------------------------
+    def insert_exec(self, eid: str, sandbox_id: str, argv: list[str]) -> None:
+        self._exec("INSERT INTO execs (id, sandbox_id, argv, started_at) VALUES (?,?,?,?)",
+                   (eid, sandbox_id, json.dumps(argv), time.time()))
+
+    def finish_exec(self, eid: str, **fields: Any) -> None:
+        fields["ended_at"] = time.time()
+        cols = ", ".join(f"{k}=?" for k in fields)
+        self._exec(f"UPDATE execs SET {cols} WHERE id=?", (*fields.values(), eid))
+
+    def list_execs(self, sandbox_id: str, limit: int = 100) -> list[dict[str, Any]]:
+        rows = self._exec("SELECT * FROM execs WHERE sandbox_id=? ORDER BY started_at DESC "
+                          "LIMIT ?", (sandbox_id, limit)).fetchall()
+        out = []
+        for r in rows:
+            d = dict(r)
+            d["argv"] = json.loads(d["argv"])
+            d["timed_out"] = bool(d["timed_out"]) if d["timed_out"] is not None else None
+            out.append(d)
+        return out

@@ -1,0 +1,1 @@
+"""Template specs and the root filesystem builder."""
