@@ -45,7 +45,8 @@ class Config:
 
     @property
     def templates_dir(self) -> Path:
-        return self.home / "templates"
+        """Template builds; shareable between daemons (tests point it at one cache)."""
+        return Path(os.environ.get("CPUOS_TEMPLATES_DIR") or self.home / "templates")
 
     @property
     def runsc_root(self) -> Path:

@@ -60,7 +60,7 @@ def _check_env(v: dict[str, str]) -> dict[str, str]:
 class CreateSandbox(BaseModel):
     model_config = ConfigDict(extra="forbid")
     template: str = "python"
-    timeout: float | str = "5m"
+    timeout: float | str = 300.0
     metadata: dict[str, str] = Field(default_factory=dict, max_length=64)
     env: dict[str, str] = Field(default_factory=dict)
     vcpus: int = Field(2, ge=1, le=64)

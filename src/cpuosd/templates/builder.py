@@ -27,6 +27,8 @@ NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
 PKG_RE = re.compile(r"^[a-z0-9][a-z0-9+.-]*$")
 BUILTIN_DIR = Path(__file__).parent / "builtin"
 KNOWN_KEYS = {"name", "suite", "variant", "apt", "run"}
+SHIMS_DIR = Path(__file__).parent / "shims"
+SHIM_DEST = "usr/local/lib/cpuos"
 
 
 class TemplateError(Exception):
@@ -65,7 +67,9 @@ class TemplateSpec:
         return spec
 
     def digest(self) -> str:
-        blob = json.dumps({"v": BUILDER_VERSION, **asdict(self)}, sort_keys=True).encode()
+        shims = {p.name: p.read_text() for p in sorted(SHIMS_DIR.glob("*.c"))}
+        blob = json.dumps({"v": BUILDER_VERSION, **asdict(self), "shims": shims},
+                          sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
@@ -133,11 +137,38 @@ def build(spec: TemplateSpec, templates_dir: Path, *, force: bool = False,
         shutil.rmtree(work, ignore_errors=True)
         raise TemplateError(f"mmdebstrap failed (exit {rc}); log {log_path}; last lines:\n"
                             + "\n".join(tail))
+    try:
+        install_shims(work / "rootfs", on_line)
+    except TemplateError:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
     shutil.rmtree(final, ignore_errors=True)
     os.rename(work, final)
     info.update(built_at=time.time(), build_seconds=round(time.time() - t0, 1), cached=False)
     _write_json(info_path, info)
     return info
+
+
+def install_shims(rootfs: Path, on_line: Callable[[str], None] | None = None) -> None:
+    """Compile the compat shims (shims/*.c) with the host's gcc into the new root and list
+    them in its /etc/ld.so.preload (see statx_no_automount.c for why)."""
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise TemplateError("gcc is needed to build the template's compat shims "
+                            "(apt-get install gcc libc6-dev)")
+    dest = rootfs / SHIM_DEST
+    dest.mkdir(parents=True, exist_ok=True)
+    preload = []
+    for src in sorted(SHIMS_DIR.glob("*.c")):
+        out = dest / (src.stem + ".so")
+        r = subprocess.run([cc, "-shared", "-fPIC", "-O2", "-Wall", "-o", str(out), str(src)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise TemplateError(f"compiling shim {src.name} failed:\n{r.stderr[-2000:]}")
+        preload.append("/" + SHIM_DEST + "/" + out.name)
+        if on_line:
+            on_line(f"I: installed compat shim {out.name}")
+    (rootfs / "etc" / "ld.so.preload").write_text("\n".join(preload) + "\n")
 
 
 def _write_json(p: Path, data: dict[str, Any]) -> None:

@@ -1,0 +1,1 @@
+"""``cpuos``: the command line (typer + rich) over the sync SDK."""

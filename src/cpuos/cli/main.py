@@ -1,0 +1,554 @@
+"""``cpuos``: create, drive and kill sandboxes from the shell; run the daemon; build templates.
+
+    ID=$(cpuos create --template python --timeout 15m)
+    cpuos exec "$ID" -- python -c 'print(1)'
+    cpuos files put "$ID" ./main.py /work/main.py
+    cpuos kill "$ID"
+
+Every failure the SDK reports (a ``CpuosError``) becomes one line on stderr,
+``error: <code>: <message>``, and exit status 1; usage errors exit 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+from typing import IO, Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+from typer.core import TyperGroup
+
+from .. import __version__
+from .._durations import parse_duration
+from .._errors import CpuosError, InvalidArgument
+from .._models import SandboxInfo
+from .._sync.sandbox import Sandbox
+
+
+class CliError(Exception):
+    """A failure found by the CLI itself (bad local file, template build...)."""
+
+    def __init__(self, code: str, message: str, extra: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.extra = extra  # further lines (e.g. a build log tail), printed after the error
+
+
+def _one_line(s: str) -> str:
+    return " ".join(str(s).split())
+
+
+class _Group(TyperGroup):
+    """Turns SDK and CLI errors into one ``error: code: message`` line and exit status 1."""
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except CpuosError as e:
+            _print_error(e.code, e.message)
+        except CliError as e:
+            _print_error(e.code, e.message)
+            if e.extra:
+                sys.stderr.write(e.extra.rstrip("\n") + "\n")
+        raise typer.Exit(1)
+
+
+def _print_error(code: str, message: str) -> None:
+    sys.stdout.flush()
+    sys.stderr.write(f"error: {code}: {_one_line(message)}\n")
+    sys.stderr.flush()
+
+
+app = typer.Typer(
+    cls=_Group, name="cpuos", no_args_is_help=True, add_completion=False,
+    pretty_exceptions_show_locals=False,  # locals may hold the API key
+    context_settings={"help_option_names": ["-h", "--help"]},
+    help="Disposable, isolated Linux sandboxes (gVisor) for AI agents.",
+)
+files_app = typer.Typer(cls=_Group, no_args_is_help=True,
+                        help="Read and write files inside a sandbox.")
+template_app = typer.Typer(cls=_Group, no_args_is_help=True,
+                           help="Build and list sandbox templates (root filesystems).")
+app.add_typer(files_app, name="files")
+app.add_typer(template_app, name="template")
+
+ApiUrl = Annotated[str | None, typer.Option(
+    "--api-url", envvar="CPUOS_API_URL", show_envvar=True,
+    help="cpuosd address (default http://127.0.0.1:7770).")]
+ApiKey = Annotated[str | None, typer.Option(
+    "--api-key", envvar="CPUOS_API_KEY", show_envvar=True,
+    help="API key (default: the local daemon's admin.key).")]
+JsonOut = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+SandboxId = Annotated[str, typer.Argument(metavar="ID", help="Sandbox id.")]
+
+
+def _out() -> Console:
+    # Built per call: CliRunner and redirections swap sys.stdout. Into a pipe or file,
+    # tables are never squeezed to 80 columns (that would cut ids and paths).
+    c = Console(file=sys.stdout, highlight=False, soft_wrap=False)
+    if not c.is_terminal:
+        c = Console(file=sys.stdout, highlight=False, soft_wrap=False, width=4096)
+    return c
+
+
+def _err() -> Console:
+    return Console(file=sys.stderr, highlight=False)
+
+
+def _print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def _duration(value: str, what: str) -> str:
+    """Check a duration locally (fail before any network call); keep the text for the API."""
+    try:
+        parse_duration(value, what)
+    except ValueError as e:
+        raise InvalidArgument(str(e)) from None
+    return value
+
+
+def _pairs(items: list[str] | None, what: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items or []:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            raise typer.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint=what)
+        out[k] = v
+    return out
+
+
+def _fmt_dur(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def _fmt_time(ts: float | None) -> str:
+    if ts is None:
+        return "-"
+    return datetime.fromtimestamp(ts).astimezone().isoformat(timespec="seconds")
+
+
+def _fmt_size(n: int) -> str:
+    f = float(n)
+    for unit in ("B", "K", "M", "G", "T"):
+        if f < 1024 or unit == "T":
+            return f"{n}" if unit == "B" else f"{f:.1f}{unit}"
+        f /= 1024
+    return str(n)  # pragma: no cover
+
+
+_STATE_STYLE = {"running": "green", "creating": "yellow", "killing": "yellow", "error": "red"}
+
+
+@contextmanager
+def _connect(sandbox_id: str, api_url: str | None, api_key: str | None) -> Iterator[Sandbox]:
+    sbx = Sandbox.connect(sandbox_id, api_url=api_url, api_key=api_key)
+    try:
+        yield sbx
+    finally:
+        sbx.close()
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"cpuos {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    """Disposable, isolated Linux sandboxes (gVisor) for AI agents."""
+
+
+# ---- daemon -------------------------------------------------------------------------------
+@app.command()
+def server(
+    host: Annotated[str | None, typer.Option(help="Listen address (default 127.0.0.1).")] = None,
+    port: Annotated[int | None, typer.Option(help="Listen port (default 7770).")] = None,
+    home: Annotated[str | None, typer.Option(
+        help="State directory (default $CPUOS_HOME or /var/lib/cpuos).")] = None,
+) -> None:
+    """Run the daemon (cpuosd) in the foreground; needs root."""
+    from cpuosd.main import serve
+
+    serve(host, port, home)
+
+
+# ---- lifecycle ----------------------------------------------------------------------------
+@app.command()
+def create(
+    template: Annotated[str, typer.Option("--template", "-t", help="Template name.")] = "python",
+    timeout: Annotated[str, typer.Option(
+        help="Kill the sandbox this long after creation (e.g. 15m, 1h).")] = "5m",
+    env: Annotated[list[str] | None, typer.Option(
+        "--env", "-e", metavar="K=V", help="Environment variable for every exec.")] = None,
+    metadata: Annotated[list[str] | None, typer.Option(
+        "--metadata", "-m", metavar="K=V", help="Metadata label.")] = None,
+    vcpus: Annotated[int | None, typer.Option(help="Virtual CPUs.")] = None,
+    memory: Annotated[int | None, typer.Option("--memory", help="Memory in MiB.")] = None,
+    json_: JsonOut = False,
+    api_url: ApiUrl = None,
+    api_key: ApiKey = None,
+) -> None:
+    """Create a sandbox and print its id (only the id: ID=$(cpuos create))."""
+    _duration(timeout, "timeout")
+    env_d, meta_d = _pairs(env, "--env"), _pairs(metadata, "--metadata")
+    sbx = Sandbox.create(template=template, timeout=timeout, env=env_d, metadata=meta_d,
+                         vcpus=vcpus, memory_mib=memory, api_url=api_url, api_key=api_key)
+    try:
+        if json_:
+            _print_json(dataclasses.asdict(sbx.info()))
+        else:
+            typer.echo(sbx.id)
+    finally:
+        sbx.close()
+
+
+@app.command("ls")
+def ls(
+    all_: Annotated[bool, typer.Option("--all", "-a", help="Include ended sandboxes.")] = False,
+    json_: JsonOut = False,
+    api_url: ApiUrl = None,
+    api_key: ApiKey = None,
+) -> None:
+    """List sandboxes."""
+    infos = Sandbox.list(all=all_, api_url=api_url, api_key=api_key)
+    if json_:
+        _print_json([dataclasses.asdict(i) for i in infos])
+        return
+    if not infos:
+        _err().print("no sandboxes" + ("" if all_ else " running (--all shows ended ones)"),
+                     style="dim")
+        return
+    now = time.time()
+    t = Table(box=None, header_style="bold", pad_edge=False)
+    for col in ("ID", "TEMPLATE", "STATE", "REASON", "AGE", "LEFT"):
+        t.add_column(col, no_wrap=True)
+    for i in sorted(infos, key=lambda x: x.created_at or 0):
+        t.add_row(i.id, i.template, f"[{_STATE_STYLE.get(i.state, 'dim')}]{i.state}[/]",
+                  escape(i.reason or "-"), _fmt_dur(now - i.created_at if i.created_at else None),
+                  _fmt_dur(i.timeout_remaining))
+    _out().print(t)
+
+
+def _info_table(i: SandboxInfo) -> Table:
+    now = time.time()
+    t = Table.grid(padding=(0, 2))
+    t.add_column(style="bold", no_wrap=True)
+    t.add_column()
+    rows = [
+        ("id", i.id), ("template", i.template),
+        ("state", f"[{_STATE_STYLE.get(i.state, 'dim')}]{i.state}[/]"),
+        ("reason", escape(i.reason or "-")), ("backend", i.backend),
+        ("created", f"{_fmt_time(i.created_at)} ({_fmt_dur(now - i.created_at)} ago)"
+         if i.created_at else "-"),
+        ("started", _fmt_time(i.started_at)), ("ended", _fmt_time(i.ended_at)),
+        ("deadline", _fmt_time(i.deadline)), ("time left", _fmt_dur(i.timeout_remaining)),
+        ("vcpus", str(i.vcpus) if i.vcpus is not None else "-"),
+        ("memory", f"{i.memory_mib} MiB" if i.memory_mib is not None else "-"),
+        ("metadata", escape(", ".join(f"{k}={v}" for k, v in sorted((i.metadata or {}).items()))
+                            or "-")),
+    ]
+    for k, v in rows:  # values are markup: user text in them is escaped
+        t.add_row(k, v)
+    return t
+
+
+@app.command()
+def info(sandbox_id: SandboxId, json_: JsonOut = False, api_url: ApiUrl = None,
+         api_key: ApiKey = None) -> None:
+    """Show one sandbox."""
+    with _connect(sandbox_id, api_url, api_key) as sbx:
+        i = sbx.info()
+    if json_:
+        _print_json(dataclasses.asdict(i))
+    else:
+        _out().print(_info_table(i))
+
+
+@app.command()
+def kill(
+    sandbox_ids: Annotated[list[str], typer.Argument(metavar="ID", help="Sandbox id(s).")],
+    api_url: ApiUrl = None,
+    api_key: ApiKey = None,
+) -> None:
+    """Kill sandboxes (their files are gone for good)."""
+    for sid in sandbox_ids:
+        with _connect(sid, api_url, api_key) as sbx:
+            sbx.kill()
+
+
+@app.command("timeout")
+def set_timeout(
+    sandbox_id: SandboxId,
+    duration: Annotated[str, typer.Argument(help="New lifetime from now, e.g. 30m.")],
+    api_url: ApiUrl = None,
+    api_key: ApiKey = None,
+) -> None:
+    """Kill the sandbox DURATION from now (extends or shortens its life)."""
+    _duration(duration, "timeout")
+    with _connect(sandbox_id, api_url, api_key) as sbx:
+        i = sbx.set_timeout(duration)
+    typer.echo(f"{i.id}: {_fmt_dur(i.timeout_remaining)} left (until {_fmt_time(i.deadline)})")
+
+
+# ---- exec ---------------------------------------------------------------------------------
+def _writer(stream: IO[str]) -> Callable[[str], None]:
+    """Write each chunk through at once (bytes to the binary layer when there is one)."""
+    raw = getattr(stream, "buffer", None)
+
+    def write(text: str) -> None:
+        if raw is not None:
+            raw.write(text.encode("utf-8", "replace"))
+            raw.flush()
+        else:
+            stream.write(text)
+            stream.flush()
+
+    return write
+
+
+@app.command("exec")
+def exec_(
+    sandbox_id: SandboxId,
+    cmd: Annotated[list[str], typer.Argument(
+        metavar="CMD", help="One argument: a shell line (bash -c). Several: an argv, run without a shell.")],
+    timeout: Annotated[str | None, typer.Option(
+        help="Kill the command (and its children) after this long, e.g. 2m; exit 124.")] = None,
+    cwd: Annotated[str, typer.Option(help="Working directory.")] = "/work",
+    env: Annotated[list[str] | None, typer.Option(
+        "--env", "-e", metavar="K=V", help="Environment variable.")] = None,
+    stdin: Annotated[bool, typer.Option(
+        "--stdin", "-i", help="Send this process's stdin to the command.")] = False,
+    api_url: ApiUrl = None,
+    api_key: ApiKey = None,
+) -> None:
+    """Run a command; stream its output; exit with its exit status (124 on timeout)."""
+    if timeout is not None:
+        _duration(timeout, "timeout")
+    env_d = _pairs(env, "--env")
+    command: str | list[str] = cmd[0] if len(cmd) == 1 else list(cmd)
+    data = sys.stdin.buffer.read() if stdin else None
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with _connect(sandbox_id, api_url, api_key) as sbx:
+        res = sbx.exec(command, timeout=timeout, cwd=cwd, env=env_d, stdin=data,
+                       on_stdout=_writer(sys.stdout), on_stderr=_writer(sys.stderr),
+                       max_output=64 * 1024)  # the output is streamed; keep little of it
+    if res.timed_out:
+        sys.stderr.write(f"cpuos: command timed out after {timeout} and was killed\n"
+                         if timeout else "cpuos: command timed out and was killed\n")
+        raise typer.Exit(124)
+    raise typer.Exit(res.exit_code)
+
+
+# ---- files --------------------------------------------------------------------------------
+@files_app.command("put")
+def files_put(
+    sandbox_id: SandboxId,
+    local: Annotated[Path, typer.Argument(metavar="LOCAL", help="Local file.")],
+    remote: Annotated[str, typer.Argument(
+        metavar="REMOTE", help="Path in the sandbox (relative: under /work; ending in /: a "
+        "directory, the file keeps its name).")],
+    api_url: ApiUrl = None,
+    api_key: ApiKey = None,
+) -> None:
+    """Upload a local file into the sandbox."""
+    if not local.is_file():
+        raise CliError("not_found", f"local file {str(local)!r} does not exist or is not a file")
+    if remote.endswith("/"):
+        remote += local.name
+    with _connect(sandbox_id, api_url, api_key) as sbx:
+        e = sbx.files.upload(local, remote)
+    typer.echo(f"{e.path} ({e.size} bytes)")
+
+
+@files_app.command("get")
+def files_get(
+    sandbox_id: SandboxId,
+    remote: Annotated[str, typer.Argument(metavar="REMOTE", help="Path in the sandbox.")],
+    local: Annotated[str | None, typer.Argument(
+        metavar="LOCAL", help="Local file or directory; '-' or omitted: stdout.")] = None,
+    api_url: ApiUrl = None,
+    api_key: ApiKey = None,
+) -> None:
+    """Download a file from the sandbox (to stdout, raw bytes, without LOCAL)."""
+    with _connect(sandbox_id, api_url, api_key) as sbx:
+        if local is None or local == "-":
+            data = sbx.files.read(remote)
+            sys.stdout.flush()
+            raw = getattr(sys.stdout, "buffer", None)
+            if raw is not None:
+                raw.write(data)
+                raw.flush()
+            else:  # pragma: no cover - a text-only stdout
+                sys.stdout.write(data.decode("utf-8", "replace"))
+            return
+        dest = Path(local)
+        if dest.is_dir():
+            dest = dest / Path(remote).name
+        # Download beside the target, rename when complete: a failed download leaves nothing.
+        tmp = dest.with_name(f".{dest.name}.cpuos-{os.getpid()}.part")
+        try:
+            sbx.files.download(remote, tmp)
+            os.replace(tmp, dest)
+        except OSError as e:
+            raise CliError("local_io", f"{dest}: {e.strerror or e}") from None
+        finally:
+            tmp.unlink(missing_ok=True)
+    typer.echo(str(dest), err=True)
+
+
+@files_app.command("ls")
+def files_ls(
+    sandbox_id: SandboxId,
+    path: Annotated[str, typer.Argument(help="Directory in the sandbox.")] = "/work",
+    json_: JsonOut = False,
+    api_url: ApiUrl = None,
+    api_key: ApiKey = None,
+) -> None:
+    """List a directory in the sandbox."""
+    with _connect(sandbox_id, api_url, api_key) as sbx:
+        entries = sbx.files.list(path)
+    if json_:
+        _print_json([dataclasses.asdict(e) for e in entries])
+        return
+    t = Table(box=None, header_style="bold", pad_edge=False)
+    t.add_column("TYPE", no_wrap=True)
+    t.add_column("SIZE", justify="right", no_wrap=True)
+    t.add_column("MODE", no_wrap=True)
+    t.add_column("NAME", no_wrap=True)
+    for e in sorted(entries, key=lambda x: (x.type != "dir", x.name)):
+        name = e.name + ("/" if e.type == "dir" else "")
+        if e.type == "symlink" and e.target:
+            name += f" -> {e.target}"
+        t.add_row(e.type, _fmt_size(e.size) if e.type == "file" else "-",
+                  f"{e.mode & 0o7777:04o}", escape(name))
+    _out().print(t)
+
+
+@files_app.command("rm")
+def files_rm(
+    sandbox_id: SandboxId,
+    path: Annotated[str, typer.Argument(help="File or directory (removed with its contents).")],
+    api_url: ApiUrl = None,
+    api_key: ApiKey = None,
+) -> None:
+    """Remove a file or directory in the sandbox."""
+    with _connect(sandbox_id, api_url, api_key) as sbx:
+        sbx.files.remove(path)
+
+
+# ---- templates ----------------------------------------------------------------------------
+def _templates_dir() -> Path:
+    from cpuosd.config import Config
+
+    return Config().templates_dir
+
+
+@template_app.command("build")
+def template_build(
+    name_or_toml: Annotated[str, typer.Argument(
+        metavar="NAME_OR_TOML", help="A built-in template name (python) or a spec file.")],
+    force: Annotated[bool, typer.Option("--force", help="Rebuild even if cached.")] = False,
+    json_: JsonOut = False,
+) -> None:
+    """Build a template's root filesystem here (needs root and mmdebstrap)."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from cpuosd.templates.builder import TemplateError, TemplateSpec, build
+
+    err = _err()
+    try:
+        spec = TemplateSpec.load(name_or_toml)
+        tdir = _templates_dir()
+        if err.is_terminal:
+            with Progress(SpinnerColumn(), TextColumn(f"building [bold]{spec.name}[/]"),
+                          TimeElapsedColumn(), TextColumn("{task.description}", markup=False),
+                          console=err, transient=True) as progress:
+                task = progress.add_task("starting mmdebstrap", total=None)
+                width = max(20, err.width - len(spec.name) - 30)
+
+                def on_line(line: str) -> None:
+                    line = line.strip()
+                    if line:
+                        progress.update(task, description=line[:width])
+
+                info = build(spec, tdir, force=force, on_line=on_line)
+        else:
+            def on_line(line: str) -> None:
+                sys.stderr.write(line + "\n")
+                sys.stderr.flush()
+
+            info = build(spec, tdir, force=force, on_line=on_line)
+    except TemplateError as e:
+        first, _, rest = str(e).partition("\n")
+        raise CliError("template", first, rest) from None
+    if json_:
+        _print_json(info)
+        return
+    t = Table.grid(padding=(0, 2))
+    t.add_column(style="bold", no_wrap=True)
+    t.add_column()
+    t.add_row("name", str(info["name"]))
+    t.add_row("digest", str(info["digest"]))
+    t.add_row("rootfs", str(info["rootfs"]))
+    if info.get("cached"):
+        t.add_row("build", "cached (use --force to rebuild)")
+    else:
+        t.add_row("build", f"{info.get('build_seconds', '?')}s")
+    _out().print(t)
+
+
+@template_app.command("ls")
+def template_ls(json_: JsonOut = False) -> None:
+    """List the templates built on this machine."""
+    from cpuosd.templates.builder import list_templates
+
+    tdir = _templates_dir()
+    items = list_templates(tdir) if tdir.is_dir() else []
+    if json_:
+        _print_json(items)
+        return
+    if not items:
+        _err().print(f"no templates built in {tdir} (cpuos template build python)", style="dim",
+                     markup=False)
+        return
+    t = Table(box=None, header_style="bold", pad_edge=False)
+    for col in ("NAME", "DIGEST", "BUILT", "ROOTFS"):
+        t.add_column(col, no_wrap=True)
+    for i in items:
+        t.add_row(str(i.get("name")), str(i.get("digest")),
+                  _fmt_time(i["built_at"]) if i.get("built_at") else "-", str(i.get("rootfs")))
+    _out().print(t)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
