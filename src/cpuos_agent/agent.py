@@ -45,7 +45,7 @@ def _argv_for(h: P.Header) -> tuple[list[str], list[str] | None]:
     shell = h.get("shell")
     if isinstance(shell, str):
         full = ["/bin/bash", "-c", shell]
-        if SIMPLE.match(shell) and shell.split()[0] not in SHELL_WORDS:
+        if SIMPLE.fullmatch(shell) and shell.split()[0] not in SHELL_WORDS:
             return shell.split(), full
         return full, None
     argv = h.get("argv")
@@ -80,7 +80,7 @@ class Conn:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.rfile: BinaryIO = sock.makefile("rb", buffering=1 << 20)
+        self.rfile: BinaryIO = sock.makefile("rb", buffering=1 << 20)  # type: ignore[assignment]
         self._send_lock = threading.Lock()
         self._credit_cv = threading.Condition()
         self._credit: dict[int, int] = {}
@@ -234,7 +234,7 @@ def _members(root: int, mark: bytes) -> set[int]:
         if pid in (me, root):
             continue
         sg = _session_and_group(pid)
-        if sg is not None and root in sg or _has_mark(pid, mark):
+        if (sg is not None and root in sg) or _has_mark(pid, mark):
             found.add(pid)
     todo = list(found)
     while todo:
@@ -598,7 +598,7 @@ def _stat(path: str) -> dict[str, Any]:
 
 
 def _list(path: str) -> list[dict[str, Any]]:
-    out = []
+    out: list[dict[str, Any]] = []
     with os.scandir(path) as it:
         for e in it:
             if len(out) >= MAX_LIST:

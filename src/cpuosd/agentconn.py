@@ -92,7 +92,7 @@ class AgentChannel:
     async def wait_connected(self, timeout: float) -> None:
         try:
             await asyncio.wait_for(self._connected.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise ApiError("unavailable", f"sandbox agent did not connect within {timeout:.0f}s"
                            ) from None
 
@@ -102,7 +102,7 @@ class AgentChannel:
             h, _ = await asyncio.wait_for(self._read_frame(reader), 10)
             if h["t"] != "hello":
                 raise P.ProtocolError("first frame must be hello")
-        except (asyncio.TimeoutError, P.ProtocolError, asyncio.IncompleteReadError, OSError) as e:
+        except (TimeoutError, P.ProtocolError, asyncio.IncompleteReadError, OSError) as e:
             log.warning("agent handshake failed on %s: %s", self.sock_path, e)
             writer.close()
             return
@@ -111,7 +111,7 @@ class AgentChannel:
         self.hello = h
         self._writer = writer
         self._connected.set()
-        self._reader_task = asyncio.current_task()  # type: ignore[assignment]
+        self._reader_task = asyncio.current_task()
         gen = self.generation
         try:
             while True:
@@ -177,7 +177,7 @@ class AgentChannel:
             await st.send(header)
             try:
                 h, _ = await st.get(timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise ApiError("timeout", f"sandbox agent did not answer {header['t']!r}"
                                ) from None
             raise_for_agent_error(h)

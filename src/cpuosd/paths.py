@@ -15,7 +15,7 @@ DEFAULT_CWD = "/work"
 
 
 def check_id(value: str, what: str = "sandbox id") -> str:
-    if not isinstance(value, str) or not ID_RE.match(value):
+    if not isinstance(value, str) or not ID_RE.fullmatch(value):
         raise invalid(f"bad {what} {str(value)[:80]!r}: must match ^[a-z0-9-]{{1,64}}$",
                       field=what)
     return value

@@ -272,7 +272,7 @@ class Manager:
             raise_for_agent_error(h)
             if h["t"] != "started":
                 raise ApiError("internal", f"unexpected agent answer {h['t']!r}")
-        except asyncio.TimeoutError:
+        except TimeoutError:
             st.close()
             raise ApiError("timeout", "sandbox agent did not start the command") from None
         except BaseException:
@@ -296,7 +296,7 @@ class Manager:
                 wait = None if host_deadline is None else max(0.1, host_deadline - time.monotonic())
                 try:
                     h, payload = await st.get(wait)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     result = {"t": "error", "code": "timeout",
                               "message": "command did not finish after its timeout"}
                     yield P.encode(result)
@@ -350,7 +350,7 @@ class Manager:
             h, _ = await st.get(120.0)
             raise_for_agent_error(h)
             return _clean_stat(h.get("stat"), path)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise ApiError("timeout", f"sandbox agent did not finish writing {path}") from None
         except BaseException:
             with contextlib.suppress(Exception):
@@ -365,7 +365,7 @@ class Manager:
             await st.send({"t": "read", "path": path})
             h, _ = await st.get(30.0)
             raise_for_agent_error(h)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             st.close()
             raise ApiError("timeout", f"sandbox agent did not open {path}") from None
         except BaseException:

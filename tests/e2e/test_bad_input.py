@@ -98,7 +98,7 @@ def test_unknown_and_malformed_ids(daemon) -> None:  # type: ignore[no-untyped-d
 
 
 def test_auth(daemon, box) -> None:  # type: ignore[no-untyped-def]
-    c, sid = box
+    _, sid = box
     with httpx.Client(base_url=daemon.url) as anon:
         _err(anon.get("/sandboxes"), 401, "unauthorized")
         _err(anon.get(f"/sandboxes/{sid}"), 401, "unauthorized")
@@ -171,5 +171,5 @@ def test_missing_program_and_cwd(box) -> None:  # type: ignore[no-untyped-def]
     from cpuos_agent.protocol import FrameDecoder
     r = c.post(f"/sandboxes/{sid}/exec", json={"cmd": "no-such-command-xyz"})
     frames = FrameDecoder().feed(r.content)
-    exit_h = [h for h, _ in frames if h["t"] == "exit"][0]
+    exit_h = next(h for h, _ in frames if h["t"] == "exit")
     assert exit_h["exit_code"] == 127

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import codecs
 import inspect
+import builtins
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from types import TracebackType
@@ -130,7 +131,7 @@ class AsyncFiles:
                 n += len(chunk)
         return n
 
-    async def list(self, path: str = "/work") -> list[FileEntry]:
+    async def list(self, path: str = "/work") -> builtins.list[FileEntry]:
         d = await self._sbx._http.request("GET", self._base + "/list", params={"path": path})
         return [FileEntry.from_json(e) for e in d["entries"]]
 
@@ -202,7 +203,7 @@ class AsyncSandbox:
 
     @classmethod
     async def list(cls, *, all: bool = False, api_url: str | None = None,
-                   api_key: str | None = None) -> list[SandboxInfo]:
+                   api_key: str | None = None) -> builtins.list[SandboxInfo]:
         http = _AsyncHTTP(api_url, api_key)
         try:
             d = await http.request("GET", "/sandboxes", params={"all": str(all).lower()})
@@ -244,7 +245,7 @@ class AsyncSandbox:
                 raise
 
     # ---- exec -------------------------------------------------------------------------
-    async def exec(self, cmd: str | list[str], *, timeout: str | float | None = None,
+    async def exec(self, cmd: str | builtins.list[str], *, timeout: str | float | None = None,
                    env: dict[str, str] | None = None, cwd: str = "/work",
                    stdin: str | bytes | None = None,
                    on_stdout: OutputCallback | None = None,

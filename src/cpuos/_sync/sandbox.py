@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import codecs
 import inspect
+import builtins
 from collections.abc import Iterator, Callable
 from pathlib import Path
 from types import TracebackType
@@ -131,7 +132,7 @@ class Files:
                 n += len(chunk)
         return n
 
-    def list(self, path: str = "/work") -> list[FileEntry]:
+    def list(self, path: str = "/work") -> builtins.list[FileEntry]:
         d = self._sbx._http.request("GET", self._base + "/list", params={"path": path})
         return [FileEntry.from_json(e) for e in d["entries"]]
 
@@ -203,7 +204,7 @@ class Sandbox:
 
     @classmethod
     def list(cls, *, all: bool = False, api_url: str | None = None,
-                   api_key: str | None = None) -> list[SandboxInfo]:
+                   api_key: str | None = None) -> builtins.list[SandboxInfo]:
         http = _SyncHTTP(api_url, api_key)
         try:
             d = http.request("GET", "/sandboxes", params={"all": str(all).lower()})
@@ -245,7 +246,7 @@ class Sandbox:
                 raise
 
     # ---- exec -------------------------------------------------------------------------
-    def exec(self, cmd: str | list[str], *, timeout: str | float | None = None,
+    def exec(self, cmd: str | builtins.list[str], *, timeout: str | float | None = None,
                    env: dict[str, str] | None = None, cwd: str = "/work",
                    stdin: str | bytes | None = None,
                    on_stdout: OutputCallback | None = None,

@@ -335,7 +335,8 @@ def _writer(stream: IO[str]) -> Callable[[str], None]:
 def exec_(
     sandbox_id: SandboxId,
     cmd: Annotated[list[str], typer.Argument(
-        metavar="CMD", help="One argument: a shell line (bash -c). Several: an argv, run without a shell.")],
+        metavar="CMD",
+        help="One argument: a shell line (bash -c). Several: an argv, run without a shell.")],
     timeout: Annotated[str | None, typer.Option(
         help="Kill the command (and its children) after this long, e.g. 2m; exit 124.")] = None,
     cwd: Annotated[str, typer.Option(help="Working directory.")] = "/work",

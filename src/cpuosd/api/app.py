@@ -50,7 +50,7 @@ def _check_env(v: dict[str, str]) -> dict[str, str]:
     if len(v) > 256:
         raise ValueError("at most 256 environment variables")
     for k, val in v.items():
-        if not ENV_KEY.match(k):
+        if not ENV_KEY.fullmatch(k):
             raise ValueError(f"bad environment variable name {k[:80]!r}")
         if "\x00" in val or len(val) > 32768:
             raise ValueError(f"bad value for environment variable {k}")
@@ -69,7 +69,7 @@ class CreateSandbox(BaseModel):
     @field_validator("template")
     @classmethod
     def _t(cls, v: str) -> str:
-        if not ID_RE.match(v):
+        if not ID_RE.fullmatch(v):
             raise ValueError("template name must match ^[a-z0-9-]{1,64}$")
         return v
 
@@ -304,7 +304,8 @@ def create_app(cfg: Config | None = None) -> FastAPI:
         lv = mgr(request).running(ws, sid)
         return await mgr(request).write_file(lv, check_path(path), request.stream())
 
-    @app.get("/sandboxes/{sid}/files", responses={200: {"content": {"application/octet-stream": {}}}})
+    @app.get("/sandboxes/{sid}/files",
+             responses={200: {"content": {"application/octet-stream": {}}}})
     async def get_file(sid: str, path: PathQ, request: Request, ws: Ws) -> StreamingResponse:
         lv = mgr(request).running(ws, sid)
         body = await mgr(request).read_file(lv, check_path(path))

@@ -108,7 +108,7 @@ class GVisorBackend:
                 out, err = b"", log_path.read_bytes()[-2000:]
             else:
                 out, err = await asyncio.wait_for(proc.communicate(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
@@ -123,9 +123,9 @@ class GVisorBackend:
             d.mkdir(parents=True, exist_ok=True)
         os.chmod(spec.sock_dir, 0o755)
         (bundle / "config.json").write_text(json.dumps(oci_spec(spec), indent=1))
-        args = self._global_flags() + [
-            "--network=none", "--host-uds=open", f"--overlay2=root:{overlay}",
-            "run", "--detach", "--bundle", str(bundle), spec.id,
+        args = [
+            *self._global_flags(), "--network=none", "--host-uds=open",
+            f"--overlay2=root:{overlay}", "run", "--detach", "--bundle", str(bundle), spec.id,
         ]
         rc, _, err = await self._run(*args, log_path=spec.dir / "runsc.log")
         if rc != 0:

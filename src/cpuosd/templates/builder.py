@@ -57,11 +57,12 @@ class TemplateSpec:
             raise TemplateError(f"{p}: {e}") from None
         unknown = set(data) - KNOWN_KEYS
         if unknown:
-            raise TemplateError(f"{p}: unknown key(s) {sorted(unknown)}; known: {sorted(KNOWN_KEYS)}")
+            raise TemplateError(f"{p}: unknown key(s) {sorted(unknown)}; "
+                                f"known: {sorted(KNOWN_KEYS)}")
         spec = cls(**data)
-        if not NAME_RE.match(spec.name):
+        if not NAME_RE.fullmatch(spec.name):
             raise TemplateError(f"{p}: bad template name {spec.name!r}")
-        bad = [x for x in spec.apt if not PKG_RE.match(x)]
+        bad = [x for x in spec.apt if not PKG_RE.fullmatch(x)]
         if bad:
             raise TemplateError(f"{p}: bad package name(s) {bad}")
         return spec
@@ -103,7 +104,7 @@ def build(spec: TemplateSpec, templates_dir: Path, *, force: bool = False,
     digest = spec.digest()
     final = templates_dir / f"{spec.name}-{digest}"
     info_path = templates_dir / f"{spec.name}.json"
-    info = {"name": spec.name, "digest": digest, "rootfs": str(final / "rootfs"),
+    info: dict[str, Any] = {"name": spec.name, "digest": digest, "rootfs": str(final / "rootfs"),
             "packages": spec.apt}
     if (final / "rootfs").is_dir() and not force:
         info["built_at"] = json.loads(info_path.read_text()).get("built_at") \

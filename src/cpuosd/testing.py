@@ -1,0 +1,127 @@
+"""A real cpuosd for tests and benchmarks: own $CPUOS_HOME (runsc root, SQLite, sandboxes),
+shared template cache (CPUOS_TEMPLATES_DIR, default /var/lib/cpuos/templates).
+
+Teardown kills every sandbox the daemon made, stops it by pid, deletes any runsc
+container left in its root (and reports it), and keeps the daemon log of a failed
+run under .cache/test-artifacts/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+TEMPLATES = Path(os.environ.get("CPUOS_TEMPLATES_DIR", "/var/lib/cpuos/templates"))
+ARTIFACTS = Path.cwd() / ".cache" / "test-artifacts"
+
+
+def e2e_unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (runsc as root)"
+    if shutil.which("runsc") is None:
+        return "runsc is not installed (apt-get install runsc)"
+    if not (TEMPLATES / "python.json").exists():
+        return f"python template not built in {TEMPLATES} (cpuos template build python)"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Daemon:
+    """One cpuosd process, restartable (SIGKILL and start again on the same home)."""
+
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = home / "cpuosd.log"
+
+    def start(self) -> None:
+        env = {**os.environ, "CPUOS_HOME": str(self.home), "CPUOS_TEMPLATES_DIR": str(TEMPLATES),
+               "CPUOS_PORT": str(self.port)}
+        env.pop("CPUOS_API_KEY", None)
+        env.pop("CPUOS_API_URL", None)
+        with open(self.log, "ab") as logf:
+            self.proc = subprocess.Popen([sys.executable, "-m", "cpuosd.main"], env=env,
+                                         stdout=logf, stderr=logf, start_new_session=True)
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"cpuosd exited: {self.log.read_text()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError("cpuosd did not come up")
+
+    @property
+    def key(self) -> str:
+        return (self.home / "admin.key").read_text().strip()
+
+    def client(self, key: str | None = None) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=60,
+                            headers={"Authorization": f"Bearer {key or self.key}"})
+
+    def sdk_kwargs(self, key: str | None = None) -> dict[str, str]:
+        return {"api_url": self.url, "api_key": key or self.key}
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def runsc_containers(self) -> list[str]:
+        out = subprocess.run(["runsc", "--root", str(self.home / "runsc"), "list",
+                              "-format=json"], capture_output=True, check=True).stdout
+        return [c["id"] for c in json.loads(out or b"null") or []]
+
+    def teardown(self, failed: bool) -> list[str]:
+        """Kill all sandboxes, stop the daemon, remove leftovers; returns leftovers found."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                with self.client() as c:
+                    for s in c.get("/sandboxes").json()["sandboxes"]:
+                        c.delete(f"/sandboxes/{s['id']}")
+            except Exception:
+                pass
+        self.stop()
+        left = self.runsc_containers() if (self.home / "runsc").exists() else []
+        for cid in left:
+            subprocess.run(["runsc", "--root", str(self.home / "runsc"), "delete", "--force",
+                            cid], capture_output=True)
+        if failed and self.log.exists():
+            ARTIFACTS.mkdir(parents=True, exist_ok=True)
+            shutil.copy(self.log, ARTIFACTS / f"cpuosd-{self.home.name}.log")
+        shutil.rmtree(self.home, ignore_errors=True)
+        return left
+
+
+def new_daemon() -> Daemon:
+    home = Path(tempfile.mkdtemp(prefix="cpuos-t-", dir="/tmp"))
+    return Daemon(home)
