@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Installs everything cpuos needs on a Debian 12 machine, as root, idempotently:
+# Debian packages (runsc, mmdebstrap, gcc for the template shim), a virtualenv in .venv
+# with cpuos installed (editable, with dev tools when --dev), and the `python` template.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+dev=0
+[ "${1:-}" = "--dev" ] && dev=1
+
+if [ "$(id -u)" -ne 0 ]; then
+  echo "setup: run as root (runsc, mmdebstrap and cgroups need it)" >&2
+  exit 2
+fi
+
+need_pkgs=(runsc mmdebstrap gcc libc6-dev python3 python3-venv python3-pip ca-certificates procps)
+missing=()
+for p in "${need_pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "==> apt-get install ${missing[*]}"
+  apt-get update -q
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}"
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  echo "==> creating .venv"
+  python3 -m venv .venv
+fi
+extra="server"
+[ $dev -eq 1 ] && extra="dev"
+echo "==> pip install -e .[$extra]"
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null
+.venv/bin/python -m pip install -q -e ".[$extra]"
+
+echo "==> building the python template (cached by content hash)"
+.venv/bin/cpuos template build python

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Installs what the tests need (as root) and runs them: unit tests, then the end-to-end
+# suite against real daemons on real runsc. Slow suites are excluded (run them with
+# `scripts/test.sh -m slow`). Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh --dev
+
+echo "==> lint and types"
+.venv/bin/ruff check src tests scripts bench
+.venv/bin/mypy
+
+args=("$@")
+[ ${#args[@]} -eq 0 ] && args=(-m "not slow and not kvm")
+set +e
+.venv/bin/python -m pytest tests "${args[@]}"
+rc=$?
+set -e
+if [ $rc -eq 5 ]; then
+  echo "pytest collected no tests for: ${args[*]}" >&2
+  exit 1
+fi
+exit $rc
