@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh --dev
 
 echo "==> lint and types"
-.venv/bin/ruff check src tests scripts bench
+.venv/bin/ruff check .
 .venv/bin/mypy
 
 args=("$@")
