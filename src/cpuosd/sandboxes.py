@@ -57,6 +57,8 @@ class Manager:
         self._locks: dict[str, asyncio.Lock] = {}
         self.agent_dir = self._install_agent()
         cfg.sandboxes_dir.mkdir(parents=True, exist_ok=True)
+        # agent sockets live below: no other host user may reach (and impersonate) an agent
+        cfg.sandboxes_dir.chmod(0o700)
 
     # ---- setup ----------------------------------------------------------------------
     def _install_agent(self) -> Path:
