@@ -13,7 +13,8 @@ if [ "$(id -u)" -ne 0 ]; then
   exit 2
 fi
 
-need_pkgs=(runsc mmdebstrap gcc libc6-dev python3 python3-venv python3-pip ca-certificates procps)
+need_pkgs=(runsc mmdebstrap gcc libc6-dev python3 python3-venv python3-pip ca-certificates procps
+           qemu-system-x86 busybox-static cpio lz4 e2fsprogs zstd xz-utils)
 missing=()
 for p in "${need_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -21,7 +22,7 @@ done
 if [ ${#missing[@]} -gt 0 ]; then
   echo "==> apt-get install ${missing[*]}"
   apt-get update -q
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
 
 if [ ! -x .venv/bin/python ]; then

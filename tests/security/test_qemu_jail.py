@@ -1,0 +1,278 @@
+"""QEMU, with the real command line from qemu.py, under our jailer: comes up jailed and
+answers QMP. ``-S``: no guest code runs (a guest cannot boot on this kind of host, see
+probe.py). KVM when QEMU can initialise it, else ``-accel tcg`` (this test only).
+
+Needs root and qemu-system-x86_64 (apt-get install qemu-system-x86).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cpuosd.backends.microvm import jailer, kernel
+from cpuosd.backends.microvm.qemu import (
+    QMP,
+    Accel,
+    VMConfig,
+    kernel_cmdline,
+    qemu_argv,
+    support_files,
+)
+
+QEMU_BIN = "/usr/bin/qemu-system-x86_64"
+UID = 300_911
+
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="the jailer needs root"),
+    pytest.mark.skipif(not os.path.exists(QEMU_BIN),
+                       reason="qemu-system-x86_64 not installed (apt-get install qemu-system-x86)"),
+]
+
+
+@dataclasses.dataclass
+class Jailed:
+    id: str
+    base: Path
+    proc: subprocess.Popen[bytes]
+    paths: jailer.JailPaths
+    accel: Accel
+    agent_listener: socket.socket
+    log: Path
+
+    @property
+    def vmm_pid(self) -> int:
+        return int(self.paths.pid_file.read_text())
+
+
+def _start(sid: str, base: Path, work: Path, accel: Accel, *, incoming: bool = False,
+           agent: socket.socket | None = None) -> Jailed:
+    images = work / "images"
+    images.mkdir(exist_ok=True)
+    for name in ("root.ext4", "overlay.ext4"):
+        with open(images / name, "wb") as f:
+            f.truncate(1 << 20)
+        os.chown(images / name, UID, UID)
+    agent_dir = work / "agent"
+    agent_dir.mkdir(exist_ok=True)
+    if agent is None:
+        agent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        agent.bind(str(agent_dir / "agent.sock"))
+        os.chmod(agent_dir / "agent.sock", 0o666)
+        agent.listen(4)
+    vm = VMConfig(qmp_socket="/run/qmp.sock", vcpus=1, memory_mib=128,
+                  rootfs_image="/disk/root.ext4", overlay_image="/disk/overlay.ext4",
+                  agent_socket="/agent/agent.sock", accel=accel, start_paused=True,
+                  incoming=incoming, qemu=QEMU_BIN)
+    argv = jailer.jailer_argv(
+        sandbox_id=sid, exec_file=QEMU_BIN, exec_dest=QEMU_BIN, uid=UID, gid=UID,
+        chroot_base=base, args=qemu_argv(vm)[1:], files=support_files(QEMU_BIN, accel),
+        binds=[(str(images / "root.ext4"), "/disk/root.ext4", True),
+               (str(images / "overlay.ext4"), "/disk/overlay.ext4", False),
+               (str(agent_dir), "/agent", True)],
+        cgroups=jailer.cgroup_limits(jailer.cgroup_version(), cpus=1,
+                                     memory_bytes=512 << 20, pids=128),
+        rlimits={"nofile": 1024, "fsize": 1 << 20})
+    log = work / f"{sid}.log"
+    with open(log, "wb") as logf:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf)
+    return Jailed(sid, base, proc, jailer.jail_paths(sid, QEMU_BIN, base, QEMU_BIN), accel,
+                  agent, log)
+
+
+async def _connect(j: Jailed) -> QMP:
+    q = QMP(j.paths.host_path("/run/qmp.sock"))
+    deadline = time.monotonic() + 10
+    while True:
+        if j.proc.poll() is not None:
+            raise RuntimeError(f"QEMU exited {j.proc.returncode}: {j.log.read_text()[-500:]}")
+        try:
+            await q.connect(0.2)
+            return q
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+def work(tmp_path: Path) -> Path:
+    (tmp_path / "jails").mkdir()
+    return tmp_path.resolve()
+
+
+@pytest.fixture
+def ids(work: Path) -> Iterator[list[str]]:
+    made: list[str] = []
+    yield made
+    for sid in made:
+        jailer.cleanup(sid, work / "jails")
+        assert not (work / "jails" / "qemu-system-x86_64" / sid).exists()
+        assert not [d for d in jailer.cgroup_dirs(sid) if d.exists()], "cgroup left behind"
+
+
+async def _start_any_accel(sid: str, work: Path, **kw: object) -> tuple[Jailed, QMP]:
+    """KVM first; if QEMU cannot initialise it here, TCG (for this test only)."""
+    errors = []
+    for accel in ("kvm", "tcg"):
+        j = _start(sid, work / "jails", work, accel, **kw)  # type: ignore[arg-type]
+        try:
+            return j, await _connect(j)
+        except Exception as e:
+            errors.append(f"{accel}: {e}")
+            j.proc.kill()
+            j.proc.wait()
+            jailer.cleanup(sid, work / "jails")
+    pytest.fail("QEMU did not come up jailed: " + " | ".join(errors))
+
+
+def _status(pid: int) -> dict[str, str]:
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            out[k] = v.strip()
+    return out
+
+
+def test_qemu_comes_up_jailed_and_answers_qmp(work: Path, ids: list[str]) -> None:
+    sid = f"qj-{os.getpid()}"
+    ids.append(sid)
+    asyncio.run(_jailed_and_answers(sid, work))
+
+
+async def _jailed_and_answers(sid: str, work: Path) -> None:
+    j, q = await _start_any_accel(sid, work)
+    vmm = j.vmm_pid
+    st = _status(vmm)
+    assert st["Uid"].split() == [str(UID)] * 4
+    assert st["Gid"].split() == [str(UID)] * 4
+    assert st["Groups"] == ""
+    assert st["CapEff"] == st["CapPrm"] == st["CapBnd"] == "0000000000000000"
+    assert st["NoNewPrivs"] == "1"
+    assert st["Seccomp"] == "2"  # QEMU's own -sandbox filter
+    assert st["NSpid"].split()[-1] == "1"  # PID 1 of its own pid namespace
+    for ns in ("mnt", "pid"):
+        assert os.readlink(f"/proc/{vmm}/ns/{ns}") != os.readlink(f"/proc/self/ns/{ns}")
+    assert os.readlink(f"/proc/{vmm}/root") == "/"  # pivot_root: its root is the jail
+    assert not os.path.exists(f"/proc/{vmm}/root/etc/hostname")
+    fds = {int(x) for x in os.listdir(f"/proc/{vmm}/fd")}
+    assert {0, 1, 2} <= fds  # (the rest are QEMU's own)
+    print(f"accelerator: {j.accel}")
+    # the agent channel's chardev connected out of the jail to the daemon-side socket
+    j.agent_listener.settimeout(5)
+    conn, _ = j.agent_listener.accept()
+    conn.close()
+    assert await q.query_status() == "prelaunch"
+    await q.quit()
+    assert j.proc.wait(10) == 0, j.log.read_text()[-500:]
+    j.agent_listener.close()
+
+
+def test_state_migrates_through_an_fd_into_a_jailed_clone(work: Path, ids: list[str]) -> None:
+    """checkpoint/restore plumbing without a guest: migrate a -S VM's state to a host file
+    passed in over QMP (no process spawned in the jail), then into a jailed
+    ``-incoming defer`` QEMU."""
+    src_id, dst_id = f"qm-{os.getpid()}-a", f"qm-{os.getpid()}-b"
+    ids += [src_id, dst_id]
+    state = work / "state"
+
+    async def save() -> Jailed:
+        src, q = await _start_any_accel(src_id, work)
+        fd = os.open(state, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            await q.stop()
+            await q.migrate_fd(fd)
+        finally:
+            os.close(fd)
+        await q.wait_migration(30)
+        await q.quit()
+        return src
+
+    src = asyncio.run(save())
+    assert src.proc.wait(10) == 0
+    assert state.stat().st_size > 0
+    dst = _start(dst_id, work / "jails", work, src.accel, incoming=True,
+                 agent=src.agent_listener)
+
+    async def load() -> str:
+        q2 = await _connect(dst)
+        try:
+            assert await q2.query_status() == "inmigrate"
+            fd = os.open(state, os.O_RDONLY)
+            try:
+                await q2.migrate_incoming_fd(fd)
+            finally:
+                os.close(fd)
+            for _ in range(500):
+                status = await q2.query_status()
+                if status != "inmigrate":
+                    return status
+                await asyncio.sleep(0.01)
+            return status
+        finally:
+            await q2.quit()
+
+    assert asyncio.run(load()) in ("paused", "prelaunch", "postmigrate")
+    assert dst.proc.wait(10) == 0, dst.log.read_text()[-500:]
+    src.agent_listener.close()
+    shutil.rmtree(work / "images", ignore_errors=True)
+
+
+def test_guest_kernel_boots_to_init_under_tcg_jailed(work: Path, ids: list[str]) -> None:
+    """The guest artifacts (vmlinux, initramfs, virtio modules, /init) boot, jailed. Under
+    TCG: a KVM guest cannot boot on this kind of host (see probe.py), an emulated one can."""
+    art = kernel.current_artifacts()
+    if art is None:
+        pytest.skip(f"guest artifacts not built in {kernel.cache_dir()} "
+                    "(scripts/build-microvm-kernel.sh)")
+    sid = f"qb-{os.getpid()}"
+    ids.append(sid)
+    vm = VMConfig(qmp_socket="/run/qmp.sock", kernel="/boot/vmlinux", initrd="/boot/initrd",
+                  cmdline=kernel_cmdline(console=True, accel="tcg", extra=["cpuos.probe=1"]),
+                  vcpus=1,
+                  memory_mib=256, serial_log="/run/serial.log", accel="tcg", qemu=QEMU_BIN)
+    argv = jailer.jailer_argv(
+        sandbox_id=sid, exec_file=QEMU_BIN, exec_dest=QEMU_BIN, uid=UID, gid=UID,
+        chroot_base=work / "jails", args=qemu_argv(vm)[1:], files=support_files(QEMU_BIN, "tcg"),
+        binds=[(art.vmlinux, "/boot/vmlinux", True), (art.initrd, "/boot/initrd", True)],
+        cgroups=jailer.cgroup_limits(jailer.cgroup_version(), cpus=1, memory_bytes=768 << 20,
+                                     pids=128),
+        rlimits={"nofile": 1024, "fsize": 4 << 20})
+    serial = jailer.jail_paths(sid, QEMU_BIN, work / "jails", QEMU_BIN).host_path(
+        "/run/serial.log")
+    t0 = time.monotonic()
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    try:
+        text = ""
+        while time.monotonic() - t0 < 40 and proc.poll() is None:
+            with contextlib.suppress(OSError):
+                text = serial.read_text(errors="replace")
+            if kernel.PROBE_MARKER in text:
+                break
+            time.sleep(0.05)
+        with contextlib.suppress(OSError):  # QEMU may have exited (poweroff) meanwhile
+            text = serial.read_text(errors="replace")
+        print(f"guest reached the marker after {time.monotonic() - t0:.1f}s")
+        assert "CPUOS-INIT-START" in text, text[-1500:]
+        assert kernel.PROBE_MARKER in text, text[-1500:]
+        assert "CPUOS-INIT-FAILED" not in text
+        # /init powers the VM off after the marker; -no-reboot: QEMU exits by itself
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        assert proc.stdout is not None
+        proc.stdout.close()
