@@ -32,11 +32,13 @@ def daemon(request: pytest.FixtureRequest) -> Iterator[Daemon]:
 
 @pytest.fixture
 def fresh_daemon(request: pytest.FixtureRequest) -> Iterator[Daemon]:
-    """A daemon of the test's own (for restart/kill tests)."""
+    """A daemon of the test's own (for restart/kill tests), warm pool off unless the test
+    is parametrized indirectly with an environment dict."""
     why = e2e_unavailable()
     if why:
         pytest.skip(why)
-    d = new_daemon()
+    env = {"CPUOS_POOL_SIZE": "0", **getattr(request, "param", {})}
+    d = new_daemon(**env)
     d.start()
     yield d
     left = d.teardown(getattr(request.config, "_cpuos_failed", False))

@@ -103,6 +103,9 @@ class SandboxInfo:
     vcpus: int | None
     memory_mib: int | None
     metadata: dict[str, str] = field(default_factory=dict)
+    on_timeout: str = "kill"
+    paused_at: float | None = None
+    snapshot_bytes: int | None = None
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> SandboxInfo:

@@ -75,6 +75,11 @@ class Closed(Exception):
     pass
 
 
+class Quiesce(Exception):
+    """The host is about to checkpoint: drop the connection (a checkpoint cannot carry a
+    host connection) and reconnect when a socket is there again (after the restore)."""
+
+
 class Conn:
     """One connection to the host: a locked sender and per-stream send credits."""
 
@@ -132,6 +137,7 @@ class Conn:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+        self.rfile.close()  # makefile() holds a reference: the fd closes only with both
         self.sock.close()
 
 
@@ -417,13 +423,16 @@ class Agent:
                 s.connect(SOCKET_PATH)
             except OSError:
                 s.close()
-                time.sleep(0.05)
+                time.sleep(0.02)
                 continue
             conn = Conn(s)
             try:
                 conn.send({"t": "hello", "version": P.PROTOCOL_VERSION, "pid": os.getpid(),
                            "uid": os.getuid()})
                 self._serve(conn)
+            except Quiesce:
+                conn.shutdown()
+                time.sleep(0.1)  # the host has already removed the socket; retry until restored
             except (Closed, P.ProtocolError, OSError):
                 pass
             finally:
@@ -447,7 +456,7 @@ class Agent:
                 sid = 0
             try:
                 self._dispatch(conn, t, sid, h, payload)
-            except Closed:
+            except (Closed, Quiesce):
                 raise
             except OSError as e:
                 conn.send({"t": "err", "id": sid, "code": _errcode(e),
@@ -459,6 +468,13 @@ class Agent:
     def _dispatch(self, conn: Conn, t: str, sid: int, h: P.Header, payload: bytes) -> None:
         if t == "ping":
             conn.send({"t": "pong", "id": sid, "time": time.time()})
+        elif t == "quiesce":
+            if self.execs or self.writes:
+                conn.send({"t": "err", "id": sid, "code": P.E_EXISTS,
+                           "message": "commands or file transfers are still running"})
+                return
+            conn.send({"t": "ok", "id": sid})
+            raise Quiesce()
         elif t == "exec":
             Exec(self, conn, sid, h).start()
         elif t == "stdin":

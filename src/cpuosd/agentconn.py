@@ -85,6 +85,21 @@ class AgentChannel:
                                                        limit=P.MAX_PAYLOAD * 2)
         os.chmod(self.sock_path, 0o666)
 
+    def stop_listening(self) -> None:
+        """Close the listening socket and remove it, so the agent cannot (re)connect."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        with contextlib.suppress(FileNotFoundError):
+            self.sock_path.unlink()
+
+    async def wait_disconnected(self, timeout: float) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self.connected:
+            if asyncio.get_running_loop().time() > deadline:
+                raise ApiError("timeout", "sandbox agent did not let go of its connection")
+            await asyncio.sleep(0.005)
+
     @property
     def connected(self) -> bool:
         return self._connected.is_set()
@@ -188,6 +203,7 @@ class AgentChannel:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
+            self._server = None
         self._drop_connection()
         if self._reader_task is not None and self._reader_task is not asyncio.current_task():
             self._reader_task.cancel()

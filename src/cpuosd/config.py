@@ -30,6 +30,13 @@ class Config:
     reaper_interval: float = 0.5
     default_vcpus: int = 2
     default_memory_mib: int = 2048
+    # Restored sandboxes kept ready per template (0 turns the warm pool off).
+    pool_size: int = field(default_factory=lambda: _int("CPUOS_POOL_SIZE", 1))
+    # Boot each template once, checkpoint it, and create sandboxes by restoring that.
+    template_snapshots: bool = field(
+        default_factory=lambda: os.environ.get("CPUOS_TEMPLATE_SNAPSHOTS", "1") != "0")
+    # Free space a pause needs beyond the sandbox's memory (its image is at most that big).
+    snapshot_margin: int = 64 << 20
 
     @property
     def db_path(self) -> Path:
@@ -47,6 +54,10 @@ class Config:
     def templates_dir(self) -> Path:
         """Template builds; shareable between daemons (tests point it at one cache)."""
         return Path(os.environ.get("CPUOS_TEMPLATES_DIR") or self.home / "templates")
+
+    @property
+    def snapshots_dir(self) -> Path:
+        return Path(os.environ.get("CPUOS_SNAPSHOTS_DIR") or self.home / "snapshots")
 
     @property
     def runsc_root(self) -> Path:

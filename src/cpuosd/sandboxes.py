@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import os
 import secrets
 import shutil
 import time
@@ -55,6 +56,8 @@ class Manager:
         self.live: dict[str, Live] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._locks: dict[str, asyncio.Lock] = {}
+        self.pool: dict[str, list[Live]] = {}
+        self._filling: dict[str, bool] = {}
         self.agent_dir = self._install_agent()
         cfg.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         # agent sockets live below: no other host user may reach (and impersonate) an agent
@@ -94,33 +97,49 @@ class Manager:
                            hostname=s.get("hostname", "sandbox"), env=s.get("env", {}))
 
     async def startup(self) -> None:
+        self.cfg.snapshots_dir.mkdir(parents=True, exist_ok=True)
+        self.cfg.snapshots_dir.chmod(0o700)
         await self.reconcile()
         self._spawn(self._reaper())
+        if self.cfg.pool_size > 0 and template_info(self.cfg.templates_dir, "python"):
+            self._spawn(self._fill_pool("python"))
 
     async def shutdown(self) -> None:
         for t in list(self._tasks):
             t.cancel()
+        for pool in self.pool.values():  # pooled sandboxes belong to no one: end them
+            while pool:
+                await self.kill(pool.pop().row.id, reason="pool_discarded")
         for lv in list(self.live.values()):
             await lv.chan.close()  # sandboxes keep running; a restarted daemon reattaches
 
     # ---- reconcile ------------------------------------------------------------------
     async def reconcile(self) -> None:
+        """Make SQLite and the host agree after a (possibly unclean) restart."""
         actual = await self.backend.running()
-        rows = self.store.list_sandboxes(states=LIVE_STATES)
         keep: set[str] = set()
-        for row in rows:
-            if row.state == "running" and actual.get(row.id) == "running":
-                lv = Live(row, self._spec(row), AgentChannel(self._spec(row).sock_path))
-                self.live[row.id] = lv
-                lv.chan.on_disconnect.append(lambda sid=row.id: self._on_disconnect(sid))
-                await lv.chan.listen()
-                self._spawn(self._await_reattach(row.id))
+        for row in self.store.list_sandboxes(states=LIVE_STATES):
+            alive = actual.get(row.id) == "running"
+            snap = self._snap(row.id)
+            if alive and row.state in ("running", "pausing", "resuming"):
+                # a pause that did not get to checkpoint, or a resume that did: running
+                await self._reattach(row)
                 keep.add(row.id)
-                log.info("reattaching to sandbox %s", row.id)
-            else:
-                reason = "lost" if row.state == "running" else "interrupted"
+                if row.state != "running":
+                    self.store.update_sandbox(row.id, state="running")
+                    log.info("sandbox %s was %s at restart: running", row.id, row.state)
+                continue
+            if alive:
                 await self.backend.kill(row.id)
-                self._finish(row.id, "killed" if row.state == "killing" else "error", reason)
+            has_snap = (snap / "checkpoint.img").exists()
+            if row.state in ("paused", "pausing", "resuming") and has_snap:
+                if row.state != "paused":
+                    self.store.update_sandbox(row.id, state="paused", paused_at=_now())
+                continue
+            reason = {"running": "lost", "paused": "snapshot_lost", "pooled": "pool_discarded",
+                      "killing": row.reason or "killed"}.get(row.state, "interrupted")
+            self._finish(row.id, "killed" if row.state in ("killing", "pooled") else "error",
+                         reason)
         for cid in actual:
             if cid not in keep:
                 log.warning("killing runsc sandbox %s that has no live record", cid)
@@ -128,6 +147,18 @@ class Manager:
         for d in self.cfg.sandboxes_dir.iterdir():
             if d.name not in keep:
                 shutil.rmtree(d, ignore_errors=True)
+        paused = {r.id for r in self.store.list_sandboxes(states=("paused",))}
+        for d in self.cfg.snapshots_dir.iterdir():
+            if d.name != "templates" and d.name not in paused:
+                shutil.rmtree(d, ignore_errors=True)
+
+    async def _reattach(self, row: SandboxRow) -> None:
+        lv = Live(row, self._spec(row), AgentChannel(self._spec(row).sock_path))
+        self.live[row.id] = lv
+        await lv.chan.listen()
+        lv.chan.on_disconnect.append(lambda sid=row.id: self._on_disconnect(sid))
+        self._spawn(self._await_reattach(row.id))
+        log.info("reattaching to sandbox %s", row.id)
 
     async def _await_reattach(self, sid: str) -> None:
         lv = self.live.get(sid)
@@ -137,7 +168,7 @@ class Manager:
             await lv.chan.wait_connected(self.cfg.agent_connect_timeout)
         except ApiError:
             log.warning("sandbox %s: agent did not reconnect; killing it", sid)
-            await self.kill(sid, reason="lost")
+            await self.kill(sid, reason="lost", final_state="error")
 
     def _on_disconnect(self, sid: str) -> None:
         self._spawn(self._check_alive(sid))
@@ -148,56 +179,286 @@ class Manager:
         lv = self.live.get(sid)
         if lv is None or lv.chan.connected or lv.row.state != "running":
             return
+        row = self.store.get_sandbox(sid)
+        if row is None or row.state != "running":
+            return
         state = (await self.backend.running()).get(sid)
         if state != "running":
             await self.kill(sid, reason="exited", final_state="error")
 
     # ---- lifecycle ------------------------------------------------------------------
-    async def create(self, workspace_id: str, template: str, timeout: float,
-                     metadata: dict[str, str], env: dict[str, str], vcpus: int,
-                     memory_mib: int) -> SandboxRow:
-        info = template_info(self.cfg.templates_dir, template)
-        if info is None:
-            raise ApiError("not_found", f"template {template!r} is not built; run "
-                           f"`cpuos template build {template}` on the daemon's host",
-                           {"template": template})
+    def _snap(self, sid: str) -> Path:
+        return self.cfg.snapshots_dir / sid
+
+    def _new_row(self, workspace_id: str, template: str, info: dict[str, Any], timeout: float,
+                 metadata: dict[str, str], env: dict[str, str], vcpus: int, memory_mib: int,
+                 state: str = "creating", on_timeout: str = "kill") -> SandboxRow:
         sid = "sbx-" + "".join(secrets.choice("abcdefghijklmnopqrstuvwxyz0123456789")
                                for _ in range(12))
         now = _now()
         row = SandboxRow(
             id=sid, workspace_id=workspace_id, template=template,
-            backend=self.backend.capabilities.name, state="creating", reason=None,
+            backend=self.backend.capabilities.name, state=state, reason=None,
             created_at=now, started_at=None, ended_at=None, deadline=now + timeout,
             spec={"rootfs": info["rootfs"], "template_digest": info["digest"], "vcpus": vcpus,
-                  "memory_mib": memory_mib, "hostname": sid, "env": env, "timeout": timeout},
-            metadata=metadata,
+                  "memory_mib": memory_mib, "hostname": "sandbox", "env": env,
+                  "timeout": timeout},
+            metadata=metadata, on_timeout=on_timeout,
         )
         self.store.insert_sandbox(row)
+        return row
+
+    async def _boot(self, row: SandboxRow, image: Path | None) -> Live:
+        """Start (image None) or restore a sandbox for row; returns it with its agent
+        connected. On failure everything made for it is removed and the error raised."""
         spec = self._spec(row)
         chan = AgentChannel(spec.sock_path)
         lv = Live(row, spec, chan)
-        self.live[sid] = lv
-        async with self._lock(sid):
-            try:
-                spec.sock_dir.mkdir(parents=True, exist_ok=True)
-                await chan.listen()
+        self.live[row.id] = lv
+        try:
+            spec.sock_dir.mkdir(parents=True, exist_ok=True)
+            await chan.listen()
+            if image is None:
                 await self.backend.start(spec)
-                await chan.wait_connected(self.cfg.agent_connect_timeout)
+            else:
+                await self.backend.restore(spec, image)
+            await chan.wait_connected(self.cfg.agent_connect_timeout)
+        except BaseException:
+            await self._teardown(row.id)
+            raise
+        chan.on_disconnect.append(lambda: self._on_disconnect(row.id))
+        return lv
+
+    def _mark_running(self, row: SandboxRow, timeout: float) -> None:
+        started = _now()
+        row.state, row.deadline = "running", started + timeout
+        row.started_at = row.started_at or started
+        self.store.update_sandbox(row.id, state="running", started_at=row.started_at,
+                                  deadline=row.deadline, workspace_id=row.workspace_id,
+                                  spec=row.spec, metadata=row.metadata,
+                                  on_timeout=row.on_timeout)
+
+    async def create(self, workspace_id: str, template: str, timeout: float,
+                     metadata: dict[str, str], env: dict[str, str], vcpus: int,
+                     memory_mib: int, on_timeout: str = "kill") -> SandboxRow:
+        info = template_info(self.cfg.templates_dir, template)
+        if info is None:
+            raise ApiError("not_found", f"template {template!r} is not built; run "
+                           f"`cpuos template build {template}` on the daemon's host",
+                           {"template": template})
+        default_size = (vcpus, memory_mib) == (self.cfg.default_vcpus,
+                                              self.cfg.default_memory_mib)
+        pool = self.pool.get(template)
+        if default_size and pool:
+            lv = pool.pop()  # no await between the check and the pop: handed out once
+            self._spawn(self._fill_pool(template))
+            row = lv.row
+            row.workspace_id, row.metadata, row.on_timeout = workspace_id, metadata, on_timeout
+            row.spec = {**row.spec, "env": env, "timeout": timeout}
+            lv.spec.env = env
+            self._mark_running(row, timeout)
+            return row
+        image = await self._template_image(template, info) if default_size else None
+        row = self._new_row(workspace_id, template, info, timeout, metadata, env, vcpus,
+                            memory_mib, on_timeout=on_timeout)
+        async with self._lock(row.id):
+            try:
+                await self._boot(row, image)
             except BaseException as e:
-                await self._teardown(sid)
-                self._finish(sid, "error", f"create failed: {e}"[:500])
+                self._finish(row.id, "error", f"create failed: {e}"[:500])
                 raise
-            chan.on_disconnect.append(lambda: self._on_disconnect(sid))
-            started = _now()
-            deadline = started + timeout
-            self.store.update_sandbox(sid, state="running", started_at=started, deadline=deadline)
-            row.state, row.started_at, row.deadline = "running", started, deadline
+            self._mark_running(row, timeout)
         return row
 
+    # ---- template snapshots and the warm pool -----------------------------------------
+    async def _template_image(self, template: str, info: dict[str, Any]) -> Path | None:
+        """The template booted once and checkpointed; made on first use. None when
+        snapshots are off or could not be made (create then boots)."""
+        if not self.cfg.template_snapshots:
+            return None
+        d = (self.cfg.snapshots_dir / "templates"
+             / f"{template}-{info['digest']}-{self.agent_dir.name}")
+        if (d / "checkpoint.img").exists():
+            return d
+        async with self._lock("template:" + template):
+            if (d / "checkpoint.img").exists():
+                return d
+            try:
+                await self._make_template_image(template, info, d)
+            except Exception:
+                log.exception("snapshot of template %s failed; booting instead", template)
+                return None
+        return d
+
+    async def _make_template_image(self, template: str, info: dict[str, Any], d: Path) -> None:
+        t0 = time.monotonic()
+        row = SandboxRow(id="tpl-" + secrets.token_hex(6), workspace_id="", template=template,
+                         backend=self.backend.capabilities.name, state="creating", reason=None,
+                         created_at=_now(), started_at=None, ended_at=None, deadline=None,
+                         spec={"rootfs": info["rootfs"], "vcpus": self.cfg.default_vcpus,
+                               "memory_mib": self.cfg.default_memory_mib,
+                               "hostname": "sandbox", "env": {}},
+                         metadata={})
+        tmp = d.with_name(d.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        d.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            lv = await self._boot(row, None)
+            await self._quiesce(lv)
+            await self.backend.checkpoint(row.id, tmp)
+            os.rename(tmp, d)
+        finally:
+            await self._teardown(row.id)
+            shutil.rmtree(tmp, ignore_errors=True)
+        log.info("template %s snapshotted in %.2fs", template, time.monotonic() - t0)
+
+    async def _fill_pool(self, template: str) -> None:
+        if self._filling.get(template):
+            return
+        self._filling[template] = True
+        try:
+            info = template_info(self.cfg.templates_dir, template)
+            ws = self.store.workspace_by_name("default")
+            pool = self.pool.setdefault(template, [])
+            while info and ws and len(pool) < self.cfg.pool_size:
+                image = await self._template_image(template, info)
+                if image is None:
+                    return
+                row = self._new_row(ws, template, info, self.cfg.default_timeout, {}, {},
+                                    self.cfg.default_vcpus, self.cfg.default_memory_mib,
+                                    state="pooled")
+                try:
+                    lv = await self._boot(row, image)
+                except Exception:
+                    log.exception("warm pool: restoring %s failed", template)
+                    self._finish(row.id, "error", "pool restore failed")
+                    return
+                pool.append(lv)
+        finally:
+            self._filling[template] = False
+
+    # ---- pause / resume / fork ------------------------------------------------------
+    async def _quiesce(self, lv: Live) -> None:
+        """Have the agent drop its connection (a checkpoint cannot carry it); the socket
+        is removed first, so it can only come back once we listen again."""
+        if lv.chan.streams:
+            raise ApiError("conflict", "commands or file transfers are still running in the "
+                           "sandbox; wait for them to finish")
+        lv.chan.stop_listening()
+        try:
+            await lv.chan.call({"t": "quiesce"}, timeout=10)
+            await lv.chan.wait_disconnected(5)
+        except BaseException as e:
+            await lv.chan.listen()  # the agent keeps retrying: it comes back
+            await lv.chan.wait_connected(self.cfg.agent_connect_timeout)
+            if isinstance(e, ApiError) and e.code == "already_exists":
+                raise ApiError("conflict", e.message) from None
+            raise
+
+    def _check_space(self, sid: str, where: Path) -> None:
+        need = (self.backend.memory_usage(sid) or 0) + self.cfg.snapshot_margin
+        where.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(where).free
+        if free < need:
+            raise ApiError("no_space", f"not enough space for a snapshot in {where}: "
+                           f"{free >> 20} MiB free, up to {need >> 20} MiB needed",
+                           {"free_bytes": free, "needed_bytes": need})
+
+    async def _checkpoint(self, lv: Live, image: Path) -> None:
+        """Quiesce and checkpoint lv into image (the sandbox stops). A failed checkpoint
+        loses the sandbox (runsc stops it either way): it is marked error."""
+        sid = lv.row.id
+        self._check_space(sid, image.parent)
+        self.store.update_sandbox(sid, state="pausing")
+        lv.row.state = "pausing"
+        try:
+            await self._quiesce(lv)
+        except BaseException:
+            self.store.update_sandbox(sid, state="running")
+            lv.row.state = "running"
+            raise
+        tmp = image.with_name("." + image.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            await self.backend.checkpoint(sid, tmp)
+            os.rename(tmp, image)
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            await self._teardown(sid)
+            msg = e.message if isinstance(e, ApiError) else str(e)
+            self._finish(sid, "error", f"checkpoint failed: {msg}"[:500])
+            raise
+        await self._teardown(sid)
+
+    async def pause(self, workspace_id: str, sid: str) -> SandboxRow:
+        async with self._lock(sid):
+            lv = self.running(workspace_id, sid)
+            remaining = max(1.0, (lv.row.deadline or _now()) - _now())
+            await self._checkpoint(lv, self._snap(sid))
+            size = _du(self._snap(sid))
+            self.store.update_sandbox(sid, state="paused", paused_at=_now(), remaining=remaining,
+                                      snapshot_bytes=size, deadline=None)
+        return self.get(workspace_id, sid)
+
+    async def resume(self, workspace_id: str, sid: str) -> SandboxRow:
+        async with self._lock(sid):
+            row = self.get(workspace_id, sid)
+            if row.state == "running":
+                return row
+            if row.state != "paused":
+                raise ApiError("conflict", f"sandbox {sid} is {row.state}, not paused",
+                               {"state": row.state})
+            snap = self._snap(sid)
+            self.store.update_sandbox(sid, state="resuming")
+            try:
+                await self._boot(row, snap)
+            except BaseException:
+                self.store.update_sandbox(sid, state="paused")  # the snapshot is still good
+                raise
+            self._mark_running(row, row.remaining or row.spec.get("timeout") or 300.0)
+            self.store.update_sandbox(sid, paused_at=None, remaining=None, snapshot_bytes=None)
+            shutil.rmtree(snap, ignore_errors=True)
+        return self.get(workspace_id, sid)
+
+    async def fork(self, workspace_id: str, sid: str, n: int) -> list[SandboxRow]:
+        """n new sandboxes with the memory, processes and files of sid (which keeps running):
+        checkpoint once, restore n + 1 times."""
+        async with self._lock(sid):
+            lv = self.running(workspace_id, sid)
+            row = lv.row
+            image = self.cfg.snapshots_dir / f"fork-{sid}-{secrets.token_hex(4)}"
+            remaining = max(1.0, (row.deadline or _now()) - _now())
+            try:
+                await self._checkpoint(lv, image)
+                self.store.update_sandbox(sid, state="resuming")
+                try:
+                    await self._boot(row, image)
+                except BaseException as e:
+                    self._finish(sid, "error", f"restore after fork failed: {e}"[:500])
+                    raise
+                self._mark_running(row, remaining)
+                info = {"rootfs": row.spec["rootfs"], "digest": row.spec.get("template_digest")}
+                clones = []
+                for _ in range(n):
+                    c = self._new_row(workspace_id, row.template, info, remaining, row.metadata,
+                                      row.spec.get("env", {}), row.spec["vcpus"],
+                                      row.spec["memory_mib"], on_timeout=row.on_timeout)
+                    try:
+                        await self._boot(c, image)
+                    except BaseException as e:
+                        self._finish(c.id, "error", f"fork restore failed: {e}"[:500])
+                        raise
+                    self._mark_running(c, remaining)
+                    clones.append(c)
+            finally:
+                shutil.rmtree(image, ignore_errors=True)
+        return clones
+
+    # ---- lookups, timeouts, kill ----------------------------------------------------
     def get(self, workspace_id: str, sid: str) -> SandboxRow:
         check_id(sid)
         row = self.store.get_sandbox(sid)
-        if row is None or row.workspace_id != workspace_id:
+        if row is None or row.workspace_id != workspace_id or row.state == "pooled":
             raise not_found("sandbox", sid)
         return row
 
@@ -211,10 +472,13 @@ class Manager:
         return lv
 
     def set_timeout(self, workspace_id: str, sid: str, timeout: float) -> SandboxRow:
-        self.running(workspace_id, sid)
+        row = self.get(workspace_id, sid)
+        if row.state == "paused":
+            self.store.update_sandbox(sid, remaining=timeout)
+            return self.get(workspace_id, sid)
+        lv = self.running(workspace_id, sid)
         deadline = _now() + timeout
         self.store.update_sandbox(sid, deadline=deadline)
-        lv = self.live[sid]
         lv.row.deadline = deadline
         return self.get(workspace_id, sid)
 
@@ -225,6 +489,7 @@ class Manager:
                 return
             self.store.update_sandbox(sid, state="killing", reason=reason)
             await self._teardown(sid)
+            shutil.rmtree(self._snap(sid), ignore_errors=True)
             self._finish(sid, final_state, reason)
 
     async def _teardown(self, sid: str) -> None:
@@ -241,12 +506,21 @@ class Manager:
     async def _reaper(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.reaper_interval)
-            for sid in self.store.expired(_now()):
-                log.info("sandbox %s reached its deadline", sid)
+            for sid, on_timeout in self.store.expired(_now()):
+                log.info("sandbox %s reached its deadline (%s)", sid, on_timeout)
                 try:
+                    if on_timeout == "pause":
+                        row = self.store.get_sandbox(sid)
+                        if row is not None:
+                            try:
+                                await self.pause(row.workspace_id, sid)
+                                self.store.update_sandbox(sid, remaining=row.spec.get("timeout"))
+                                continue
+                            except ApiError as e:
+                                log.warning("auto-pause of %s failed (%s); killing", sid, e)
                     await self.kill(sid, reason="timeout")
                 except Exception:
-                    log.exception("reaper failed to kill %s", sid)
+                    log.exception("reaper failed on %s", sid)
 
     # ---- exec -----------------------------------------------------------------------
     async def exec_start(self, lv: Live, cmd: str | list[str], env: dict[str, str], cwd: str,
@@ -400,6 +674,10 @@ class Manager:
         if op in ("stat", "mkdir"):
             return _clean_stat(h.get("stat"), path)
         return None
+
+
+def _du(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
 
 
 def _exit_frame(h: P.Header, duration: float) -> dict[str, Any]:

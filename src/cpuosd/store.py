@@ -41,9 +41,17 @@ MIGRATIONS = [
     );
     CREATE INDEX execs_sbx ON execs(sandbox_id, started_at);
     """,
+    """
+    ALTER TABLE sandboxes ADD COLUMN on_timeout TEXT NOT NULL DEFAULT 'kill';
+    ALTER TABLE sandboxes ADD COLUMN paused_at REAL;
+    ALTER TABLE sandboxes ADD COLUMN remaining REAL;
+    ALTER TABLE sandboxes ADD COLUMN snapshot_bytes INTEGER;
+    """,
 ]
 
-LIVE_STATES = ("creating", "running", "killing")
+# States with something on the host (a runsc sandbox, a snapshot, or both in flux).
+LIVE_STATES = ("creating", "running", "pausing", "paused", "resuming", "killing", "pooled")
+ACTIVE_STATES = ("creating", "running", "pausing", "paused", "resuming", "killing")
 
 
 def hash_key(key: str) -> str:
@@ -68,6 +76,10 @@ class SandboxRow:
     deadline: float | None
     spec: dict[str, Any]
     metadata: dict[str, str]
+    on_timeout: str = "kill"
+    paused_at: float | None = None
+    remaining: float | None = None
+    snapshot_bytes: int | None = None
 
     @classmethod
     def from_row(cls, r: sqlite3.Row) -> SandboxRow:
@@ -125,14 +137,16 @@ class Store:
 
     # ---- sandboxes ------------------------------------------------------------------
     def insert_sandbox(self, row: SandboxRow) -> None:
-        self._exec(
-            "INSERT INTO sandboxes VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-            (row.id, row.workspace_id, row.template, row.backend, row.state, row.reason,
-             row.created_at, row.started_at, row.ended_at, row.deadline,
-             json.dumps(row.spec), json.dumps(row.metadata)),
-        )
+        d = dict(row.__dict__)
+        d["spec"], d["metadata"] = json.dumps(row.spec), json.dumps(row.metadata)
+        cols = ", ".join(d)
+        self._exec(f"INSERT INTO sandboxes ({cols}) VALUES ({', '.join('?' * len(d))})",
+                   tuple(d.values()))
 
     def update_sandbox(self, sid: str, **fields: Any) -> None:
+        for k in ("spec", "metadata"):
+            if k in fields:
+                fields[k] = json.dumps(fields[k])
         cols = ", ".join(f"{k}=?" for k in fields)
         self._exec(f"UPDATE sandboxes SET {cols} WHERE id=?", (*fields.values(), sid))
 
@@ -152,10 +166,10 @@ class Store:
         sql += " ORDER BY created_at"
         return [SandboxRow.from_row(r) for r in self._exec(sql, tuple(args)).fetchall()]
 
-    def expired(self, now: float) -> list[str]:
-        rows = self._exec("SELECT id FROM sandboxes WHERE state='running' AND deadline<=?",
-                          (now,)).fetchall()
-        return [r[0] for r in rows]
+    def expired(self, now: float) -> list[tuple[str, str]]:
+        rows = self._exec("SELECT id, on_timeout FROM sandboxes WHERE state='running' "
+                          "AND deadline<=?", (now,)).fetchall()
+        return [(r[0], r[1]) for r in rows]
 
     # ---- execs ----------------------------------------------------------------------
     def insert_exec(self, eid: str, sandbox_id: str, argv: list[str]) -> None:

@@ -44,8 +44,9 @@ def _free_port() -> int:
 class Daemon:
     """One cpuosd process, restartable (SIGKILL and start again on the same home)."""
 
-    def __init__(self, home: Path) -> None:
+    def __init__(self, home: Path, env: dict[str, str] | None = None) -> None:
         self.home = home
+        self.extra_env = env or {}
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -53,7 +54,7 @@ class Daemon:
 
     def start(self) -> None:
         env = {**os.environ, "CPUOS_HOME": str(self.home), "CPUOS_TEMPLATES_DIR": str(TEMPLATES),
-               "CPUOS_PORT": str(self.port)}
+               "CPUOS_PORT": str(self.port), **self.extra_env}
         env.pop("CPUOS_API_KEY", None)
         env.pop("CPUOS_API_URL", None)
         with open(self.log, "ab") as logf:
@@ -122,6 +123,7 @@ class Daemon:
         return left
 
 
-def new_daemon() -> Daemon:
+def new_daemon(**env: str) -> Daemon:
+    """A daemon with its own home; keyword arguments become its environment (CPUOS_*)."""
     home = Path(tempfile.mkdtemp(prefix="cpuos-t-", dir="/tmp"))
-    return Daemon(home)
+    return Daemon(home, env)

@@ -38,6 +38,7 @@ class _AsyncHTTP:
     def __init__(self, api_url: str | None, api_key: str | None,
                  request_timeout: float = 60.0) -> None:
         self.url, key = resolve(api_url, api_key)
+        self.key = key
         self.client = httpx.AsyncClient(
             base_url=self.url, headers={"Authorization": f"Bearer {key}"},
             timeout=httpx.Timeout(request_timeout, read=None), follow_redirects=False)
@@ -175,9 +176,13 @@ class AsyncSandbox:
     async def create(cls, template: str = "python", timeout: str | float = "5m", *,
                      metadata: dict[str, str] | None = None, env: dict[str, str] | None = None,
                      vcpus: int | None = None, memory_mib: int | None = None,
+                     on_timeout: str = "kill",
                      api_url: str | None = None, api_key: str | None = None) -> AsyncSandbox:
+        """A new sandbox. ``on_timeout="pause"`` pauses it at its deadline instead of
+        killing it."""
         body: dict[str, Any] = {"template": template, "timeout": timeout,
-                                "metadata": metadata or {}, "env": env or {}}
+                                "metadata": metadata or {}, "env": env or {},
+                                "on_timeout": on_timeout}
         if vcpus is not None:
             body["vcpus"] = vcpus
         if memory_mib is not None:
@@ -191,11 +196,26 @@ class AsyncSandbox:
         return cls(SandboxInfo.from_json(d), http)
 
     @classmethod
-    async def connect(cls, sandbox_id: str, *, api_url: str | None = None,
-                      api_key: str | None = None) -> AsyncSandbox:
+    async def connect(cls, sandbox_id: str, *, auto_resume: bool = True,
+                      api_url: str | None = None, api_key: str | None = None) -> AsyncSandbox:
+        """Attach to an existing sandbox; a paused one is resumed unless auto_resume=False."""
         http = _AsyncHTTP(api_url, api_key)
         try:
             d = await http.request("GET", f"/sandboxes/{sandbox_id}")
+            if auto_resume and d.get("state") == "paused":
+                d = await http.request("POST", f"/sandboxes/{sandbox_id}/resume")
+        except BaseException:
+            await http.close()
+            raise
+        return cls(SandboxInfo.from_json(d), http)
+
+    @classmethod
+    async def resume(cls, sandbox_id: str, *, api_url: str | None = None,
+                     api_key: str | None = None) -> AsyncSandbox:
+        """Restore a paused sandbox: its processes, memory and files as they were."""
+        http = _AsyncHTTP(api_url, api_key)
+        try:
+            d = await http.request("POST", f"/sandboxes/{sandbox_id}/resume")
         except BaseException:
             await http.close()
             raise
@@ -236,6 +256,22 @@ class AsyncSandbox:
                                      json={"timeout": timeout})
         self._info = SandboxInfo.from_json(d)
         return self._info
+
+    async def pause(self) -> str:
+        """Checkpoint the sandbox to disk and stop it (CPU and memory are freed); returns
+        its id for ``Sandbox.resume(id)``."""
+        d = await self._http.request("POST", f"/sandboxes/{self.id}/pause")
+        self._info = SandboxInfo.from_json(d)
+        return self.id
+
+    async def fork(self, n: int = 1) -> builtins.list[AsyncSandbox]:
+        """n new sandboxes with this one's memory, processes and files."""
+        d = await self._http.request("POST", f"/sandboxes/{self.id}/fork", json={"n": n})
+        out = []
+        for x in d["sandboxes"]:
+            http = _AsyncHTTP(self._http.url, self._http.key)
+            out.append(type(self)(SandboxInfo.from_json(x), http))
+        return out
 
     async def kill(self) -> None:
         try:

@@ -39,6 +39,7 @@ class _SyncHTTP:
     def __init__(self, api_url: str | None, api_key: str | None,
                  request_timeout: float = 60.0) -> None:
         self.url, key = resolve(api_url, api_key)
+        self.key = key
         self.client = httpx.Client(
             base_url=self.url, headers={"Authorization": f"Bearer {key}"},
             timeout=httpx.Timeout(request_timeout, read=None), follow_redirects=False)
@@ -176,9 +177,13 @@ class Sandbox:
     def create(cls, template: str = "python", timeout: str | float = "5m", *,
                      metadata: dict[str, str] | None = None, env: dict[str, str] | None = None,
                      vcpus: int | None = None, memory_mib: int | None = None,
+                     on_timeout: str = "kill",
                      api_url: str | None = None, api_key: str | None = None) -> Sandbox:
+        """A new sandbox. ``on_timeout="pause"`` pauses it at its deadline instead of
+        killing it."""
         body: dict[str, Any] = {"template": template, "timeout": timeout,
-                                "metadata": metadata or {}, "env": env or {}}
+                                "metadata": metadata or {}, "env": env or {},
+                                "on_timeout": on_timeout}
         if vcpus is not None:
             body["vcpus"] = vcpus
         if memory_mib is not None:
@@ -192,11 +197,26 @@ class Sandbox:
         return cls(SandboxInfo.from_json(d), http)
 
     @classmethod
-    def connect(cls, sandbox_id: str, *, api_url: str | None = None,
-                      api_key: str | None = None) -> Sandbox:
+    def connect(cls, sandbox_id: str, *, auto_resume: bool = True,
+                      api_url: str | None = None, api_key: str | None = None) -> Sandbox:
+        """Attach to an existing sandbox; a paused one is resumed unless auto_resume=False."""
         http = _SyncHTTP(api_url, api_key)
         try:
             d = http.request("GET", f"/sandboxes/{sandbox_id}")
+            if auto_resume and d.get("state") == "paused":
+                d = http.request("POST", f"/sandboxes/{sandbox_id}/resume")
+        except BaseException:
+            http.close()
+            raise
+        return cls(SandboxInfo.from_json(d), http)
+
+    @classmethod
+    def resume(cls, sandbox_id: str, *, api_url: str | None = None,
+                     api_key: str | None = None) -> Sandbox:
+        """Restore a paused sandbox: its processes, memory and files as they were."""
+        http = _SyncHTTP(api_url, api_key)
+        try:
+            d = http.request("POST", f"/sandboxes/{sandbox_id}/resume")
         except BaseException:
             http.close()
             raise
@@ -237,6 +257,22 @@ class Sandbox:
                                      json={"timeout": timeout})
         self._info = SandboxInfo.from_json(d)
         return self._info
+
+    def pause(self) -> str:
+        """Checkpoint the sandbox to disk and stop it (CPU and memory are freed); returns
+        its id for ``Sandbox.resume(id)``."""
+        d = self._http.request("POST", f"/sandboxes/{self.id}/pause")
+        self._info = SandboxInfo.from_json(d)
+        return self.id
+
+    def fork(self, n: int = 1) -> builtins.list[Sandbox]:
+        """n new sandboxes with this one's memory, processes and files."""
+        d = self._http.request("POST", f"/sandboxes/{self.id}/fork", json={"n": n})
+        out = []
+        for x in d["sandboxes"]:
+            http = _SyncHTTP(self._http.url, self._http.key)
+            out.append(type(self)(SandboxInfo.from_json(x), http))
+        return out
 
     def kill(self) -> None:
         try:

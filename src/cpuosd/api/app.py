@@ -15,7 +15,7 @@ import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -31,7 +31,7 @@ from ..config import Config
 from ..errors import ApiError, invalid
 from ..paths import ID_RE, check_path
 from ..sandboxes import Manager
-from ..store import SandboxRow, Store
+from ..store import ACTIVE_STATES, SandboxRow, Store
 
 log = logging.getLogger("cpuosd.api")
 VERSION = "0.1.0"
@@ -65,6 +65,7 @@ class CreateSandbox(BaseModel):
     env: dict[str, str] = Field(default_factory=dict)
     vcpus: int = Field(2, ge=1, le=64)
     memory_mib: int = Field(2048, ge=128, le=262144)
+    on_timeout: Literal["kill", "pause"] = "kill"
 
     @field_validator("template")
     @classmethod
@@ -127,6 +128,11 @@ class ExecRequest(BaseModel):
         return _check_env(v)
 
 
+class ForkRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    n: int = Field(1, ge=1, le=16)
+
+
 class NewWorkspace(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(min_length=1, max_length=64, pattern=r"^[a-z0-9-]+$")
@@ -170,7 +176,8 @@ def sandbox_json(row: SandboxRow) -> dict[str, Any]:
         "timeout_remaining": max(0.0, row.deadline - now)
         if row.deadline and row.state == "running" else None,
         "vcpus": row.spec.get("vcpus"), "memory_mib": row.spec.get("memory_mib"),
-        "metadata": row.metadata,
+        "metadata": row.metadata, "on_timeout": row.on_timeout, "paused_at": row.paused_at,
+        "snapshot_bytes": row.snapshot_bytes,
     }
 
 
@@ -244,12 +251,27 @@ def create_app(cfg: Config | None = None) -> FastAPI:
         if float(body.timeout) > cfg_.max_timeout:
             raise invalid(f"timeout may be at most {cfg_.max_timeout:.0f}s", field="timeout")
         row = await mgr(request).create(ws, body.template, float(body.timeout), body.metadata,
-                                        body.env, body.vcpus, body.memory_mib)
+                                        body.env, body.vcpus, body.memory_mib, body.on_timeout)
         return sandbox_json(row)
+
+    @app.post("/sandboxes/{sid}/pause")
+    async def pause(sid: str, request: Request, ws: Ws) -> dict[str, Any]:
+        """Checkpoint memory, processes and files to disk and stop the sandbox."""
+        return sandbox_json(await mgr(request).pause(ws, sid))
+
+    @app.post("/sandboxes/{sid}/resume")
+    async def resume(sid: str, request: Request, ws: Ws) -> dict[str, Any]:
+        return sandbox_json(await mgr(request).resume(ws, sid))
+
+    @app.post("/sandboxes/{sid}/fork", status_code=201)
+    async def fork(sid: str, body: ForkRequest, request: Request, ws: Ws) -> dict[str, Any]:
+        rows = await mgr(request).fork(ws, sid, body.n)
+        return {"sandboxes": [sandbox_json(r) for r in rows]}
 
     @app.get("/sandboxes")
     async def list_(request: Request, ws: Ws, all: bool = False) -> dict[str, Any]:
-        states: tuple[str, ...] = () if all else ("creating", "running", "killing")
+        states: tuple[str, ...] = ("creating", "running", "pausing", "paused", "resuming",
+                                   "killing", "killed", "error") if all else ACTIVE_STATES
         rows = request.app.state.store.list_sandboxes(ws, states)
         return {"sandboxes": [sandbox_json(r) for r in rows]}
 

@@ -45,3 +45,12 @@ class Backend(Protocol):
 
     async def running(self) -> dict[str, str]:
         """All sandboxes this backend knows on the host: id -> state."""
+
+    async def checkpoint(self, sandbox_id: str, image_dir: Path) -> None:
+        """Save memory, processes and writable layer to image_dir; the sandbox stops."""
+
+    async def restore(self, spec: SandboxSpec, image_dir: Path) -> None:
+        """Start spec.id from an image (its agent reconnects to spec.sock_path)."""
+
+    def memory_usage(self, sandbox_id: str) -> int | None:
+        """Host memory the sandbox holds, or None if unknown."""

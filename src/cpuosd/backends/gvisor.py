@@ -116,22 +116,60 @@ class GVisorBackend:
         assert proc.returncode is not None
         return proc.returncode, out, err
 
-    async def start(self, spec: SandboxSpec) -> None:
+    def _bundle(self, spec: SandboxSpec) -> Path:
         bundle = spec.dir / "bundle"
-        overlay = spec.dir / "overlay"
-        for d in (bundle, overlay, spec.sock_dir):
+        for d in (bundle, spec.sock_dir):
             d.mkdir(parents=True, exist_ok=True)
         os.chmod(spec.sock_dir, 0o755)
         (bundle / "config.json").write_text(json.dumps(oci_spec(spec), indent=1))
-        args = [
-            *self._global_flags(), "--network=none", "--host-uds=open",
-            f"--overlay2=root:{overlay}", "run", "--detach", "--bundle", str(bundle), spec.id,
-        ]
+        return bundle
+
+    def _sandbox_flags(self) -> list[str]:
+        # The writable layer lives in sandbox memory so that a checkpoint carries it.
+        return [*self._global_flags(), "--network=none", "--host-uds=open",
+                "--overlay2=root:memory"]
+
+    async def start(self, spec: SandboxSpec) -> None:
+        bundle = self._bundle(spec)
+        args = [*self._sandbox_flags(), "run", "--detach", "--bundle", str(bundle), spec.id]
         rc, _, err = await self._run(*args, log_path=spec.dir / "runsc.log")
         if rc != 0:
             tail = err.decode(errors="replace").strip()[-800:]
             await self.kill(spec.id)
             raise ApiError("internal", f"runsc failed to start the sandbox: {tail}")
+
+    async def checkpoint(self, sandbox_id: str, image_dir: Path) -> None:
+        """Save the sandbox (memory, processes, writable layer) to image_dir. The sandbox
+        stops, whether the checkpoint succeeded or not (runsc 2022-12)."""
+        image_dir.mkdir(parents=True, exist_ok=True)
+        rc, _, err = await self._run(*self._global_flags(), "checkpoint",
+                                     f"--image-path={image_dir}", sandbox_id, timeout=120)
+        if rc != 0:
+            msg = err.decode(errors="replace").strip()
+            line = next((x for x in msg.splitlines() if "checkpoint failed" in x), msg[-300:])
+            code = "no_space" if "no space left" in msg else "internal"
+            raise ApiError(code, f"runsc checkpoint failed: {line[:300]}")
+        await self._run(*self._global_flags(), "delete", "--force", sandbox_id)
+
+    async def restore(self, spec: SandboxSpec, image_dir: Path) -> None:
+        bundle = self._bundle(spec)
+        args = [*self._sandbox_flags(), "restore", "--detach", f"--image-path={image_dir}",
+                "--bundle", str(bundle), spec.id]
+        rc, _, err = await self._run(*args, log_path=spec.dir / "runsc.log", timeout=120)
+        if rc != 0:
+            tail = err.decode(errors="replace").strip()[-800:]
+            await self.kill(spec.id)
+            raise ApiError("internal", f"runsc failed to restore the sandbox: {tail}")
+
+    def memory_usage(self, sandbox_id: str) -> int | None:
+        """Bytes the sandbox's cgroup holds (an upper bound of its checkpoint image)."""
+        for p in (Path(f"/sys/fs/cgroup/memory/cpuos/{sandbox_id}/memory.usage_in_bytes"),
+                  Path(f"/sys/fs/cgroup/cpuos/{sandbox_id}/memory.current")):
+            try:
+                return int(p.read_text())
+            except (OSError, ValueError):
+                continue
+        return None
 
     async def kill(self, sandbox_id: str) -> None:
         rc, _, err = await self._run(*self._global_flags(), "delete", "--force", sandbox_id)
