@@ -132,6 +132,12 @@ class Manager:
             if alive:
                 await self.backend.kill(row.id)
             has_snap = (snap / "checkpoint.img").exists()
+            tmp = snap.with_name("." + snap.name + ".tmp")
+            if row.state == "pausing" and not has_snap and (tmp / "checkpoint.img").exists() \
+                    and (tmp / "checkpoint.img").stat().st_size > 0:
+                # the daemon died after runsc wrote the image but before it was renamed
+                os.rename(tmp, snap)
+                has_snap = True
             if row.state in ("paused", "pausing", "resuming") and has_snap:
                 if row.state != "paused":
                     self.store.update_sandbox(row.id, state="paused", paused_at=_now())
