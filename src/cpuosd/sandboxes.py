@@ -223,6 +223,9 @@ class Manager:
         self.live[row.id] = lv
         try:
             spec.sock_dir.mkdir(parents=True, exist_ok=True)
+            # Per sandbox, also after a restore: templates link /etc/machine-id here.
+            (spec.sock_dir / "machine-id").write_text(secrets.token_hex(16) + "\n")
+            (spec.sock_dir / "machine-id").chmod(0o444)
             await chan.listen()
             if image is None:
                 await self.backend.start(spec)
