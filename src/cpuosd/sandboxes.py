@@ -208,7 +208,7 @@ class Manager:
             created_at=now, started_at=None, ended_at=None, deadline=now + timeout,
             spec={"rootfs": info["rootfs"], "template_digest": info["digest"], "vcpus": vcpus,
                   "memory_mib": memory_mib, "hostname": "sandbox", "env": env,
-                  "timeout": timeout},
+                  "timeout": timeout, "machine_id": secrets.token_hex(16)},
             metadata=metadata, on_timeout=on_timeout,
         )
         self.store.insert_sandbox(row)
@@ -224,7 +224,8 @@ class Manager:
         try:
             spec.sock_dir.mkdir(parents=True, exist_ok=True)
             # Per sandbox, also after a restore: templates link /etc/machine-id here.
-            (spec.sock_dir / "machine-id").write_text(secrets.token_hex(16) + "\n")
+            mid = row.spec.setdefault("machine_id", secrets.token_hex(16))
+            (spec.sock_dir / "machine-id").write_text(mid + "\n")
             (spec.sock_dir / "machine-id").chmod(0o444)
             await chan.listen()
             if image is None:
@@ -306,7 +307,8 @@ class Manager:
                          created_at=_now(), started_at=None, ended_at=None, deadline=None,
                          spec={"rootfs": info["rootfs"], "vcpus": self.cfg.default_vcpus,
                                "memory_mib": self.cfg.default_memory_mib,
-                               "hostname": "sandbox", "env": {}},
+                               "hostname": "sandbox", "env": {},
+                               "machine_id": secrets.token_hex(16)},
                          metadata={})
         tmp = d.with_name(d.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
