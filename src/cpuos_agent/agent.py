@@ -12,6 +12,7 @@ The host never trusts anything this program sends.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import re
 import selectors
@@ -31,6 +32,8 @@ SOCKET_PATH = os.environ.get("CPUOS_AGENT_SOCKET", "/run/cpuos/agent.sock")
 EXEC_MARK = "CPUOS_EXEC_ID"
 DRAIN_AFTER_EXIT = 0.25  # seconds to wait for pipe EOF once the main process exited
 MAX_LIST = 10000
+F_SETPIPE_SZ = 1031
+PIPE_SIZE = 1 << 20
 
 # A shell line made only of these, whose first word is not a shell builtin, runs without
 # bash (saves a bash start, ~6 ms under gVisor); if the program is not found, bash runs it.
@@ -312,6 +315,11 @@ class Exec:
                 self.conn.send({"t": "err", "id": self.sid, "code": _errcode(e),
                                 "message": f"cannot start {argv[0]!r} in {cwd!r}: {e.strerror}"})
                 return
+        for f in (self.proc.stdout, self.proc.stderr):
+            try:  # bigger pipes: fewer, larger reads and frames for chatty commands
+                fcntl.fcntl(f.fileno(), F_SETPIPE_SZ, PIPE_SIZE)  # type: ignore[union-attr]
+            except OSError:
+                pass
         self.started = time.monotonic()
         self.done_ev, self.status_box = self.agent.reaper.register(self.proc.pid, spawned_at)
         self.conn.open_stream(self.sid)
@@ -376,7 +384,7 @@ class Exec:
                 for key, _ in sel.select(wait):
                     f = key.fileobj
                     try:
-                        data = os.read(f.fileno(), P.CHUNK)  # type: ignore[union-attr]
+                        data = os.read(f.fileno(), PIPE_SIZE)  # type: ignore[union-attr]
                     except OSError:
                         data = b""
                     if not data:
