@@ -24,6 +24,9 @@ from .errors import ApiError
 log = logging.getLogger("cpuosd.agent")
 
 CREDIT_BATCH = 1 << 20
+# What one stream may have queued here: the agent's send window, plus a margin for the
+# control frames that need no credit. More is a protocol violation and drops the agent.
+MAX_QUEUED = P.WINDOW + 2 * P.MAX_PAYLOAD
 DATA_TYPES = ("out", "data")
 
 
@@ -38,6 +41,7 @@ class Stream:
         self.id = sid
         self.queue: asyncio.Queue[tuple[P.Header, bytes]] = asyncio.Queue()
         self._uncredited = 0
+        self.queued = 0  # bytes received for this stream and not yet taken by its reader
         self.gen = chan.generation
 
     async def send(self, header: P.Header, payload: bytes = b"") -> None:
@@ -51,6 +55,7 @@ class Stream:
             h, payload = await asyncio.wait_for(self.queue.get(), timeout)
         if h["t"] == "_gone":
             raise AgentGone()
+        self.queued -= len(payload) + 64
         if h["t"] in DATA_TYPES:
             self._uncredited += len(payload)
             if self._uncredited >= CREDIT_BATCH or self.queue.empty():
@@ -134,6 +139,10 @@ class AgentChannel:
                 sid = hdr.get("id")
                 st = self.streams.get(sid) if isinstance(sid, int) else None
                 if st is not None and st.gen == gen:
+                    st.queued += len(payload) + 64
+                    if st.queued > MAX_QUEUED:
+                        # the agent ignored flow control: it may not grow our memory
+                        raise P.ProtocolError(f"stream {sid} exceeded its window")
                     st.queue.put_nowait((hdr, payload))
         except (asyncio.IncompleteReadError, P.ProtocolError, OSError) as e:
             if not isinstance(e, asyncio.IncompleteReadError):

@@ -1,0 +1,74 @@
+"""The host side of the agent channel against a fake (hostile) agent: it never trusts it."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from cpuos_agent import protocol as P
+from cpuosd.agentconn import MAX_QUEUED, AgentChannel, AgentGone
+
+
+async def _setup() -> tuple[AgentChannel, asyncio.StreamReader, asyncio.StreamWriter]:
+    d = Path(tempfile.mkdtemp(prefix="cpuos-ac-"))
+    chan = AgentChannel(d / "agent.sock")
+    await chan.listen()
+    r, w = await asyncio.open_unix_connection(str(d / "agent.sock"))
+    w.write(P.encode({"t": "hello", "version": 1}))
+    await w.drain()
+    await chan.wait_connected(5)
+    return chan, r, w
+
+
+def test_agent_ignoring_flow_control_is_dropped() -> None:
+    async def main() -> None:
+        chan, _, w = await _setup()
+        st = chan.open()
+        chunk = b"x" * P.MAX_PAYLOAD
+        sent = 0
+        with pytest.raises((ConnectionError, OSError)):
+            for _ in range(MAX_QUEUED // len(chunk) + 50):
+                w.write(P.encode({"t": "out", "id": st.id, "fd": 1}, chunk))
+                await w.drain()
+                sent += len(chunk)
+                await asyncio.sleep(0)
+        for _ in range(100):
+            if not chan.connected:
+                break
+            await asyncio.sleep(0.01)
+        assert not chan.connected
+        assert sent <= MAX_QUEUED + 2 * len(chunk) + (8 << 20)
+        queued = 0
+        with pytest.raises(AgentGone):
+            while True:
+                _, p = await st.get(1)
+                queued += len(p)
+        assert queued <= MAX_QUEUED
+        await chan.close()
+
+    asyncio.run(main())
+
+
+def test_frames_for_unknown_streams_are_ignored_and_hello_required() -> None:
+    async def main() -> None:
+        chan, _, w = await _setup()
+        st = chan.open()
+        w.write(P.encode({"t": "out", "id": st.id + 99, "fd": 1}, b"nope"))
+        w.write(P.encode({"t": "ok", "id": st.id}))
+        await w.drain()
+        h, _ = await st.get(2)
+        assert h == {"t": "ok", "id": st.id} and st.queue.empty()
+        # a second connection that does not start with hello is refused; the first stays
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(str(chan.sock_path))
+        s.sendall(P.encode({"t": "exit", "id": st.id}))
+        await asyncio.sleep(0.2)
+        assert chan.connected
+        s.close()
+        await chan.close()
+
+    asyncio.run(main())
