@@ -1,10 +1,11 @@
 """cpuos-agent: the process inside every sandbox (PID 1, unprivileged).
 
-Stdlib only. It connects out to the host's unix socket (a host directory
-bind-mounted at /run/cpuos), says hello, then serves requests multiplexed on
-that one connection: exec (streamed output, exit status, timeout, kill of the
-whole process tree) and file operations. If the connection drops it kills the
-commands it was running for it and reconnects.
+Stdlib only. It reaches the host through ``CPUOS_AGENT_SOCKET``: a unix socket it
+connects out to (gVisor: a host directory bind-mounted at /run/cpuos), or a character
+device (microVM: the guest side of a virtio-serial port). On each host connection it says
+hello, then serves requests multiplexed on that one connection: exec (streamed output,
+exit status, timeout, kill of the whole process tree) and file operations. If the
+connection drops it kills the commands it was running for it and reconnects.
 
 The host never trusts anything this program sends.
 """
@@ -15,6 +16,7 @@ import errno
 import fcntl
 import os
 import re
+import select
 import selectors
 import shutil
 import signal
@@ -24,7 +26,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 from . import protocol as P
 
@@ -83,12 +85,256 @@ class Quiesce(Exception):
     host connection) and reconnect when a socket is there again (after the restore)."""
 
 
-class Conn:
-    """One connection to the host: a locked sender and per-stream send credits."""
+class Link(Protocol):
+    """One host connection (a session) of a ``Transport``.
 
+    ``rfile.read(n)`` returns up to n bytes, b"" once the session is over (the serving
+    thread is its only reader); ``sendall`` (any thread) raises OSError once it is over;
+    ``close`` (the serving thread, idempotent) ends it, and a writer blocked in
+    ``sendall`` then gives up."""
+
+    @property
+    def rfile(self) -> Any: ...
+
+    def sendall(self, data: bytes) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Transport:
+    """How the agent reaches its host: ``connect`` blocks until a host is there and returns
+    a new session; ``after_session`` runs once a session is over (and closed)."""
+
+    def connect(self) -> Link:
+        raise NotImplementedError
+
+    def after_session(self, link: Link, quiesced: bool) -> None:
+        pass
+
+
+class SocketLink:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.rfile: BinaryIO = sock.makefile("rb", buffering=1 << 20)  # type: ignore[assignment]
+
+    def sendall(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.rfile.close()  # makefile() holds a reference: the fd closes only with both
+        self.sock.close()
+
+
+class UnixSocketTransport(Transport):
+    """Connect out to a unix socket the host listens on; retry until it is there. The host
+    sees every session end (the socket closes)."""
+
+    RETRY = 0.02
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def connect(self) -> Link:
+        while True:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                s.connect(self.path)
+            except OSError:
+                s.close()
+                time.sleep(self.RETRY)
+                continue
+            return SocketLink(s)
+
+    def after_session(self, link: Link, quiesced: bool) -> None:
+        if quiesced:
+            time.sleep(0.1)  # the host has already removed the socket; retry until restored
+
+
+_HANGUP = select.POLLHUP | select.POLLERR | select.POLLNVAL
+# read/write errors that mean the device is hung up (EIO: a pty whose master closed;
+# ENODEV: a hot-unplugged virtio port)
+_HANGUP_ERRNOS = (errno.EIO, errno.ENODEV, errno.EPIPE, errno.ENXIO)
+
+
+class DeviceLink:
+    """One host session over a character device (opened non-blocking by the transport).
+
+    virtio-serial semantics (drivers/char/virtio_console.c): while the host end is not
+    connected, poll() reports POLLHUP (and POLLIN), read() returns 0 once the buffered
+    input is consumed and write() would block; what the guest writes meanwhile is dropped
+    by QEMU. So POLLHUP, a 0-byte read or EIO/ENODEV end the session, on either side."""
+
+    CHUNK = 1 << 16
+    WAIT = 0.2  # s: longest a blocked writer takes to notice close()
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.hungup = False
+        self.closed = False
+        self._buf = bytearray()
+        self._rpoll = select.poll()
+        self._rpoll.register(fd, select.POLLIN)
+        self._wpoll = select.poll()
+        self._wpoll.register(fd, select.POLLOUT)
+        self._wlock = threading.Lock()  # one writer at a time; close() waits for it
+        self.rfile = self
+
+    def read(self, n: int) -> bytes:
+        """Up to n bytes (at least one), b"" at the end of the session. The serving thread
+        is the only reader (and the one that closes the link)."""
+        while not self._buf:
+            if self.closed or self.hungup:
+                return b""
+            try:
+                events = self._rpoll.poll(1000)
+            except InterruptedError:
+                continue
+            if not events:
+                continue
+            ev = events[0][1]
+            if ev & _HANGUP:
+                self.hungup = True
+                return b""
+            try:
+                data = os.read(self.fd, max(n, self.CHUNK))
+            except BlockingIOError:
+                continue
+            except OSError as e:
+                if e.errno in _HANGUP_ERRNOS:
+                    self.hungup = True
+                    return b""
+                raise
+            if not data:
+                self.hungup = True
+                return b""
+            self._buf += data
+        out = bytes(self._buf[:n])
+        del self._buf[:n]
+        return out
+
+    def sendall(self, data: bytes) -> None:
+        view = memoryview(data)
+        with self._wlock:
+            while view:
+                if self.closed or self.hungup:
+                    raise BrokenPipeError(errno.EPIPE, "host session is over")
+                try:
+                    n = os.write(self.fd, view[: self.CHUNK])
+                except BlockingIOError:
+                    try:
+                        events = self._wpoll.poll(int(self.WAIT * 1000))
+                    except InterruptedError:
+                        continue
+                    if events and events[0][1] & _HANGUP:
+                        self.hungup = True
+                    continue
+                except OSError as e:
+                    if e.errno in _HANGUP_ERRNOS:
+                        self.hungup = True
+                    raise
+                view = view[n:]
+
+    def close(self) -> None:
+        self.closed = True
+        with self._wlock:  # no writer is inside os.write() on this fd any more
+            if self.fd >= 0:
+                try:
+                    os.close(self.fd)
+                finally:
+                    self.fd = -1
+
+
+class CharDeviceTransport(Transport):
+    """The guest side of a virtio-serial port (``/dev/vportNpM``,
+    ``/dev/virtio-ports/<name>``); QEMU connects to the host's socket and reconnects.
+
+    Every session opens the device afresh (opening discards input left over from the
+    previous host; a device that stays hung up, e.g. a pty or a re-plugged port, is
+    reopened too), waits until the host end is connected (no POLLHUP) and the agent then
+    sends a fresh hello: the host sees a new connection where a new session begins. The
+    agent cannot close the host's end: after a quiesce it waits (a bounded time) for the
+    host to hang up, so the next session starts on a new host connection."""
+
+    POLL = 0.05  # s between checks while the host is away
+    REOPEN = 1.0  # s of hang-up after which the device is reopened
+    HANGUP_WAIT = 5.0  # s: after a quiesce, how long to wait for the host to hang up
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def _try_open(self) -> int | None:
+        try:
+            return os.open(self.path, os.O_RDWR | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        except OSError:  # not there (yet), busy, or a hung-up pty
+            return None
+
+    def _open(self) -> int:
+        while True:
+            fd = self._try_open()
+            if fd is not None:
+                return fd
+            time.sleep(self.POLL)
+
+    @staticmethod
+    def _host_connected(fd: int) -> bool:
+        p = select.poll()
+        p.register(fd, select.POLLIN | select.POLLOUT)
+        try:
+            events = p.poll(0)
+        except InterruptedError:
+            return False
+        return not (events and events[0][1] & _HANGUP)
+
+    def connect(self) -> Link:
+        fd = self._open()
+        since = time.monotonic()
+        while not self._host_connected(fd):
+            time.sleep(self.POLL)
+            if time.monotonic() - since >= self.REOPEN:
+                os.close(fd)
+                fd = self._open()
+                since = time.monotonic()
+        return DeviceLink(fd)
+
+    def after_session(self, link: Link, quiesced: bool) -> None:
+        if not isinstance(link, DeviceLink) or link.hungup:
+            return
+        # we ended the session (quiesce, or a protocol error): the host may still be
+        # connected; give it time to hang up, else the next hello goes to the same host
+        fd = self._try_open()
+        if fd is None:
+            return
+        try:
+            deadline = time.monotonic() + self.HANGUP_WAIT
+            while self._host_connected(fd) and time.monotonic() < deadline:
+                time.sleep(self.POLL)
+        finally:
+            os.close(fd)
+
+
+def transport_for(path: str) -> Transport:
+    """A character device (or a path under /dev, which may not be there yet): the
+    virtio-serial transport; anything else: a unix socket."""
+    try:
+        if stat_mod.S_ISCHR(os.stat(path).st_mode):
+            return CharDeviceTransport(path)
+    except OSError:
+        pass
+    if path.startswith("/dev/"):
+        return CharDeviceTransport(path)
+    return UnixSocketTransport(path)
+
+
+class Conn:
+    """One connection to the host: a locked sender and per-stream send credits."""
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+        self.rfile: Any = link.rfile
         self._send_lock = threading.Lock()
         self._credit_cv = threading.Condition()
         self._credit: dict[int, int] = {}
@@ -100,7 +346,7 @@ class Conn:
             if self.closed:
                 raise Closed()
             try:
-                self.sock.sendall(data)
+                self.link.sendall(data)
             except OSError:
                 self.closed = True
                 raise Closed() from None
@@ -136,12 +382,7 @@ class Conn:
         self.closed = True
         with self._credit_cv:
             self._credit_cv.notify_all()
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.rfile.close()  # makefile() holds a reference: the fd closes only with both
-        self.sock.close()
+        self.link.close()
 
 
 class Reaper:
@@ -400,6 +641,8 @@ class Exec:
             status = self.status_box[0]
             code = os.waitstatus_to_exitcode(status)
             sig = -code if code < 0 else None
+            # done before the host hears of it: a quiesce right after must not see it
+            self.agent.execs.pop(self.sid, None)
             self.conn.send({
                 "t": "exit", "id": self.sid,
                 "exit_code": 128 + sig if sig else code, "signal": sig,
@@ -424,23 +667,17 @@ class Agent:
         self.writes: dict[int, tuple[BinaryIO, str, str]] = {}
 
     # ---- connection lifecycle -------------------------------------------------------
-    def serve_forever(self) -> None:
+    def serve_forever(self, transport: Transport | None = None) -> None:
+        transport = transport or transport_for(SOCKET_PATH)
         while True:
-            try:
-                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                s.connect(SOCKET_PATH)
-            except OSError:
-                s.close()
-                time.sleep(0.02)
-                continue
-            conn = Conn(s)
+            conn = Conn(transport.connect())
+            quiesced = False
             try:
                 conn.send({"t": "hello", "version": P.PROTOCOL_VERSION, "pid": os.getpid(),
                            "uid": os.getuid()})
                 self._serve(conn)
             except Quiesce:
-                conn.shutdown()
-                time.sleep(0.1)  # the host has already removed the socket; retry until restored
+                quiesced = True
             except (Closed, P.ProtocolError, OSError):
                 pass
             finally:
@@ -451,6 +688,7 @@ class Agent:
                     f.close()
                     _unlink_quiet(tmp)
                 self.writes.clear()
+            transport.after_session(conn.link, quiesced)
 
     def _serve(self, conn: Conn) -> None:
         while True:

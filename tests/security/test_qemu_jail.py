@@ -1,6 +1,8 @@
 """QEMU, with the real command line from qemu.py, under our jailer: comes up jailed and
 answers QMP. ``-S``: no guest code runs (a guest cannot boot on this kind of host, see
-probe.py). KVM when QEMU can initialise it, else ``-accel tcg`` (this test only).
+probe.py). KVM when QEMU can initialise it, else ``-accel tcg`` (this test only). The last
+two boot the guest under TCG: to /init, and all the way to the agent (they need the guest
+artifacts, and the second a built ``python`` template).
 
 Needs root and qemu-system-x86_64 (apt-get install qemu-system-x86).
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import os
 import shutil
 import socket
@@ -20,7 +23,12 @@ from pathlib import Path
 
 import pytest
 
+import cpuos_agent
+from cpuos_agent import protocol as P
+from cpuosd.agentconn import AgentChannel
+from cpuosd.backends.base import SandboxSpec
 from cpuosd.backends.microvm import jailer, kernel
+from cpuosd.backends.microvm.backend import MicroVMBackend
 from cpuosd.backends.microvm.qemu import (
     QMP,
     Accel,
@@ -276,3 +284,76 @@ def test_guest_kernel_boots_to_init_under_tcg_jailed(work: Path, ids: list[str])
         proc.wait()
         assert proc.stdout is not None
         proc.stdout.close()
+
+
+def test_guest_boots_to_the_agent_under_tcg_jailed(work: Path) -> None:
+    """The whole microVM path, jailed, under TCG: MicroVMBackend boots the template, /init
+    runs the real agent on the virtio-serial port, the agent says hello to the daemon-side
+    ``AgentChannel`` (through QEMU's chardev), runs a command, says hello again after the
+    host reconnects, and is killed with the VM."""
+    art = kernel.current_artifacts()
+    if art is None:
+        pytest.skip(f"guest artifacts not built in {kernel.cache_dir()} "
+                    "(scripts/build-microvm-kernel.sh)")
+    info = Path(os.environ.get("CPUOS_TEMPLATES_DIR", "/var/lib/cpuos/templates")) / "python.json"
+    if not info.exists():
+        pytest.skip(f"python template not built ({info})")
+    rootfs = Path(json.loads(info.read_text())["rootfs"])
+    agent_dir = work / "agent-pkg"
+    (agent_dir / "cpuos_agent").mkdir(parents=True)
+    for f in Path(cpuos_agent.__file__).parent.glob("*.py"):
+        shutil.copy2(f, agent_dir / "cpuos_agent" / f.name)
+    sid = f"qa-{os.getpid()}"
+    spec = SandboxSpec(id=sid, rootfs=rootfs, dir=work / "sandboxes" / sid, agent_dir=agent_dir,
+                       vcpus=1, memory_mib=512, hostname=sid)
+    # the template's ext4 image is content-keyed: cached beside the artifacts
+    backend = MicroVMBackend(work / "home", accel="tcg", artifacts=art,
+                             images=kernel.cache_dir() / "images")
+
+    async def run(chan: AgentChannel, argv: list[str]) -> tuple[list[str], P.Header, bytes]:
+        st = chan.open()
+        try:
+            await st.send({"t": "exec", "argv": argv, "cwd": "/", "stdin": False,
+                           "env": {"PATH": "/usr/bin:/bin"}, "timeout": 60})
+            kinds, out = [], b""
+            while True:
+                h, payload = await st.get(120)
+                kinds.append(h["t"])
+                out += payload if h["t"] == "out" else b""
+                if h["t"] in ("exit", "err"):
+                    return kinds, h, out
+        finally:
+            st.close()
+
+    async def body() -> None:
+        spec.sock_dir.mkdir(parents=True)
+        os.chmod(spec.sock_dir, 0o755)
+        chan = AgentChannel(spec.sock_path)
+        await chan.listen()
+        t0 = time.monotonic()
+        try:
+            await backend.start(spec)
+            await chan.wait_connected(180)
+            print(f"agent hello after {time.monotonic() - t0:.1f}s: {chan.hello}")
+            assert chan.hello is not None
+            assert chan.hello["pid"] == 1 and chan.hello["uid"] == kernel.AGENT_UID
+            assert (await chan.call({"t": "ping"}, timeout=60))["t"] == "pong"
+            kinds, h, out = await run(chan, ["echo", "hi"])
+            assert kinds == ["started", "out", "exit"], (kinds, h)
+            assert h["exit_code"] == 0 and out == b"hi\n"
+            kinds, h, out = await run(chan, ["/bin/sh", "-c", "echo $(hostname) $(id -u)"])
+            assert out == f"{sid} {kernel.AGENT_UID}\n".encode()
+            # host hang-up and reconnect (a daemon restart): a fresh hello, commands run
+            await chan.close()
+            chan = AgentChannel(spec.sock_path)
+            await chan.listen()
+            await chan.wait_connected(60)
+            kinds, h, out = await run(chan, ["echo", "again"])
+            assert h["exit_code"] == 0 and out == b"again\n"
+        finally:
+            await chan.close()
+            await backend.kill(sid)
+        assert sid not in await backend.running()
+        assert not [d for d in jailer.cgroup_dirs(sid) if d.exists()]
+
+    asyncio.run(body())

@@ -11,6 +11,14 @@ firmware, and, bind-mounted (read-only unless noted):
 * ``/agent``: the daemon's per-sandbox socket directory; QEMU's virtio-serial chardev
   connects to ``/agent/agent.sock`` (where ``AgentChannel`` listens) and reconnects.
 
+In the guest, /init (``kernel.py``) runs the agent itself (``python3 -m cpuos_agent``, uid
+1000) with ``CPUOS_AGENT_SOCKET`` set to the port's device (``/dev/vportNpM``): the agent's
+character-device transport waits until QEMU is connected to the daemon, says hello, and
+says it again on every reconnect (a daemon restart, a restore), so ``AgentChannel`` sees
+an ordinary agent connection. The agent cannot close QEMU's connection: after a
+``quiesce`` the host side must hang up (close the accepted connection) for the next hello
+to come on a new connection; otherwise the agent resumes on the same one after 5 s.
+
 QEMU's QMP socket is ``/run/qmp.sock`` in the jail (``<jail>/root/run/qmp.sock`` on the
 host). Limits: cgroup cpu quota = vCPUs, memory = guest RAM + ``MEM_OVERHEAD_MIB``, pids;
 RLIMIT_FSIZE = the overlay's size. Only used where ``probe.kvm_boot_probe()`` passes.
@@ -75,11 +83,13 @@ class MicroVMBackend:
     def __init__(self, home: Path, *, qemu: str = QEMU_BIN, accel: Accel = "kvm",
                  uid_base: int = UID_BASE, uid_count: int = UID_COUNT,
                  overlay_mib: int = OVERLAY_MIB, artifacts: kernel.Artifacts | None = None,
-                 console_log: bool = False, python: str | None = None) -> None:
+                 console_log: bool = False, python: str | None = None,
+                 images: Path | None = None) -> None:
         self.home = home
         self.dir = home / "microvm"
         self.jail_base = self.dir / "jail"
-        self.images = self.dir / "images"
+        # ext4 images cache (content-keyed: may be shared, e.g. by tests)
+        self.images = images or self.dir / "images"
         self.qemu = qemu
         self.accel: Accel = accel
         self.uid_base = uid_base
@@ -119,7 +129,12 @@ class MicroVMBackend:
         return await self._once(key, out, lambda: kernel.build_rootfs_image(rootfs, out))
 
     async def _overlay_base(self, agent_dir: Path) -> Path:
-        key = f"overlay-{agent_dir.name}-{self.overlay_mib}"
+        """The blank writable layer carrying the agent package; keyed by the package's
+        content (a changed agent gets a new image, never a stale cached one)."""
+        h = hashlib.sha256()
+        for f in sorted((agent_dir / "cpuos_agent").glob("*.py")):
+            h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+        key = f"overlay-{h.hexdigest()[:16]}-{self.overlay_mib}"
         out = self.images / f"{key}.ext4"
         return await self._once(key, out, lambda: kernel.build_overlay_image(
             out, self.overlay_mib, agent_dir))
