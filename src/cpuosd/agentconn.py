@@ -105,6 +105,10 @@ class AgentChannel:
                 raise ApiError("timeout", "sandbox agent did not let go of its connection")
             await asyncio.sleep(0.005)
 
+    def disconnect(self) -> None:
+        """Drop the current agent connection from our side."""
+        self._drop_connection()
+
     @property
     def connected(self) -> bool:
         return self._connected.is_set()
