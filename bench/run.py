@@ -1,11 +1,12 @@
 """cpuos benchmarks: our figure next to the raw-backend (runsc) floor measured in the same run.
 
-    sudo .venv/bin/python bench/run.py [--quick]
+    sudo .venv/bin/python bench/run.py [--quick] [--only snapshots|basic|SECTION,...]
 
-Starts its own cpuosd (cpuosd.testing.new_daemon: own CPUOS_HOME, shared template cache),
-always tears it down, and deletes every runsc container it made itself (a separate
-``--root`` for the raw runs), even on Ctrl-C or an exception. Prints one table per
-benchmark plus a summary, and writes every sample to .cache/bench/results.json.
+Starts its own cpuosds one after the other (cpuosd.testing.new_daemon: own CPUOS_HOME,
+shared template cache; cold, template-snapshot and warm-pool configurations), always tears
+them down, and deletes every runsc container it made itself (a separate ``--root`` for the
+raw runs), even on Ctrl-C or an exception. Prints one table per benchmark plus a summary,
+and writes every sample to .cache/bench/results*.json.
 See bench/README.md for what each figure means.
 """
 
@@ -18,6 +19,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -28,6 +30,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
 from rich.console import Console
 from rich.table import Table
 
@@ -71,6 +74,10 @@ def mbps(v: float) -> str:
     return f"{v:.0f} MB/s"
 
 
+def mib(b: float) -> str:
+    return f"{b / MiB:.1f} MiB"
+
+
 class Procs:
     """Every host process this script starts, so cleanup can end the ones still running
     (by pid, only ours)."""
@@ -95,6 +102,21 @@ class Procs:
                 p.wait()
             self.live.discard(p)
         return p.returncode, out or b"", err or b""
+
+    def run_logged(self, argv: list[str], log: Path, timeout: float = 120) -> int:
+        """Run with stdout/stderr appended to ``log``: a detached runsc (run --detach,
+        restore --detach) hands its stdio to the sandbox, so a pipe would never reach EOF.
+        Own session, like the daemon's backend, so a Ctrl-C reaches only this script."""
+        with open(log, "ab") as logf:
+            p = self.popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
+                           start_new_session=True)
+        try:
+            return p.wait(timeout)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            self.live.discard(p)
 
     def done(self, p: subprocess.Popen[bytes]) -> None:
         self.live.discard(p)
@@ -189,6 +211,74 @@ class RawRunsc:
         shutil.rmtree(sdir, ignore_errors=True)
         return t1 - t0, t2 - t1, t2 - t0
 
+    # -- detached containers, checkpoint and restore (snapshot floors) --------------------
+    # Same flags as the daemon's backend: --overlay2=root:memory, so that a checkpoint
+    # carries the writable layer (GVisorBackend._sandbox_flags).
+
+    def sandbox_flags(self) -> list[str]:
+        return [*self.global_flags(), "--network=none", "--host-uds=open",
+                "--overlay2=root:memory"]
+
+    def new_id(self, what: str) -> str:
+        self.n += 1
+        return f"bench-{what}-{os.getpid()}-{self.n}"
+
+    def bundle(self, cid: str, args: list[str] | None = None,
+               agent_dir: Path | None = None) -> Path:
+        """A fresh sandbox dir for cid (bundle, sock dir, runsc log) with oci_spec's config;
+        ``args`` replaces the agent as PID 1. Returns the sandbox dir."""
+        sdir = self.tmp / cid
+        spec = SandboxSpec(id=cid, rootfs=self.rootfs, dir=sdir,
+                           agent_dir=agent_dir or self.agent_dir, vcpus=self.vcpus,
+                           memory_mib=self.memory_mib, hostname="sandbox")
+        for d in (sdir / "bundle", spec.sock_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        os.chmod(spec.sock_dir, 0o755)
+        cfg = oci_spec(spec)
+        if args is not None:
+            cfg["process"]["args"] = args
+        (sdir / "bundle" / "config.json").write_text(json.dumps(cfg, indent=1))
+        return sdir
+
+    def _check(self, rc: int, what: str, sdir: Path) -> None:
+        if rc != 0:
+            log = (sdir / "runsc.log").read_bytes()[-800:].decode(errors="replace")
+            raise RuntimeError(f"raw runsc {what} failed (rc={rc}): {log}")
+
+    def run_detached(self, cid: str, sdir: Path) -> None:
+        rc = PROCS.run_logged([*self.sandbox_flags(), "run", "--detach", "--bundle",
+                               str(sdir / "bundle"), cid], sdir / "runsc.log")
+        self._check(rc, "run --detach", sdir)
+
+    def restore(self, cid: str, sdir: Path, image: Path) -> None:
+        rc = PROCS.run_logged([*self.sandbox_flags(), "restore", "--detach",
+                               f"--image-path={image}", "--bundle", str(sdir / "bundle"), cid],
+                              sdir / "runsc.log")
+        self._check(rc, "restore --detach", sdir)
+
+    def checkpoint(self, cid: str, sdir: Path, image: Path) -> None:
+        image.mkdir(parents=True, exist_ok=True)
+        rc = PROCS.run_logged([*self.global_flags(), "checkpoint", f"--image-path={image}",
+                               cid], sdir / "runsc.log")
+        self._check(rc, "checkpoint", sdir)
+
+    def exec_true(self, cid: str) -> None:
+        rc, _, err = PROCS.run(runsc_exec_argv(self.root, cid, "/bin/true"), timeout=60)
+        if rc != 0:
+            raise RuntimeError(f"raw runsc exec failed: {err.decode(errors='replace')[-500:]}")
+
+    def delete(self, cid: str) -> None:
+        PROCS.run([*self.global_flags(), "delete", "--force", cid], timeout=60)
+
+    def wait_log(self, sdir: Path, text: bytes, timeout: float = 60) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if text in (sdir / "runsc.log").read_bytes():
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"raw container did not print {text!r}: "
+                           f"{(sdir / 'runsc.log').read_bytes()[-800:].decode(errors='replace')}")
+
     def cleanup(self) -> list[str]:
         left: list[str] = []
         if self.root.exists():
@@ -201,12 +291,16 @@ class RawRunsc:
         return left
 
 
-def runsc_exec(d: Daemon, sid: str, *argv: str) -> list[str]:
+def runsc_exec_argv(root: Path, sid: str, *argv: str) -> list[str]:
     """What a host-side caller without cpuos does: one ``runsc exec`` per command. Runs as
     the sandbox user, like the agent's commands (runsc's default, root without
     capabilities, cannot write /work)."""
-    return [RUNSC, "--root", str(d.home / "runsc"), "exec", "--user",
-            f"{SANDBOX_UID}:{SANDBOX_GID}", sid, *argv]
+    return [RUNSC, "--root", str(root), "exec", "--user", f"{SANDBOX_UID}:{SANDBOX_GID}", sid,
+            *argv]
+
+
+def runsc_exec(d: Daemon, sid: str, *argv: str) -> list[str]:
+    return runsc_exec_argv(d.home / "runsc", sid, *argv)
 
 
 # ---- benchmarks -------------------------------------------------------------------------
@@ -214,7 +308,7 @@ def runsc_exec(d: Daemon, sid: str, *argv: str) -> list[str]:
 def bench_create(d: Daemon, raw: RawRunsc, n: int) -> dict[str, Any]:
     """Sandbox.create + exec('true') vs foreground runsc run (+delete) of /bin/true.
     One untimed warmup of each, then ours and the floor alternate so host noise hits both."""
-    kw = d.sdk_kwargs()
+    kw: dict[str, Any] = d.sdk_kwargs()
     ours: list[float] = []
     f_run: list[float] = []
     f_del: list[float] = []
@@ -416,6 +510,336 @@ def bench_files(d: Daemon, sbx: Sandbox, tmp: Path, runs: int, size: int) -> dic
     return {"bytes": size, "runs": runs, **{f"{k}_MBps": v for k, v in res.items()}}
 
 
+# ---- snapshot benchmarks ----------------------------------------------------------------
+
+# PID 1 of the raw heap container, and a background process in our sandbox: 100 MiB of
+# heap, then a ready mark (argv[1]) and a line on stdout, then sleep.
+HEAP_HOLDER = """\
+import os, sys, time
+data = bytearray(os.urandom(1 << 20) * 100)
+open(sys.argv[1], "w").close()
+print("ready", len(data), flush=True)
+while True:
+    time.sleep(3600)
+"""
+IDLE_HOLDER = """\
+import sys, time
+open(sys.argv[1], "w").close()
+print("ready", flush=True)
+while True:
+    time.sleep(3600)
+"""
+
+
+def start_heap_holder(sbx: Sandbox) -> None:
+    """Start HEAP_HOLDER in the background in sbx and wait until its 100 MiB are allocated."""
+    sbx.files.write("/work/holder.py", HEAP_HOLDER)
+    r = sbx.exec("nohup python3 /work/holder.py /work/holder.ready >/work/holder.log 2>&1 &")
+    if r.exit_code != 0:
+        raise RuntimeError(f"starting the heap holder failed: {r}")
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        if sbx.files.exists("/work/holder.ready"):
+            return
+        time.sleep(0.05)
+    raise RuntimeError("heap holder did not start: " + sbx.files.read_text("/work/holder.log"))
+
+
+def check_heap_holder(sbx: Sandbox) -> None:
+    r = sbx.exec("pgrep -f holder.py >/dev/null")
+    if r.exit_code != 0:
+        raise RuntimeError("the heap holder is gone after resume")
+
+
+def du(path: Path) -> tuple[int, int]:
+    """(apparent bytes ``du -sb``, allocated bytes ``du -s -B1``) of a directory."""
+    out = []
+    for flags in (["-sb"], ["-s", "-B1"]):
+        rc, o, err = PROCS.run(["du", *flags, str(path)], timeout=60)
+        if rc != 0:
+            raise RuntimeError(f"du {path}: {err.decode(errors='replace')}")
+        out.append(int(o.split()[0]))
+    return out[0], out[1]
+
+
+def kill_quietly(sbx: Sandbox) -> None:
+    try:
+        sbx.kill()
+    finally:
+        sbx.close()
+
+
+def template_image(d: Daemon) -> Path:
+    """The daemon's template snapshot dir of "python" (made on the first create)."""
+    found = sorted(p for p in (d.home / "snapshots" / "templates").glob("python-*")
+                   if (p / "checkpoint.img").exists() and not p.name.endswith(".tmp"))
+    if len(found) != 1:
+        raise RuntimeError(f"expected one python template snapshot, found {found}; "
+                           f"see {d.log}")
+    return found[0]
+
+
+def bench_snap_create(d: Daemon, raw: RawRunsc, n: int) -> dict[str, Any]:
+    """Sandbox.create + exec('true') restoring the template snapshot (daemon with
+    CPUOS_POOL_SIZE=0) vs raw ``runsc restore --detach`` of a copy of the same image.
+    The first create (untimed) makes the template snapshot; ours and the floor alternate."""
+    kw: dict[str, Any] = d.sdk_kwargs()
+    ours: list[float] = []
+    ours_create: list[float] = []
+    f_restore: list[float] = []
+    f_exec: list[float] = []
+    image = agent = None
+    for i in range(n + 1):
+        t0 = now()
+        sbx = Sandbox.create(template="python", timeout="5m", **kw)
+        try:
+            t1 = now()
+            r = sbx.exec("true")
+            t2 = now()
+        finally:
+            kill_quietly(sbx)
+        if r.exit_code != 0:
+            raise RuntimeError(f"exec true failed: {r}")
+        if image is None or agent is None:
+            # the raw floor restores a copy of the daemon's template image, with a copy of
+            # the agent package at /opt/cpuos (the restored agent keeps polling for its
+            # socket, which nobody serves)
+            src = template_image(d)
+            image = raw.tmp / "template-image"
+            shutil.copytree(src, image)
+            agent = raw.tmp / "agent-copy"
+            shutil.copytree(d.home / "agent" / src.name.rsplit("-", 1)[1], agent)
+        cid = raw.new_id("restore")
+        sdir = raw.bundle(cid, agent_dir=agent)
+        try:
+            t3 = now()
+            raw.restore(cid, sdir, image)
+            t4 = now()
+            raw.exec_true(cid)
+            t5 = now()
+        finally:
+            raw.delete(cid)
+            shutil.rmtree(sdir, ignore_errors=True)
+        if i == 0:
+            continue  # warmup (ours made the template snapshot)
+        ours.append(t2 - t0)
+        ours_create.append(t1 - t0)
+        f_restore.append(t4 - t3)
+        f_exec.append(t5 - t3)
+        console.print(f"  snapshot create {i}/{n}: ours create+exec {ms(t2 - t0)} "
+                      f"(create {ms(t1 - t0)}); raw restore {ms(t4 - t3)}, "
+                      f"+exec {ms(t5 - t3)}")
+    assert image is not None
+    return {"n": n, "image_bytes": du(image)[0], "ours_s": ours, "ours_create_s": ours_create,
+            "floor_restore_s": f_restore, "floor_restore_exec_s": f_exec}
+
+
+def connected_agents(d: Daemon) -> set[str]:
+    """Ids of the daemon's sandboxes whose agent is connected right now. The accepted end of
+    an agent connection lives in the network namespace of the connecting gofer, so it shows
+    (path, state 03 = connected) in that gofer's /proc/<pid>/net/unix, not in ours."""
+    sdirs = str(d.home / "sandboxes") + "/"
+    found: set[str] = set()
+    for pid, argv0, cmd in _runsc_procs():
+        if argv0 != "runsc-gofer" or sdirs.encode() not in cmd:
+            continue
+        try:
+            lines = Path(f"/proc/{pid}/net/unix").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if len(f) >= 8 and f[5] == "03" and f[7].startswith(sdirs) \
+                    and f[7].endswith("/sock/agent.sock"):
+                found.add(f[7][len(sdirs):].split("/", 1)[0])
+    return found
+
+
+def wait_pool(d: Daemon, size: int, mine: set[str], timeout: float = 180) -> set[str]:
+    """Wait until ``size`` runsc containers besides ``mine`` run with their agent connected
+    (the daemon puts a sandbox in the pool once its agent is back); returns their ids."""
+    deadline = time.time() + timeout
+    while True:
+        ready = (set(d.runsc_containers()) & connected_agents(d)) - mine
+        if len(ready) >= size:
+            time.sleep(0.1)  # the daemon appends to the pool right after the connect
+            return ready
+        if time.time() > deadline:
+            raise RuntimeError(f"warm pool did not fill: {len(ready)}/{size} ready; see {d.log}")
+        time.sleep(0.05)
+
+
+def bench_pool(d: Daemon, n: int, size: int) -> dict[str, Any]:
+    """Sandbox.create (+ first exec) served from a full warm pool (daemon with
+    CPUOS_POOL_SIZE=size). Before each sample the pool is full; the create starts a refill
+    (a restore) in the daemon, which runs during our exec. The floors are taken after the
+    pool has refilled, on a quiet host: a new httpx client's GET /health (the SDK's create
+    makes a new client and connection too) and one ``runsc exec /bin/true`` into the
+    running sandbox."""
+    kw: dict[str, Any] = d.sdk_kwargs()
+    res: dict[str, list[float]] = {"ours_create_s": [], "ours_create_exec_s": [],
+                                   "floor_http_s": [], "floor_runsc_exec_s": []}
+    misses = 0
+    for i in range(n + 1):
+        pooled = wait_pool(d, size, set())
+        t0 = now()
+        sbx = Sandbox.create(template="python", timeout="5m", **kw)
+        try:
+            t1 = now()
+            r = sbx.exec("true")
+            t2 = now()
+            if r.exit_code != 0:
+                raise RuntimeError(f"exec true failed: {r}")
+            hit = sbx.id in pooled
+            wait_pool(d, size, {sbx.id})  # let the refill finish before the floors
+            t3 = now()
+            with httpx.Client(timeout=30, verify=False) as c:  # as the SDK's, for http URLs
+                c.get(d.url + "/health").raise_for_status()
+            t4 = now()
+            rc, _, err = PROCS.run(runsc_exec(d, sbx.id, "/bin/true"), timeout=60)
+            t5 = now()
+            if rc != 0:
+                raise RuntimeError(f"runsc exec failed: {err.decode(errors='replace')[-500:]}")
+        finally:
+            kill_quietly(sbx)
+        if i == 0:
+            continue  # warmup
+        misses += not hit
+        res["ours_create_s"].append(t1 - t0)
+        res["ours_create_exec_s"].append(t2 - t0)
+        res["floor_http_s"].append(t4 - t3)
+        res["floor_runsc_exec_s"].append(t5 - t4)
+        console.print(f"  pool create {i}/{n}: create {ms(t1 - t0)}, +exec {ms(t2 - t0)}"
+                      f"{'' if hit else ' [yellow](not from the pool!)[/]'}; floor http "
+                      f"{ms(t4 - t3)}, runsc exec {ms(t5 - t4)}")
+    return {"n": n, "pool_size": size, "pool_misses": misses, **res}
+
+
+CHECKPOINT_LOG = re.compile(r"checkpoint of (\S+): quiesce (\d+) ms, runsc checkpoint (\d+) ms, "
+                            r"teardown (\d+) ms")
+
+
+def pause_breakdown(d: Daemon, sid: str) -> list[tuple[float, float, float]]:
+    """(quiesce, backend checkpoint, teardown) seconds of each pause of sid, from the daemon's
+    log (empty if the daemon does not log them). The backend's checkpoint is ``runsc
+    checkpoint`` followed by ``runsc delete --force`` (GVisorBackend.checkpoint)."""
+    found = []
+    for m in CHECKPOINT_LOG.finditer(d.log.read_text(errors="replace")):
+        if m.group(1) == sid:
+            found.append((int(m.group(2)) / 1e3, int(m.group(3)) / 1e3, int(m.group(4)) / 1e3))
+    return found
+
+
+def bench_pause(d: Daemon, raw: RawRunsc, n: int) -> dict[str, Any]:
+    """pause / resume (+ first exec) of a sandbox holding a 100 MiB heap, vs runsc
+    checkpoint / restore of a raw container whose PID 1 is the same heap holder (same
+    rootfs and flags, no agent). One untimed warmup cycle of each, then they alternate."""
+    kw: dict[str, Any] = d.sdk_kwargs()
+    res: dict[str, list[float]] = {k: [] for k in (
+        "ours_pause_s", "ours_resume_s", "ours_resume_exec_s", "floor_checkpoint_s",
+        "floor_checkpoint_delete_s", "floor_restore_s", "floor_restore_exec_s")}
+    sizes: list[int] = []
+    floor_sizes: list[int] = []
+    sbx = Sandbox.create(template="python", timeout="30m", **kw)
+    cid = raw.new_id("heap")
+    sdir = raw.bundle(cid, ["/usr/bin/python3", "-c", HEAP_HOLDER, "/work/holder.ready"])
+    image: Path | None = None
+    try:
+        start_heap_holder(sbx)
+        raw.run_detached(cid, sdir)
+        raw.wait_log(sdir, b"ready")
+        for i in range(n + 1):
+            t0 = now()
+            sid = sbx.pause()
+            t1 = now()
+            sizes.append(sbx.info().snapshot_bytes or 0)
+            paused = sbx
+            t2 = now()
+            sbx = Sandbox.resume(sid, **kw)
+            t3 = now()
+            paused.close()
+            r = sbx.exec("true")
+            t4 = now()
+            if r.exit_code != 0:
+                raise RuntimeError(f"exec true after resume failed: {r}")
+            check_heap_holder(sbx)
+
+            old, image = image, raw.tmp / f"{cid}-image-{i}"
+            f0 = now()
+            raw.checkpoint(cid, sdir, image)
+            f1 = now()
+            raw.delete(cid)
+            f2 = now()
+            raw.restore(cid, sdir, image)
+            f3 = now()
+            raw.exec_true(cid)
+            f4 = now()
+            floor_sizes.append(du(image)[0])
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+            if i == 0:
+                continue  # warmup
+            for k, v in (("ours_pause_s", t1 - t0), ("ours_resume_s", t3 - t2),
+                         ("ours_resume_exec_s", t4 - t2), ("floor_checkpoint_s", f1 - f0),
+                         ("floor_checkpoint_delete_s", f2 - f0), ("floor_restore_s", f3 - f2),
+                         ("floor_restore_exec_s", f4 - f2)):
+                res[k].append(v)
+            console.print(f"  pause/resume {i}/{n}: ours pause {ms(t1 - t0)}, resume "
+                          f"{ms(t3 - t2)}, +exec {ms(t4 - t2)}; raw checkpoint {ms(f1 - f0)}"
+                          f" (+delete {ms(f2 - f0)}), restore {ms(f3 - f2)}, "
+                          f"+exec {ms(f4 - f2)}")
+    finally:
+        kill_quietly(sbx)
+        raw.delete(cid)
+        shutil.rmtree(sdir, ignore_errors=True)
+        if image is not None:
+            shutil.rmtree(image, ignore_errors=True)
+    parts = pause_breakdown(d, sbx.id)[1:]  # without the warmup
+    if len(parts) == n:
+        for i, k in enumerate(("quiesce", "checkpoint", "teardown")):
+            res[f"ours_pause_{k}_s"] = [x[i] for x in parts]
+    return {"n": n, "ours_snapshot_bytes": sizes, "floor_image_bytes": floor_sizes, **res}
+
+
+def bench_size(d: Daemon, raw: RawRunsc) -> dict[str, Any]:
+    """Disk size of one paused sandbox, idle and with the 100 MiB heap: the daemon's
+    ``snapshot_bytes`` and ``du`` of $CPUOS_HOME/snapshots/<id>; beside it ``du`` of a raw
+    checkpoint of a container whose PID 1 is a Python process (idle / the heap holder)."""
+    kw: dict[str, Any] = d.sdk_kwargs()
+    out: dict[str, Any] = {}
+    for name, holder in (("idle", IDLE_HOLDER), ("heap", HEAP_HOLDER)):
+        sbx = Sandbox.create(template="python", timeout="10m", **kw)
+        try:
+            if name == "heap":
+                start_heap_holder(sbx)
+            sid = sbx.pause()
+            info = sbx.info()
+            if info.state != "paused":
+                raise RuntimeError(f"sandbox {sid} is {info.state} after pause")
+            apparent, allocated = du(d.home / "snapshots" / sid)
+        finally:
+            kill_quietly(sbx)
+        cid = raw.new_id(f"size-{name}")
+        sdir = raw.bundle(cid, ["/usr/bin/python3", "-c", holder, "/work/holder.ready"])
+        image = raw.tmp / f"{cid}-image"
+        try:
+            raw.run_detached(cid, sdir)
+            raw.wait_log(sdir, b"ready")
+            raw.checkpoint(cid, sdir, image)
+            f_apparent, f_allocated = du(image)
+        finally:
+            raw.delete(cid)
+            shutil.rmtree(sdir, ignore_errors=True)
+            shutil.rmtree(image, ignore_errors=True)
+        out[name] = {"snapshot_bytes": info.snapshot_bytes, "du_apparent": apparent,
+                     "du_allocated": allocated, "floor_du_apparent": f_apparent,
+                     "floor_du_allocated": f_allocated}
+        console.print(f"  size {name}: snapshot_bytes {mib(info.snapshot_bytes or 0)}, du "
+                      f"{mib(apparent)} (allocated {mib(allocated)}); raw image "
+                      f"{mib(f_apparent)}")
+    return out
+
+
 # ---- report -----------------------------------------------------------------------------
 
 def table(title: str, cols: Sequence[str]) -> Table:
@@ -498,11 +922,95 @@ def report(R: dict[str, Any]) -> list[dict[str, Any]]:
                             "floor": mbps(median(f[f"floor_{k}_MBps"])),
                             "target": "≥ 150 MB/s", "met": "yes" if o >= 150 else "no"})
 
+    def timing_table(title: str, rows: Sequence[tuple[str, Sequence[float]]]) -> None:
+        t = table(title, ["", "p50", "p95", "min"])
+        for label, xs in rows:
+            t.add_row(label, ms(pct(xs, 50)), ms(pct(xs, 95)), ms(min(xs)))
+        console.print(t)
+
+    def target_row(metric: str, ours: float, floor: float, limit: float, target: str
+                   ) -> dict[str, Any]:
+        return {"metric": metric, "ours": ms(ours), "floor": ms(floor), "target": target,
+                "met": "yes" if ours <= limit else "no"}
+
+    sc = R.get("snap_create")
+    if sc:
+        timing_table(
+            f"5. create from the template snapshot → first exec result (N={sc['n']}, after 1 "
+            f"warmup; CPUOS_POOL_SIZE=0; image {mib(sc['image_bytes'])})",
+            [("ours: Sandbox.create + exec('true')", sc["ours_s"]),
+             ("  of which Sandbox.create", sc["ours_create_s"]),
+             ("floor: runsc restore --detach (same image)", sc["floor_restore_s"]),
+             ("floor: runsc restore --detach + runsc exec true", sc["floor_restore_exec_s"])])
+        o, floor_s = median(sc["ours_s"]), median(sc["floor_restore_s"])
+        summary.append(target_row("create from snapshot → first exec, p50", o, floor_s,
+                                  1.2 * floor_s, f"≤ 1.2× floor ({ms(1.2 * floor_s)})"))
+        summary[-1]["note"] = (f"{o / floor_s:.2f}× runsc restore; "
+                               f"{o / median(sc['floor_restore_exec_s']):.2f}× restore + exec")
+
+    pl = R.get("pool")
+    if pl:
+        timing_table(
+            f"6. create from the warm pool (CPUOS_POOL_SIZE={pl['pool_size']}, full before "
+            f"each sample; N={pl['n']}, after 1 warmup; {pl['pool_misses']} not from the pool)",
+            [("ours: Sandbox.create", pl["ours_create_s"]),
+             ("ours: Sandbox.create + exec('true')", pl["ours_create_exec_s"]),
+             ("floor: GET /health on a fresh connection", pl["floor_http_s"]),
+             ("floor: runsc exec true into the running sandbox", pl["floor_runsc_exec_s"])])
+        summary.append(target_row("create from warm pool, p50", median(pl["ours_create_s"]),
+                                  median(pl["floor_http_s"]), 0.010, "≤ 10 ms"))
+        summary.append({"metric": "create from warm pool + first exec, p50",
+                        "ours": ms(median(pl["ours_create_exec_s"])),
+                        "floor": ms(median(pl["floor_runsc_exec_s"])), "target": "—",
+                        "met": "—"})
+
+    pr = R.get("pause")
+    if pr:
+        timing_table(
+            f"7. pause / resume with a 100 MiB heap (N={pr['n']}, after 1 warmup cycle)",
+            [("ours: sbx.pause()", pr["ours_pause_s"]),
+             *[(f"  (info, daemon log) of which {label}", pr[f"ours_pause_{k}_s"])
+               for k, label in (("quiesce", "quiesce"),
+                                ("checkpoint", "runsc checkpoint + delete"),
+                                ("teardown", "teardown"))
+               if f"ours_pause_{k}_s" in pr],
+             ("floor: runsc checkpoint", pr["floor_checkpoint_s"]),
+             ("floor: runsc checkpoint + runsc delete", pr["floor_checkpoint_delete_s"]),
+             ("ours: Sandbox.resume(id)", pr["ours_resume_s"]),
+             ("ours: Sandbox.resume(id) + exec('true')", pr["ours_resume_exec_s"]),
+             ("floor: runsc restore --detach", pr["floor_restore_s"]),
+             ("floor: runsc restore --detach + runsc exec true", pr["floor_restore_exec_s"])])
+        summary.append(target_row("pause, 100 MiB heap, p50", median(pr["ours_pause_s"]),
+                                  median(pr["floor_checkpoint_s"]), 0.400, "≤ 400 ms"))
+        summary.append(target_row("resume, 100 MiB heap, p50", median(pr["ours_resume_s"]),
+                                  median(pr["floor_restore_s"]), 0.300, "≤ 300 ms"))
+        summary.append(target_row("resume + first exec, 100 MiB heap, p50",
+                                  median(pr["ours_resume_exec_s"]),
+                                  median(pr["floor_restore_exec_s"]), 0.300, "≤ 300 ms"))
+
+    sz = R.get("size")
+    if sz:
+        t = table("8. snapshot size on disk, one paused sandbox (MiB = 2^20 B)",
+                  ["", "snapshot_bytes", "du -sb", "du (allocated)"])
+        for name, label in (("idle", "idle sandbox"), ("heap", "100 MiB heap")):
+            x = sz[name]
+            t.add_row(f"ours: {label}", mib(x["snapshot_bytes"] or 0), mib(x["du_apparent"]),
+                      mib(x["du_allocated"]))
+            t.add_row(f"floor: runsc checkpoint, python PID 1 ({name})", "—",
+                      mib(x["floor_du_apparent"]), mib(x["floor_du_allocated"]))
+            summary.append({"metric": f"snapshot size on disk, {label}",
+                            "ours": mib(x["du_allocated"]), "floor": mib(x["floor_du_allocated"]),
+                            "target": "—", "met": "—"})
+        console.print(t)
+
     if summary:
         t = table("Summary", ["metric", "ours", "floor", "target", "met?"])
         for row in summary:
             t.add_row(row["metric"], row["ours"], row["floor"], row["target"], row["met"])
         console.print(t)
+        for row in summary:
+            if row.get("note"):
+                console.print(f"  {row['metric']}: {row['note']}")
     return summary
 
 
@@ -512,10 +1020,43 @@ def _sigterm(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+SECTIONS = {  # name -> what it measures (the order they run in)
+    "create": "1. create → first exec (cold boot: no template snapshot, no pool)",
+    "exec": "2. exec round trip",
+    "stream": "3. stdout streaming",
+    "files": "4. file upload/download",
+    "snap-create": "5. create from the template snapshot → first exec",
+    "pool": "6. create from the warm pool",
+    "pause": "7. pause / resume with a 100 MiB heap",
+    "size": "8. snapshot size on disk",
+}
+GROUPS = {"basic": ["create", "exec", "stream", "files"],
+          "snapshots": ["snap-create", "pool", "pause", "size"]}
+
+
+def parse_only(value: str | None) -> list[str]:
+    if not value:
+        return list(SECTIONS)
+    want: set[str] = set()
+    for name in (x.strip() for x in value.split(",") if x.strip()):
+        if name in GROUPS:
+            want.update(GROUPS[name])
+        elif name in SECTIONS:
+            want.add(name)
+        else:
+            raise SystemExit(f"--only: unknown section {name!r}; choose from "
+                             f"{', '.join([*GROUPS, *SECTIONS])}")
+    return [x for x in SECTIONS if x in want]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer iterations, smaller transfers")
+    ap.add_argument("--only", metavar="SECTIONS",
+                    help="comma-separated sections or groups: "
+                         + ", ".join([*GROUPS, *SECTIONS]) + " (default: all)")
     args = ap.parse_args()
+    only = parse_only(args.only)
     why = e2e_unavailable()
     if why:
         print(f"cannot run the benchmarks: {why}", file=sys.stderr)
@@ -526,10 +1067,15 @@ def main() -> int:
     n_exec = 50 if q else 300
     stream_size, stream_bytes = ("128M", 128 * MiB) if q else ("512M", 512 * MiB)
     file_size = 100 * MiB
+    n_snap_create = 3 if q else 10
+    n_pool = 3 if q else 10
+    n_pause = 2 if q else 5
+    pool_size = 2
 
     signal.signal(signal.SIGTERM, _sigterm)
     R: dict[str, Any] = {
         "meta": {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "quick": q,
+                 "sections": only,
                  "host": platform.node(), "kernel": platform.release(),
                  "cpus": os.cpu_count(),
                  "runsc": subprocess.run([RUNSC, "--version"], capture_output=True,
@@ -537,31 +1083,73 @@ def main() -> int:
                  "template_rootfs": str(rootfs), "host_before": host_snapshot(),
                  "complete": False},
     }
-    d = new_daemon()
+    daemons: list[Daemon] = []
+    daemon_left: dict[str, list[str]] = {}
     raw: RawRunsc | None = None
     tmp = Path(tempfile.mkdtemp(prefix="cpuos-bench-", dir="/tmp"))
     failed = False
-    try:
+
+    def start_daemon(**env: str) -> Daemon:
+        d = new_daemon(**env)
+        # snapshots under this daemon's home even if CPUOS_SNAPSHOTS_DIR is set around us
+        d.extra_env["CPUOS_SNAPSHOTS_DIR"] = str(d.home / "snapshots")
+        daemons.append(d)
         d.start()
+        console.print(f"daemon {d.url}, home {d.home}, "
+                      + ", ".join(f"{k}={v}" for k, v in env.items()))
+        return d
+
+    def stop_daemon(d: Daemon, failed: bool = False) -> None:
+        if d.home.exists():
+            daemon_left[str(d.home)] = d.teardown(failed)
+
+    try:
         raw = RawRunsc(rootfs)
-        console.print(f"[bold]cpuos bench[/] ({'quick' if q else 'full'}); daemon {d.url}, "
-                      f"home {d.home}; load {os.getloadavg()[0]:.2f}, "
+        console.print(f"[bold]cpuos bench[/] ({'quick' if q else 'full'}; {', '.join(only)}); "
+                      f"load {os.getloadavg()[0]:.2f}, "
                       f"{R['meta']['host_before']['runsc_processes']} runsc processes on host")
-        console.print("1. create → first exec …")
-        R["create"] = bench_create(d, raw, n_create)
-        sbx = Sandbox.create(template="python", timeout="60m", **d.sdk_kwargs())
-        try:
-            console.print("2. exec round trip …")
-            R["exec"] = bench_exec(d, sbx, n_exec, 10, 30)
-            console.print("3. stdout streaming …")
-            R["stream"] = bench_stream(d, sbx, stream_size, stream_bytes, 3)
-            console.print("4. file upload/download …")
-            R["files"] = bench_files(d, sbx, tmp, 3, file_size)
-        finally:
-            try:
-                sbx.kill()
-            finally:
-                sbx.close()
+        basic = [x for x in only if x in GROUPS["basic"]]
+        if basic:
+            # Cold boot, as the floor (runsc run) is: no template snapshot and no warm pool
+            # (a pool refill would also run beside the floor's runsc).
+            d = start_daemon(CPUOS_POOL_SIZE="0", CPUOS_TEMPLATE_SNAPSHOTS="0")
+            if "create" in only:
+                console.print(SECTIONS["create"] + " …")
+                R["create"] = bench_create(d, raw, n_create)
+            if set(basic) - {"create"}:
+                kw: dict[str, Any] = d.sdk_kwargs()
+                sbx = Sandbox.create(template="python", timeout="60m", **kw)
+                try:
+                    if "exec" in only:
+                        console.print(SECTIONS["exec"] + " …")
+                        R["exec"] = bench_exec(d, sbx, n_exec, 10, 30)
+                    if "stream" in only:
+                        console.print(SECTIONS["stream"] + " …")
+                        R["stream"] = bench_stream(d, sbx, stream_size, stream_bytes, 3)
+                    if "files" in only:
+                        console.print(SECTIONS["files"] + " …")
+                        R["files"] = bench_files(d, sbx, tmp, 3, file_size)
+                finally:
+                    kill_quietly(sbx)
+            stop_daemon(d)
+        if {"snap-create", "pause", "size"} & set(only):
+            # every create restores the template snapshot: no warm pool
+            d = start_daemon(CPUOS_POOL_SIZE="0")
+            if "snap-create" in only:
+                console.print(SECTIONS["snap-create"] + " …")
+                R["snap_create"] = bench_snap_create(d, raw, n_snap_create)
+            if "pause" in only:
+                console.print(SECTIONS["pause"] + " …")
+                R["pause"] = bench_pause(d, raw, n_pause)
+            if "size" in only:
+                console.print(SECTIONS["size"] + " …")
+                R["size"] = bench_size(d, raw)
+            stop_daemon(d)
+        if "pool" in only:
+            d = start_daemon(CPUOS_POOL_SIZE=str(pool_size))
+            console.print(SECTIONS["pool"] + " …")
+            R["pool"] = bench_pool(d, n_pool, pool_size)
+            stop_daemon(d)
         R["meta"]["complete"] = True
     except BaseException:
         failed = True
@@ -570,9 +1158,10 @@ def main() -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # let cleanup finish
         PROCS.kill_all()
         raw_left = raw.cleanup() if raw is not None else []
-        daemon_left = d.teardown(False)
+        for d in daemons:
+            stop_daemon(d, failed)
         shutil.rmtree(tmp, ignore_errors=True)
-        ours_paths = [d.home, raw.tmp if raw else d.home]
+        ours_paths = [d.home for d in daemons] + ([raw.tmp] if raw else [])
         deadline = time.time() + 10  # sandbox/gofer processes exit shortly after delete
         while (stray := runsc_pids_under(ours_paths)) and time.time() < deadline:
             time.sleep(0.2)
@@ -580,9 +1169,9 @@ def main() -> int:
         R["meta"]["cleanup"] = {"raw_containers_left": raw_left,
                                 "daemon_containers_left": daemon_left,
                                 "stray_runsc_processes": stray}
-        if raw_left or daemon_left:
+        if raw_left or any(daemon_left.values()):
             console.print(f"[yellow]cleanup deleted leftover containers: raw {raw_left}, "
-                          f"daemon {daemon_left}[/]")
+                          f"daemons {daemon_left}[/]")
         if stray:
             console.print(f"[red]runsc processes of this run still alive: {stray}[/]")
         try:
@@ -590,12 +1179,18 @@ def main() -> int:
         except Exception as e:
             console.print(f"[red]report failed: {e!r}[/]")
         R["meta"]["failed"] = failed
-        # an incomplete run does not overwrite the last complete results
-        out = RESULTS if R["meta"]["complete"] else RESULTS.with_name("results-partial.json")
+        # an incomplete or partial (--only) run does not overwrite the last full results
+        if not R["meta"]["complete"]:
+            out = RESULTS.with_name("results-partial.json")
+        elif only != list(SECTIONS):
+            out = RESULTS.with_name("results-only-" + "+".join(only) + ".json")
+        else:
+            out = RESULTS
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(R, indent=1))
         console.print(f"results: {out}; load average at the end "
-                      f"{R['meta']['host_after']['loadavg'][0]:.2f}")
+                      f"{R['meta']['host_after']['loadavg'][0]:.2f}, "
+                      f"{R['meta']['host_after']['runsc_processes']} runsc processes on host")
         signal.signal(signal.SIGINT, signal.default_int_handler)
     return 0
 
