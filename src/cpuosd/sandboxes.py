@@ -28,6 +28,7 @@ from .backends.base import Backend, SandboxSpec
 from .config import Config
 from .errors import ApiError, not_found
 from .paths import check_id
+from .reaper import reap_orphans
 from .store import LIVE_STATES, SandboxRow, Store
 from .templates.builder import template_info
 
@@ -525,6 +526,7 @@ class Manager:
     async def _reaper(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.reaper_interval)
+            reap_orphans()  # sandbox processes we adopted (see cpuosd.reaper)
             for sid, on_timeout in self.store.expired(_now()):
                 log.info("sandbox %s reached its deadline (%s)", sid, on_timeout)
                 try:

@@ -30,6 +30,7 @@ from ..backends.gvisor import GVisorBackend
 from ..config import Config
 from ..errors import ApiError, invalid
 from ..paths import ID_RE, check_path
+from ..reaper import become_subreaper
 from ..sandboxes import Manager
 from ..store import ACTIVE_STATES, SandboxRow, Store
 
@@ -186,6 +187,8 @@ def create_app(cfg: Config | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if not become_subreaper():
+            log.warning("could not become a child subreaper: pauses may be slow")
         cfg.home.mkdir(parents=True, exist_ok=True)
         os.chmod(cfg.home, 0o711)
         store = Store(cfg.db_path)

@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .. import reaper
 from ..errors import ApiError
 from .base import Capabilities, SandboxSpec
 
@@ -102,6 +103,14 @@ class GVisorBackend:
         finally:
             if logf is not None:
                 logf.close()
+        reaper.managed.add(proc.pid)
+        try:
+            return await self._wait(proc, args, timeout, log_path)
+        finally:
+            reaper.managed.discard(proc.pid)
+
+    async def _wait(self, proc: asyncio.subprocess.Process, args: tuple[str, ...],
+                    timeout: float, log_path: Path | None) -> tuple[int, bytes, bytes]:
         try:
             if log_path is not None:
                 await asyncio.wait_for(proc.wait(), timeout)
@@ -149,7 +158,18 @@ class GVisorBackend:
             line = next((x for x in msg.splitlines() if "checkpoint failed" in x), msg[-300:])
             code = "no_space" if "no space left" in msg else "internal"
             raise ApiError(code, f"runsc checkpoint failed: {line[:300]}")
-        await self._run(*self._global_flags(), "delete", "--force", sandbox_id)
+        await self._delete_reaping(sandbox_id)
+
+    async def _delete_reaping(self, sandbox_id: str) -> None:
+        """runsc delete waits for the sandbox process to be reaped: reap while it waits."""
+        delete = asyncio.ensure_future(
+            self._run(*self._global_flags(), "delete", "--force", sandbox_id))
+        while not delete.done():
+            reaper.reap_orphans()
+            await asyncio.wait([delete], timeout=0.005)
+        rc, _, err = delete.result()
+        if rc != 0 and b"not exist" not in err:
+            log.warning("runsc delete %s: %s", sandbox_id, err.decode(errors="replace")[-300:])
 
     async def restore(self, spec: SandboxSpec, image_dir: Path) -> None:
         bundle = self._bundle(spec)
@@ -172,9 +192,7 @@ class GVisorBackend:
         return None
 
     async def kill(self, sandbox_id: str) -> None:
-        rc, _, err = await self._run(*self._global_flags(), "delete", "--force", sandbox_id)
-        if rc != 0 and b"does not exist" not in err and b"not exist" not in err:
-            log.warning("runsc delete %s: %s", sandbox_id, err.decode(errors="replace")[-300:])
+        await self._delete_reaping(sandbox_id)
 
     async def running(self) -> dict[str, str]:
         rc, out, err = await self._run(*self._global_flags(), "list", "-format=json")
