@@ -472,39 +472,36 @@ def _templates_dir() -> Path:
 
 @template_app.command("build")
 def template_build(
-    name_or_toml: Annotated[str, typer.Argument(
-        metavar="NAME_OR_TOML", help="A built-in template name (python) or a spec file.")],
+    source: Annotated[str | None, typer.Argument(
+        metavar="NAME_OR_FILE",
+        help="A built-in template (python, node, devbox), a TOML spec, or a Dockerfile "
+             "(named Dockerfile or *.Dockerfile).")] = None,
+    oci: Annotated[Path | None, typer.Option(
+        "--oci", metavar="TARBALL",
+        help="Build from an image tarball (docker save, or an OCI layout) instead.")] = None,
+    name: Annotated[str | None, typer.Option(
+        "--name", help="The template's name (needed with --oci; overrides a spec's).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Rebuild even if cached.")] = False,
     json_: JsonOut = False,
 ) -> None:
-    """Build a template's root filesystem here (needs root and mmdebstrap)."""
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    """Build a template's root filesystem here (needs root; mmdebstrap for specs)."""
+    from cpuosd.templates.builder import TemplateError, TemplateSpec, build, build_from_oci
 
-    from cpuosd.templates.builder import TemplateError, TemplateSpec, build
-
-    err = _err()
+    if (source is None) == (oci is None):
+        raise typer.BadParameter("give NAME_OR_FILE or --oci TARBALL (one of them)")
+    if oci is not None and not name:
+        raise typer.BadParameter("--oci needs --name")
     try:
-        spec = TemplateSpec.load(name_or_toml)
         tdir = _templates_dir()
-        if err.is_terminal:
-            with Progress(SpinnerColumn(), TextColumn(f"building [bold]{spec.name}[/]"),
-                          TimeElapsedColumn(), TextColumn("{task.description}", markup=False),
-                          console=err, transient=True) as progress:
-                task = progress.add_task("starting mmdebstrap", total=None)
-                width = max(20, err.width - len(spec.name) - 30)
-
-                def on_line(line: str) -> None:
-                    line = line.strip()
-                    if line:
-                        progress.update(task, description=line[:width])
-
-                info = build(spec, tdir, force=force, on_line=on_line)
+        if oci is not None:
+            assert name is not None
+            info = _with_progress(name, lambda on_line: build_from_oci(
+                oci, name, tdir, force=force, on_line=on_line))
         else:
-            def on_line(line: str) -> None:
-                sys.stderr.write(line + "\n")
-                sys.stderr.flush()
-
-            info = build(spec, tdir, force=force, on_line=on_line)
+            assert source is not None
+            spec = TemplateSpec.load(source, name=name)
+            info = _with_progress(spec.name, lambda on_line: build(
+                spec, tdir, force=force, on_line=on_line))
     except TemplateError as e:
         first, _, rest = str(e).partition("\n")
         raise CliError("template", first, rest) from None
@@ -517,6 +514,7 @@ def template_build(
     t.add_row("name", str(info["name"]))
     t.add_row("digest", str(info["digest"]))
     t.add_row("rootfs", str(info["rootfs"]))
+    t.add_row("size", _fmt_size(int(info.get("size_bytes") or 0)))
     if info.get("cached"):
         t.add_row("build", "cached (use --force to rebuild)")
     else:
@@ -524,13 +522,42 @@ def template_build(
     _out().print(t)
 
 
+def _with_progress(name: str, run: Callable[[Callable[[str], None]], dict[str, Any]]
+                   ) -> dict[str, Any]:
+    """``run(on_line)`` with its output as a spinner line on a terminal, else on stderr."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    err = _err()
+    if not err.is_terminal:
+        def on_line(line: str) -> None:
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+
+        return run(on_line)
+    with Progress(SpinnerColumn(), TextColumn(f"building [bold]{escape(name)}[/]"),
+                  TimeElapsedColumn(), TextColumn("{task.description}", markup=False),
+                  console=err, transient=True) as progress:
+        task = progress.add_task("starting", total=None)
+        width = max(20, err.width - len(name) - 30)
+
+        def show(line: str) -> None:
+            line = line.strip()
+            if line:
+                progress.update(task, description=line[:width])
+
+        return run(show)
+
+
 @template_app.command("ls")
 def template_ls(json_: JsonOut = False) -> None:
-    """List the templates built on this machine."""
-    from cpuosd.templates.builder import list_templates
+    """List the templates built on this machine: name, digest, size on disk, built time."""
+    from cpuosd.templates.builder import disk_usage, list_templates
 
     tdir = _templates_dir()
     items = list_templates(tdir) if tdir.is_dir() else []
+    for i in items:
+        if not i.get("size_bytes"):  # built before sizes were recorded
+            i["size_bytes"] = disk_usage(Path(i["rootfs"]))
     if json_:
         _print_json(items)
         return
@@ -539,12 +566,28 @@ def template_ls(json_: JsonOut = False) -> None:
                      markup=False)
         return
     t = Table(box=None, header_style="bold", pad_edge=False)
-    for col in ("NAME", "DIGEST", "BUILT", "ROOTFS"):
+    for col in ("NAME", "DIGEST", "SIZE", "BUILT"):
         t.add_column(col, no_wrap=True)
     for i in items:
-        t.add_row(str(i.get("name")), str(i.get("digest")),
-                  _fmt_time(i["built_at"]) if i.get("built_at") else "-", str(i.get("rootfs")))
+        t.add_row(str(i.get("name")), str(i.get("digest")), _fmt_size(int(i["size_bytes"])),
+                  _fmt_time(i["built_at"]) if i.get("built_at") else "-")
     _out().print(t)
+
+
+@template_app.command("rm")
+def template_rm(
+    name: Annotated[str, typer.Argument(help="The template to delete.")],
+) -> None:
+    """Delete a template's builds and record. Sandboxes still running from it will break."""
+    from cpuosd.templates.builder import TemplateError, remove_template
+
+    try:
+        gone = remove_template(_templates_dir(), name)
+    except TemplateError as e:
+        raise CliError("template", str(e)) from None
+    if not gone:
+        raise CliError("not_found", f"no template {name!r} in {_templates_dir()}")
+    _err().print(f"removed {len(gone)} path(s) of template {name}", style="dim", markup=False)
 
 
 def main() -> None:

@@ -1,9 +1,18 @@
-"""Template specs (TOML) and the root filesystem builder (mmdebstrap).
+"""Template root filesystems: built with mmdebstrap from a spec (TOML or a Dockerfile subset,
+see spec.py) or unpacked from an image tarball (see oci.py); the compat shims go into both.
 
-A build is cached by the sha256 of its spec: ``$CPUOS_HOME/templates/<name>-<hash>/rootfs``
-plus ``<name>.json`` pointing at the current build. A build goes to a temporary
-directory first and is renamed into place only when it succeeded, so a failed or
+A build is cached by its digest: ``<templates_dir>/<name>-<digest>/rootfs`` plus
+``<name>.json``, the info record of the current build (name, digest, rootfs, built_at,
+cached, size_bytes, and for the daemon env, workdir, user, start, ready). A build goes to a
+temporary directory first and is renamed into place only when it succeeded, so a failed or
 interrupted build never leaves a half tree that looks finished.
+
+A spec build runs mmdebstrap (the spec's apt packages plus the base's: python3 for the
+guest agent), then the steps one at a time as root, ``chroot <root> /bin/sh -euc CMD`` with
+/proc, /dev and /sys mounted: the base steps every template shares (user 1000, the work
+directory), pip, npm, then the copies and the spec's run steps in their order. The steps
+see the host's proxy variables and CA bundle (so a TLS-inspecting egress proxy works); the
+CA file is removed from the root afterwards.
 """
 
 from __future__ import annotations
@@ -11,76 +20,420 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import posixpath
 import re
+import shlex
 import shutil
+import stat
 import subprocess
 import time
-import tomllib
 from collections import deque
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-BUILDER_VERSION = 1
-NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
-PKG_RE = re.compile(r"^[a-z0-9][a-z0-9+.-]*$")
-BUILTIN_DIR = Path(__file__).parent / "builtin"
-KNOWN_KEYS = {"name", "suite", "variant", "apt", "run"}
+from .oci import extract_image, image_config, resolve_in_root
+from .spec import BUILTIN_DIR, DEFAULT_PATH, NAME_RE, CopySpec, Ready, TemplateError, TemplateSpec
+
+__all__ = ["BUILTIN_DIR", "CopySpec", "Ready", "Step", "TemplateError", "TemplateSpec",
+           "base_apt", "base_steps", "build", "build_from_oci", "build_steps", "chroot_mounts",
+           "install_shims", "list_templates", "remove_template", "run_steps", "shell_steps",
+           "spec_digest", "template_info"]
+
+BUILDER_VERSION = 2
+RM_NAME_RE = re.compile(r"^[a-z0-9-]{1,64}$")
 SHIMS_DIR = Path(__file__).parent / "shims"
 SHIM_DEST = "usr/local/lib/cpuos"
+PROXY_VARS = ("http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY")
+STEP_TAIL = 20
+# The host's CA bundle is put in the root during the build steps (only), so pip, npm, curl
+# and git there trust what the host trusts (e.g. a TLS-inspecting egress proxy's CA).
+HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
+BUILD_CA = ".cpuos-build-ca.crt"
+CA_VARS = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "PIP_CERT", "NODE_EXTRA_CA_CERTS",
+           "CURL_CA_BUNDLE", "GIT_SSL_CAINFO")
+# What build steps get mounted, as `mount` arguments before the target.
+STEP_MOUNTS = (("proc", ("-t", "proc", "proc")), ("dev", ("--bind", "/dev")),
+               ("sys", ("-t", "sysfs", "-o", "ro,nosuid,nodev,noexec", "sysfs")))
+Emit = Callable[[str], None]
 
 
-class TemplateError(Exception):
-    pass
+# ---- what every template gets --------------------------------------------------------------
+def base_apt(spec: TemplateSpec) -> list[str]:
+    """The spec's apt packages plus python3 (the guest agent is Python) and what its pip and
+    npm installs need."""
+    extra = ["python3"]
+    if spec.pip:
+        extra += ["python3-pip", "ca-certificates"]
+    if spec.npm:
+        extra += ["npm", "ca-certificates"]
+    return list(dict.fromkeys([*spec.apt, *extra]))
 
 
-@dataclass
-class TemplateSpec:
-    name: str
-    suite: str = "bookworm"
-    variant: str = "minbase"
-    apt: list[str] = field(default_factory=list)
-    run: list[str] = field(default_factory=list)
-
-    @classmethod
-    def load(cls, name_or_path: str) -> TemplateSpec:
-        p = Path(name_or_path)
-        if not p.suffix:
-            p = BUILTIN_DIR / f"{name_or_path}.toml"
-            if not p.exists():
-                known = ", ".join(sorted(x.stem for x in BUILTIN_DIR.glob("*.toml")))
-                raise TemplateError(f"no built-in template {name_or_path!r} (known: {known})")
-        try:
-            data = tomllib.loads(p.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise TemplateError(f"{p}: {e}") from None
-        unknown = set(data) - KNOWN_KEYS
-        if unknown:
-            raise TemplateError(f"{p}: unknown key(s) {sorted(unknown)}; "
-                                f"known: {sorted(KNOWN_KEYS)}")
-        spec = cls(**data)
-        if not NAME_RE.fullmatch(spec.name):
-            raise TemplateError(f"{p}: bad template name {spec.name!r}")
-        bad = [x for x in spec.apt if not PKG_RE.fullmatch(x)]
-        if bad:
-            raise TemplateError(f"{p}: bad package name(s) {bad}")
-        return spec
-
-    def digest(self) -> str:
-        shims = {p.name: p.read_text() for p in sorted(SHIMS_DIR.glob("*.c"))}
-        blob = json.dumps({"v": BUILDER_VERSION, **asdict(self), "shims": shims},
-                          sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+def base_steps(spec: TemplateSpec) -> list[str]:
+    """Shell steps run first in every new root: the sandbox user (uid and gid 1000) unless
+    it is root, the work directory (made for that user unless it exists) and the agent's
+    directories."""
+    w = shlex.quote(spec.workdir)
+    # the daemon serves each sandbox's own machine-id in /run/cpuos (new for every clone)
+    dirs = "mkdir -p /run/cpuos /opt/cpuos && ln -sf /run/cpuos/machine-id /etc/machine-id"
+    if spec.user == "root":
+        return [f"{dirs} && mkdir -p {w}"]
+    u = spec.user
+    return [f"id -u {u} >/dev/null 2>&1 || "
+            f"{{ groupadd -g 1000 {u} && useradd -m -u 1000 -g 1000 -s /bin/bash {u}; }}",
+            f"{dirs} && if [ ! -d {w} ]; then mkdir -p {w} && chown 1000:1000 {w}; fi"]
 
 
-def template_info(templates_dir: Path, name: str) -> dict[str, Any] | None:
-    p = templates_dir / f"{name}.json"
+@dataclass(frozen=True)
+class Step:
+    """One build step: a shell command run as root in the new root, or (``copy_from``) a
+    host file or directory copied to ``copy_to`` in it."""
+    label: str
+    cmd: str = ""
+    cwd: str = "/"
+    copy_from: Path | None = None
+    copy_to: str = ""
+
+
+def shell_steps(cmds: Sequence[str], *, kind: str = "run", cwd: str = "/") -> list[Step]:
+    return [Step(f"{kind} step {i}", cmd, cwd=cwd) for i, cmd in enumerate(cmds, 1)]
+
+
+def build_steps(spec: TemplateSpec) -> list[Step]:
+    """Everything after mmdebstrap, in order: base, pip, npm, then copies and run steps."""
+    steps = shell_steps(base_steps(spec), kind="base")
+    if spec.pip:
+        steps.append(Step("pip install", "python3 -m pip install --break-system-packages "
+                          "--no-cache-dir --root-user-action=ignore " + shlex.join(spec.pip)))
+    if spec.npm:
+        steps.append(Step("npm install", "npm install -g " + shlex.join(spec.npm)))
+    copies = [Step(f"copy {c.src} -> {c.dest}", copy_from=src, copy_to=c.dest)
+              for c, src in zip(spec.copy, spec.copy_sources(), strict=True)]
+    runs = shell_steps(spec.run, cwd=spec.workdir)
+    for i in range(len(runs) + 1):
+        steps += [s for c, s in zip(spec.copy, copies, strict=True)
+                  if min(c.after_run, len(runs)) == i]
+        steps += runs[i:i + 1]
+    return steps
+
+
+def runtime(spec: TemplateSpec) -> dict[str, Any]:
+    """What the daemon needs to run sandboxes of this template (kept in the info record)."""
+    return {"env": dict(spec.env), "workdir": spec.workdir, "user": spec.user,
+            "start": spec.start, "ready": asdict(spec.ready) if spec.ready else None}
+
+
+def spec_digest(spec: TemplateSpec) -> str:
+    """Covers the spec, the copied files' contents, the base and the shims."""
+    files = {c.src: tree_digest(p)
+             for c, p in zip(spec.copy, spec.copy_sources(), strict=True)}
+    return _digest({"spec": spec.fields(), "files": files, "apt": base_apt(spec),
+                    "base": base_steps(spec)})
+
+
+def _digest(payload: dict[str, Any]) -> str:
+    shims = {p.name: p.read_text() for p in sorted(SHIMS_DIR.glob("*.c"))}
+    blob = json.dumps({"v": BUILDER_VERSION, **payload, "shims": shims}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def tree_digest(path: Path) -> str:
+    """sha256 over a file's or a directory tree's names, types, modes, file contents and
+    symlink targets."""
+    h = hashlib.sha256()
+
+    def walk(p: Path, rel: str) -> None:
+        st = p.lstat()
+        h.update(json.dumps([rel, stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode)]).encode())
+        if stat.S_ISLNK(st.st_mode):
+            h.update(os.fsencode(os.readlink(p)))
+        elif stat.S_ISDIR(st.st_mode):
+            for child in sorted(os.listdir(p)):
+                walk(p / child, f"{rel}/{child}")
+        elif stat.S_ISREG(st.st_mode):
+            _hash_file(h, p)
+
+    walk(path, ".")
+    return h.hexdigest()
+
+
+# ---- building --------------------------------------------------------------------------------
+def build(spec: TemplateSpec, templates_dir: Path, *, force: bool = False,
+          on_line: Emit | None = None) -> dict[str, Any]:
+    """Build (or find cached) the template; returns its info record."""
+    _need_root()
+    if shutil.which("mmdebstrap") is None:
+        raise TemplateError("mmdebstrap is not installed (apt-get install mmdebstrap)")
+    spec.validate(spec.name)  # a missing or escaping COPY source fails here, before mmdebstrap
+    apt = base_apt(spec)
+    steps = build_steps(spec)
+
+    def populate(rootfs: Path, emit: Emit) -> None:
+        rc, tail = _stream(["mmdebstrap", f"--variant={spec.variant}", "--mode=root",
+                            "--format=directory", f"--include={','.join(apt)}", spec.suite,
+                            str(rootfs)], emit)
+        if rc != 0:
+            raise TemplateError(f"mmdebstrap failed (exit {rc}); last lines:\n" + "\n".join(tail))
+        run_steps(rootfs, steps, env=spec.env, on_line=emit)
+
+    record: dict[str, Any] = {"source": "spec", "packages": apt, **runtime(spec)}
+    return _build_tree(templates_dir, spec.name, spec_digest(spec), record, populate,
+                       force=force, on_line=on_line)
+
+
+def build_from_oci(tar_path: str | Path, name: str, templates_dir: Path, *, force: bool = False,
+                   on_line: Emit | None = None) -> dict[str, Any]:
+    """A template from a ``docker save`` tarball or an OCI layout tarball: its layers, then
+    the shims. The digest covers the tarball's bytes and the shims."""
+    _need_root()
+    if not NAME_RE.fullmatch(name):
+        raise TemplateError(f"bad template name {name!r} (want ^[a-z0-9][a-z0-9-]{{0,63}}$)")
+    tar = Path(tar_path)
+    if not tar.is_file():
+        raise TemplateError(f"{tar}: no such file")
+    h = hashlib.sha256()
+    _hash_file(h, tar)
+    config = image_config(tar)
+    env = dict(str(e).partition("=")[::2] for e in config.get("Env") or [])
+
+    def populate(rootfs: Path, emit: Emit) -> None:
+        rootfs.mkdir()
+        extract_image(tar, rootfs, emit)
+        if not resolve_in_root(rootfs, "usr/bin/python3").is_file():
+            raise TemplateError("the image has no /usr/bin/python3, which the cpuos guest "
+                                "agent needs")
+
+    record: dict[str, Any] = {
+        "source": "oci", "tarball": str(tar.resolve()), "packages": [], "env": env,
+        "workdir": config.get("WorkingDir") or "/", "user": config.get("User") or "root",
+        "start": None, "ready": None}
+    return _build_tree(templates_dir, name, _digest({"oci": h.hexdigest()}), record, populate,
+                       force=force, on_line=on_line)
+
+
+def _build_tree(templates_dir: Path, name: str, digest: str, record: dict[str, Any],
+                populate: Callable[[Path, Emit], None], *, force: bool,
+                on_line: Emit | None) -> dict[str, Any]:
+    """The build-or-cache frame around ``populate(rootfs, emit)``: temporary directory, log,
+    shims, rename into place, info record."""
+    final = templates_dir / f"{name}-{digest}"
+    info_path = templates_dir / f"{name}.json"
+    info: dict[str, Any] = {"name": name, "digest": digest, "rootfs": str(final / "rootfs"),
+                            **record}
+    if (final / "rootfs").is_dir() and not force:
+        old = _read_json(info_path)
+        if old.get("digest") != digest:
+            old = {"built_at": (final / "rootfs").stat().st_mtime}
+        info.update(built_at=old.get("built_at"), build_seconds=old.get("build_seconds"),
+                    size_bytes=old.get("size_bytes") or disk_usage(final), cached=True)
+        _write_json(info_path, info)
+        return info
+    templates_dir.mkdir(parents=True, exist_ok=True)
+    work = templates_dir / f".build-{name}-{digest}-{os.getpid()}"
+    _rmtree(work)
+    work.mkdir()
+    log_path = templates_dir / f"{name}-{digest}.log"
+    t0 = time.time()
     try:
-        info: dict[str, Any] = json.loads(p.read_text())
-    except (OSError, ValueError):
-        return None
-    if not Path(info.get("rootfs", "")).is_dir():
+        with open(log_path, "w") as logf:
+            def emit(line: str) -> None:
+                logf.write(line + "\n")
+                if on_line:
+                    on_line(line)
+
+            populate(work / "rootfs", emit)
+            install_shims(work / "rootfs", emit)
+    except TemplateError as e:
+        _rmtree(work)
+        first, _, rest = str(e).partition("\n")
+        raise TemplateError(f"{first} (log: {log_path})" + (f"\n{rest}" if rest else "")) \
+            from None
+    except BaseException:
+        _rmtree(work)
+        raise
+    if final.exists():
+        _rmtree(final)
+    os.rename(work, final)
+    info.update(built_at=time.time(), build_seconds=round(time.time() - t0, 1),
+                size_bytes=disk_usage(final), cached=False)
+    _write_json(info_path, info)
+    return info
+
+
+# ---- build steps -----------------------------------------------------------------------------
+def run_steps(root: Path, steps: Sequence[Step], *, env: Mapping[str, str] | None = None,
+              on_line: Emit | None = None) -> None:
+    """Run ``steps`` one at a time in ``root``, as root, with /proc, /dev and /sys mounted
+    there (unmounted afterwards, also on failure). Output goes to ``on_line``. A failing
+    step raises TemplateError naming it, its command, its exit code and its last lines."""
+    emit = on_line or (lambda _line: None)
+    root = root.resolve()
+    chroot = shutil.which("chroot") or "/usr/sbin/chroot"
+    with chroot_mounts(root), _host_ca(root) as ca_env:
+        full_env = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8",
+                    "DEBIAN_FRONTEND": "noninteractive", **ca_env,
+                    **{k: os.environ[k] for k in PROXY_VARS if k in os.environ}, **(env or {})}
+        for step in steps:
+            if step.copy_from is not None:
+                emit(f"I: {step.label}")
+                try:
+                    copy_into(root, step.copy_from, step.copy_to)
+                except (OSError, TemplateError) as e:
+                    raise TemplateError(f"{step.label} failed: {e}") from None
+                continue
+            emit(f"I: {step.label}: {step.cmd}")
+            script = step.cmd if step.cwd == "/" else f"cd {shlex.quote(step.cwd)}\n{step.cmd}"
+            rc, tail = _stream([chroot, str(root), "/bin/sh", "-euc", script], emit,
+                               env=full_env, tail=STEP_TAIL)
+            if rc != 0:
+                raise TemplateError(f"{step.label} failed with exit code {rc}: "
+                                    f"{' '.join(step.cmd.split())}\n" + "\n".join(tail))
+
+
+@contextmanager
+def chroot_mounts(root: Path) -> Iterator[None]:
+    """/proc, /dev (the host's, bound) and /sys (read-only) mounted in ``root`` for the
+    build steps; always unmounted on the way out."""
+    mounted: list[Path] = []
+    try:
+        for name, args in STEP_MOUNTS:
+            target = root / name
+            if target.is_symlink() or (target.exists() and not target.is_dir()):
+                raise TemplateError(f"{target} is not a directory; not mounting on it")
+            target.mkdir(exist_ok=True)
+            r = subprocess.run(["mount", *args, str(target)], capture_output=True, text=True)
+            if r.returncode != 0:
+                raise TemplateError(f"mounting {name} in {root} failed: {r.stderr.strip()}")
+            mounted.append(target)
+        yield
+    finally:
+        for target in reversed(mounted):
+            if subprocess.run(["umount", str(target)], capture_output=True).returncode != 0:
+                subprocess.run(["umount", "--lazy", str(target)], capture_output=True)
+
+
+@contextmanager
+def _host_ca(root: Path) -> Iterator[dict[str, str]]:
+    """The host's CA bundle in ``root`` while the steps run; yields the variables that point
+    the usual tools at it."""
+    if not HOST_CA.is_file():
+        yield {}
+        return
+    dest = root / BUILD_CA
+    if os.path.lexists(dest):
+        dest.unlink()
+    shutil.copyfile(HOST_CA, dest)
+    try:
+        yield {k: "/" + BUILD_CA for k in CA_VARS}
+    finally:
+        dest.unlink(missing_ok=True)
+
+
+def mounts_under(path: Path) -> list[str]:
+    """Mount points at or below ``path`` (from /proc/self/mounts)."""
+    prefix = str(path.resolve())
+    out = []
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            mnt = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[1])
+            if mnt == prefix or mnt.startswith(prefix + "/"):
+                out.append(mnt)
+    return out
+
+
+def copy_into(root: Path, src: Path, dest: str) -> None:
+    """Copy the host file or directory ``src`` to ``dest`` in ``root`` (a file goes inside
+    ``dest`` when that is a directory or ends in '/'; a directory's contents go into
+    ``dest``). Every path is resolved inside the root, so nothing is written through a
+    symlink to the host."""
+    if not src.is_dir() and (dest.endswith("/") or resolve_in_root(root, dest).is_dir()):
+        dest = posixpath.join(dest, src.name)
+    _copy_entry(src, resolve_in_root(root, dest))
+
+
+def _copy_entry(src: Path, target: Path) -> None:
+    """``target``'s parents are real directories (resolved in the root)."""
+    real_dir = target.is_dir() and not target.is_symlink()
+    if src.is_dir() and not src.is_symlink():
+        if not real_dir:
+            if os.path.lexists(target):
+                target.unlink()
+            target.mkdir(parents=True)
+            shutil.copystat(src, target)
+        for child in sorted(src.iterdir()):
+            _copy_entry(child, target / child.name)
+        return
+    if real_dir:
+        raise TemplateError(f"cannot replace directory {target} with {src}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if os.path.lexists(target):
+        target.unlink()
+    if src.is_symlink():
+        os.symlink(os.readlink(src), target)
+    else:
+        shutil.copy2(src, target)
+
+
+def _stream(argv: list[str], emit: Emit, *, env: Mapping[str, str] | None = None,
+            tail: int = 40) -> tuple[int, list[str]]:
+    """Run ``argv`` with stdout and stderr line by line to ``emit``; (exit code, last lines)."""
+    lines: deque[str] = deque(maxlen=tail)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, text=True, errors="replace", env=env)
+    assert proc.stdout is not None
+    try:
+        for raw in proc.stdout:
+            line = raw.rstrip("\n")
+            lines.append(line)
+            emit(line)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc.wait(), list(lines)
+
+
+# ---- shims -----------------------------------------------------------------------------------
+def install_shims(rootfs: Path, on_line: Emit | None = None) -> None:
+    """Compile the compat shims (shims/*.c) with the host's gcc into the new root and list
+    them in its /etc/ld.so.preload (see statx_no_automount.c for why)."""
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise TemplateError("gcc is needed to build the template's compat shims "
+                            "(apt-get install gcc libc6-dev)")
+    dest = resolve_in_root(rootfs, SHIM_DEST)
+    dest.mkdir(parents=True, exist_ok=True)
+    ours = []
+    for src in sorted(SHIMS_DIR.glob("*.c")):
+        out = dest / (src.stem + ".so")
+        if os.path.lexists(out):
+            out.unlink()
+        r = subprocess.run([cc, "-shared", "-fPIC", "-O2", "-Wall", "-o", str(out), str(src)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise TemplateError(f"compiling shim {src.name} failed:\n{r.stderr[-2000:]}")
+        ours.append("/" + SHIM_DEST + "/" + out.name)
+        if on_line:
+            on_line(f"I: installed compat shim {out.name}")
+    etc = resolve_in_root(rootfs, "etc")
+    etc.mkdir(exist_ok=True)
+    preload = etc / "ld.so.preload"
+    theirs = []
+    if preload.is_file() and not preload.is_symlink():
+        theirs = [x for x in preload.read_text().split() if x not in ours]
+    if os.path.lexists(preload):
+        preload.unlink()
+    preload.write_text("\n".join(theirs + ours) + "\n")
+
+
+# ---- the cache -------------------------------------------------------------------------------
+def template_info(templates_dir: Path, name: str) -> dict[str, Any] | None:
+    info = _read_json(templates_dir / f"{name}.json")
+    rootfs = info.get("rootfs")
+    if not isinstance(rootfs, str) or not rootfs or not Path(rootfs).is_dir():
         return None
     return info
 
@@ -94,82 +447,64 @@ def list_templates(templates_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
-def build(spec: TemplateSpec, templates_dir: Path, *, force: bool = False,
-          on_line: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Build (or find cached) the template; returns its info record."""
+def remove_template(templates_dir: Path, name: str) -> list[Path]:
+    """Delete every build of ``name`` (``<name>-<digest>`` dirs and logs) and ``<name>.json``;
+    returns what was removed. Sandboxes still running from it will break."""
+    if not RM_NAME_RE.fullmatch(name):
+        raise TemplateError(f"bad template name {name!r} (want ^[a-z0-9-]{{1,64}}$)")
+    if not templates_dir.is_dir():
+        return []
+    ours = re.compile(rf"{re.escape(name)}-[0-9a-f]{{16}}(\.log)?|{re.escape(name)}\.json")
+    gone = sorted(p for p in templates_dir.iterdir() if ours.fullmatch(p.name))
+    for p in gone:
+        if p.is_dir() and not p.is_symlink():
+            _rmtree(p, strict=True)
+        else:
+            p.unlink()
+    return gone
+
+
+def disk_usage(path: Path) -> int:
+    """Bytes allocated under ``path`` (hard-linked files counted once)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(path):
+        for n in [".", *dirnames, *filenames]:
+            st = os.lstat(os.path.join(dirpath, n))
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+    return total
+
+
+def _rmtree(path: Path, *, strict: bool = False) -> None:
+    """rmtree that refuses to run into a mount (a build's /dev is the host's)."""
+    if not path.exists():
+        return
+    left = mounts_under(path)
+    if left:
+        raise TemplateError(f"not removing {path}: still mounted there: {', '.join(left)}")
+    shutil.rmtree(path, ignore_errors=not strict)
+
+
+def _need_root() -> None:
     if os.geteuid() != 0:
-        raise TemplateError("building a template needs root (mmdebstrap in root mode)")
-    if shutil.which("mmdebstrap") is None:
-        raise TemplateError("mmdebstrap is not installed (apt-get install mmdebstrap)")
-    digest = spec.digest()
-    final = templates_dir / f"{spec.name}-{digest}"
-    info_path = templates_dir / f"{spec.name}.json"
-    info: dict[str, Any] = {"name": spec.name, "digest": digest, "rootfs": str(final / "rootfs"),
-            "packages": spec.apt}
-    if (final / "rootfs").is_dir() and not force:
-        info["built_at"] = json.loads(info_path.read_text()).get("built_at") \
-            if info_path.exists() else time.time()
-        info["cached"] = True
-        _write_json(info_path, info)
-        return info
-    templates_dir.mkdir(parents=True, exist_ok=True)
-    work = templates_dir / f".build-{spec.name}-{digest}-{os.getpid()}"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir()
-    log_path = templates_dir / f"{spec.name}-{digest}.log"
-    hooks = []
-    for cmd in spec.run:
-        hooks += ["--customize-hook", f'chroot "$1" /bin/sh -euc {_shq(cmd)}']
-    argv = ["mmdebstrap", f"--variant={spec.variant}", "--mode=root", "--format=directory",
-            f"--include={','.join(spec.apt)}", *hooks, spec.suite, str(work / "rootfs")]
-    tail: deque[str] = deque(maxlen=40)
-    t0 = time.time()
-    with open(log_path, "w") as logf:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, text=True, errors="replace")
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            logf.write(line)
-            tail.append(line.rstrip())
-            if on_line:
-                on_line(line.rstrip())
-        rc = proc.wait()
-    if rc != 0:
-        shutil.rmtree(work, ignore_errors=True)
-        raise TemplateError(f"mmdebstrap failed (exit {rc}); log {log_path}; last lines:\n"
-                            + "\n".join(tail))
+        raise TemplateError("building a template needs root (mmdebstrap in root mode, "
+                            "chroot, file ownership)")
+
+
+def _hash_file(h: Any, path: Path) -> None:
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+
+
+def _read_json(p: Path) -> dict[str, Any]:
     try:
-        install_shims(work / "rootfs", on_line)
-    except TemplateError:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
-    shutil.rmtree(final, ignore_errors=True)
-    os.rename(work, final)
-    info.update(built_at=time.time(), build_seconds=round(time.time() - t0, 1), cached=False)
-    _write_json(info_path, info)
-    return info
-
-
-def install_shims(rootfs: Path, on_line: Callable[[str], None] | None = None) -> None:
-    """Compile the compat shims (shims/*.c) with the host's gcc into the new root and list
-    them in its /etc/ld.so.preload (see statx_no_automount.c for why)."""
-    cc = shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        raise TemplateError("gcc is needed to build the template's compat shims "
-                            "(apt-get install gcc libc6-dev)")
-    dest = rootfs / SHIM_DEST
-    dest.mkdir(parents=True, exist_ok=True)
-    preload = []
-    for src in sorted(SHIMS_DIR.glob("*.c")):
-        out = dest / (src.stem + ".so")
-        r = subprocess.run([cc, "-shared", "-fPIC", "-O2", "-Wall", "-o", str(out), str(src)],
-                           capture_output=True, text=True)
-        if r.returncode != 0:
-            raise TemplateError(f"compiling shim {src.name} failed:\n{r.stderr[-2000:]}")
-        preload.append("/" + SHIM_DEST + "/" + out.name)
-        if on_line:
-            on_line(f"I: installed compat shim {out.name}")
-    (rootfs / "etc" / "ld.so.preload").write_text("\n".join(preload) + "\n")
+        data = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _write_json(p: Path, data: dict[str, Any]) -> None:
@@ -178,5 +513,3 @@ def _write_json(p: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, p)
 
 
-def _shq(s: str) -> str:
-    return "'" + s.replace("'", "'\"'\"'") + "'"
