@@ -13,6 +13,7 @@ import hashlib
 import logging
 import os
 import secrets
+import shlex
 import shutil
 import time
 from collections.abc import AsyncIterator
@@ -209,7 +210,8 @@ class Manager:
             created_at=now, started_at=None, ended_at=None, deadline=now + timeout,
             spec={"rootfs": info["rootfs"], "template_digest": info["digest"], "vcpus": vcpus,
                   "memory_mib": memory_mib, "hostname": "sandbox", "env": env,
-                  "timeout": timeout, "machine_id": secrets.token_hex(16)},
+                  "timeout": timeout, "machine_id": secrets.token_hex(16),
+                  "template_env": info.get("env") or {}, "workdir": info.get("workdir")},
             metadata=metadata, on_timeout=on_timeout,
         )
         self.store.insert_sandbox(row)
@@ -274,8 +276,11 @@ class Manager:
                             memory_mib, on_timeout=on_timeout)
         async with self._lock(row.id):
             try:
-                await self._boot(row, image)
+                lv = await self._boot(row, image)
+                if image is None:
+                    await self._start_command(lv, info)
             except BaseException as e:
+                await self._teardown(row.id)
                 self._finish(row.id, "error", f"create failed: {e}"[:500])
                 raise
             self._mark_running(row, timeout)
@@ -309,13 +314,16 @@ class Manager:
                          spec={"rootfs": info["rootfs"], "vcpus": self.cfg.default_vcpus,
                                "memory_mib": self.cfg.default_memory_mib,
                                "hostname": "sandbox", "env": {},
-                               "machine_id": secrets.token_hex(16)},
+                               "machine_id": secrets.token_hex(16),
+                               "template_env": info.get("env") or {},
+                               "workdir": info.get("workdir")},
                          metadata={})
         tmp = d.with_name(d.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         d.parent.mkdir(parents=True, exist_ok=True)
         try:
             lv = await self._boot(row, None)
+            await self._start_command(lv, info)
             await self._quiesce(lv)
             await self.backend.checkpoint(row.id, tmp)
             os.rename(tmp, d)
@@ -348,6 +356,55 @@ class Manager:
                 pool.append(lv)
         finally:
             self._filling[template] = False
+
+    async def _run_simple(self, lv: Live, cmd: str, timeout: float) -> tuple[int, bytes]:
+        """Run a shell line in the sandbox for the daemon itself: (exit code, output tail)."""
+        st = lv.chan.open()
+        try:
+            await st.send({"t": "exec", "shell": cmd, "env": _base_env(lv.row), "cwd": "/",
+                           "timeout": timeout, "stdin": False})
+            out = b""
+            while True:
+                h, payload = await st.get(timeout + 10)
+                raise_for_agent_error(h)
+                if h["t"] == "out":
+                    out = (out + payload)[-4000:]
+                elif h["t"] == "exit":
+                    code = h.get("exit_code")
+                    return (code if isinstance(code, int) else -1), out
+        except TimeoutError:
+            raise ApiError("timeout", f"{cmd!r} did not finish in the sandbox") from None
+        finally:
+            st.close()
+
+    async def _start_command(self, lv: Live, info: dict[str, Any]) -> None:
+        """The template's long-running start command, then its ready check (a command that
+        must exit 0, or a port that must accept connections)."""
+        start = info.get("start")
+        if not start:
+            return
+        await self._run_simple(
+            lv, f"cd {shlex.quote(lv.row.spec.get('workdir') or '/')} && "
+            f"nohup sh -c {shlex.quote(start)} >/tmp/cpuos-start.log 2>&1 &", 30)
+        ready = info.get("ready") or {}
+        check = ready.get("cmd")
+        if ready.get("port"):
+            check = (f"python3 -c 'import socket; socket.create_connection("
+                     f"(\"127.0.0.1\", {int(ready['port'])}), 1)'")
+        if not check:
+            return
+        timeout = float(ready.get("timeout") or 30)
+        deadline = time.monotonic() + timeout
+        while True:
+            code, _ = await self._run_simple(lv, check, 10)
+            if code == 0:
+                return
+            if time.monotonic() > deadline:
+                _, log_tail = await self._run_simple(lv, "tail -c 2000 /tmp/cpuos-start.log", 10)
+                raise ApiError("timeout", f"template {info.get('name')}: ready check {check!r} "
+                               f"did not pass within {timeout:.0f}s; start log: "
+                               f"{log_tail.decode(errors='replace')[-500:]}")
+            await asyncio.sleep(0.2)
 
     # ---- pause / resume / fork ------------------------------------------------------
     async def _quiesce(self, lv: Live) -> None:
@@ -544,7 +601,8 @@ class Manager:
                     log.exception("reaper failed on %s", sid)
 
     # ---- exec -----------------------------------------------------------------------
-    async def exec_start(self, lv: Live, cmd: str | list[str], env: dict[str, str], cwd: str,
+    async def exec_start(self, lv: Live, cmd: str | list[str], env: dict[str, str],
+                         cwd: str | None,
                          timeout: float | None, stdin: bytes | None
                          ) -> AsyncIterator[bytes]:
         """Start a command; returns the frame stream for the HTTP response.
@@ -553,13 +611,11 @@ class Manager:
         status); everything after is reported inside the stream.
         """
         eid = "exe-" + secrets.token_hex(6)
-        base_env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-                    "HOME": "/home/user", "USER": "user", "LANG": "C.UTF-8",
-                    "TERM": "xterm", "HOSTNAME": lv.row.id}
         st = lv.chan.open()
         try:
             target = {"shell": cmd} if isinstance(cmd, str) else {"argv": cmd}
-            await st.send({"t": "exec", **target, "env": {**base_env, **lv.spec.env, **env},
+            cwd = cwd or lv.row.spec.get("workdir") or "/work"
+            await st.send({"t": "exec", **target, "env": {**_base_env(lv.row), **env},
                            "cwd": cwd, "timeout": timeout, "stdin": stdin is not None})
             if stdin is not None:
                 for i in range(0, len(stdin), P.CHUNK):
@@ -695,6 +751,16 @@ class Manager:
         if op in ("stat", "mkdir"):
             return _clean_stat(h.get("stat"), path)
         return None
+
+
+def _base_env(row: SandboxRow) -> dict[str, str]:
+    """A command's environment before its own: defaults, the template's, the sandbox's."""
+    env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+           "HOME": "/home/user", "USER": "user", "LANG": "C.UTF-8", "TERM": "xterm",
+           "HOSTNAME": row.id}
+    env.update(row.spec.get("template_env") or {})
+    env.update(row.spec.get("env") or {})
+    return env
 
 
 def _du(p: Path) -> int:

@@ -296,7 +296,7 @@ class AsyncSandbox:
 
     # ---- exec -------------------------------------------------------------------------
     async def exec(self, cmd: str | builtins.list[str], *, timeout: str | float | None = None,
-                   env: dict[str, str] | None = None, cwd: str = "/work",
+                   env: dict[str, str] | None = None, cwd: str | None = None,
                    stdin: str | bytes | None = None,
                    on_stdout: OutputCallback | None = None,
                    on_stderr: OutputCallback | None = None,

@@ -100,7 +100,7 @@ class ExecRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     cmd: str | list[str] = Field(description="a shell command line (run by bash -c) or an argv")
     env: dict[str, str] = Field(default_factory=dict)
-    cwd: str = "/work"
+    cwd: str | None = Field(None, description="default: the template's workdir (/work)")
     timeout: float | str | None = None
     stdin: str | None = Field(None, description="text fed to the command's stdin")
     stdin_b64: str | None = Field(None, description="bytes (base64) fed to stdin")
@@ -318,8 +318,8 @@ def create_app(cfg: Config | None = None) -> FastAPI:
             except (binascii.Error, ValueError):
                 raise invalid("stdin_b64 is not valid base64", field="stdin_b64") from None
         timeout = None if body.timeout is None else float(body.timeout)
-        frames = await mgr(request).exec_start(lv, argv, body.env, check_path(body.cwd, "cwd"),
-                                               timeout, stdin)
+        cwd = None if body.cwd is None else check_path(body.cwd, "cwd")
+        frames = await mgr(request).exec_start(lv, argv, body.env, cwd, timeout, stdin)
         return StreamingResponse(frames, media_type=P.CONTENT_TYPE,
                                  headers={"Cache-Control": "no-store"})
 
