@@ -276,14 +276,17 @@ def test_vmm_dies_with_its_jailer(base: Path, jail_id: str) -> None:
 
 
 def _wait_vmm(sid: str, base: Path) -> int:
-    """The jailed process's host pid, once it runs as the sandbox uid."""
+    """The jailed process's host pid, once it runs as the sandbox uid and has exec'd."""
     pid_file = jailer.jail_paths(sid, BUSYBOX, base).pid_file
     for _ in range(500):
         with contextlib.suppress(OSError, ValueError):
             vmm = int(pid_file.read_text())
             with open(f"/proc/{vmm}/status") as f:
-                if f"Uid:\t{UID}\t" in f.read():
-                    return vmm
+                uid_ok = f"Uid:\t{UID}\t" in f.read()
+            with open(f"/proc/{vmm}/cmdline", "rb") as f:
+                execed = b"jailer" not in f.read()  # past the jailer's own exec
+            if uid_ok and execed:
+                return vmm
         time.sleep(0.01)
     raise AssertionError("the jailed process did not start")
 
