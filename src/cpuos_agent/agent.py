@@ -133,7 +133,7 @@ class UnixSocketTransport(Transport):
     """Connect out to a unix socket the host listens on; retry until it is there. The host
     sees every session end (the socket closes)."""
 
-    RETRY = 0.02
+    RETRY = 0.005  # the host is waiting for us after a restore: come back quickly
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -151,7 +151,7 @@ class UnixSocketTransport(Transport):
 
     def after_session(self, link: Link, quiesced: bool) -> None:
         if quiesced:
-            time.sleep(0.1)  # the host has already removed the socket; retry until restored
+            time.sleep(self.RETRY)  # the host removed the socket first; retry until restored
 
 
 _HANGUP = select.POLLHUP | select.POLLERR | select.POLLNVAL
