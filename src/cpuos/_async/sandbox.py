@@ -201,9 +201,15 @@ class AsyncSandbox:
             body["vcpus"] = vcpus
         if memory_mib is not None:
             body["memory_mib"] = memory_mib
+        return await cls._open(api_url, api_key, "POST", "/sandboxes", json=body)
+
+    @classmethod
+    async def _open(cls, api_url: str | None, api_key: str | None, method: str, path: str,
+                    **kw: Any) -> AsyncSandbox:
+        """A sandbox object from one request's answer; its client is closed if that fails."""
         http = _AsyncHTTP(api_url, api_key)
         try:
-            d = await http.request("POST", "/sandboxes", json=body)
+            d = await http.request(method, path, **kw)
         except BaseException:
             await http.close()
             raise
@@ -213,27 +219,21 @@ class AsyncSandbox:
     async def connect(cls, sandbox_id: str, *, auto_resume: bool = True,
                       api_url: str | None = None, api_key: str | None = None) -> AsyncSandbox:
         """Attach to an existing sandbox; a paused one is resumed unless auto_resume=False."""
-        http = _AsyncHTTP(api_url, api_key)
-        try:
-            d = await http.request("GET", f"/sandboxes/{sandbox_id}")
-            if auto_resume and d.get("state") == "paused":
-                d = await http.request("POST", f"/sandboxes/{sandbox_id}/resume")
-        except BaseException:
-            await http.close()
-            raise
-        return cls(SandboxInfo.from_json(d), http)
+        sbx = await cls._open(api_url, api_key, "GET", f"/sandboxes/{sandbox_id}")
+        if auto_resume and sbx._info.state == "paused":
+            try:
+                d = await sbx._http.request("POST", f"/sandboxes/{sandbox_id}/resume")
+            except BaseException:
+                await sbx.close()
+                raise
+            sbx._info = SandboxInfo.from_json(d)
+        return sbx
 
     @classmethod
     async def resume(cls, sandbox_id: str, *, api_url: str | None = None,
                      api_key: str | None = None) -> AsyncSandbox:
         """Restore a paused sandbox: its processes, memory and files as they were."""
-        http = _AsyncHTTP(api_url, api_key)
-        try:
-            d = await http.request("POST", f"/sandboxes/{sandbox_id}/resume")
-        except BaseException:
-            await http.close()
-            raise
-        return cls(SandboxInfo.from_json(d), http)
+        return await cls._open(api_url, api_key, "POST", f"/sandboxes/{sandbox_id}/resume")
 
     @classmethod
     async def list(cls, *, all: bool = False, api_url: str | None = None,

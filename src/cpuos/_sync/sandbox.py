@@ -202,9 +202,15 @@ class Sandbox:
             body["vcpus"] = vcpus
         if memory_mib is not None:
             body["memory_mib"] = memory_mib
+        return cls._open(api_url, api_key, "POST", "/sandboxes", json=body)
+
+    @classmethod
+    def _open(cls, api_url: str | None, api_key: str | None, method: str, path: str,
+                    **kw: Any) -> Sandbox:
+        """A sandbox object from one request's answer; its client is closed if that fails."""
         http = _SyncHTTP(api_url, api_key)
         try:
-            d = http.request("POST", "/sandboxes", json=body)
+            d = http.request(method, path, **kw)
         except BaseException:
             http.close()
             raise
@@ -214,27 +220,21 @@ class Sandbox:
     def connect(cls, sandbox_id: str, *, auto_resume: bool = True,
                       api_url: str | None = None, api_key: str | None = None) -> Sandbox:
         """Attach to an existing sandbox; a paused one is resumed unless auto_resume=False."""
-        http = _SyncHTTP(api_url, api_key)
-        try:
-            d = http.request("GET", f"/sandboxes/{sandbox_id}")
-            if auto_resume and d.get("state") == "paused":
-                d = http.request("POST", f"/sandboxes/{sandbox_id}/resume")
-        except BaseException:
-            http.close()
-            raise
-        return cls(SandboxInfo.from_json(d), http)
+        sbx = cls._open(api_url, api_key, "GET", f"/sandboxes/{sandbox_id}")
+        if auto_resume and sbx._info.state == "paused":
+            try:
+                d = sbx._http.request("POST", f"/sandboxes/{sandbox_id}/resume")
+            except BaseException:
+                sbx.close()
+                raise
+            sbx._info = SandboxInfo.from_json(d)
+        return sbx
 
     @classmethod
     def resume(cls, sandbox_id: str, *, api_url: str | None = None,
                      api_key: str | None = None) -> Sandbox:
         """Restore a paused sandbox: its processes, memory and files as they were."""
-        http = _SyncHTTP(api_url, api_key)
-        try:
-            d = http.request("POST", f"/sandboxes/{sandbox_id}/resume")
-        except BaseException:
-            http.close()
-            raise
-        return cls(SandboxInfo.from_json(d), http)
+        return cls._open(api_url, api_key, "POST", f"/sandboxes/{sandbox_id}/resume")
 
     @classmethod
     def list(cls, *, all: bool = False, api_url: str | None = None,
