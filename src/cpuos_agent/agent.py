@@ -12,6 +12,7 @@ The host never trusts anything this program sends.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import os
@@ -673,6 +674,7 @@ class Agent:
             conn = Conn(transport.connect())
             quiesced = False
             try:
+                _apply_identity()
                 conn.send({"t": "hello", "version": P.PROTOCOL_VERSION, "pid": os.getpid(),
                            "uid": os.getuid()})
                 self._serve(conn)
@@ -830,6 +832,20 @@ class Agent:
                 conn.send({"t": "err", "id": sid, "code": _errcode(e), "message": str(e)})
             except Closed:
                 pass
+
+
+def _apply_identity() -> None:
+    """Take the hostname the host wrote for this sandbox (new for every clone, after every
+    restore). The agent holds CAP_SYS_ADMIN for this alone; commands it starts run as the
+    same unprivileged uid and lose every capability at exec."""
+    try:
+        with open(os.path.join(os.path.dirname(SOCKET_PATH), "hostname"), "rb") as f:
+            name = f.read(64).strip()
+    except OSError:
+        return
+    if name and name != os.uname().nodename.encode():
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.sethostname(name, len(name))
 
 
 def _unlink_quiet(p: str) -> None:

@@ -230,6 +230,7 @@ class Manager:
             mid = row.spec.setdefault("machine_id", secrets.token_hex(16))
             (spec.sock_dir / "machine-id").write_text(mid + "\n")
             (spec.sock_dir / "machine-id").chmod(0o444)
+            (spec.sock_dir / "hostname").write_text(row.id + "\n")  # the agent applies it
             await chan.listen()
             if image is None:
                 await self.backend.start(spec)

@@ -61,6 +61,7 @@ def test_pause_resume_three_times_keeps_memory_processes_files(daemon: Daemon) -
     try:
         start_holder(sbx)
         assert poke(sbx) == f"1 {100 << 20} True"
+        identity = sbx.exec("hostname; cat /etc/machine-id").stdout
         for i in range(1, 4):
             sbx.files.write(f"/work/before-pause-{i}.txt", f"round {i}")
             sid = sbx.pause()
@@ -73,6 +74,7 @@ def test_pause_resume_three_times_keeps_memory_processes_files(daemon: Daemon) -
             sbx = Sandbox.resume(sid, **kw)
             assert sbx.info().state == "running"
             assert poke(sbx) == f"{i + 1} {100 << 20} True"
+            assert sbx.exec("hostname; cat /etc/machine-id").stdout == identity
             for j in range(1, i + 1):
                 assert sbx.files.read_text(f"/work/before-pause-{j}.txt") == f"round {j}"
     finally:
@@ -133,6 +135,13 @@ def test_clones_share_no_writable_state_or_randomness(daemon: Daemon) -> None:
         ra, rb = a.exec(cmd).stdout, b.exec(cmd).stdout
         assert ra and rb and ra != rb
         assert ra.splitlines()[0] != rb.splitlines()[0]
+        # each clone has its own identity: kernel hostname and machine-id
+        ida = a.exec("hostname; cat /etc/machine-id").stdout.split()
+        idb = b.exec("hostname; cat /etc/machine-id").stdout.split()
+        assert ida[0] == a.id and idb[0] == b.id
+        assert len(ida[1]) == 32 and ida[1] != idb[1]
+        # and the clock is the host's, not the snapshot's
+        assert abs(float(a.exec("date +%s.%N").stdout) - time.time()) < 5
     finally:
         for s in (a, b):
             s.kill()
@@ -150,6 +159,7 @@ def test_fork_copies_memory_and_files(daemon: Daemon) -> None:
         clones = src.fork(2)
         assert len({c.id for c in clones} | {src.id}) == 3
         for s in (src, *clones):
+            assert s.exec("hostname").stdout.strip() == s.id
             assert s.files.read_text("/work/shared.txt") == "from the source"
             assert poke(s) == f"2 {100 << 20} True"  # same memory: the counter was 1
         clones[0].files.write("/work/shared.txt", "changed in clone 0")

@@ -47,8 +47,10 @@ def oci_spec(spec: SandboxSpec) -> dict[str, Any]:
             "cwd": "/",
             "terminal": False,
             "noNewPrivileges": True,
-            "capabilities": {k: [] for k in
-                             ("bounding", "effective", "inheritable", "permitted", "ambient")},
+            # The agent may set the hostname after a restore (CAP_SYS_ADMIN, in the
+            # sandbox's own UTS namespace); it is uid 1000, so what it execs has no caps.
+            "capabilities": {"bounding": ["CAP_SYS_ADMIN"], "effective": ["CAP_SYS_ADMIN"],
+                             "permitted": ["CAP_SYS_ADMIN"], "inheritable": [], "ambient": []},
             "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 65536, "soft": 65536}],
         },
         "root": {"path": str(spec.rootfs), "readonly": False},

@@ -41,8 +41,10 @@ def _tail(path: Path, n: int = 300) -> str:
 
 
 def kvm_boot_probe(timeout: float = 5.0, *, artifacts: Artifacts | None = None,
-                   qemu: str | None = None) -> tuple[bool, str]:
-    """(ok, reason). ok only when a guest booted to the marker within ``timeout`` seconds."""
+                   qemu: str | None = None, cache: Path | None = None) -> tuple[bool, str]:
+    """(ok, reason). ok only when a guest booted to the marker within ``timeout`` seconds.
+    ``cache``: where to look for the guest artifacts when none are given (default
+    ``kernel.cache_dir()``)."""
     try:
         fd = os.open("/dev/kvm", os.O_RDWR | os.O_CLOEXEC)
         os.close(fd)
@@ -51,9 +53,11 @@ def kvm_boot_probe(timeout: float = 5.0, *, artifacts: Artifacts | None = None,
     exe = qemu or shutil.which(QEMU)
     if exe is None:
         return False, f"{QEMU} is not installed (apt-get install qemu-system-x86)"
-    art = artifacts or current_artifacts()
+    if not os.path.isfile(exe):
+        return False, f"{exe} does not exist"
+    art = artifacts or current_artifacts(cache)
     if art is None or not art.exist():
-        return False, (f"guest kernel artifacts missing in {cache_dir()} "
+        return False, (f"guest kernel artifacts missing in {cache or cache_dir()} "
                        "(run scripts/build-microvm-kernel.sh)")
     with tempfile.TemporaryDirectory(prefix="cpuos-kvm-probe-") as tmp:
         log = Path(tmp) / "serial.log"
