@@ -22,6 +22,9 @@ class Config:
     host: str = field(default_factory=lambda: os.environ.get("CPUOS_HOST", DEFAULT_HOST))
     port: int = field(default_factory=lambda: _int("CPUOS_PORT", DEFAULT_PORT))
     runsc: str = field(default_factory=lambda: os.environ.get("CPUOS_RUNSC", "runsc"))
+    # gvisor | microvm | auto: auto picks microvm only where the KVM boot probe passes
+    # (cpuosd.backends.microvm.selection); microvm refuses to start where it fails.
+    backend: str = field(default_factory=lambda: os.environ.get("CPUOS_BACKEND", "auto"))
     # Output retained per exec stream in the daemon's record (head + tail).
     output_cap: int = field(default_factory=lambda: _int("CPUOS_OUTPUT_CAP", 1 << 20))
     default_timeout: float = 300.0

@@ -291,7 +291,7 @@ class Manager:
     async def _template_image(self, template: str, info: dict[str, Any]) -> Path | None:
         """The template booted once and checkpointed; made on first use. None when
         snapshots are off or could not be made (create then boots)."""
-        if not self.cfg.template_snapshots:
+        if not self.cfg.template_snapshots or not self.backend.capabilities.checkpoint:
             return None
         d = (self.cfg.snapshots_dir / "templates"
              / f"{template}-{info['digest']}-{self.agent_dir.name}")
@@ -441,6 +441,9 @@ class Manager:
         """Quiesce and checkpoint lv into image (the sandbox stops). A failed checkpoint
         loses the sandbox (runsc stops it either way): it is marked error."""
         sid = lv.row.id
+        if not self.backend.capabilities.checkpoint:
+            raise ApiError("conflict", f"the {self.backend.capabilities.name} backend cannot "
+                           "snapshot sandboxes yet (pause and fork need it)")
         t0 = time.monotonic()
         self._check_space(sid, image.parent)
         self.store.update_sandbox(sid, state="pausing")

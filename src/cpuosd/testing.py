@@ -54,7 +54,7 @@ class Daemon:
 
     def start(self) -> None:
         env = {**os.environ, "CPUOS_HOME": str(self.home), "CPUOS_TEMPLATES_DIR": str(TEMPLATES),
-               "CPUOS_PORT": str(self.port), **self.extra_env}
+               "CPUOS_PORT": str(self.port), "CPUOS_BACKEND": "gvisor", **self.extra_env}
         env.pop("CPUOS_API_KEY", None)
         env.pop("CPUOS_API_URL", None)
         with open(self.log, "ab") as logf:

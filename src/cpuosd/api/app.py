@@ -7,6 +7,7 @@ its own workspace (another workspace's sandbox is a 404). Errors are
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import logging
@@ -26,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cpuos._durations import parse_duration
 from cpuos_agent import protocol as P
 
-from ..backends.gvisor import GVisorBackend
+from ..backends.microvm.selection import BackendUnavailable, select_backend
 from ..config import Config
 from ..errors import ApiError, invalid
 from ..paths import ID_RE, check_path
@@ -191,9 +192,16 @@ def create_app(cfg: Config | None = None) -> FastAPI:
             log.warning("could not become a child subreaper: pauses may be slow")
         cfg.home.mkdir(parents=True, exist_ok=True)
         os.chmod(cfg.home, 0o711)
+        try:  # before any state is touched: a refused start changes nothing
+            backend = await asyncio.to_thread(select_backend, cfg)
+        except BackendUnavailable as e:
+            # the reason, on one line; uvicorn would log the traceback after it: drop that
+            log.error("cpuosd refuses to start: %s", e)
+            logging.getLogger("uvicorn.error").addFilter(
+                lambda r: BackendUnavailable.__name__ not in r.getMessage())
+            raise
         store = Store(cfg.db_path)
         bootstrap(cfg, store)
-        backend = GVisorBackend(cfg.runsc, cfg.runsc_root)
         mgr = Manager(cfg, store, backend)
         await mgr.startup()
         app.state.store, app.state.mgr = store, mgr
@@ -235,8 +243,9 @@ def create_app(cfg: Config | None = None) -> FastAPI:
         return m
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"ok": True, "version": VERSION, "backend": "gvisor"}
+    async def health(request: Request) -> dict[str, Any]:
+        return {"ok": True, "version": VERSION,
+                "backend": mgr(request).backend.capabilities.name}
 
     @app.post("/workspaces", status_code=201)
     async def new_workspace(body: NewWorkspace, request: Request, ws: Ws) -> dict[str, Any]:

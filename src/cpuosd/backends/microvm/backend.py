@@ -23,11 +23,14 @@ QEMU's QMP socket is ``/run/qmp.sock`` in the jail (``<jail>/root/run/qmp.sock``
 host). Limits: cgroup cpu quota = vCPUs, memory = guest RAM + ``MEM_OVERHEAD_MIB``, pids;
 RLIMIT_FSIZE = the overlay's size. Only used where ``probe.kvm_boot_probe()`` passes.
 
-Checkpoint/restore (the ``Backend`` slots the lead adds): QMP ``stop`` + migration of the
-device state (and RAM, unless the VM's RAM lives in a shared template file and
-``x-ignore-shared`` is on) to a host file passed to QEMU as an fd, plus a sparse copy of
-the writable layer; restore starts a jailed QEMU with ``-incoming defer`` and feeds it
-the state the same way. No process is spawned in the jail (``-sandbox spawn=deny``).
+Checkpoint/restore: not supported yet. ``checkpoint`` and ``restore`` (the ``Backend``
+contract) raise ``ApiError("conflict")`` and ``capabilities.checkpoint`` is False: the
+Manager's template snapshot falls back to a cold boot; pause and fork fail. The plumbing
+they will use is here, not wired to the contract: ``save_state`` (QMP ``stop`` + migration
+of the device state, and RAM unless the VM's RAM lives in a shared template file and
+``x-ignore-shared`` is on, to a host file passed to QEMU as an fd, plus a sparse copy of
+the writable layer) and ``load_state`` (a jailed QEMU with ``-incoming defer`` fed the
+state the same way). No process is spawned in the jail (``-sandbox spawn=deny``).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +68,7 @@ JAIL_ROOT_IMG = "/disk/root.ext4"
 JAIL_OVERLAY_IMG = "/disk/overlay.ext4"
 JAIL_AGENT_DIR = "/agent"
 JAIL_QMP = "/run/qmp.sock"
+SNAPSHOTS_UNSUPPORTED = "snapshots are not supported by the microvm backend yet"
 
 
 @dataclass
@@ -168,7 +173,10 @@ class MicroVMBackend:
             accel=self.accel, incoming=incoming, qemu=self.qemu)
 
     def jailed_argv(self, spec: SandboxSpec, uid: int, vm: VMConfig, rootfs_image: Path,
-                    overlay: Path) -> list[str]:
+                    overlay: Path, extra_binds: Sequence[tuple[str, str, bool]] = ()
+                    ) -> list[str]:
+        """The jailer's argv for ``vm``; ``extra_binds``: more (host, jail, read-only) bind
+        mounts (e.g. a template's RAM file)."""
         art = self.artifacts()
         if self._support is None:
             self._support = support_files(self.qemu, self.accel)
@@ -179,7 +187,7 @@ class MicroVMBackend:
             binds=[(art.vmlinux, JAIL_KERNEL, True), (art.initrd, JAIL_INITRD, True),
                    (str(rootfs_image), JAIL_ROOT_IMG, True),
                    (str(overlay), JAIL_OVERLAY_IMG, False),
-                   (str(spec.sock_dir), JAIL_AGENT_DIR, True)],
+                   (str(spec.sock_dir), JAIL_AGENT_DIR, True), *extra_binds],
             cgroups=jailer.cgroup_limits(version, cpus=spec.vcpus,
                                          memory_bytes=(spec.memory_mib + MEM_OVERHEAD_MIB) << 20,
                                          pids=PIDS_MAX),
@@ -188,8 +196,8 @@ class MicroVMBackend:
             devices=("kvm", "null", "zero", "urandom"), python=self.python)
 
     async def _launch(self, spec: SandboxSpec, uid: int, vm: VMConfig, rootfs_image: Path,
-                      overlay: Path) -> VM:
-        argv = self.jailed_argv(spec, uid, vm, rootfs_image, overlay)
+                      overlay: Path, extra_binds: Sequence[tuple[str, str, bool]] = ()) -> VM:
+        argv = self.jailed_argv(spec, uid, vm, rootfs_image, overlay, extra_binds)
         spec.dir.mkdir(parents=True, exist_ok=True)
         with open(spec.dir / "qemu.log", "ab") as logf:
             proc = await asyncio.create_subprocess_exec(
@@ -281,8 +289,29 @@ class MicroVMBackend:
             out[j.name] = state
         return out
 
-    # ---- checkpoint / restore (slots for the Backend contract) -------------------------------
-    async def checkpoint(self, sandbox_id: str, directory: Path, *,
+    # ---- the Backend contract's snapshot slots: not supported yet -----------------------------
+    async def checkpoint(self, sandbox_id: str, image_dir: Path) -> None:
+        raise ApiError("conflict", SNAPSHOTS_UNSUPPORTED)
+
+    async def restore(self, spec: SandboxSpec, image_dir: Path) -> None:
+        raise ApiError("conflict", SNAPSHOTS_UNSUPPORTED)
+
+    def memory_usage(self, sandbox_id: str) -> int | None:
+        """Bytes charged to the VM's jail cgroup (QEMU and its guest's RAM), or None."""
+        try:
+            dirs = jailer.cgroup_dirs(sandbox_id)
+        except jailer.JailError:
+            return None
+        for d in dirs:
+            for name in ("memory.current", "memory.usage_in_bytes"):
+                try:
+                    return int((d / name).read_text())
+                except (OSError, ValueError):
+                    continue
+        return None
+
+    # ---- state save/load over QMP (plumbing for a future checkpoint/restore) ------------------
+    async def save_state(self, sandbox_id: str, directory: Path, *,
                          ignore_shared: bool = False) -> None:
         """Stop the VM and write its state to ``directory`` (the VM stays stopped)."""
         rec = self.vms.get(sandbox_id)
@@ -306,8 +335,8 @@ class MicroVMBackend:
         meta = {"vm": dataclasses.asdict(rec.vm), "rootfs_image": str(rec.rootfs_image)}
         (directory / "meta.json").write_text(json.dumps(meta, indent=1))
 
-    async def restore(self, directory: Path, spec: SandboxSpec) -> None:
-        """Start ``spec.id`` from a checkpoint directory (its agent reconnects afterwards)."""
+    async def load_state(self, directory: Path, spec: SandboxSpec) -> None:
+        """Start ``spec.id`` from a ``save_state`` directory (its agent reconnects)."""
         meta = json.loads((directory / "meta.json").read_text())
         vm = dataclasses.replace(VMConfig(**{**meta["vm"], "extra": tuple(meta["vm"]["extra"])}),
                                  incoming=True, start_paused=False,

@@ -1,0 +1,97 @@
+"""Which backend cpuosd runs: ``CPUOS_BACKEND`` = ``gvisor`` | ``microvm`` | ``auto``.
+
+``auto`` (the default) runs the KVM boot probe once (``probe.kvm_boot_probe``, bounded by
+``PROBE_TIMEOUT``) and picks the microVM backend only when a guest actually booted, else
+gVisor. ``microvm`` runs the same probe and refuses to start when it fails
+(``BackendUnavailable``, a one-line reason). ``gvisor`` never probes.
+
+The probe is fast when it cannot pass for a simple reason (no /dev/kvm, no QEMU, no guest
+artifacts in ``$CPUOS_HOME/microvm`` or ``$CPUOS_MICROVM_DIR``); when the artifacts exist
+it boots a guest and, on a host where KVM guests do not run, takes its whole timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+from ...config import Config
+from ..base import Backend
+from ..gvisor import GVisorBackend
+from . import kernel
+from . import probe as probe_mod
+from .backend import QEMU_BIN, MicroVMBackend
+
+log = logging.getLogger("cpuosd.backend")
+
+CHOICES = ("gvisor", "microvm", "auto")
+PROBE_TIMEOUT = 5.0
+
+
+class BackendUnavailable(Exception):
+    """The configured backend cannot run on this host; str() is the one-line reason."""
+
+
+def microvm_cache(cfg: Config) -> Path:
+    """Where the daemon looks for the guest artifacts (as ``kernel.cache_dir()``, but
+    relative to this configuration's home)."""
+    d = os.environ.get("CPUOS_MICROVM_DIR")
+    return Path(d) if d else cfg.home / "microvm"
+
+
+def run_probe(cfg: Config, timeout: float = PROBE_TIMEOUT
+              ) -> tuple[bool, str, kernel.Artifacts | None]:
+    """(ok, reason, artifacts): the KVM boot probe against the artifacts the backend would
+    use. Never raises: a probe that crashes is a failed probe."""
+    cache = microvm_cache(cfg)
+    art = kernel.current_artifacts(cache)
+    try:
+        ok, reason = probe_mod.kvm_boot_probe(
+            timeout, artifacts=art, cache=cache,
+            qemu=QEMU_BIN if os.path.exists(QEMU_BIN) else None)
+    except Exception as e:  # an unexpected host condition: not a usable KVM host
+        ok, reason = False, f"the probe itself failed: {type(e).__name__}: {e}"
+    return ok, reason, art
+
+
+def _one_line(s: str) -> str:
+    return " ".join(s.split())
+
+
+def select_backend(cfg: Config) -> Backend:
+    """The backend ``cfg.backend`` asks for (see the module docstring). Raises
+    ``BackendUnavailable`` for an unknown choice or a forced microvm the host cannot run."""
+    choice = cfg.backend.strip().lower()
+    if choice not in CHOICES:
+        raise BackendUnavailable(f"CPUOS_BACKEND={cfg.backend!r} is not one of "
+                                 f"{', '.join(CHOICES)}")
+    if choice == "gvisor":
+        log.info("backend: gvisor (CPUOS_BACKEND=gvisor; KVM boot probe not run)")
+        return GVisorBackend(cfg.runsc, cfg.runsc_root)
+    t0 = time.monotonic()
+    ok, reason, art = run_probe(cfg)
+    took = time.monotonic() - t0
+    reason = _one_line(reason)
+    if ok:
+        try:
+            backend = MicroVMBackend(cfg.home, artifacts=art)
+        except Exception as e:
+            why = _one_line(f"{type(e).__name__}: {e}")
+            if choice == "microvm":
+                raise BackendUnavailable(f"CPUOS_BACKEND=microvm: the KVM boot probe passed "
+                                         f"but the microVM backend cannot be set up: {why}"
+                                         ) from None
+            log.warning("backend: gvisor (CPUOS_BACKEND=auto; KVM boot probe passed in %.2fs "
+                        "but the microVM backend cannot be set up: %s)", took, why)
+            return GVisorBackend(cfg.runsc, cfg.runsc_root)
+        log.info("backend: microvm (CPUOS_BACKEND=%s; KVM boot probe passed in %.2fs: %s)",
+                 choice, took, reason)
+        return backend
+    if choice == "microvm":
+        raise BackendUnavailable(f"CPUOS_BACKEND=microvm, but the KVM boot probe failed "
+                                 f"after {took:.2f}s: {reason}")
+    log.info("backend: gvisor (CPUOS_BACKEND=auto; KVM boot probe failed in %.2fs: %s)",
+             took, reason)
+    return GVisorBackend(cfg.runsc, cfg.runsc_root)
