@@ -1316,10 +1316,11 @@ def report(R: dict[str, Any]) -> list[dict[str, Any]]:
             xs = s[k]
             t.add_row(label, mbps(median(xs)), mbps(max(xs)), mbps(min(xs)))
         console.print(t)
-        o = median(s["ours_MBps"])
-        summary.append({"metric": "stdout streaming (head -c), median", "ours": mbps(o),
-                        "floor": mbps(median(s["floor_MBps"])), "target": "≥ 200 MB/s",
-                        "met": "yes" if o >= 200 else "no"})
+        for what, k in (("head -c", ""), ("dd bs=1M", "_dd")):
+            o = median(s[f"ours{k}_MBps"])
+            summary.append({"metric": f"stdout streaming ({what}), median", "ours": mbps(o),
+                            "floor": mbps(median(s[f"floor{k}_MBps"])),
+                            "target": "≥ 200 MB/s", "met": "yes" if o >= 200 else "no"})
 
     f = R.get("files")
     if f:

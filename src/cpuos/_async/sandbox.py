@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import codecs
 import inspect
-import ssl
 import builtins
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -16,7 +15,7 @@ import httpx
 
 from cpuos_agent.protocol import CONTENT_TYPE, FrameDecoder, ProtocolError
 
-from .._config import resolve
+from .._config import resolve, tls_context
 from .._durations import parse_duration
 from .._errors import CpuosError, InvalidArgument, ServerError, Timeout, Unavailable, error_from
 from .._models import DEFAULT_MAX_OUTPUT, ExecResult, FileEntry, OutputBuffer, SandboxInfo
@@ -33,18 +32,6 @@ def _dur(value: str | float | int | None, what: str) -> float | None:
         raise InvalidArgument(str(e)) from None
 
 
-_TLS: ssl.SSLContext | None = None
-
-
-def _tls_context() -> ssl.SSLContext:
-    """One verifying TLS context per process (making one costs ~20 ms). Plain http URLs
-    (the local daemon) need none at all."""
-    global _TLS
-    if _TLS is None:
-        _TLS = ssl.create_default_context()
-    return _TLS
-
-
 class _AsyncHTTP:
     """The one I/O boundary: HTTP to the daemon, errors mapped to the CpuosError tree."""
 
@@ -55,7 +42,7 @@ class _AsyncHTTP:
         self.client = httpx.AsyncClient(
             base_url=self.url, headers={"Authorization": f"Bearer {key}"},
             timeout=httpx.Timeout(request_timeout, read=None), follow_redirects=False,
-            verify=_tls_context() if self.url.startswith("https:") else False)
+            verify=tls_context() if self.url.startswith("https:") else False)
 
     async def close(self) -> None:
         await self.client.aclose()
