@@ -128,8 +128,12 @@ class Manager:
                 await self._reattach(row)
                 keep.add(row.id)
                 if row.state != "running":
-                    self.store.update_sandbox(row.id, state="running")
+                    # a paused row has no deadline: it gets back the time it had left
+                    deadline = row.deadline or _now() + float(
+                        row.remaining or row.spec.get("timeout") or self.cfg.default_timeout)
+                    self.store.update_sandbox(row.id, state="running", deadline=deadline)
                     log.info("sandbox %s was %s at restart: running", row.id, row.state)
+                    row.state, row.deadline = "running", deadline
                 continue
             if alive:
                 await self.backend.kill(row.id)
@@ -142,7 +146,10 @@ class Manager:
                 has_snap = True
             if row.state in ("paused", "pausing", "resuming") and has_snap:
                 if row.state != "paused":
-                    self.store.update_sandbox(row.id, state="paused", paused_at=_now())
+                    left = row.remaining or max(1.0, (row.deadline or _now()) - _now())
+                    self.store.update_sandbox(row.id, state="paused", paused_at=_now(),
+                                              remaining=left, deadline=None,
+                                              snapshot_bytes=_du(snap))
                 continue
             reason = {"running": "lost", "paused": "snapshot_lost", "pooled": "pool_discarded",
                       "killing": row.reason or "killed"}.get(row.state, "interrupted")

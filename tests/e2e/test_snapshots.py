@@ -246,6 +246,8 @@ def test_sigkill_during_pause_never_loses_the_sandbox(fresh_daemon: Daemon,
             break
         time.sleep(0.1)
     assert info is not None and info.state in ("running", "paused"), info
+    if info.state == "running":  # and it still has a deadline the reaper will honour
+        assert info.deadline is not None and info.timeout_remaining
     back = Sandbox.connect(sbx.id, **kw)  # resumes a paused one
     for _ in range(50):  # a reattached agent may take a moment to reconnect
         try:
