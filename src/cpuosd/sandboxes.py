@@ -31,7 +31,7 @@ from .errors import ApiError, not_found
 from .paths import check_id
 from .reaper import reap_orphans
 from .store import LIVE_STATES, SandboxRow, Store
-from .templates.builder import template_info
+from .templates.builder import list_templates, template_info
 
 log = logging.getLogger("cpuosd.sandboxes")
 
@@ -83,6 +83,14 @@ class Manager:
             shutil.rmtree(dest, ignore_errors=True)
             tmp.rename(dest)
         return dest
+
+    def _prune_agents(self) -> None:
+        """Agent copies other than the current one, once no live sandbox mounts them."""
+        if self.store.list_sandboxes(states=LIVE_STATES):
+            return  # a reattached or paused sandbox may still use an older copy
+        for d in self.agent_dir.parent.iterdir():
+            if d != self.agent_dir:
+                shutil.rmtree(d, ignore_errors=True)
 
     def _spawn(self, coro: Any) -> None:
         t = asyncio.get_running_loop().create_task(coro)
@@ -166,6 +174,14 @@ class Manager:
         for d in self.cfg.snapshots_dir.iterdir():
             if d.name != "templates" and d.name not in paused:
                 shutil.rmtree(d, ignore_errors=True)
+        # template images of older builds or older agents are never restored again
+        current = {f"{t['name']}-{t['digest']}-{self.agent_dir.name}"
+                   for t in list_templates(self.cfg.templates_dir)}
+        tdir = self.cfg.snapshots_dir / "templates"
+        for d in tdir.iterdir() if tdir.is_dir() else ():
+            if d.name not in current:
+                shutil.rmtree(d, ignore_errors=True)
+        self._prune_agents()
 
     async def _reattach(self, row: SandboxRow) -> None:
         lv = Live(row, self._spec(row), AgentChannel(self._spec(row).sock_path))
