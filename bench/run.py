@@ -1305,17 +1305,23 @@ def report(R: dict[str, Any]) -> list[dict[str, Any]]:
                         "ours": ms(median(e["ours_argv_s"])), "floor": fl, "target": "—",
                         "met": "—"})
 
-    s = R.get("stream")
-    if s:
-        t = table(f"3. stdout streaming to the SDK ({s['bytes'] // MiB} MiB of zeros, "
-                  f"{s['runs']} runs; MB = 10^6 B)", ["", "median", "best", "worst"])
-        for label, k in (("ours: sbx.exec('head -c …', max_output=1 MiB)", "ours_MBps"),
-                         ("floor: runsc exec head -c … | host pipe", "floor_MBps"),
-                         ("(info) ours: sbx.exec('dd … bs=1M')", "ours_dd_MBps"),
-                         ("(info) floor: runsc exec dd … bs=1M | host pipe", "floor_dd_MBps")):
-            xs = s[k]
+    def throughput_table(title: str, data: dict[str, Any],
+                         rows: Sequence[tuple[str, str]]) -> None:
+        t = table(title, ["", "median", "best", "worst"])
+        for label, k in rows:
+            xs = data[k]
             t.add_row(label, mbps(median(xs)), mbps(max(xs)), mbps(min(xs)))
         console.print(t)
+
+    s = R.get("stream")
+    if s:
+        throughput_table(
+            f"3. stdout streaming to the SDK ({s['bytes'] // MiB} MiB of zeros, "
+            f"{s['runs']} runs; MB = 10^6 B)", s,
+            (("ours: sbx.exec('head -c …', max_output=1 MiB)", "ours_MBps"),
+             ("floor: runsc exec head -c … | host pipe", "floor_MBps"),
+             ("(info) ours: sbx.exec('dd … bs=1M')", "ours_dd_MBps"),
+             ("(info) floor: runsc exec dd … bs=1M | host pipe", "floor_dd_MBps")))
         for what, k in (("head -c", ""), ("dd bs=1M", "_dd")):
             o = median(s[f"ours{k}_MBps"])
             summary.append({"metric": f"stdout streaming ({what}), median", "ours": mbps(o),
@@ -1324,15 +1330,12 @@ def report(R: dict[str, Any]) -> list[dict[str, Any]]:
 
     f = R.get("files")
     if f:
-        t = table(f"4. files, {f['bytes'] // MiB} MiB random data ({f['runs']} runs; "
-                  f"MB = 10^6 B)", ["", "median", "best", "worst"])
-        for label, k in (("ours: files.upload", "ours_up_MBps"),
-                         ("floor: runsc exec sh -c 'cat > f' < file", "floor_up_MBps"),
-                         ("ours: files.download", "ours_down_MBps"),
-                         ("floor: runsc exec cat f > file", "floor_down_MBps")):
-            xs = f[k]
-            t.add_row(label, mbps(median(xs)), mbps(max(xs)), mbps(min(xs)))
-        console.print(t)
+        throughput_table(
+            f"4. files, {f['bytes'] // MiB} MiB random data ({f['runs']} runs; MB = 10^6 B)", f,
+            (("ours: files.upload", "ours_up_MBps"),
+             ("floor: runsc exec sh -c 'cat > f' < file", "floor_up_MBps"),
+             ("ours: files.download", "ours_down_MBps"),
+             ("floor: runsc exec cat f > file", "floor_down_MBps")))
         for way, k in (("upload", "up"), ("download", "down")):
             o = median(f[f"ours_{k}_MBps"])
             summary.append({"metric": f"file {way}, median", "ours": mbps(o),
