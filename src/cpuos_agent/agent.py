@@ -23,6 +23,7 @@ import shutil
 import signal
 import socket
 import stat as stat_mod
+import struct
 import subprocess
 import sys
 import threading
@@ -104,7 +105,10 @@ class Link(Protocol):
 
 class Transport:
     """How the agent reaches its host: ``connect`` blocks until a host is there and returns
-    a new session; ``after_session`` runs once a session is over (and closed)."""
+    a new session; ``after_session`` runs once a session is over (and closed). ``kind``
+    goes to the host in the hello: a ``device`` agent cannot hang up its host."""
+
+    kind = "socket"
 
     def connect(self) -> Link:
         raise NotImplementedError
@@ -260,7 +264,10 @@ class CharDeviceTransport(Transport):
     agent cannot close the host's end: after a quiesce it waits (a bounded time) for the
     host to hang up, so the next session starts on a new host connection."""
 
+    kind = "device"
     POLL = 0.05  # s between checks while the host is away
+    FAST_POLL = 0.003  # s between checks for the first FAST_FOR seconds (a restore, a clone)
+    FAST_FOR = 1.0
     REOPEN = 1.0  # s of hang-up after which the device is reopened
     HANGUP_WAIT = 5.0  # s: after a quiesce, how long to wait for the host to hang up
 
@@ -292,9 +299,12 @@ class CharDeviceTransport(Transport):
 
     def connect(self) -> Link:
         fd = self._open()
-        since = time.monotonic()
+        since = first = time.monotonic()
         while not self._host_connected(fd):
-            time.sleep(self.POLL)
+            # the host comes back quickly after a quiesce (a restored or cloned VM): check
+            # often at first, then settle to POLL (a host that is away costs little)
+            time.sleep(self.FAST_POLL if time.monotonic() - first < self.FAST_FOR
+                       else self.POLL)
             if time.monotonic() - since >= self.REOPEN:
                 os.close(fd)
                 fd = self._open()
@@ -312,7 +322,7 @@ class CharDeviceTransport(Transport):
         try:
             deadline = time.monotonic() + self.HANGUP_WAIT
             while self._host_connected(fd) and time.monotonic() < deadline:
-                time.sleep(self.POLL)
+                time.sleep(self.FAST_POLL)
         finally:
             os.close(fd)
 
@@ -674,9 +684,8 @@ class Agent:
             conn = Conn(transport.connect())
             quiesced = False
             try:
-                _apply_identity()
                 conn.send({"t": "hello", "version": P.PROTOCOL_VERSION, "pid": os.getpid(),
-                           "uid": os.getuid()})
+                           "uid": os.getuid(), "transport": transport.kind})
                 self._serve(conn)
             except Quiesce:
                 quiesced = True
@@ -716,6 +725,8 @@ class Agent:
     def _dispatch(self, conn: Conn, t: str, sid: int, h: P.Header, payload: bytes) -> None:
         if t == "ping":
             conn.send({"t": "pong", "id": sid, "time": time.time()})
+        elif t == "identity":
+            conn.send({"t": "identity_ok", "id": sid, "applied": apply_identity(h)})
         elif t == "quiesce":
             if self.execs or self.writes:
                 conn.send({"t": "err", "id": sid, "code": P.E_EXISTS,
@@ -834,18 +845,89 @@ class Agent:
                 pass
 
 
-def _apply_identity() -> None:
-    """Take the hostname the host wrote for this sandbox (new for every clone, after every
-    restore). The agent holds CAP_SYS_ADMIN for this alone; commands it starts run as the
-    same unprivileged uid and lose every capability at exec."""
-    try:
-        with open(os.path.join(os.path.dirname(SOCKET_PATH), "hostname"), "rb") as f:
-            name = f.read(64).strip()
-    except OSError:
+MACHINE_ID_PATH = "/run/cpuos/machine-id"  # /etc/machine-id links here (templates)
+RNDADDENTROPY = 0x40085203
+RNDRESEEDCRNG = 0x5207
+CLOCK_SLACK = 0.05  # s: a guest clock this close to the host's is left alone
+
+
+def apply_identity(h: P.Header) -> list[str]:
+    """What a sandbox gets new after every boot, restore and clone, sent by the host right
+    after the hello: its hostname, its machine-id, fresh randomness (every clone of one
+    snapshot would otherwise share the kernel RNG's state) and the time (a restored VM's
+    clock stands where the snapshot stopped it). Applied as far as this agent may (gVisor:
+    the sentry keeps the time and randomness; the host serves machine-id); returns what
+    changed."""
+    applied = []
+    name = h.get("hostname")
+    if isinstance(name, str) and re.fullmatch(r"[a-z0-9][a-z0-9-]{0,62}", name):
+        if name != os.uname().nodename:
+            try:
+                socket.sethostname(name)
+                applied.append("hostname")
+            except OSError:
+                pass
+    mid = h.get("machine_id")
+    if isinstance(mid, str) and re.fullmatch(r"[0-9a-f]{32}", mid):
+        try:
+            with open(MACHINE_ID_PATH) as f:
+                current = f.read().strip()
+        except OSError:
+            current = ""
+        if current != mid:
+            tmp = f"{MACHINE_ID_PATH}.{os.getpid()}"
+            try:
+                with open(tmp, "w") as f:
+                    f.write(mid + "\n")
+                os.chmod(tmp, 0o444)
+                os.replace(tmp, MACHINE_ID_PATH)
+                applied.append("machine-id")
+            except OSError:
+                _unlink_quiet(tmp)
+    seed = h.get("seed")
+    if isinstance(seed, str) and re.fullmatch(r"(?:[0-9a-f]{2}){16,256}", seed):
+        data = bytes.fromhex(seed)
+        try:
+            fd = os.open("/dev/urandom", os.O_WRONLY | os.O_CLOEXEC)
+        except OSError:
+            fd = -1
+        if fd >= 0:
+            try:
+                os.write(fd, data)  # mixed in, not credited: anyone may
+                applied.append("rng")
+                try:  # credited and reseeded now (CAP_SYS_ADMIN)
+                    info = struct.pack("ii", len(data) * 8, len(data)) + data
+                    fcntl.ioctl(fd, RNDADDENTROPY, info)
+                    fcntl.ioctl(fd, RNDRESEEDCRNG)
+                    applied.append("rng-reseed")
+                except OSError:
+                    pass
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+    now = h.get("time")
+    if isinstance(now, (int, float)) and abs(time.time() - now) > CLOCK_SLACK:
+        try:
+            time.clock_settime(time.CLOCK_REALTIME, float(now))
+            applied.append("clock")
+        except (OSError, OverflowError):
+            pass
+    return applied
+
+
+def drop_inheritable_caps() -> None:
+    """The microVM's /init hands the agent CAP_SYS_ADMIN and CAP_SYS_TIME (hostname,
+    RNG reseed, clock) as ambient capabilities; keep them for the agent alone: clear the
+    ambient and inheritable sets, so nothing it runs gets them back."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL
+    hdr = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
+    data = (ctypes.c_uint32 * 6)()
+    if libc.capget(hdr, data) != 0:
         return
-    if name and name != os.uname().nodename.encode():
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.sethostname(name, len(name))
+    data[2] = data[5] = 0  # inheritable (both 32-bit halves)
+    libc.capset(hdr, data)
 
 
 def _unlink_quiet(p: str) -> None:
@@ -907,6 +989,7 @@ def main() -> None:
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     os.umask(0o022)
     sys.stdout = sys.stderr  # nothing of ours goes to a guest-visible stdout
+    drop_inheritable_caps()
     Agent().serve_forever()
 
 

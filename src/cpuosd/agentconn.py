@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import logging
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,7 @@ class AgentChannel:
         self._server: asyncio.AbstractServer | None = None
         self._write_lock = asyncio.Lock()
         self.on_disconnect: list[Any] = []
+        self._adopted: set[asyncio.Task[None]] = set()
 
     async def listen(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -89,6 +91,14 @@ class AgentChannel:
         self._server = await asyncio.start_unix_server(self._on_connect, path=str(self.sock_path),
                                                        limit=P.MAX_PAYLOAD * 2)
         os.chmod(self.sock_path, 0o666)
+
+    async def adopt(self, sock: socket.socket) -> None:
+        """Take a connection made to our socket before we listened on it (a standby
+        microVM's chardev): served as if accepted."""
+        reader, writer = await asyncio.open_unix_connection(sock=sock, limit=P.MAX_PAYLOAD * 2)
+        task = asyncio.get_running_loop().create_task(self._on_connect(reader, writer))
+        self._adopted.add(task)
+        task.add_done_callback(self._adopted.discard)
 
     def stop_listening(self) -> None:
         """Close the listening socket and remove it, so the agent cannot (re)connect."""
@@ -218,6 +228,8 @@ class AgentChannel:
             self._server.close()
             self._server = None
         self._drop_connection()
+        for t in self._adopted:
+            t.cancel()
         if self._reader_task is not None and self._reader_task is not asyncio.current_task():
             self._reader_task.cancel()
         with contextlib.suppress(FileNotFoundError):

@@ -33,6 +33,11 @@ class Config:
     reaper_interval: float = 0.5
     default_vcpus: int = 2
     default_memory_mib: int = 2048
+    # microVM backend: kvm, or tcg (emulated: tests and debugging only; no probe)
+    microvm_accel: str = field(default_factory=lambda: os.environ.get("CPUOS_MICROVM_ACCEL",
+                                                                      "kvm"))
+    # microVM backend: QEMUs kept spawned and waiting per template image
+    microvm_standby: int = field(default_factory=lambda: _int("CPUOS_MICROVM_STANDBY", 1))
     # Restored sandboxes kept ready per template (0 turns the warm pool off).
     pool_size: int = field(default_factory=lambda: _int("CPUOS_POOL_SIZE", 1))
     # Boot each template once, checkpoint it, and create sandboxes by restoring that.

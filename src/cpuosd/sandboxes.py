@@ -37,6 +37,8 @@ log = logging.getLogger("cpuosd.sandboxes")
 
 ENTRY_TYPES = {"file", "dir", "symlink", "other"}
 MAX_ENTRIES = 10000
+# s a device agent (CharDeviceTransport) gets to see the host hang up after a quiesce
+DEVICE_SETTLE = 0.1
 
 
 def _now() -> float:
@@ -122,6 +124,7 @@ class Manager:
                 await self.kill(pool.pop().row.id, reason="pool_discarded")
         for lv in list(self.live.values()):
             await lv.chan.close()  # sandboxes keep running; a restarted daemon reattaches
+        await self.backend.close()
 
     # ---- reconcile ------------------------------------------------------------------
     async def reconcile(self) -> None:
@@ -240,11 +243,14 @@ class Manager:
         self.store.insert_sandbox(row)
         return row
 
-    async def _boot(self, row: SandboxRow, image: Path | None) -> Live:
+    async def _boot(self, row: SandboxRow, image: Path | None, *,
+                    template_boot: bool = False) -> Live:
         """Start (image None) or restore a sandbox for row; returns it with its agent
-        connected. On failure everything made for it is removed and the error raised."""
+        connected and told who it is. On failure everything made for it is removed and
+        the error raised."""
         spec = self._spec(row)
         chan = AgentChannel(spec.sock_path)
+        spec.template_boot, spec.adopt = template_boot, chan.adopt
         lv = Live(row, spec, chan)
         self.live[row.id] = lv
         try:
@@ -253,18 +259,28 @@ class Manager:
             mid = row.spec.setdefault("machine_id", secrets.token_hex(16))
             (spec.sock_dir / "machine-id").write_text(mid + "\n")
             (spec.sock_dir / "machine-id").chmod(0o444)
-            (spec.sock_dir / "hostname").write_text(row.id + "\n")  # the agent applies it
             await chan.listen()
             if image is None:
                 await self.backend.start(spec)
             else:
                 await self.backend.restore(spec, image)
             await chan.wait_connected(self.cfg.agent_connect_timeout)
+            await self._identity(lv)
         except BaseException:
             await self._teardown(row.id)
             raise
         chan.on_disconnect.append(lambda: self._on_disconnect(row.id))
         return lv
+
+    async def _identity(self, lv: Live) -> None:
+        """New for every boot, restore and clone: hostname (the sandbox id), machine-id,
+        randomness for the guest's RNG and the time (cpuos_agent.agent.apply_identity)."""
+        h = await lv.chan.call({"t": "identity", "hostname": lv.row.id,
+                                "machine_id": lv.row.spec["machine_id"],
+                                "seed": secrets.token_hex(64), "time": time.time()},
+                               timeout=30)
+        raise_for_agent_error(h)
+        log.debug("identity of %s: %s", lv.row.id, h.get("applied"))
 
     def _mark_running(self, row: SandboxRow, timeout: float) -> None:
         started = _now()
@@ -346,7 +362,7 @@ class Manager:
         shutil.rmtree(tmp, ignore_errors=True)
         d.parent.mkdir(parents=True, exist_ok=True)
         try:
-            lv = await self._boot(row, None)
+            lv = await self._boot(row, None, template_boot=True)
             await self._start_command(lv, info)
             await self._quiesce(lv)
             await self.backend.checkpoint(row.id, tmp)
@@ -440,10 +456,16 @@ class Manager:
         lv.chan.stop_listening()
         try:
             await lv.chan.call({"t": "quiesce"}, timeout=10)
-            try:  # a socket agent closes its end; a device agent (microVM) cannot
-                await lv.chan.wait_disconnected(1.0)
-            except ApiError:
+            if (lv.chan.hello or {}).get("transport") == "device":
+                # a device agent (microVM) cannot hang up: we do, and give it the moment
+                # it needs to see that (else a restored copy would wait for it)
                 lv.chan.disconnect()
+                await asyncio.sleep(DEVICE_SETTLE)
+            else:
+                try:  # a socket agent closes its end
+                    await lv.chan.wait_disconnected(1.0)
+                except ApiError:
+                    lv.chan.disconnect()
         except BaseException as e:
             await lv.chan.listen()  # the agent keeps retrying: it comes back
             await lv.chan.wait_connected(self.cfg.agent_connect_timeout)

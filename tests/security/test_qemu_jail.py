@@ -27,7 +27,7 @@ import cpuos_agent
 from cpuos_agent import protocol as P
 from cpuosd.agentconn import AgentChannel
 from cpuosd.backends.base import SandboxSpec
-from cpuosd.backends.microvm import jailer, kernel
+from cpuosd.backends.microvm import jailer, kernel, ram
 from cpuosd.backends.microvm.backend import MicroVMBackend
 from cpuosd.backends.microvm.qemu import (
     QMP,
@@ -64,7 +64,8 @@ class Jailed:
 
 
 def _start(sid: str, base: Path, work: Path, accel: Accel, *, incoming: bool = False,
-           agent: socket.socket | None = None) -> Jailed:
+           agent: socket.socket | None = None, ram_fd: int | None = None,
+           shared: bool = True) -> Jailed:
     images = work / "images"
     images.mkdir(exist_ok=True)
     for name in ("root.ext4", "overlay.ext4"):
@@ -81,19 +82,23 @@ def _start(sid: str, base: Path, work: Path, accel: Accel, *, incoming: bool = F
     vm = VMConfig(qmp_socket="/run/qmp.sock", vcpus=1, memory_mib=128,
                   rootfs_image="/disk/root.ext4", overlay_image="/disk/overlay.ext4",
                   agent_socket="/agent/agent.sock", accel=accel, start_paused=True,
-                  incoming=incoming, qemu=QEMU_BIN)
+                  incoming=incoming, qemu=QEMU_BIN,
+                  memory_file=None if ram_fd is None else ram.jail_path(ram_fd),
+                  memory_shared=shared)
+    keep = () if ram_fd is None else (ram_fd,)
     argv = jailer.jailer_argv(
         sandbox_id=sid, exec_file=QEMU_BIN, exec_dest=QEMU_BIN, uid=UID, gid=UID,
         chroot_base=base, args=qemu_argv(vm)[1:], files=support_files(QEMU_BIN, accel),
         binds=[(str(images / "root.ext4"), "/disk/root.ext4", True),
                (str(images / "overlay.ext4"), "/disk/overlay.ext4", False),
-               (str(agent_dir), "/agent", True)],
+               (str(agent_dir), "/agent", True)], keep_fds=keep, mount_proc=bool(keep),
         cgroups=jailer.cgroup_limits(jailer.cgroup_version(), cpus=1,
                                      memory_bytes=512 << 20, pids=128),
         rlimits={"nofile": 1024, "fsize": 1 << 20})
     log = work / f"{sid}.log"
     with open(log, "wb") as logf:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf)
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
+                                pass_fds=keep)
     return Jailed(sid, base, proc, jailer.jail_paths(sid, QEMU_BIN, base, QEMU_BIN), accel,
                   agent, log)
 
@@ -235,6 +240,98 @@ def test_state_migrates_through_an_fd_into_a_jailed_clone(work: Path, ids: list[
     assert dst.proc.wait(10) == 0, dst.log.read_text()[-500:]
     src.agent_listener.close()
     shutil.rmtree(work / "images", ignore_errors=True)
+
+
+def _ram_mapping(pid: int) -> str:
+    """The permissions of the guest-RAM memfd's mapping in a QEMU ('rw-s': shared)."""
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            if "memfd:cpuos-test" in line:
+                return line.split()[1]
+    raise AssertionError("no mapping of the template RAM memfd")
+
+
+async def _peek(q: QMP, addr: int, n: int) -> bytes:
+    """n bytes of guest-physical memory, read by QEMU (HMP ``xp``)."""
+    text = await q.execute("human-monitor-command", {"command-line": f"xp /{n}xb {addr:#x}"})
+    return bytes(int(x, 16) for line in text.splitlines() for x in line.split(":")[1].split())
+
+
+def test_template_ram_is_a_sealed_memfd_that_jailed_clones_map_private(
+        work: Path, ids: list[str]) -> None:
+    """The template-clone memory layout of backend.py/ram.py, without running guest code: a
+    jailed template QEMU maps the RAM memfd shared (the host sees what the guest's RAM
+    holds), its device state migrates with ``x-ignore-shared`` (no RAM in the stream); the
+    memfd is sealed, after which nobody, root included, can write it; a jailed clone
+    (unprivileged uid) opens it, maps it private and, once the state is loaded, reads the
+    template's pages through it."""
+    src_id, dst_id = f"qr-{os.getpid()}-a", f"qr-{os.getpid()}-b"
+    ids += [src_id, dst_id]
+    state = work / "state"
+    fd = ram.new("cpuos-test", 128 << 20)
+    page = b"cpuos template page " * 8
+    addr = 0x300000
+
+    async def template() -> Jailed:
+        src, q = await _start_any_accel(src_id, work, ram_fd=fd, shared=True)
+        assert _ram_mapping(src.vmm_pid) == "rw-s"
+        os.pwrite(fd, page, addr)  # as if the guest had written it
+        assert await _peek(q, addr, len(page)) == page
+        out = os.open(state, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            await q.stop()
+            await q.set_ignore_shared(True)
+            await q.migrate_fd(out)
+        finally:
+            os.close(out)
+        await q.wait_migration(30)
+        await q.quit()
+        return src
+
+    try:
+        src = asyncio.run(template())
+        assert src.proc.wait(10) == 0
+        assert 0 < state.stat().st_size < 1 << 20, "RAM went into the stream"
+        ram.seal(fd)
+        assert ram.sealed(fd)
+        for attempt in (lambda: os.pwrite(fd, b"x", addr), lambda: os.ftruncate(fd, 1 << 20)):
+            with pytest.raises(PermissionError):
+                attempt()
+        dst = _start(dst_id, work / "jails", work, src.accel, incoming=True,
+                     agent=src.agent_listener, ram_fd=fd, shared=False)
+
+        async def clone() -> None:
+            q = await _connect(dst)
+            try:
+                assert _status(dst.vmm_pid)["Uid"].split()[0] == str(UID)
+                assert _ram_mapping(dst.vmm_pid) == "rw-p"  # MAP_PRIVATE: copy on write
+                # the clone's own view of the file is no way to write it either
+                with open(f"/proc/{dst.vmm_pid}/fd/{fd}", "r+b") as f, \
+                        pytest.raises(PermissionError):
+                    os.pwrite(f.fileno(), b"x", addr)
+                await q.set_ignore_shared(True)  # as the template had it
+                i = os.open(state, os.O_RDONLY)
+                try:
+                    await q.migrate_incoming_fd(i)
+                finally:
+                    os.close(i)
+                status = "inmigrate"
+                for _ in range(500):
+                    status = await q.query_status()
+                    if status != "inmigrate":
+                        break
+                    await asyncio.sleep(0.01)
+                assert status in ("paused", "prelaunch", "postmigrate"), status
+                assert await _peek(q, addr, len(page)) == page
+            finally:
+                await q.quit()
+
+        asyncio.run(clone())
+        assert dst.proc.wait(10) == 0, dst.log.read_text()[-500:]
+        assert os.pread(fd, len(page), addr) == page
+        src.agent_listener.close()
+    finally:
+        os.close(fd)
 
 
 def test_guest_kernel_boots_to_init_under_tcg_jailed(work: Path, ids: list[str]) -> None:

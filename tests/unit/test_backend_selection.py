@@ -4,6 +4,7 @@ and the microVM backend's side of the Backend contract. No daemon, no root, no g
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import pytest
 from cpuosd.backends.base import Backend, SandboxSpec
 from cpuosd.backends.gvisor import GVisorBackend
 from cpuosd.backends.microvm import probe, selection
+from cpuosd.backends.microvm.jailer import JailError
 from cpuosd.backends.microvm.backend import MicroVMBackend
 from cpuosd.config import Config
 from cpuosd.errors import ApiError
@@ -131,16 +133,20 @@ def test_the_real_probe_fails_fast_without_artifacts(tmp_path: Path,
 def test_microvm_backend_satisfies_the_contract(tmp_path: Path) -> None:
     b: Backend = MicroVMBackend(tmp_path / "home")  # (selection.py is where mypy checks it)
     assert b.capabilities.name == "microvm"
-    assert b.capabilities.checkpoint is False
+    assert b.capabilities.checkpoint is True
     spec = SandboxSpec(id="sbx-x", rootfs=tmp_path, dir=tmp_path / "s", agent_dir=tmp_path)
 
     async def body() -> None:
-        for call in (b.checkpoint("sbx-x", tmp_path / "img"), b.restore(spec, tmp_path / "img")):
-            with pytest.raises(ApiError) as ei:
-                await call
-            assert ei.value.code == "conflict"
-            assert ei.value.message == "snapshots are not supported by the microvm backend yet"
+        with pytest.raises(ApiError) as ei:
+            await b.checkpoint("sbx-x", tmp_path / "img")
+        assert ei.value.code == "not_found"
+        with pytest.raises(ApiError) as ei:  # no image there: a clear error, nothing started
+            await b.restore(spec, tmp_path / "img")
+        assert ei.value.code == "internal" and "unreadable" in ei.value.message
+        with pytest.raises(JailError):  # never a path out of the jail base
+            await b.restore(dataclasses.replace(spec, id="../x"), tmp_path / "img")
         assert await b.running() == {}
+        await b.close()
 
     asyncio.run(body())
     assert b.memory_usage("sbx-nonexistent") is None

@@ -181,9 +181,12 @@ def test_clone_maps_ram_private_and_waits_for_migration() -> None:
     assert one(argv, "-incoming") == "defer"
 
 
-def test_plain_boot_has_no_memory_backend_or_incoming() -> None:
+def test_plain_boot_has_named_ram_and_no_incoming() -> None:
+    # RAM is always the backend "mem": a clone's image (file-backed RAM) restores into it
     argv = qemu_argv(BASE)
-    assert "-object" not in argv and "-incoming" not in argv and "-S" not in argv
+    assert one(argv, "-object") == "memory-backend-ram,id=mem,size=1024M"
+    assert one(argv, "-machine") == "memory-backend=mem"
+    assert "-incoming" not in argv and "-S" not in argv
     assert "-S" in qemu_argv(dataclasses.replace(BASE, start_paused=True))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -17,6 +19,12 @@ class SandboxSpec:
     memory_mib: int = 2048
     hostname: str = "sandbox"
     env: dict[str, str] = field(default_factory=dict)
+    # the Manager's boot of a template, to be checkpointed and cloned (a backend may lay
+    # its memory out for sharing)
+    template_boot: bool = False
+    # hands an agent connection the backend already holds (a standby microVM's) to the
+    # daemon's channel, as if it had been accepted on sock_path
+    adopt: Callable[[socket.socket], Awaitable[None]] | None = None
 
     @property
     def sock_dir(self) -> Path:
@@ -54,3 +62,6 @@ class Backend(Protocol):
 
     def memory_usage(self, sandbox_id: str) -> int | None:
         """Host memory the sandbox holds, or None if unknown."""
+
+    async def close(self) -> None:
+        """The daemon is stopping: drop what only it holds (sandboxes keep running)."""

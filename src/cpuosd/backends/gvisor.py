@@ -183,6 +183,9 @@ class GVisorBackend:
             await self.kill(spec.id)
             raise ApiError("internal", f"runsc failed to restore the sandbox: {tail}")
 
+    async def close(self) -> None:
+        pass
+
     def memory_usage(self, sandbox_id: str) -> int | None:
         """Bytes the sandbox's cgroup holds (an upper bound of its checkpoint image)."""
         for p in (Path(f"/sys/fs/cgroup/memory/cpuos/{sandbox_id}/memory.usage_in_bytes"),

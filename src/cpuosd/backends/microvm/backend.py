@@ -23,14 +23,29 @@ QEMU's QMP socket is ``/run/qmp.sock`` in the jail (``<jail>/root/run/qmp.sock``
 host). Limits: cgroup cpu quota = vCPUs, memory = guest RAM + ``MEM_OVERHEAD_MIB``, pids;
 RLIMIT_FSIZE = the overlay's size. Only used where ``probe.kvm_boot_probe()`` passes.
 
-Checkpoint/restore: not supported yet. ``checkpoint`` and ``restore`` (the ``Backend``
-contract) raise ``ApiError("conflict")`` and ``capabilities.checkpoint`` is False: the
-Manager's template snapshot falls back to a cold boot; pause and fork fail. The plumbing
-they will use is here, not wired to the contract: ``save_state`` (QMP ``stop`` + migration
-of the device state, and RAM unless the VM's RAM lives in a shared template file and
-``x-ignore-shared`` is on, to a host file passed to QEMU as an fd, plus a sparse copy of
-the writable layer) and ``load_state`` (a jailed QEMU with ``-incoming defer`` fed the
-state the same way). No process is spawned in the jail (``-sandbox spawn=deny``).
+Snapshots (the ``Backend`` contract's ``checkpoint``/``restore``; QEMU 7.2 has no
+``file:`` migration URI and no ``mapped-ram``). ``checkpoint`` stops the VM over QMP and
+migrates its state to a host file passed to QEMU as an fd (``checkpoint.img``: nothing is
+spawned in the jail, ``-sandbox spawn=deny``), copies the writable layer (sparse) beside
+it, and ends the VM. Two kinds of image:
+
+* a **template image** (``spec.template_boot``: the Manager's boot-once-then-snapshot):
+  the template booted with its RAM in a memfd mapped ``share=on`` (``ram.py``), so the
+  migration runs with ``x-ignore-shared`` and carries device state only; the memfd is
+  then sealed against writes and saved as ``ram``. A clone maps the sealed memfd
+  ``share=off`` (``MAP_PRIVATE``: copy on write, one copy of the template's pages in host
+  memory for all clones), starts with ``-incoming defer`` and loads the device state.
+* a **full image** (pause, fork): RAM travels in the migration stream (zero pages as
+  flags), restored into a plain anonymous-memory VM.
+
+Standby VMs: for a template image, ``standby`` jailed QEMUs per (image, size) are kept
+spawned and waiting on ``-incoming defer`` with the memfd mapped, a copy of the writable
+layer open and their agent chardev already connected to a placeholder listener. A
+restore hands one out: the placeholder's connection goes to the daemon's ``AgentChannel``
+(``spec.adopt``), the jail-bound socket directory becomes the sandbox's (renamed, with the
+daemon's listening socket moved in, so a restarted daemon's QEMU reconnects there), then
+``migrate-incoming`` and ``cont`` on the QMP connection opened when it was spawned. The
+jail id of such a VM is its standby id; ``<jail dir>/sandbox`` names the sandbox.
 """
 
 from __future__ import annotations
@@ -42,16 +57,20 @@ import hashlib
 import json
 import logging
 import os
+import secrets
+import shutil
 import signal
+import socket
 import sys
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ...errors import ApiError
 from ..base import Capabilities, SandboxSpec
-from . import jailer, kernel
+from . import jailer, kernel, ram
 from .qemu import QMP, Accel, QMPFailure, VMConfig, kernel_cmdline, qemu_argv, support_files
 
 log = logging.getLogger("cpuosd.microvm")
@@ -68,31 +87,47 @@ JAIL_ROOT_IMG = "/disk/root.ext4"
 JAIL_OVERLAY_IMG = "/disk/overlay.ext4"
 JAIL_AGENT_DIR = "/agent"
 JAIL_QMP = "/run/qmp.sock"
-SNAPSHOTS_UNSUPPORTED = "snapshots are not supported by the microvm backend yet"
+STATE = "checkpoint.img"  # the migration stream (the Manager checks for this name)
+SANDBOX_FILE = "sandbox"  # in a jail dir: the sandbox a standby VM was handed to
+STANDBY_PREFIX = "sb-"
 
 
 @dataclass
 class VM:
-    id: str
+    id: str  # the sandbox (a standby's own id until it is handed out)
+    jail_id: str
     uid: int
     paths: jailer.JailPaths
     proc: asyncio.subprocess.Process | None
     overlay: Path
     rootfs_image: Path
     vm: VMConfig
+    ram_fd: int | None = None  # template boot: the RAM memfd, until checkpoint seals it
+    qmp: QMP | None = None  # standby: the QMP connection opened at spawn
+    listener: socket.socket | None = None  # standby: placeholder the chardev connected to
+    sock_dir: Path | None = None  # standby: the directory bound at /agent
+    own_dir: Path | None = None  # standby: its directory (log, overlay), removed at kill
+
+
+@dataclass
+class TemplateRAM:
+    fd: int
+    standby: list[VM] = field(default_factory=list)
+    filling: bool = False
 
 
 class MicroVMBackend:
-    capabilities = Capabilities(name="microvm", checkpoint=False, network=False)
+    capabilities = Capabilities(name="microvm", checkpoint=True, network=False)
 
     def __init__(self, home: Path, *, qemu: str = QEMU_BIN, accel: Accel = "kvm",
                  uid_base: int = UID_BASE, uid_count: int = UID_COUNT,
                  overlay_mib: int = OVERLAY_MIB, artifacts: kernel.Artifacts | None = None,
                  console_log: bool = False, python: str | None = None,
-                 images: Path | None = None) -> None:
+                 images: Path | None = None, standby: int = 1) -> None:
         self.home = home
         self.dir = home / "microvm"
         self.jail_base = self.dir / "jail"
+        self.standby_dir = self.dir / "standby"
         # ext4 images cache (content-keyed: may be shared, e.g. by tests)
         self.images = images or self.dir / "images"
         self.qemu = qemu
@@ -104,11 +139,14 @@ class MicroVMBackend:
         # RLIMIT_FSIZE: a guest that writes more gets its own QEMU killed by SIGXFSZ)
         self.console_log = console_log
         self.python = python or sys.executable
+        self.standby = standby  # spawned QEMUs kept waiting per template image and size
         self._artifacts = artifacts
         self.vms: dict[str, VM] = {}
+        self._rams: dict[str, TemplateRAM] = {}  # template image's ram_id -> its memfd
+        self._tasks: set[asyncio.Task[Any]] = set()
         self._image_locks: dict[str, asyncio.Lock] = {}
         self._support: list[tuple[str, str]] | None = None
-        for d in (self.jail_base, self.images):
+        for d in (self.jail_base, self.images, self.standby_dir):
             d.mkdir(parents=True, exist_ok=True)
         self.jail_base = jailer.check_chroot_base(self.jail_base.resolve())
 
@@ -144,12 +182,15 @@ class MicroVMBackend:
         return await self._once(key, out, lambda: kernel.build_overlay_image(
             out, self.overlay_mib, agent_dir))
 
-    # ---- uids ------------------------------------------------------------------------------
+    # ---- uids and jails ------------------------------------------------------------------
+    def _exec_dir(self) -> Path:
+        return self.jail_base / Path(self.qemu).name
+
     def _uids_in_use(self) -> set[int]:
         used = {vm.uid for vm in self.vms.values()}
-        exec_dir = self.jail_base / Path(self.qemu).name
-        if exec_dir.is_dir():
-            for j in exec_dir.iterdir():
+        used |= {vm.uid for tr in self._rams.values() for vm in tr.standby}
+        if self._exec_dir().is_dir():
+            for j in self._exec_dir().iterdir():
                 with contextlib.suppress(OSError):
                     used.add((j / "root" / "run").stat().st_uid)
         return used
@@ -161,7 +202,32 @@ class MicroVMBackend:
                 return uid
         raise ApiError("limit_exceeded", "no free sandbox uid for another microVM")
 
-    # ---- start / kill ----------------------------------------------------------------------
+    def _jails(self) -> dict[str, str]:
+        """jail id -> the sandbox it runs (a standby not handed out: its own id)."""
+        out: dict[str, str] = {}
+        if not self._exec_dir().is_dir():
+            return out
+        for j in self._exec_dir().iterdir():
+            if not jailer.ID_RE.fullmatch(j.name):
+                continue
+            sid = j.name
+            with contextlib.suppress(OSError):
+                named = (j / SANDBOX_FILE).read_text().strip()
+                if jailer.ID_RE.fullmatch(named):
+                    sid = named
+            out[j.name] = sid
+        return out
+
+    def _jail_of(self, sandbox_id: str) -> str:
+        rec = self.vms.get(sandbox_id)
+        if rec is not None:
+            return rec.jail_id
+        for jid, sid in self._jails().items():
+            if sid == sandbox_id:
+                return jid
+        return sandbox_id
+
+    # ---- launching -----------------------------------------------------------------------
     def _vm_config(self, spec: SandboxSpec, *, incoming: bool = False) -> VMConfig:
         return VMConfig(
             qmp_socket=JAIL_QMP, kernel=JAIL_KERNEL, initrd=JAIL_INITRD,
@@ -173,17 +239,17 @@ class MicroVMBackend:
             accel=self.accel, incoming=incoming, qemu=self.qemu)
 
     def jailed_argv(self, spec: SandboxSpec, uid: int, vm: VMConfig, rootfs_image: Path,
-                    overlay: Path, extra_binds: Sequence[tuple[str, str, bool]] = ()
-                    ) -> list[str]:
+                    overlay: Path, extra_binds: Sequence[tuple[str, str, bool]] = (),
+                    jail_id: str | None = None, ram_fd: int | None = None) -> list[str]:
         """The jailer's argv for ``vm``; ``extra_binds``: more (host, jail, read-only) bind
-        mounts (e.g. a template's RAM file)."""
+        mounts; ``ram_fd``: a RAM memfd QEMU inherits (``vm.memory_file`` names it)."""
         art = self.artifacts()
         if self._support is None:
             self._support = support_files(self.qemu, self.accel)
         version = jailer.cgroup_version()
         return jailer.jailer_argv(
-            sandbox_id=spec.id, exec_file=self.qemu, exec_dest=self.qemu, uid=uid, gid=uid,
-            chroot_base=self.jail_base, args=qemu_argv(vm)[1:], files=self._support,
+            sandbox_id=jail_id or spec.id, exec_file=self.qemu, exec_dest=self.qemu, uid=uid,
+            gid=uid, chroot_base=self.jail_base, args=qemu_argv(vm)[1:], files=self._support,
             binds=[(art.vmlinux, JAIL_KERNEL, True), (art.initrd, JAIL_INITRD, True),
                    (str(rootfs_image), JAIL_ROOT_IMG, True),
                    (str(overlay), JAIL_OVERLAY_IMG, False),
@@ -193,24 +259,29 @@ class MicroVMBackend:
                                          pids=PIDS_MAX),
             cgroup_version=version,
             rlimits={"nofile": 4096, "fsize": self.overlay_mib << 20, "core": 0},
-            devices=("kvm", "null", "zero", "urandom"), python=self.python)
+            devices=("kvm", "null", "zero", "urandom"), python=self.python,
+            keep_fds=() if ram_fd is None else (ram_fd,), mount_proc=ram_fd is not None)
 
     async def _launch(self, spec: SandboxSpec, uid: int, vm: VMConfig, rootfs_image: Path,
-                      overlay: Path, extra_binds: Sequence[tuple[str, str, bool]] = ()) -> VM:
-        argv = self.jailed_argv(spec, uid, vm, rootfs_image, overlay, extra_binds)
+                      overlay: Path, extra_binds: Sequence[tuple[str, str, bool]] = (),
+                      jail_id: str | None = None, ram_fd: int | None = None) -> VM:
+        jid = jail_id or spec.id
+        if ram_fd is not None:
+            vm = dataclasses.replace(vm, memory_file=ram.jail_path(ram_fd))
+        argv = self.jailed_argv(spec, uid, vm, rootfs_image, overlay, extra_binds, jid, ram_fd)
         spec.dir.mkdir(parents=True, exist_ok=True)
         with open(spec.dir / "qemu.log", "ab") as logf:
             proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.DEVNULL, stdout=logf, stderr=logf,
-                start_new_session=True)
-        paths = jailer.jail_paths(spec.id, self.qemu, self.jail_base, self.qemu)
-        rec = VM(spec.id, uid, paths, proc, overlay, rootfs_image, vm)
+                start_new_session=True, pass_fds=() if ram_fd is None else (ram_fd,))
+        paths = jailer.jail_paths(jid, self.qemu, self.jail_base, self.qemu)
+        rec = VM(spec.id, jid, uid, paths, proc, overlay, rootfs_image, vm)
         self.vms[spec.id] = rec
         return rec
 
-    def _log_tail(self, spec: SandboxSpec) -> str:
+    def _log_tail(self, d: Path) -> str:
         with contextlib.suppress(OSError):
-            return (spec.dir / "qemu.log").read_bytes()[-800:].decode(errors="replace").strip()
+            return (d / "qemu.log").read_bytes()[-800:].decode(errors="replace").strip()
         return ""
 
     async def _qmp(self, rec: VM, timeout: float = 10.0) -> QMP:
@@ -231,6 +302,12 @@ class MicroVMBackend:
         connect.result()
         return q
 
+    async def _writable_layer(self, src: Path, dst: Path, uid: int) -> None:
+        dst.unlink(missing_ok=True)
+        await asyncio.to_thread(kernel.copy_sparse, src, dst)
+        os.chown(dst, uid, uid)
+        os.chmod(dst, 0o600)
+
     async def start(self, spec: SandboxSpec) -> None:
         jailer.check_id(spec.id)
         self.artifacts()
@@ -240,13 +317,22 @@ class MicroVMBackend:
         except kernel.KernelError as e:
             raise ApiError("internal", f"microVM disk images: {e}") from None
         uid = self._allocate_uid()
-        overlay = spec.dir / "overlay.ext4"
         spec.dir.mkdir(parents=True, exist_ok=True)
-        overlay.unlink(missing_ok=True)
-        await asyncio.to_thread(kernel.copy_sparse, base, overlay)
-        os.chown(overlay, uid, uid)
-        os.chmod(overlay, 0o600)
-        rec = await self._launch(spec, uid, self._vm_config(spec), rootfs_image, overlay)
+        overlay = spec.dir / "overlay.ext4"
+        await self._writable_layer(base, overlay, uid)
+        vm = self._vm_config(spec)
+        ram_fd = None
+        if spec.template_boot:
+            # RAM in a memfd the clones will share (ram.py); read-write: the template runs
+            ram_fd = ram.new(f"cpuos-{spec.id}", spec.memory_mib << 20)
+            vm = dataclasses.replace(vm, memory_shared=True)
+        try:
+            rec = await self._launch(spec, uid, vm, rootfs_image, overlay, ram_fd=ram_fd)
+        except BaseException:
+            if ram_fd is not None:
+                os.close(ram_fd)
+            raise
+        rec.ram_fd = ram_fd
         try:
             q = await self._qmp(rec)
             try:
@@ -256,50 +342,259 @@ class MicroVMBackend:
             if status != "running":
                 raise QMPFailure(f"VM is {status!r} after start")
         except (QMPFailure, OSError) as e:
-            tail = self._log_tail(spec)
+            tail = self._log_tail(spec.dir)
             await self.kill(spec.id)
             raise ApiError("internal", f"microVM failed to start: {e}: {tail}") from None
 
     async def kill(self, sandbox_id: str) -> None:
         jailer.check_id(sandbox_id)
+        jid = self._jail_of(sandbox_id)
         rec = self.vms.pop(sandbox_id, None)
-        paths = jailer.jail_paths(sandbox_id, self.qemu, self.jail_base, self.qemu)
+        await self._end(jid, rec)
+
+    async def _end(self, jid: str, rec: VM | None) -> None:
+        paths = jailer.jail_paths(jid, self.qemu, self.jail_base, self.qemu)
         with contextlib.suppress(OSError, ValueError):
             pid = int(paths.pid_file.read_text())
             os.kill(pid, signal.SIGKILL)
-        await asyncio.to_thread(jailer.cleanup, sandbox_id, self.jail_base, Path(self.qemu).name)
-        if rec is not None and rec.proc is not None:
+        await asyncio.to_thread(jailer.cleanup, jid, self.jail_base, Path(self.qemu).name)
+        if jid.startswith(STANDBY_PREFIX):
+            shutil.rmtree(self.standby_dir / jid, ignore_errors=True)
+        if rec is None:
+            return
+        if rec.qmp is not None:
+            await rec.qmp.close()
+        if rec.listener is not None:
+            rec.listener.close()
+        if rec.ram_fd is not None:
+            os.close(rec.ram_fd)
+            rec.ram_fd = None
+        if rec.proc is not None:
             with contextlib.suppress(ProcessLookupError):
                 rec.proc.kill()
             await rec.proc.wait()
 
     async def running(self) -> dict[str, str]:
         out: dict[str, str] = {}
-        exec_dir = self.jail_base / Path(self.qemu).name
-        if not exec_dir.is_dir():
-            return out
-        for j in exec_dir.iterdir():
-            if not jailer.ID_RE.fullmatch(j.name):
-                continue
+        for jid, sid in self._jails().items():
             state = "stopped"
             with contextlib.suppress(OSError, ValueError):
-                pid = int((j / jailer.PID_FILE).read_text())
+                pid = int((self._exec_dir() / jid / jailer.PID_FILE).read_text())
                 if os.path.exists(f"/proc/{pid}") and "Z" not in _proc_state(pid):
                     state = "running"
-            out[j.name] = state
+            out[sid] = state
         return out
 
-    # ---- the Backend contract's snapshot slots: not supported yet -----------------------------
+    async def close(self) -> None:
+        """End the standby VMs and drop the template memfds (sandboxes keep running)."""
+        for t in list(self._tasks):
+            t.cancel()
+        for tr in self._rams.values():
+            while tr.standby:
+                sb = tr.standby.pop()
+                await self._end(sb.jail_id, sb)
+            os.close(tr.fd)
+        self._rams.clear()
+
+    # ---- checkpoint / restore -----------------------------------------------------------
     async def checkpoint(self, sandbox_id: str, image_dir: Path) -> None:
-        raise ApiError("conflict", SNAPSHOTS_UNSUPPORTED)
+        """Save the VM to image_dir (see the module docstring) and end it."""
+        rec = self.vms.get(sandbox_id)
+        if rec is None:
+            raise ApiError("not_found", f"no microVM {sandbox_id}")
+        shared = rec.ram_fd is not None
+        try:
+            await self.save_state(sandbox_id, image_dir, ignore_shared=shared)
+            meta = json.loads((image_dir / "meta.json").read_text())
+            fd, rec.ram_fd = rec.ram_fd, None
+        finally:
+            await self.kill(sandbox_id)  # QEMU gone: no shared writable mapping is left
+        if fd is None:
+            return
+        try:
+            ram.seal(fd)
+            t0 = time.monotonic()
+            size = await asyncio.to_thread(ram.save, fd, image_dir / "ram")
+            log.info("template RAM of %s: %d MiB of pages saved in %.0f ms", sandbox_id,
+                     size >> 20, (time.monotonic() - t0) * 1e3)
+        except BaseException:
+            os.close(fd)
+            raise
+        meta.update(ram="shared", ram_id=secrets.token_hex(8))
+        (image_dir / "meta.json").write_text(json.dumps(meta, indent=1))
+        self._rams[meta["ram_id"]] = TemplateRAM(fd)
+
+    def _template_ram(self, image_dir: Path, meta: dict[str, Any]) -> TemplateRAM:
+        ram_id = str(meta["ram_id"])
+        tr = self._rams.get(ram_id)
+        if tr is None:  # a restarted daemon: load the saved pages into a sealed memfd
+            tr = self._rams[ram_id] = TemplateRAM(ram.load(image_dir / "ram", f"cpuos-{ram_id}"))
+        return tr
+
+    @staticmethod
+    def _read_meta(image_dir: Path) -> tuple[dict[str, Any], VMConfig]:
+        try:
+            meta = json.loads((image_dir / "meta.json").read_text())
+            raw = meta["vm"]
+            vm = VMConfig(**{**raw, "extra": tuple(raw.get("extra") or ())})
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ApiError("internal", f"microVM image {image_dir.name} is unreadable: {e}"
+                           ) from None
+        return meta, vm
 
     async def restore(self, spec: SandboxSpec, image_dir: Path) -> None:
-        raise ApiError("conflict", SNAPSHOTS_UNSUPPORTED)
+        jailer.check_id(spec.id)
+        meta, vm = self._read_meta(image_dir)
+        if (vm.vcpus, vm.memory_mib) != (spec.vcpus, spec.memory_mib):
+            raise ApiError("conflict", f"image {image_dir.name} is of a {vm.vcpus}-vCPU "
+                           f"{vm.memory_mib} MiB VM, not {spec.vcpus} vCPUs {spec.memory_mib} MiB")
+        vm = dataclasses.replace(vm, incoming=True, start_paused=False,
+                                 agent_socket=f"{JAIL_AGENT_DIR}/{spec.sock_path.name}")
+        tr = None
+        if meta.get("ram") == "shared":
+            tr = self._template_ram(image_dir, meta)
+            vm = dataclasses.replace(vm, memory_shared=False)
+            if tr.standby:
+                sb = tr.standby.pop(0)
+                self._fill_standby(tr, image_dir, spec, vm)
+                return await self._handout(sb, spec, image_dir)
+        uid = self._allocate_uid()
+        spec.dir.mkdir(parents=True, exist_ok=True)
+        overlay = spec.dir / "overlay.ext4"
+        await self._writable_layer(image_dir / "overlay.ext4", overlay, uid)
+        rec = await self._launch(spec, uid, vm, Path(meta["rootfs_image"]), overlay,
+                                 ram_fd=None if tr is None else tr.fd)
+        try:
+            q = await self._qmp(rec)
+            try:
+                await self._incoming(q, image_dir, tr is not None)
+            finally:
+                await q.close()
+        except (QMPFailure, OSError) as e:
+            tail = self._log_tail(spec.dir)
+            await self.kill(spec.id)
+            raise ApiError("internal", f"microVM restore failed: {e}: {tail}") from None
+        if tr is not None:
+            self._fill_standby(tr, image_dir, spec, vm)
+
+    async def _incoming(self, q: QMP, image_dir: Path, shared: bool) -> None:
+        """Load image_dir's state into a QEMU waiting on ``-incoming defer``; run it.
+        ``shared``: a template image (saved with ``x-ignore-shared``, which the loading
+        side must have on too)."""
+        await q.set_ignore_shared(shared)
+        fd = os.open(image_dir / STATE, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            await q.migrate_incoming_fd(fd)
+        finally:
+            os.close(fd)
+        status = "inmigrate"
+        deadline = time.monotonic() + 60
+        while status == "inmigrate" and time.monotonic() < deadline:
+            status = await q.query_status()
+            if status == "inmigrate":
+                await asyncio.sleep(0.002)
+        if status == "inmigrate":
+            raise QMPFailure("the VM state did not load within 60s")
+        if status in ("paused", "prelaunch", "postmigrate"):
+            await q.cont()
+        elif status != "running":
+            info = await q.execute("query-migrate")
+            raise QMPFailure(f"VM is {status!r} after loading its state: "
+                             f"{info.get('error-desc', info.get('status'))}")
+
+    # ---- standby VMs -----------------------------------------------------------------------
+    def _fill_standby(self, tr: TemplateRAM, image_dir: Path, like: SandboxSpec,
+                      vm: VMConfig) -> None:
+        if tr.filling or len(tr.standby) >= self.standby:
+            return
+        tr.filling = True
+
+        async def fill() -> None:
+            try:
+                while len(tr.standby) < self.standby:
+                    tr.standby.append(await self._spawn_standby(image_dir, like, vm, tr.fd))
+            except Exception:
+                log.exception("standby microVM for %s", image_dir.name)
+            finally:
+                tr.filling = False
+
+        t = asyncio.get_running_loop().create_task(fill())
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    async def _spawn_standby(self, image_dir: Path, like: SandboxSpec, vm: VMConfig,
+                             ram_fd: int) -> VM:
+        """A jailed QEMU waiting on ``-incoming defer`` for image_dir, its agent chardev
+        connected to a placeholder listener (QEMU retries a failed connect only after a
+        second; this way the connection is made before a sandbox needs it)."""
+        jid = STANDBY_PREFIX + secrets.token_hex(8)
+        d = self.standby_dir / jid
+        spec = dataclasses.replace(like, id=jid, dir=d, template_boot=False, adopt=None)
+        spec.sock_dir.mkdir(parents=True)
+        spec.sock_dir.chmod(0o755)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            listener.bind(str(spec.sock_path))
+            listener.listen(1)
+            listener.setblocking(False)
+            os.chmod(spec.sock_path, 0o666)
+            uid = self._allocate_uid()
+            overlay = d / "overlay.ext4"
+            await self._writable_layer(image_dir / "overlay.ext4", overlay, uid)
+            meta, _ = self._read_meta(image_dir)
+            rec = await self._launch(spec, uid, vm, Path(meta["rootfs_image"]), overlay,
+                                     ram_fd=ram_fd)
+        except BaseException:
+            listener.close()
+            shutil.rmtree(d, ignore_errors=True)
+            raise
+        self.vms.pop(jid, None)  # not a sandbox until handed out
+        rec.listener, rec.sock_dir, rec.own_dir = listener, spec.sock_dir, d
+        try:
+            rec.qmp = await self._qmp(rec)
+            if await rec.qmp.query_status() != "inmigrate":
+                raise QMPFailure("a standby VM is not waiting for its state")
+        except BaseException:
+            await self._end(jid, rec)
+            raise
+        return rec
+
+    async def _handout(self, sb: VM, spec: SandboxSpec, image_dir: Path) -> None:
+        assert sb.listener is not None and sb.sock_dir is not None and sb.qmp is not None
+        loop = asyncio.get_running_loop()
+        try:
+            conn, _ = await asyncio.wait_for(loop.sock_accept(sb.listener), 5)
+        except (TimeoutError, OSError) as e:
+            await self._end(sb.jail_id, sb)
+            raise ApiError("internal", f"standby microVM's agent chardev: {e}") from None
+        sb.listener.close()
+        sb.listener = None
+        # the jail-bound directory becomes the sandbox's socket directory: the daemon's
+        # listening socket (and whatever else is there) is moved in, same inodes
+        for f in spec.sock_dir.iterdir():
+            os.rename(f, sb.sock_dir / f.name)
+        os.rmdir(spec.sock_dir)
+        os.rename(sb.sock_dir, spec.sock_dir)
+        (sb.paths.jail_dir / SANDBOX_FILE).write_text(spec.id + "\n")
+        sb.id = spec.id
+        self.vms[spec.id] = sb
+        q, sb.qmp = sb.qmp, None
+        try:
+            if spec.adopt is not None:
+                await spec.adopt(conn)
+            else:
+                conn.close()  # QEMU reconnects (after a second) to the daemon's socket
+            await self._incoming(q, image_dir, True)
+        except (QMPFailure, OSError) as e:
+            await self.kill(spec.id)
+            raise ApiError("internal", f"microVM restore (standby) failed: {e}") from None
+        finally:
+            await q.close()
 
     def memory_usage(self, sandbox_id: str) -> int | None:
         """Bytes charged to the VM's jail cgroup (QEMU and its guest's RAM), or None."""
         try:
-            dirs = jailer.cgroup_dirs(sandbox_id)
+            dirs = jailer.cgroup_dirs(self._jail_of(sandbox_id))
         except jailer.JailError:
             return None
         for d in dirs:
@@ -310,10 +605,12 @@ class MicroVMBackend:
                     continue
         return None
 
-    # ---- state save/load over QMP (plumbing for a future checkpoint/restore) ------------------
+    # ---- state save over QMP ------------------------------------------------------------------
     async def save_state(self, sandbox_id: str, directory: Path, *,
                          ignore_shared: bool = False) -> None:
-        """Stop the VM and write its state to ``directory`` (the VM stays stopped)."""
+        """Stop the VM and write its state to ``directory`` (the VM stays stopped):
+        ``checkpoint.img`` (the migration stream; RAM too unless ``ignore_shared`` and the
+        RAM is a shared memory backend), ``overlay.ext4``, ``meta.json``."""
         rec = self.vms.get(sandbox_id)
         if rec is None:
             raise ApiError("not_found", f"no microVM {sandbox_id}")
@@ -321,9 +618,9 @@ class MicroVMBackend:
         q = await self._qmp(rec)
         try:
             await q.stop()
-            if ignore_shared:
-                await q.set_ignore_shared(True)
-            fd = os.open(directory / "state", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            await q.set_ignore_shared(ignore_shared)
+            fd = os.open(directory / STATE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
+                         0o600)
             try:
                 await q.migrate_fd(fd)
             finally:
@@ -332,44 +629,10 @@ class MicroVMBackend:
         finally:
             await q.close()
         await asyncio.to_thread(kernel.copy_sparse, rec.overlay, directory / "overlay.ext4")
-        meta = {"vm": dataclasses.asdict(rec.vm), "rootfs_image": str(rec.rootfs_image)}
+        vm = dataclasses.replace(rec.vm, memory_file=None, memory_shared=True, incoming=False)
+        meta = {"vm": dataclasses.asdict(vm), "rootfs_image": str(rec.rootfs_image),
+                "ram": "stream"}
         (directory / "meta.json").write_text(json.dumps(meta, indent=1))
-
-    async def load_state(self, directory: Path, spec: SandboxSpec) -> None:
-        """Start ``spec.id`` from a ``save_state`` directory (its agent reconnects)."""
-        meta = json.loads((directory / "meta.json").read_text())
-        vm = dataclasses.replace(VMConfig(**{**meta["vm"], "extra": tuple(meta["vm"]["extra"])}),
-                                 incoming=True, start_paused=False,
-                                 agent_socket=f"{JAIL_AGENT_DIR}/{spec.sock_path.name}")
-        uid = self._allocate_uid()
-        spec.dir.mkdir(parents=True, exist_ok=True)
-        overlay = spec.dir / "overlay.ext4"
-        overlay.unlink(missing_ok=True)
-        await asyncio.to_thread(kernel.copy_sparse, directory / "overlay.ext4", overlay)
-        os.chown(overlay, uid, uid)
-        os.chmod(overlay, 0o600)
-        rec = await self._launch(spec, uid, vm, Path(meta["rootfs_image"]), overlay)
-        try:
-            q = await self._qmp(rec)
-            try:
-                fd = os.open(directory / "state", os.O_RDONLY)
-                try:
-                    await q.migrate_incoming_fd(fd)
-                finally:
-                    os.close(fd)
-                for _ in range(6000):
-                    status = await q.query_status()
-                    if status != "inmigrate":
-                        break
-                    await asyncio.sleep(0.01)
-                if status in ("paused", "prelaunch", "postmigrate"):
-                    await q.cont()
-            finally:
-                await q.close()
-        except (QMPFailure, OSError) as e:
-            tail = self._log_tail(spec)
-            await self.kill(spec.id)
-            raise ApiError("internal", f"microVM restore failed: {e}: {tail}") from None
 
 
 def _proc_state(pid: int) -> str:

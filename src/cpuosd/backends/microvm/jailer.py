@@ -10,7 +10,9 @@ Run as root::
 
 In order, it:
 
-1. closes every fd but 0-2 and clears the environment (the VMM is exec'd with none);
+1. closes every fd but 0-2 (and those named by ``--keep-fd``: the VMM inherits them, e.g.
+   a template's RAM memfd it opens as ``/proc/self/fd/N``, with ``--mount-proc``) and
+   clears the environment (the VMM is exec'd with none);
 2. validates the id (``^[a-z0-9-]{1,64}$``), the uid/gid (never 0) and every path: the
    chroot base must be an absolute, existing directory reached without symlinks, the
    jail directory ``<base>/<exec-name>/<id>`` must not exist yet, and no destination
@@ -155,6 +157,7 @@ class JailConfig:
     writable_dirs: tuple[str, ...] = ("/run",)
     mount_proc: bool = False
     exec_dest: str | None = None  # default /<exec-name>
+    keep_fds: tuple[int, ...] = ()  # open fds the VMM inherits (e.g. a RAM memfd)
 
     def version_or_detect(self, root: Path = CGROUP_ROOT) -> int:
         return self.cgroup_version or cgroup_version(root)
@@ -578,6 +581,13 @@ def prepare(cfg: JailConfig) -> JailPaths:
     for name in cfg.devices:
         if name not in DEVICES:
             raise JailError(f"unknown device {name!r} (known: {', '.join(DEVICES)})")
+    for fd in cfg.keep_fds:
+        if fd <= 2:
+            raise JailError(f"--keep-fd {fd}: only fds above 2")
+        try:
+            os.fstat(fd)
+        except OSError:
+            raise JailError(f"--keep-fd {fd}: not an open file descriptor") from None
     for k in cfg.rlimits:
         if k not in RLIMITS:
             raise JailError(f"unknown rlimit {k!r} (known: {', '.join(RLIMITS)})")
@@ -683,7 +693,7 @@ def jailer_argv(*, sandbox_id: str, exec_file: Path | str, uid: int, gid: int,
                 devices: Sequence[str] | None = None,
                 writable_dirs: Sequence[str] | None = None,
                 mount_proc: bool = False, exec_dest: str | None = None,
-                python: str | None = None) -> list[str]:
+                keep_fds: Sequence[int] = (), python: str | None = None) -> list[str]:
     """The argv that runs the VMM jailed (``python -I -m cpuosd.backends.microvm.jailer``)."""
     check_id(sandbox_id)
     # --opt=value everywhere: a value starting with '-' is never taken for an option
@@ -710,6 +720,7 @@ def jailer_argv(*, sandbox_id: str, exec_file: Path | str, uid: int, gid: int,
         argv.append("--mount-proc")
     if exec_dest is not None:
         argv.append(f"--exec-dest={exec_dest}")
+    argv += [f"--keep-fd={fd}" for fd in keep_fds]
     return [*argv, "--", *args]
 
 
@@ -741,6 +752,8 @@ def parse_args(argv: Sequence[str]) -> JailConfig:
                     help="mount a proc of the jail's pid namespace (for posture probes)")
     ap.add_argument("--exec-dest", metavar="PATH",
                     help="the VMM's path inside the jail (default /<exec-name>)")
+    ap.add_argument("--keep-fd", action="append", default=[], type=int, metavar="FD",
+                    help="an open fd (> 2) the VMM inherits")
     ap.add_argument("args", nargs="*")
     ns = ap.parse_args(list(argv))
     files: list[tuple[str, str]] = []
@@ -766,20 +779,39 @@ def parse_args(argv: Sequence[str]) -> JailConfig:
         cgroup_version=ns.cgroup_version, parent_cgroup=ns.parent_cgroup, rlimits=rlimits,
         devices=tuple(x for x in ns.devices.split(",") if x),
         writable_dirs=tuple(x for x in ns.writable_dirs.split(",") if x),
-        mount_proc=ns.mount_proc, exec_dest=ns.exec_dest)
+        mount_proc=ns.mount_proc, exec_dest=ns.exec_dest, keep_fds=tuple(ns.keep_fd))
+
+
+def _kept_fds(args: Sequence[str]) -> set[int]:
+    """The ``--keep-fd=N`` options (N > 2) before ``--``; read before argparse runs, since
+    every other fd is closed first."""
+    out: set[int] = set()
+    for a in args:
+        if a == "--":
+            break
+        if a.startswith("--keep-fd="):
+            with contextlib.suppress(ValueError):
+                if int(a.split("=", 1)[1]) > 2:
+                    out.add(int(a.split("=", 1)[1]))
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     # First, before anything can be inherited or leak: no fds but 0-2, no environment.
+    args = sys.argv[1:] if argv is None else list(argv)
+    keep = sorted(_kept_fds(args))
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    top = max(x for x in (soft, hard, 1024) if x != resource.RLIM_INFINITY)
-    os.closerange(3, min(top, 1 << 20))  # close_range(2): cheap whatever the bound
+    top = min(max(x for x in (soft, hard, 1024) if x != resource.RLIM_INFINITY), 1 << 20)
+    low = 3
+    for fd in [*keep, top]:  # close_range(2) around the kept ones: cheap whatever the bound
+        os.closerange(low, fd)
+        low = fd + 1
     os.environ.clear()
     if os.geteuid() != 0:
         print("jailer: error: must run as root", file=sys.stderr)
         return 2
     try:
-        cfg = parse_args(sys.argv[1:] if argv is None else argv)
+        cfg = parse_args(args)
         return run(cfg)
     except JailError as e:
         print(f"jailer: error: {e}", file=sys.stderr)

@@ -44,7 +44,7 @@ BUSYBOX_PACKAGE = "busybox-static"
 GUEST_MODULES = ("virtio_mmio", "virtio_blk", "virtio_console", "virtio_net", "overlay")
 PROBE_MARKER = "CPUOS-PROBE-OK"
 AGENT_UID = 1000
-ARTIFACTS_VERSION = 1
+ARTIFACTS_VERSION = 2
 
 
 class KernelError(Exception):
@@ -399,14 +399,20 @@ mount -t overlay overlay \
   || fail "mount overlay"
 for w in $cmdline; do case "$w" in cpuos.hostname=*) hostname "${w#cpuos.hostname=}";; esac; done
 chown @UID@:@UID@ "$port"
-mkdir -p /mnt/root/dev /mnt/root/proc /mnt/root/sys /mnt/root/tmp /mnt/root/run/cpuos
+mkdir -p /mnt/root/dev /mnt/root/proc /mnt/root/sys /mnt/root/tmp /mnt/root/run
+mount -t tmpfs -o mode=755,nosuid,nodev,size=16m tmpfs /mnt/root/run
+mkdir -p /mnt/root/run/cpuos && chown @UID@:@UID@ /mnt/root/run/cpuos
 mount --move /dev /mnt/root/dev
 mount --move /proc /mnt/root/proc
 mount --move /sys /mnt/root/sys
 say "CPUOS-INIT-AGENT $port"
+# the agent keeps CAP_SYS_ADMIN and CAP_SYS_TIME (hostname, RNG reseed and clock after a
+# restore) as ambient caps, and clears them for everything it runs (drop_inheritable_caps)
+caps="-all,+sys_admin,+sys_time"
 drop=""
 [ -x /mnt/root/usr/bin/setpriv ] && \
-  drop="/usr/bin/setpriv --reuid=@UID@ --regid=@UID@ --clear-groups --inh-caps=-all --"
+  drop="/usr/bin/setpriv --reuid=@UID@ --regid=@UID@ --clear-groups --no-new-privs \
+        --inh-caps=$caps --ambient-caps=$caps --bounding-set=$caps --"
 exec switch_root /mnt/root /usr/bin/env -i \
   PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/home/user USER=user \
   LANG=C.UTF-8 PYTHONPATH=/opt/cpuos PYTHONDONTWRITEBYTECODE=1 CPUOS_AGENT_SOCKET="$port" \
@@ -582,27 +588,33 @@ def copy_sparse(src: Path, dst: Path) -> None:
     size = src.stat().st_size
     with open(src, "rb") as fi, open(dst, "xb") as fo:
         fo.truncate(size)
-        fdi, fdo = fi.fileno(), fo.fileno()
-        pos = 0
-        while pos < size:
+        copy_sparse_fd(fi.fileno(), fo.fileno(), size)
+
+
+def copy_sparse_fd(fdi: int, fdo: int, size: int) -> int:
+    """Copy the data ranges of fdi (SEEK_DATA/SEEK_HOLE: a file or a memfd) to the same
+    offsets of fdo, which is already ``size`` long; returns the bytes copied."""
+    pos = copied = 0
+    while pos < size:
+        try:
+            data = os.lseek(fdi, pos, os.SEEK_DATA)
+        except OSError:
+            break  # no more data
+        hole = min(os.lseek(fdi, data, os.SEEK_HOLE), size)
+        left = hole - data
+        while left > 0:
             try:
-                data = os.lseek(fdi, pos, os.SEEK_DATA)
+                n = os.copy_file_range(fdi, fdo, left, data, data)
             except OSError:
-                break  # no more data
-            hole = os.lseek(fdi, data, os.SEEK_HOLE)
-            os.lseek(fdo, data, os.SEEK_SET)
-            left = hole - data
-            while left > 0:
-                n = os.copy_file_range(fdi, fdo, left, data, data) if hasattr(
-                    os, "copy_file_range") else 0
-                if n <= 0:
-                    os.lseek(fdi, data, os.SEEK_SET)
-                    chunk = os.read(fdi, min(left, 1 << 20))
-                    os.lseek(fdo, data, os.SEEK_SET)
-                    n = os.write(fdo, chunk)
-                data += n
-                left -= n
-            pos = hole
+                n = 0
+            if n <= 0:
+                chunk = os.pread(fdi, min(left, 1 << 20), data)
+                n = os.pwrite(fdo, chunk, data)
+            data += n
+            left -= n
+            copied += n
+        pos = hole
+    return copied
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -102,10 +102,14 @@ def qemu_argv(cfg: VMConfig) -> list[str]:
     else:
         raise ValueError(f"unknown accelerator {cfg.accel!r}")
     argv += ["-smp", str(cfg.vcpus), "-m", str(cfg.memory_mib), "-sandbox", SANDBOX]
+    # always a named memory backend: migration matches RAM blocks by name, and an image of
+    # a template clone (file-backed RAM) restores into plain RAM
     if cfg.memory_file is not None:
         argv += ["-object", f"memory-backend-file,id=mem,size={cfg.memory_mib}M,"
-                 f"mem-path={_opt(cfg.memory_file)},share={'on' if cfg.memory_shared else 'off'}",
-                 "-machine", "memory-backend=mem"]
+                 f"mem-path={_opt(cfg.memory_file)},share={'on' if cfg.memory_shared else 'off'}"]
+    else:
+        argv += ["-object", f"memory-backend-ram,id=mem,size={cfg.memory_mib}M"]
+    argv += ["-machine", "memory-backend=mem"]
     if cfg.kernel is not None:
         argv += ["-kernel", cfg.kernel]
         if cfg.initrd is not None:

@@ -70,13 +70,28 @@ def select_backend(cfg: Config) -> Backend:
     if choice == "gvisor":
         log.info("backend: gvisor (CPUOS_BACKEND=gvisor; KVM boot probe not run)")
         return GVisorBackend(cfg.runsc, cfg.runsc_root)
+    accel = cfg.microvm_accel.strip().lower()
+    if accel not in ("kvm", "tcg"):
+        raise BackendUnavailable(f"CPUOS_MICROVM_ACCEL={cfg.microvm_accel!r} is not kvm or tcg")
+    if accel == "tcg":
+        if choice != "microvm":
+            raise BackendUnavailable("CPUOS_MICROVM_ACCEL=tcg needs CPUOS_BACKEND=microvm "
+                                     "(emulated guests are for tests, never picked by auto)")
+        art = kernel.current_artifacts(microvm_cache(cfg))
+        if art is None or not art.exist():
+            raise BackendUnavailable(f"CPUOS_BACKEND=microvm: guest kernel artifacts missing "
+                                     f"in {microvm_cache(cfg)} (scripts/build-microvm-kernel.sh)")
+        log.warning("backend: microvm under TCG (CPUOS_MICROVM_ACCEL=tcg): guests are "
+                    "emulated, slow; for tests only")
+        return MicroVMBackend(cfg.home, artifacts=art, accel="tcg",
+                              standby=cfg.microvm_standby)
     t0 = time.monotonic()
     ok, reason, art = run_probe(cfg)
     took = time.monotonic() - t0
     reason = _one_line(reason)
     if ok:
         try:
-            backend = MicroVMBackend(cfg.home, artifacts=art)
+            backend = MicroVMBackend(cfg.home, artifacts=art, standby=cfg.microvm_standby)
         except Exception as e:
             why = _one_line(f"{type(e).__name__}: {e}")
             if choice == "microvm":
