@@ -29,7 +29,9 @@ class Config:
     output_cap: int = field(default_factory=lambda: _int("CPUOS_OUTPUT_CAP", 1 << 20))
     default_timeout: float = 300.0
     max_timeout: float = 24 * 3600.0
-    agent_connect_timeout: float = 15.0
+    # s a booting or restored sandbox's agent has to say hello (an emulated microVM: more)
+    agent_connect_timeout: float = field(
+        default_factory=lambda: float(os.environ.get("CPUOS_AGENT_CONNECT_TIMEOUT") or 15.0))
     reaper_interval: float = 0.5
     default_vcpus: int = 2
     default_memory_mib: int = 2048

@@ -405,6 +405,9 @@ mkdir -p /mnt/root/run/cpuos && chown @UID@:@UID@ /mnt/root/run/cpuos
 mount --move /dev /mnt/root/dev
 mount --move /proc /mnt/root/proc
 mount --move /sys /mnt/root/sys
+mkdir -p /mnt/root/dev/shm /mnt/root/dev/pts
+mount -t tmpfs -o mode=1777,nosuid,nodev shm /mnt/root/dev/shm
+mount -t devpts -o nosuid,noexec,newinstance,ptmxmode=0666,mode=0620 devpts /mnt/root/dev/pts
 say "CPUOS-INIT-AGENT $port"
 # the agent keeps CAP_SYS_ADMIN and CAP_SYS_TIME (hostname, RNG reseed and clock after a
 # restore) as ambient caps, and clears them for everything it runs (drop_inheritable_caps)

@@ -28,6 +28,7 @@ import contextlib
 import os
 import shlex
 import socket
+import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -225,6 +226,7 @@ class QMP:
     def __init__(self, path: str | Path, name: str = "cpuosd") -> None:
         self.path = str(path)
         self.client = QMPClient(name)
+        self._fileno = -1
 
     async def connect(self, timeout: float = 5.0) -> None:
         """Connect, retrying until the socket appears (QEMU creates it at startup)."""
@@ -237,6 +239,7 @@ class QMP:
                 if time.monotonic() > deadline:
                     raise QMPFailure(f"cannot connect to QMP at {self.path}: {e}") from None
                 await asyncio.sleep(0.02)
+        self._fileno = sock.fileno()  # kept: the event loop may take the socket object over
         try:
             await asyncio.wait_for(self.client.connect(sock), max(1.0, deadline - time.monotonic()))
         except (ConnectError, TimeoutError) as e:
@@ -275,9 +278,12 @@ class QMP:
         await self.execute("migrate-incoming", {"uri": f"exec:cat {shlex.quote(state_path)}"})
 
     async def _pass_fd(self, fd: int, name: str) -> None:
+        # (qemu.qmp's send_fd_scm needs asyncio's own socket wrapper; uvloop has another)
         try:
-            self.client.send_fd_scm(fd)
-        except (QMPError, OSError) as e:
+            with socket.socket(fileno=os.dup(self._fileno)) as s:
+                s.sendmsg([b" "], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                    struct.pack("@i", fd))])
+        except OSError as e:
             raise QMPFailure(f"passing an fd to QEMU: {e}") from None
         await self.execute("getfd", {"fdname": name})
 

@@ -84,14 +84,16 @@ def select_backend(cfg: Config) -> Backend:
         log.warning("backend: microvm under TCG (CPUOS_MICROVM_ACCEL=tcg): guests are "
                     "emulated, slow; for tests only")
         return MicroVMBackend(cfg.home, artifacts=art, accel="tcg",
-                              standby=cfg.microvm_standby)
+                              standby=cfg.microvm_standby,
+                              images=microvm_cache(cfg) / "images")
     t0 = time.monotonic()
     ok, reason, art = run_probe(cfg)
     took = time.monotonic() - t0
     reason = _one_line(reason)
     if ok:
         try:
-            backend = MicroVMBackend(cfg.home, artifacts=art, standby=cfg.microvm_standby)
+            backend = MicroVMBackend(cfg.home, artifacts=art, standby=cfg.microvm_standby,
+                                     images=microvm_cache(cfg) / "images")
         except Exception as e:
             why = _one_line(f"{type(e).__name__}: {e}")
             if choice == "microvm":

@@ -1,0 +1,148 @@
+"""The microVM backend end to end through the real daemon and SDK, with the guest emulated
+(TCG): KVM guests cannot run on this kind of host (probe.py), so the daemon is forced to
+``CPUOS_BACKEND=microvm CPUOS_MICROVM_ACCEL=tcg``. Everything else is what a KVM host
+runs: the jailer, QEMU ``-M microvm``, the guest kernel and /init, the agent on the
+virtio-serial port, the template booted once with its RAM in a memfd and snapshotted,
+clones mapping the sealed memfd private (a standby QEMU handed out), pause/resume and
+fork through full-state migration, identity after every restore.
+
+Slow (a template boot under emulation takes ~20 s): ``pytest -m tcg``. Needs root, QEMU,
+the guest artifacts (scripts/build-microvm-kernel.sh) and a built python template.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from cpuos import Sandbox
+from cpuosd.backends.microvm import jailer, kernel
+from cpuosd.testing import Daemon, e2e_unavailable
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.tcg]
+
+CACHE = kernel.cache_dir()
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+           ) -> Iterator[Daemon]:
+    why = e2e_unavailable()
+    if why:
+        pytest.skip(why)
+    if not os.path.exists("/usr/bin/qemu-system-x86_64"):
+        pytest.skip("qemu-system-x86_64 not installed (apt-get install qemu-system-x86)")
+    art = kernel.current_artifacts(CACHE)
+    if art is None or not art.exist():
+        pytest.skip(f"guest artifacts not built in {CACHE} (scripts/build-microvm-kernel.sh)")
+    home = tmp_path_factory.mktemp("mvm") / "home"
+    home.mkdir()
+    d = Daemon(home, {"CPUOS_BACKEND": "microvm", "CPUOS_MICROVM_ACCEL": "tcg",
+                      "CPUOS_MICROVM_DIR": str(CACHE), "CPUOS_POOL_SIZE": "0",
+                      "CPUOS_AGENT_CONNECT_TIMEOUT": "240"})
+    d.start()
+    failed_before = request.session.testsfailed
+    failed = True
+    try:
+        yield d
+        failed = request.session.testsfailed > failed_before
+    finally:
+        d.teardown(failed)  # a failed run's daemon log: .cache/test-artifacts/
+        jails = home / "microvm" / "jail" / "qemu-system-x86_64"
+        left = sorted(p.name for p in jails.iterdir()) if jails.is_dir() else []
+        cgroups = [jid for jid in left if any(p.exists() for p in jailer.cgroup_dirs(jid))]
+        for jid in left:
+            jailer.cleanup(jid, home / "microvm" / "jail")
+        assert not left and not cgroups, f"jails left behind: {left}"
+
+
+def _ident(s: Sandbox) -> tuple[str, str]:
+    out = s.exec("hostname; cat /etc/machine-id", timeout="60s").stdout.split()
+    return out[0], out[1]
+
+
+def test_microvm_sandboxes_clone_pause_resume_fork(daemon: Daemon) -> None:
+    kw = daemon.sdk_kwargs()
+    assert httpx.get(daemon.url + "/health").json()["backend"] == "microvm"
+    t0 = time.monotonic()
+    a = Sandbox.create(template="python", timeout="15m", **kw)  # template boot + snapshot
+    print(f"\nfirst create (template boot under TCG + snapshot + clone): "
+          f"{time.monotonic() - t0:.1f}s")
+    try:
+        run = a.exec("python3 -c 'print(6 * 7)'", timeout="60s")
+        assert (run.exit_code, run.stdout) == (0, "42\n")
+        host, mid = _ident(a)
+        assert host == a.id and re.fullmatch(r"[0-9a-f]{32}", mid)
+        # the guest's clock was set after the restore (the snapshot is older)
+        guest_now = float(a.exec("date +%s.%N").stdout)
+        assert abs(guest_now - time.time()) < 5
+
+        t0 = time.monotonic()
+        b = Sandbox.create(template="python", timeout="15m", **kw)  # a standby QEMU
+        print(f"second create (clone from a standby QEMU): {time.monotonic() - t0:.2f}s")
+        try:
+            hb, mb = _ident(b)
+            assert hb == b.id and mb != mid
+            # copy on write: what one clone writes, even in RAM, the other never sees
+            a.files.write("/dev/shm/mine", b"a's page")
+            assert b.exec("cat /dev/shm/mine").exit_code != 0
+            # randomness: the clones' kernels were reseeded apart (same snapshot)
+            ra = a.exec("head -c 16 /dev/urandom | od -An -tx1").stdout
+            rb = b.exec("head -c 16 /dev/urandom | od -An -tx1").stdout
+            assert ra != rb
+        finally:
+            b.kill()
+
+        # pause/resume: memory (a tmpfs file, a running process) and disk come back
+        a.files.write("/work/note.txt", b"on disk")
+        a.exec("nohup sleep 3600 >/dev/null 2>&1 & echo $! > /dev/shm/pid")
+        pid = a.exec("cat /dev/shm/pid").stdout.strip()
+        t0 = time.monotonic()
+        a.pause()
+        print(f"pause: {time.monotonic() - t0:.2f}s")
+        jails = daemon.home / "microvm" / "jail" / "qemu-system-x86_64"
+        vms = [j for j in jails.iterdir() if not j.name.startswith("sb-")  # (standby VMs)
+               or (j / "sandbox").exists()]
+        assert not vms, "a paused microVM keeps no QEMU"
+        t0 = time.monotonic()
+        a = Sandbox.resume(a.id, **kw)
+        print(f"resume: {time.monotonic() - t0:.2f}s")
+        assert a.files.read("/dev/shm/mine") == b"a's page"
+        assert a.files.read("/work/note.txt") == b"on disk"
+        assert a.exec(f"kill -0 {pid}").exit_code == 0
+        assert _ident(a) == (a.id, mid)
+
+        # fork: the copy has a's memory and files, its own identity
+        (c,) = a.fork(1)
+        try:
+            assert c.files.read("/dev/shm/mine") == b"a's page"
+            assert c.exec(f"kill -0 {pid}").exit_code == 0
+            hc, mc = _ident(c)
+            assert hc == c.id and mc != mid
+            c.files.write("/work/note.txt", b"c's")
+            assert a.files.read("/work/note.txt") == b"on disk"
+        finally:
+            c.kill()
+    finally:
+        a.kill()
+
+
+def test_template_ram_is_sealed_and_saved(daemon: Daemon) -> None:
+    """After the first test: the template image holds the device state and the saved
+    RAM pages; the daemon keeps the memfd sealed (checked through its /proc)."""
+    tdir = daemon.home / "snapshots" / "templates"
+    (img,) = [p for p in tdir.iterdir() if p.name.startswith("python-")]
+    assert (img / "ram").stat().st_blocks * 512 < (img / "ram").stat().st_size  # sparse
+    assert (img / "checkpoint.img").stat().st_size < 16 << 20  # no RAM in the stream
+    assert daemon.proc is not None
+    fds = Path(f"/proc/{daemon.proc.pid}/fd")
+    memfds = [fd for fd in fds.iterdir() if os.readlink(fd).startswith("/memfd:cpuos-")]
+    assert memfds, "the daemon holds the template's RAM memfd"
+    with open(memfds[0], "r+b", buffering=0) as f, pytest.raises(PermissionError):
+        f.write(b"x")
