@@ -39,6 +39,8 @@ ENTRY_TYPES = {"file", "dir", "symlink", "other"}
 MAX_ENTRIES = 10000
 # s a device agent (CharDeviceTransport) gets to see the host hang up after a quiesce
 DEVICE_SETTLE = 0.1
+# s a request waits for the agent of a running sandbox that is reconnecting
+RECONNECT_GRACE = 5.0
 
 
 def _now() -> float:
@@ -595,6 +597,15 @@ class Manager:
             raise ApiError("conflict", f"sandbox {sid} is {row.state}"
                            + (f" ({row.reason})" if row.reason else ""),
                            {"state": row.state, "reason": row.reason})
+        return lv
+
+    async def ready(self, workspace_id: str, sid: str) -> Live:
+        """A running sandbox whose agent is connected; waits a little for one that is
+        reconnecting (a restarted daemon: a microVM's QEMU redials once a second)."""
+        lv = self.running(workspace_id, sid)
+        if not lv.chan.connected:
+            with contextlib.suppress(ApiError):
+                await lv.chan.wait_connected(RECONNECT_GRACE)
         return lv
 
     def set_timeout(self, workspace_id: str, sid: str, timeout: float) -> SandboxRow:

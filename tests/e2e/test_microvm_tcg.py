@@ -133,6 +133,40 @@ def test_microvm_sandboxes_clone_pause_resume_fork(daemon: Daemon) -> None:
         a.kill()
 
 
+def test_daemon_restart_reattaches_and_clones_from_the_saved_ram(daemon: Daemon) -> None:
+    """kill -9 the daemon: a running microVM (a standby that was handed out) is reattached
+    (QEMU reconnects into the sandbox's socket directory), can be paused and resumed; the
+    standby left behind is ended; a new clone loads the template RAM from its saved pages
+    into a new sealed memfd."""
+    kw = daemon.sdk_kwargs()
+    Sandbox.create(template="python", timeout="15m", **kw).kill()  # let a standby spawn
+    a = Sandbox.create(template="python", timeout="15m", **kw)
+    try:
+        a.files.write("/dev/shm/before", b"kept")
+        jails = daemon.home / "microvm" / "jail" / "qemu-system-x86_64"
+        for _ in range(100):  # the replacement standby is up
+            if any(j.name.startswith("sb-") and not (j / "sandbox").exists()
+                   for j in jails.iterdir()):
+                break
+            time.sleep(0.1)
+        daemon.kill9()
+        daemon.start()
+        assert a.exec("cat /dev/shm/before", timeout="60s").stdout == "kept"
+        left = [j.name for j in jails.iterdir() if not (j / "sandbox").exists()
+                and j.name.startswith("sb-")]
+        assert not left, f"standby VMs of the old daemon still there: {left}"
+        a.pause()
+        a = Sandbox.resume(a.id, **kw)
+        assert a.files.read("/dev/shm/before") == b"kept"
+        b = Sandbox.create(template="python", timeout="15m", **kw)
+        try:
+            assert b.exec("hostname").stdout.strip() == b.id
+        finally:
+            b.kill()
+    finally:
+        a.kill()
+
+
 def test_template_ram_is_sealed_and_saved(daemon: Daemon) -> None:
     """After the first test: the template image holds the device state and the saved
     RAM pages; the daemon keeps the memfd sealed (checked through its /proc)."""

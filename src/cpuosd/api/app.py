@@ -314,7 +314,7 @@ def create_app(cfg: Config | None = None) -> FastAPI:
                                "description": "a stream of frames (see cpuos_agent.protocol): "
                                "started, out (fd 1|2, raw bytes), then exit or error"}})
     async def exec_(sid: str, body: ExecRequest, request: Request, ws: Ws) -> StreamingResponse:
-        lv = mgr(request).running(ws, sid)
+        lv = await mgr(request).ready(ws, sid)
         argv = body.cmd
         stdin: bytes | None = None
         if body.stdin is not None and body.stdin_b64 is not None:
@@ -335,19 +335,19 @@ def create_app(cfg: Config | None = None) -> FastAPI:
     # ---- files --------------------------------------------------------------------------
     @app.put("/sandboxes/{sid}/files")
     async def put_file(sid: str, path: PathQ, request: Request, ws: Ws) -> dict[str, Any]:
-        lv = mgr(request).running(ws, sid)
+        lv = await mgr(request).ready(ws, sid)
         return await mgr(request).write_file(lv, check_path(path), request.stream())
 
     @app.get("/sandboxes/{sid}/files",
              responses={200: {"content": {"application/octet-stream": {}}}})
     async def get_file(sid: str, path: PathQ, request: Request, ws: Ws) -> StreamingResponse:
-        lv = mgr(request).running(ws, sid)
+        lv = await mgr(request).ready(ws, sid)
         body = await mgr(request).read_file(lv, check_path(path))
         return StreamingResponse(body, media_type="application/octet-stream")
 
     @app.delete("/sandboxes/{sid}/files")
     async def remove_file(sid: str, path: PathQ, request: Request, ws: Ws) -> dict[str, Any]:
-        lv = mgr(request).running(ws, sid)
+        lv = await mgr(request).ready(ws, sid)
         p = check_path(path)
         if p == "/":
             raise invalid("refusing to remove /", field="path")
@@ -357,18 +357,18 @@ def create_app(cfg: Config | None = None) -> FastAPI:
     @app.get("/sandboxes/{sid}/files/list")
     async def list_files(sid: str, request: Request, ws: Ws, path: PathQ = "/work"
                          ) -> dict[str, Any]:
-        lv = mgr(request).running(ws, sid)
+        lv = await mgr(request).ready(ws, sid)
         return {"entries": await mgr(request).file_call(lv, "list", check_path(path))}
 
     @app.get("/sandboxes/{sid}/files/stat")
     async def stat_file(sid: str, path: PathQ, request: Request, ws: Ws) -> dict[str, Any]:
-        lv = mgr(request).running(ws, sid)
+        lv = await mgr(request).ready(ws, sid)
         result: dict[str, Any] = await mgr(request).file_call(lv, "stat", check_path(path))
         return result
 
     @app.post("/sandboxes/{sid}/files/mkdir")
     async def mkdir(sid: str, path: PathQ, request: Request, ws: Ws) -> dict[str, Any]:
-        lv = mgr(request).running(ws, sid)
+        lv = await mgr(request).ready(ws, sid)
         result: dict[str, Any] = await mgr(request).file_call(lv, "mkdir", check_path(path))
         return result
 

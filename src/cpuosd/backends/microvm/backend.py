@@ -89,6 +89,7 @@ JAIL_AGENT_DIR = "/agent"
 JAIL_QMP = "/run/qmp.sock"
 STATE = "checkpoint.img"  # the migration stream (the Manager checks for this name)
 SANDBOX_FILE = "sandbox"  # in a jail dir: the sandbox a standby VM was handed to
+RECORD_FILE = "vm.json"  # in a jail dir (outside the chroot): what a restarted daemon needs
 STANDBY_PREFIX = "sb-"
 
 
@@ -218,6 +219,35 @@ class MicroVMBackend:
             out[j.name] = sid
         return out
 
+    def _record(self, rec: VM) -> None:
+        """Write what a restarted daemon needs to pause or kill this VM."""
+        data = {"uid": rec.uid, "overlay": str(rec.overlay),
+                "rootfs_image": str(rec.rootfs_image), "vm": dataclasses.asdict(rec.vm),
+                "dir": str(rec.own_dir) if rec.own_dir else None}
+        tmp = rec.paths.jail_dir / (RECORD_FILE + ".tmp")
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, rec.paths.jail_dir / RECORD_FILE)
+
+    def _rec(self, sandbox_id: str) -> VM:
+        """The VM running sandbox_id: known, or (a restarted daemon) read back from its
+        jail's record."""
+        rec = self.vms.get(sandbox_id)
+        if rec is not None:
+            return rec
+        jid = self._jail_of(sandbox_id)
+        paths = jailer.jail_paths(jid, self.qemu, self.jail_base, self.qemu)
+        try:
+            data = json.loads((paths.jail_dir / RECORD_FILE).read_text())
+            raw = data["vm"]
+            vm = VMConfig(**{**raw, "extra": tuple(raw.get("extra") or ())})
+            rec = VM(sandbox_id, jid, int(data["uid"]), paths, None, Path(data["overlay"]),
+                     Path(data["rootfs_image"]), vm,
+                     own_dir=Path(data["dir"]) if data.get("dir") else None)
+        except (OSError, ValueError, KeyError, TypeError):
+            raise ApiError("not_found", f"no microVM {sandbox_id}") from None
+        self.vms[sandbox_id] = rec
+        return rec
+
     def _jail_of(self, sandbox_id: str) -> str:
         rec = self.vms.get(sandbox_id)
         if rec is not None:
@@ -341,6 +371,7 @@ class MicroVMBackend:
                 await q.close()
             if status != "running":
                 raise QMPFailure(f"VM is {status!r} after start")
+            self._record(rec)
         except (QMPFailure, OSError) as e:
             tail = self._log_tail(spec.dir)
             await self.kill(spec.id)
@@ -358,7 +389,7 @@ class MicroVMBackend:
             pid = int(paths.pid_file.read_text())
             os.kill(pid, signal.SIGKILL)
         await asyncio.to_thread(jailer.cleanup, jid, self.jail_base, Path(self.qemu).name)
-        if jid.startswith(STANDBY_PREFIX):
+        if jid.startswith(STANDBY_PREFIX) and jailer.ID_RE.fullmatch(jid):
             shutil.rmtree(self.standby_dir / jid, ignore_errors=True)
         if rec is None:
             return
@@ -399,9 +430,7 @@ class MicroVMBackend:
     # ---- checkpoint / restore -----------------------------------------------------------
     async def checkpoint(self, sandbox_id: str, image_dir: Path) -> None:
         """Save the VM to image_dir (see the module docstring) and end it."""
-        rec = self.vms.get(sandbox_id)
-        if rec is None:
-            raise ApiError("not_found", f"no microVM {sandbox_id}")
+        rec = self._rec(sandbox_id)
         shared = rec.ram_fd is not None
         try:
             await self.save_state(sandbox_id, image_dir, ignore_shared=shared)
@@ -470,6 +499,7 @@ class MicroVMBackend:
                 await self._incoming(q, image_dir, tr is not None)
             finally:
                 await q.close()
+            self._record(rec)
         except (QMPFailure, OSError) as e:
             tail = self._log_tail(spec.dir)
             await self.kill(spec.id)
@@ -554,6 +584,7 @@ class MicroVMBackend:
             rec.qmp = await self._qmp(rec)
             if await rec.qmp.query_status() != "inmigrate":
                 raise QMPFailure("a standby VM is not waiting for its state")
+            self._record(rec)
         except BaseException:
             await self._end(jid, rec)
             raise
@@ -611,9 +642,7 @@ class MicroVMBackend:
         """Stop the VM and write its state to ``directory`` (the VM stays stopped):
         ``checkpoint.img`` (the migration stream; RAM too unless ``ignore_shared`` and the
         RAM is a shared memory backend), ``overlay.ext4``, ``meta.json``."""
-        rec = self.vms.get(sandbox_id)
-        if rec is None:
-            raise ApiError("not_found", f"no microVM {sandbox_id}")
+        rec = self._rec(sandbox_id)
         directory.mkdir(parents=True, exist_ok=True)
         q = await self._qmp(rec)
         try:
