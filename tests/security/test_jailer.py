@@ -219,6 +219,28 @@ def test_inherited_fds_are_closed(base: Path, jail_id: str) -> None:
     p.wait(10)
 
 
+def test_kept_fd_is_the_only_one_inherited(base: Path, jail_id: str) -> None:
+    """--keep-fd (a template's RAM memfd): that fd reaches the VMM, at the same number;
+    every other inherited fd is still closed."""
+    rfd, wfd = os.pipe()
+    keep = os.memfd_create("cpuos-keep-test", 0)
+    try:
+        p = subprocess.Popen(argv(jail_id, base, "sleep", "60", keep_fds=(keep,)),
+                             pass_fds=(rfd, wfd, keep), stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    finally:
+        os.close(rfd)
+        os.close(wfd)
+    try:
+        vmm = _wait_vmm(jail_id, base)
+        assert sorted(os.listdir(f"/proc/{vmm}/fd"), key=int) == ["0", "1", "2", str(keep)]
+        assert os.readlink(f"/proc/{vmm}/fd/{keep}") == "/memfd:cpuos-keep-test (deleted)"
+    finally:
+        os.close(keep)
+        jailer.cleanup(jail_id, base)
+        p.wait(10)
+
+
 def test_netns_is_joined(base: Path, jail_id: str, tmp_path: Path) -> None:
     # a netns held by a sleeping process of ours (no `ip netns`, no /run/netns entry)
     holder = subprocess.Popen(["unshare", "--net", "sleep", "30"])
@@ -401,6 +423,8 @@ def test_bad_chroot_base_is_refused(tmp_path: Path, kind: str) -> None:
     (["--cgroup", "../../x=1"], "bad cgroup file"),
     (["--rlimit", "bogus=1"], "unknown rlimit"),
     (["--devices", "kvm,sda"], "unknown device"),
+    (["--keep-fd", "2"], "only fds above 2"),
+    (["--keep-fd", "977"], "not an open file descriptor"),
 ])
 def test_bad_arguments_are_refused(base: Path, args: list[str], msg: str) -> None:
     sid = f"jt-bad-{os.getpid()}-{next(_ids)}"
