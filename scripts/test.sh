@@ -6,6 +6,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --dev
 
+# the microVM guest (kernel + initramfs from Debian packages): the TCG tests boot it
+echo "==> microVM guest artifacts"
+if ! bash scripts/build-microvm-kernel.sh; then
+  echo "WARNING: building the microVM guest artifacts failed; its TCG tests will skip" >&2
+fi
+
 echo "==> lint and types"
 .venv/bin/ruff check .
 .venv/bin/mypy

@@ -6,8 +6,8 @@ virtio-serial port, the template booted once with its RAM in a memfd and snapsho
 clones mapping the sealed memfd private (a standby QEMU handed out), pause/resume and
 fork through full-state migration, identity after every restore.
 
-Slow (a template boot under emulation takes ~20 s): ``pytest -m tcg``. Needs root, QEMU,
-the guest artifacts (scripts/build-microvm-kernel.sh) and a built python template.
+``pytest -m tcg`` (~20 s; in the default run). Needs root, QEMU, the guest artifacts
+(scripts/build-microvm-kernel.sh, which scripts/test.sh runs) and a built python template.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from cpuos import Sandbox
 from cpuosd.backends.microvm import jailer, kernel
 from cpuosd.testing import Daemon, e2e_unavailable
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.tcg]
+pytestmark = [pytest.mark.e2e, pytest.mark.tcg]
 
 CACHE = kernel.cache_dir()
 
