@@ -241,6 +241,47 @@ def test_kept_fd_is_the_only_one_inherited(base: Path, jail_id: str) -> None:
         p.wait(10)
 
 
+def test_detach_leaves_no_supervisor(base: Path, jail_id: str) -> None:
+    """--detach (what the backend runs): the jailer exits 0 once the VMM has been exec'd;
+    the VMM keeps running, jailed, with no jailer process beside it."""
+    t0 = time.monotonic()
+    with open(base.parent / "jailer.log", "w+b") as log:  # (the VMM keeps its stdio)
+        rc = subprocess.run(argv(jail_id, base, "sleep", "60", detach=True),
+                            stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                            timeout=20).returncode
+        assert rc == 0, log.read()
+    assert time.monotonic() - t0 < 10
+    vmm = _wait_vmm(jail_id, base)
+    st = {k: v.strip() for k, _, v in (ln.partition(":") for ln in
+                                        open(f"/proc/{vmm}/status").read().splitlines())}
+    assert st["Uid"].split()[0] == str(UID) and st["CapEff"] == "0000000000000000"
+    assert st["NSpid"].split()[-1] == "1"  # PID 1 of its own pid namespace
+    ppid = int(st["PPid"])
+    with open(f"/proc/{ppid}/cmdline", "rb") as f:
+        assert b"jailer" not in f.read()
+    jailer.cleanup(jail_id, base)
+    for _ in range(100):
+        if not os.path.exists(f"/proc/{vmm}/cmdline") or open(f"/proc/{vmm}/stat").read(
+                ).rsplit(")", 1)[1].split()[0] == "Z":
+            break
+        time.sleep(0.02)
+    else:
+        raise AssertionError("the detached VMM did not die with its jail")
+
+
+def test_detach_reports_a_failed_exec(base: Path, jail_id: str, tmp_path: Path) -> None:
+    """The child's failure after the fork (here: an exec file that cannot be exec'd)
+    reaches the detached jailer's status and stderr."""
+    noexec = tmp_path / "not-executable"
+    noexec.write_bytes(b"#!/bin/sh\n")
+    noexec.chmod(0o644)
+    r = subprocess.run(jailer.jailer_argv(sandbox_id=jail_id, exec_file=noexec, uid=UID,
+                                          gid=GID, chroot_base=base, args=[], detach=True),
+                       capture_output=True, text=True, timeout=20)
+    assert r.returncode == 127
+    assert "Permission denied" in r.stderr
+
+
 def test_netns_is_joined(base: Path, jail_id: str, tmp_path: Path) -> None:
     # a netns held by a sleeping process of ours (no `ip netns`, no /run/netns entry)
     holder = subprocess.Popen(["unshare", "--net", "sleep", "30"])

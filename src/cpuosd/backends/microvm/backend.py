@@ -290,7 +290,8 @@ class MicroVMBackend:
             cgroup_version=version,
             rlimits={"nofile": 4096, "fsize": self.overlay_mib << 20, "core": 0},
             devices=("kvm", "null", "zero", "urandom"), python=self.python,
-            keep_fds=() if ram_fd is None else (ram_fd,), mount_proc=ram_fd is not None)
+            keep_fds=() if ram_fd is None else (ram_fd,), mount_proc=ram_fd is not None,
+            detach=True)
 
     async def _launch(self, spec: SandboxSpec, uid: int, vm: VMConfig, rootfs_image: Path,
                       overlay: Path, extra_binds: Sequence[tuple[str, str, bool]] = (),
@@ -304,8 +305,15 @@ class MicroVMBackend:
             proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.DEVNULL, stdout=logf, stderr=logf,
                 start_new_session=True, pass_fds=() if ram_fd is None else (ram_fd,))
+        # --detach: the jailer exits once QEMU has been exec'd (QEMU is left to us, the
+        # subreaper); no supervisor process stays beside each VM
+        rc = await proc.wait()
         paths = jailer.jail_paths(jid, self.qemu, self.jail_base, self.qemu)
-        rec = VM(spec.id, jid, uid, paths, proc, overlay, rootfs_image, vm)
+        if rc != 0:
+            await asyncio.to_thread(jailer.cleanup, jid, self.jail_base, Path(self.qemu).name)
+            raise ApiError("internal", f"microVM jail failed (status {rc}): "
+                           f"{self._log_tail(spec.dir)}")
+        rec = VM(spec.id, jid, uid, paths, None, overlay, rootfs_image, vm)
         self.vms[spec.id] = rec
         return rec
 
@@ -320,6 +328,8 @@ class MicroVMBackend:
         waits: set[asyncio.Task[Any]] = {connect}
         if rec.proc is not None:
             waits.add(asyncio.create_task(rec.proc.wait()))
+        else:
+            waits.add(asyncio.create_task(self._until_dead(rec)))
         done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for t in pending:
             if t is not connect:
@@ -331,6 +341,15 @@ class MicroVMBackend:
             raise QMPFailure("QEMU exited before its QMP socket answered")
         connect.result()
         return q
+
+    @staticmethod
+    async def _until_dead(rec: VM) -> None:
+        try:
+            pid = int(rec.paths.pid_file.read_text())
+        except (OSError, ValueError):
+            return
+        while _alive(pid):
+            await asyncio.sleep(0.02)
 
     async def _writable_layer(self, src: Path, dst: Path, uid: int) -> None:
         dst.unlink(missing_ok=True)
@@ -385,10 +404,14 @@ class MicroVMBackend:
 
     async def _end(self, jid: str, rec: VM | None) -> None:
         paths = jailer.jail_paths(jid, self.qemu, self.jail_base, self.qemu)
+        pid = None
         with contextlib.suppress(OSError, ValueError):
             pid = int(paths.pid_file.read_text())
             os.kill(pid, signal.SIGKILL)
         await asyncio.to_thread(jailer.cleanup, jid, self.jail_base, Path(self.qemu).name)
+        if pid is not None:  # our child when we are its subreaper (cpuosd): reap it now
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(pid, os.WNOHANG)
         if jid.startswith(STANDBY_PREFIX) and jailer.ID_RE.fullmatch(jid):
             shutil.rmtree(self.standby_dir / jid, ignore_errors=True)
         if rec is None:
@@ -410,8 +433,7 @@ class MicroVMBackend:
         for jid, sid in self._jails().items():
             state = "stopped"
             with contextlib.suppress(OSError, ValueError):
-                pid = int((self._exec_dir() / jid / jailer.PID_FILE).read_text())
-                if os.path.exists(f"/proc/{pid}") and "Z" not in _proc_state(pid):
+                if _alive(int((self._exec_dir() / jid / jailer.PID_FILE).read_text())):
                     state = "running"
             out[sid] = state
         return out
@@ -664,6 +686,10 @@ class MicroVMBackend:
         (directory / "meta.json").write_text(json.dumps(meta, indent=1))
 
 
-def _proc_state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
+def _alive(pid: int) -> bool:
+    """pid is a process that has not exited (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

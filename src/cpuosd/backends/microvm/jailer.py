@@ -31,7 +31,11 @@ In order, it:
    sandbox ids, sets no_new_privs and a parent-death SIGKILL, then execs the VMM
    with an empty environment;
 7. the parent stays outside as the VMM's supervisor: it records the VMM's host pid in
-   ``<jail>/vmm.pid``, forwards SIGTERM/SIGINT/SIGHUP to it and exits with its status.
+   ``<jail>/vmm.pid``, forwards SIGTERM/SIGINT/SIGHUP to it and exits with its status;
+   with ``--detach`` it records the pid, waits until the VMM has been exec'd (or reports
+   the child's error, status 127) and exits 0: no supervisor process stays per VM (it
+   costs ~8 MiB), the VMM is reparented to the nearest subreaper (cpuosd) and has no
+   parent-death signal.
 
 ``cleanup(id, chroot_base)`` kills whatever is left in the jail's cgroup, removes the
 cgroup directories and the jail directory. It is idempotent.
@@ -158,6 +162,7 @@ class JailConfig:
     mount_proc: bool = False
     exec_dest: str | None = None  # default /<exec-name>
     keep_fds: tuple[int, ...] = ()  # open fds the VMM inherits (e.g. a RAM memfd)
+    detach: bool = False  # exit once the VMM runs instead of supervising it
 
     def version_or_detect(self, root: Path = CGROUP_ROOT) -> int:
         return self.cgroup_version or cgroup_version(root)
@@ -506,7 +511,7 @@ def _last_cap() -> int:
         return int(f.read())
 
 
-def _drop_privileges(uid: int, gid: int, last_cap: int) -> None:
+def _drop_privileges(uid: int, gid: int, last_cap: int, pdeathsig: bool = True) -> None:
     for cap in range(last_cap + 1):
         _check(_libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), f"dropping capability {cap}")
     _check(_libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0),
@@ -515,7 +520,8 @@ def _drop_privileges(uid: int, gid: int, last_cap: int) -> None:
     os.setresgid(gid, gid, gid)
     os.setresuid(uid, uid, uid)  # clears the permitted and effective sets (no KEEP_CAPS)
     _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "setting no_new_privs")
-    _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "setting pdeathsig")
+    if pdeathsig:
+        _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "setting pdeathsig")
     if os.getuid() != uid or os.geteuid() != uid or os.getgid() != gid or os.getgroups():
         raise JailError("privileges were not dropped")
 
@@ -553,7 +559,7 @@ def _child(cfg: JailConfig, paths: JailPaths, parent_alive: int) -> None:
     _make_devices(cfg)
     if cfg.mount_proc:
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    _drop_privileges(cfg.uid, cfg.gid, last_cap)
+    _drop_privileges(cfg.uid, cfg.gid, last_cap, pdeathsig=not cfg.detach)
     # pdeathsig is armed only now (a credential change clears it): if the parent died
     # before, its end of the pipe is closed and we must not outlive it.
     if select.select([parent_alive], [], [], 0)[0]:
@@ -655,18 +661,34 @@ def run(cfg: JailConfig) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     alive_r, alive_w = os.pipe()  # both close-on-exec
+    exec_r, exec_w = os.pipe()  # the child's execve closes exec_w: EOF = the VMM runs
     pid = os.fork()
     if pid == 0:
         try:
             os.close(alive_w)
+            os.close(exec_r)
             _child(cfg, paths, alive_r)
         except BaseException as e:  # report and exit: the child never returns
             with contextlib.suppress(OSError):
-                os.write(2, f"jailer: {e}\n".encode(errors="replace"))
+                msg = f"jailer: {e}\n".encode(errors="replace")
+                os.write(2, msg)
+                os.write(exec_w, msg)
         os._exit(127)
     os.close(alive_r)
-    (paths.jail_dir / JAILER_PID_FILE).write_text(f"{os.getpid()}\n")
+    os.close(exec_w)
     (paths.jail_dir / PID_FILE).write_text(f"{pid}\n")
+    if cfg.detach:
+        # wait for the exec (or the child's error), then leave the VMM to the nearest
+        # subreaper (cpuosd) instead of staying beside it as a supervisor process
+        with os.fdopen(exec_r, "rb") as f:
+            failed = f.read()
+        os.close(alive_w)
+        if failed:
+            os.waitpid(pid, 0)
+            return 127
+        return 0
+    os.close(exec_r)
+    (paths.jail_dir / JAILER_PID_FILE).write_text(f"{os.getpid()}\n")
 
     def forward(signum: int, _frame: object) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -693,7 +715,8 @@ def jailer_argv(*, sandbox_id: str, exec_file: Path | str, uid: int, gid: int,
                 devices: Sequence[str] | None = None,
                 writable_dirs: Sequence[str] | None = None,
                 mount_proc: bool = False, exec_dest: str | None = None,
-                keep_fds: Sequence[int] = (), python: str | None = None) -> list[str]:
+                keep_fds: Sequence[int] = (), detach: bool = False,
+                python: str | None = None) -> list[str]:
     """The argv that runs the VMM jailed (``python -I -m cpuosd.backends.microvm.jailer``)."""
     check_id(sandbox_id)
     # --opt=value everywhere: a value starting with '-' is never taken for an option
@@ -721,6 +744,8 @@ def jailer_argv(*, sandbox_id: str, exec_file: Path | str, uid: int, gid: int,
     if exec_dest is not None:
         argv.append(f"--exec-dest={exec_dest}")
     argv += [f"--keep-fd={fd}" for fd in keep_fds]
+    if detach:
+        argv.append("--detach")
     return [*argv, "--", *args]
 
 
@@ -754,6 +779,9 @@ def parse_args(argv: Sequence[str]) -> JailConfig:
                     help="the VMM's path inside the jail (default /<exec-name>)")
     ap.add_argument("--keep-fd", action="append", default=[], type=int, metavar="FD",
                     help="an open fd (> 2) the VMM inherits")
+    ap.add_argument("--detach", action="store_true",
+                    help="exit 0 once the VMM has been exec'd (the VMM is left to the nearest "
+                         "subreaper) instead of supervising it")
     ap.add_argument("args", nargs="*")
     ns = ap.parse_args(list(argv))
     files: list[tuple[str, str]] = []
@@ -779,7 +807,8 @@ def parse_args(argv: Sequence[str]) -> JailConfig:
         cgroup_version=ns.cgroup_version, parent_cgroup=ns.parent_cgroup, rlimits=rlimits,
         devices=tuple(x for x in ns.devices.split(",") if x),
         writable_dirs=tuple(x for x in ns.writable_dirs.split(",") if x),
-        mount_proc=ns.mount_proc, exec_dest=ns.exec_dest, keep_fds=tuple(ns.keep_fd))
+        mount_proc=ns.mount_proc, exec_dest=ns.exec_dest, keep_fds=tuple(ns.keep_fd),
+        detach=ns.detach)
 
 
 def _kept_fds(args: Sequence[str]) -> set[int]:
