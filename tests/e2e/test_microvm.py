@@ -1,12 +1,14 @@
-"""The microVM backend end to end through the real daemon and SDK, with the guest emulated
-(TCG): KVM guests cannot run on this kind of host (probe.py), so the daemon is forced to
-``CPUOS_BACKEND=microvm CPUOS_MICROVM_ACCEL=tcg``. Everything else is what a KVM host
-runs: the jailer, QEMU ``-M microvm``, the guest kernel and /init, the agent on the
-virtio-serial port, the template booted once with its RAM in a memfd and snapshotted,
-clones mapping the sealed memfd private (a standby QEMU handed out), pause/resume and
-fork through full-state migration, identity after every restore.
+"""The microVM backend end to end through the real daemon and SDK. Here the guest is
+emulated (TCG): KVM guests cannot run on this kind of host (probe.py), so the daemon is
+forced to ``CPUOS_BACKEND=microvm CPUOS_MICROVM_ACCEL=tcg``; on a host where the KVM boot
+probe passes the same tests run again under KVM (``-m kvm``). Everything but the
+accelerator is what a KVM host runs: the jailer, QEMU ``-M microvm``, the guest kernel and
+/init, the agent on the virtio-serial port, the template booted once with its RAM in a
+memfd and snapshotted, clones mapping the sealed memfd private (a standby QEMU handed
+out), pause/resume and fork through full-state migration, identity after every restore,
+a daemon restart, the VM's own limits.
 
-``pytest -m tcg`` (~20 s; in the default run). Needs root, QEMU, the guest artifacts
+``pytest -m tcg`` (~25 s; in the default run). Needs root, QEMU, the guest artifacts
 (scripts/build-microvm-kernel.sh, which scripts/test.sh runs) and a built python template.
 """
 
@@ -23,6 +25,7 @@ import pytest
 
 from cpuos import Sandbox
 from cpuosd.backends.microvm import jailer, kernel
+from cpuosd.backends.microvm.probe import kvm_boot_probe
 from cpuosd.testing import Daemon, e2e_unavailable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.tcg]
@@ -30,9 +33,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.tcg]
 CACHE = kernel.cache_dir()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["tcg", pytest.param("kvm", marks=pytest.mark.kvm)])
 def daemon(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
            ) -> Iterator[Daemon]:
+    """A daemon on the microVM backend: TCG here; the same tests under KVM (``-m kvm``)
+    where the KVM boot probe passes."""
+    accel = request.param
     why = e2e_unavailable()
     if why:
         pytest.skip(why)
@@ -41,9 +47,13 @@ def daemon(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequ
     art = kernel.current_artifacts(CACHE)
     if art is None or not art.exist():
         pytest.skip(f"guest artifacts not built in {CACHE} (scripts/build-microvm-kernel.sh)")
+    if accel == "kvm":
+        ok, reason = kvm_boot_probe(5.0)
+        if not ok:
+            pytest.skip(f"KVM boot probe failed: {reason}")
     home = tmp_path_factory.mktemp("mvm") / "home"
     home.mkdir()
-    d = Daemon(home, {"CPUOS_BACKEND": "microvm", "CPUOS_MICROVM_ACCEL": "tcg",
+    d = Daemon(home, {"CPUOS_BACKEND": "microvm", "CPUOS_MICROVM_ACCEL": accel,
                       "CPUOS_MICROVM_DIR": str(CACHE), "CPUOS_POOL_SIZE": "0",
                       "CPUOS_AGENT_CONNECT_TIMEOUT": "240"})
     d.start()
@@ -165,6 +175,23 @@ def test_daemon_restart_reattaches_and_clones_from_the_saved_ram(daemon: Daemon)
             b.kill()
     finally:
         a.kill()
+
+
+def test_limits_are_the_vms(daemon: Daemon) -> None:
+    """vCPUs and memory are the VM's own (a non-default size boots cold, no template
+    image); the writable layer is bounded; the guest's pid limit is its own."""
+    kw = daemon.sdk_kwargs()
+    s = Sandbox.create(template="python", timeout="10m", vcpus=1, memory_mib=512, **kw)
+    try:
+        assert s.exec("nproc").stdout.strip() == "1"
+        mem_kib = int(s.exec("awk '/MemTotal/ {print $2}' /proc/meminfo").stdout)
+        assert 300 * 1024 < mem_kib <= 512 * 1024
+        # a memory hog is the guest's problem: its own OOM killer, the sandbox lives on
+        hog = s.exec("python3 -c 'x = bytearray(1 << 30)'", timeout="120s")
+        assert hog.exit_code != 0
+        assert s.exec("echo alive").stdout == "alive\n"
+    finally:
+        s.kill()
 
 
 def test_template_ram_is_sealed_and_saved(daemon: Daemon) -> None:
