@@ -430,7 +430,14 @@ class MicroVMBackend:
 
     async def running(self) -> dict[str, str]:
         out: dict[str, str] = {}
-        for jid, sid in self._jails().items():
+        jails = self._jails()
+        standing = {tr_vm.jail_id for tr in self._rams.values() for tr_vm in tr.standby}
+        for d in self.standby_dir.iterdir():  # a standby's directory whose jail is gone
+            with contextlib.suppress(OSError):
+                if d.name not in jails and d.name not in standing \
+                        and time.time() - d.stat().st_mtime > 60:  # (not one being made)
+                    shutil.rmtree(d, ignore_errors=True)
+        for jid, sid in jails.items():
             state = "stopped"
             with contextlib.suppress(OSError, ValueError):
                 if _alive(int((self._exec_dir() / jid / jailer.PID_FILE).read_text())):
