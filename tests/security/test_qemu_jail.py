@@ -192,6 +192,36 @@ async def _jailed_and_answers(sid: str, work: Path) -> None:
     j.agent_listener.close()
 
 
+async def _save_state(q: QMP, state: Path, ignore_shared: bool = False) -> None:
+    """stop, migrate to a host file passed as an fd, quit (as backend.save_state)."""
+    fd = os.open(state, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        await q.stop()
+        await q.set_ignore_shared(ignore_shared)
+        await q.migrate_fd(fd)
+    finally:
+        os.close(fd)
+    await q.wait_migration(30)
+    await q.quit()
+
+
+async def _load_state(q: QMP, state: Path, ignore_shared: bool = False) -> str:
+    """migrate-incoming from the file; the status once it has loaded."""
+    await q.set_ignore_shared(ignore_shared)
+    fd = os.open(state, os.O_RDONLY)
+    try:
+        await q.migrate_incoming_fd(fd)
+    finally:
+        os.close(fd)
+    status = "inmigrate"
+    for _ in range(500):
+        status = await q.query_status()
+        if status != "inmigrate":
+            break
+        await asyncio.sleep(0.01)
+    return status
+
+
 def test_state_migrates_through_an_fd_into_a_jailed_clone(work: Path, ids: list[str]) -> None:
     """checkpoint/restore plumbing without a guest: migrate a -S VM's state to a host file
     passed in over QMP (no process spawned in the jail), then into a jailed
@@ -202,14 +232,7 @@ def test_state_migrates_through_an_fd_into_a_jailed_clone(work: Path, ids: list[
 
     async def save() -> Jailed:
         src, q = await _start_any_accel(src_id, work)
-        fd = os.open(state, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            await q.stop()
-            await q.migrate_fd(fd)
-        finally:
-            os.close(fd)
-        await q.wait_migration(30)
-        await q.quit()
+        await _save_state(q, state)
         return src
 
     src = asyncio.run(save())
@@ -222,17 +245,7 @@ def test_state_migrates_through_an_fd_into_a_jailed_clone(work: Path, ids: list[
         q2 = await _connect(dst)
         try:
             assert await q2.query_status() == "inmigrate"
-            fd = os.open(state, os.O_RDONLY)
-            try:
-                await q2.migrate_incoming_fd(fd)
-            finally:
-                os.close(fd)
-            for _ in range(500):
-                status = await q2.query_status()
-                if status != "inmigrate":
-                    return status
-                await asyncio.sleep(0.01)
-            return status
+            return await _load_state(q2, state)
         finally:
             await q2.quit()
 
@@ -277,15 +290,7 @@ def test_template_ram_is_a_sealed_memfd_that_jailed_clones_map_private(
         assert _ram_mapping(src.vmm_pid) == "rw-s"
         os.pwrite(fd, page, addr)  # as if the guest had written it
         assert await _peek(q, addr, len(page)) == page
-        out = os.open(state, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            await q.stop()
-            await q.set_ignore_shared(True)
-            await q.migrate_fd(out)
-        finally:
-            os.close(out)
-        await q.wait_migration(30)
-        await q.quit()
+        await _save_state(q, state, ignore_shared=True)
         return src
 
     try:
@@ -309,18 +314,7 @@ def test_template_ram_is_a_sealed_memfd_that_jailed_clones_map_private(
                 with open(f"/proc/{dst.vmm_pid}/fd/{fd}", "r+b") as f, \
                         pytest.raises(PermissionError):
                     os.pwrite(f.fileno(), b"x", addr)
-                await q.set_ignore_shared(True)  # as the template had it
-                i = os.open(state, os.O_RDONLY)
-                try:
-                    await q.migrate_incoming_fd(i)
-                finally:
-                    os.close(i)
-                status = "inmigrate"
-                for _ in range(500):
-                    status = await q.query_status()
-                    if status != "inmigrate":
-                        break
-                    await asyncio.sleep(0.01)
+                status = await _load_state(q, state, ignore_shared=True)  # as the template
                 assert status in ("paused", "prelaunch", "postmigrate"), status
                 assert await _peek(q, addr, len(page)) == page
             finally:
