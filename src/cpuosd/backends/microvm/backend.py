@@ -63,7 +63,6 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -99,7 +98,6 @@ class VM:
     jail_id: str
     uid: int
     paths: jailer.JailPaths
-    proc: asyncio.subprocess.Process | None
     overlay: Path
     rootfs_image: Path
     vm: VMConfig
@@ -107,7 +105,6 @@ class VM:
     qmp: QMP | None = None  # standby: the QMP connection opened at spawn
     listener: socket.socket | None = None  # standby: placeholder the chardev connected to
     sock_dir: Path | None = None  # standby: the directory bound at /agent
-    own_dir: Path | None = None  # standby: its directory (log, overlay), removed at kill
 
 
 @dataclass
@@ -222,8 +219,7 @@ class MicroVMBackend:
     def _record(self, rec: VM) -> None:
         """Write what a restarted daemon needs to pause or kill this VM."""
         data = {"uid": rec.uid, "overlay": str(rec.overlay),
-                "rootfs_image": str(rec.rootfs_image), "vm": dataclasses.asdict(rec.vm),
-                "dir": str(rec.own_dir) if rec.own_dir else None}
+                "rootfs_image": str(rec.rootfs_image), "vm": dataclasses.asdict(rec.vm)}
         tmp = rec.paths.jail_dir / (RECORD_FILE + ".tmp")
         tmp.write_text(json.dumps(data))
         os.replace(tmp, rec.paths.jail_dir / RECORD_FILE)
@@ -240,9 +236,8 @@ class MicroVMBackend:
             data = json.loads((paths.jail_dir / RECORD_FILE).read_text())
             raw = data["vm"]
             vm = VMConfig(**{**raw, "extra": tuple(raw.get("extra") or ())})
-            rec = VM(sandbox_id, jid, int(data["uid"]), paths, None, Path(data["overlay"]),
-                     Path(data["rootfs_image"]), vm,
-                     own_dir=Path(data["dir"]) if data.get("dir") else None)
+            rec = VM(sandbox_id, jid, int(data["uid"]), paths, Path(data["overlay"]),
+                     Path(data["rootfs_image"]), vm)
         except (OSError, ValueError, KeyError, TypeError):
             raise ApiError("not_found", f"no microVM {sandbox_id}") from None
         self.vms[sandbox_id] = rec
@@ -269,10 +264,10 @@ class MicroVMBackend:
             accel=self.accel, incoming=incoming, qemu=self.qemu)
 
     def jailed_argv(self, spec: SandboxSpec, uid: int, vm: VMConfig, rootfs_image: Path,
-                    overlay: Path, extra_binds: Sequence[tuple[str, str, bool]] = (),
-                    jail_id: str | None = None, ram_fd: int | None = None) -> list[str]:
-        """The jailer's argv for ``vm``; ``extra_binds``: more (host, jail, read-only) bind
-        mounts; ``ram_fd``: a RAM memfd QEMU inherits (``vm.memory_file`` names it)."""
+                    overlay: Path, jail_id: str | None = None, ram_fd: int | None = None
+                    ) -> list[str]:
+        """The jailer's argv for ``vm`` (jail ``jail_id``, default the sandbox's id);
+        ``ram_fd``: a RAM memfd QEMU inherits (``vm.memory_file`` names it)."""
         art = self.artifacts()
         if self._support is None:
             self._support = support_files(self.qemu, self.accel)
@@ -283,7 +278,7 @@ class MicroVMBackend:
             binds=[(art.vmlinux, JAIL_KERNEL, True), (art.initrd, JAIL_INITRD, True),
                    (str(rootfs_image), JAIL_ROOT_IMG, True),
                    (str(overlay), JAIL_OVERLAY_IMG, False),
-                   (str(spec.sock_dir), JAIL_AGENT_DIR, True), *extra_binds],
+                   (str(spec.sock_dir), JAIL_AGENT_DIR, True)],
             cgroups=jailer.cgroup_limits(version, cpus=spec.vcpus,
                                          memory_bytes=(spec.memory_mib + MEM_OVERHEAD_MIB) << 20,
                                          pids=PIDS_MAX),
@@ -294,12 +289,12 @@ class MicroVMBackend:
             detach=True)
 
     async def _launch(self, spec: SandboxSpec, uid: int, vm: VMConfig, rootfs_image: Path,
-                      overlay: Path, extra_binds: Sequence[tuple[str, str, bool]] = (),
-                      jail_id: str | None = None, ram_fd: int | None = None) -> VM:
+                      overlay: Path, jail_id: str | None = None, ram_fd: int | None = None
+                      ) -> VM:
         jid = jail_id or spec.id
         if ram_fd is not None:
             vm = dataclasses.replace(vm, memory_file=ram.jail_path(ram_fd))
-        argv = self.jailed_argv(spec, uid, vm, rootfs_image, overlay, extra_binds, jid, ram_fd)
+        argv = self.jailed_argv(spec, uid, vm, rootfs_image, overlay, jid, ram_fd)
         spec.dir.mkdir(parents=True, exist_ok=True)
         with open(spec.dir / "qemu.log", "ab") as logf:
             proc = await asyncio.create_subprocess_exec(
@@ -313,7 +308,7 @@ class MicroVMBackend:
             await asyncio.to_thread(jailer.cleanup, jid, self.jail_base, Path(self.qemu).name)
             raise ApiError("internal", f"microVM jail failed (status {rc}): "
                            f"{self._log_tail(spec.dir)}")
-        rec = VM(spec.id, jid, uid, paths, None, overlay, rootfs_image, vm)
+        rec = VM(spec.id, jid, uid, paths, overlay, rootfs_image, vm)
         self.vms[spec.id] = rec
         return rec
 
@@ -325,11 +320,7 @@ class MicroVMBackend:
     async def _qmp(self, rec: VM, timeout: float = 10.0) -> QMP:
         q = QMP(rec.paths.host_path(JAIL_QMP))
         connect = asyncio.create_task(q.connect(timeout))
-        waits: set[asyncio.Task[Any]] = {connect}
-        if rec.proc is not None:
-            waits.add(asyncio.create_task(rec.proc.wait()))
-        else:
-            waits.add(asyncio.create_task(self._until_dead(rec)))
+        waits: set[asyncio.Task[Any]] = {connect, asyncio.create_task(self._until_dead(rec))}
         done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for t in pending:
             if t is not connect:
@@ -423,10 +414,6 @@ class MicroVMBackend:
         if rec.ram_fd is not None:
             os.close(rec.ram_fd)
             rec.ram_fd = None
-        if rec.proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                rec.proc.kill()
-            await rec.proc.wait()
 
     async def running(self) -> dict[str, str]:
         out: dict[str, str] = {}
@@ -608,7 +595,7 @@ class MicroVMBackend:
             shutil.rmtree(d, ignore_errors=True)
             raise
         self.vms.pop(jid, None)  # not a sandbox until handed out
-        rec.listener, rec.sock_dir, rec.own_dir = listener, spec.sock_dir, d
+        rec.listener, rec.sock_dir = listener, spec.sock_dir
         try:
             rec.qmp = await self._qmp(rec)
             if await rec.qmp.query_status() != "inmigrate":
