@@ -269,7 +269,10 @@ class CharDeviceTransport(Transport):
     FAST_POLL = 0.003  # s between checks for the first FAST_FOR seconds (a restore, a clone)
     FAST_FOR = 1.0
     REOPEN = 1.0  # s of hang-up after which the device is reopened
-    HANGUP_WAIT = 5.0  # s: after a quiesce, how long to wait for the host to hang up
+    # s: after a quiesce, how long to wait for the host to hang up. The daemon hangs up at
+    # once; a snapshot taken before we saw that is restored "connected", so this is also
+    # what such a restored or cloned agent loses before its hello
+    HANGUP_WAIT = 1.0
 
     def __init__(self, path: str) -> None:
         self.path = path
