@@ -127,6 +127,10 @@ def test_microvm_sandboxes_clone_pause_resume_fork(daemon: Daemon) -> None:
         assert a.files.read("/work/note.txt") == b"on disk"
         assert a.exec(f"kill -0 {pid}").exit_code == 0
         assert _ident(a) == (a.id, mid)
+        # pausing a clone read all its RAM: the template's memfd grew to the guest's size;
+        # the next clone gets it loaded afresh from the saved pages
+        Sandbox.create(template="python", timeout="5m", **kw).kill()
+        assert "loading it afresh" in daemon.log.read_text()
 
         # fork: the copy has a's memory and files, its own identity
         (c,) = a.fork(1)

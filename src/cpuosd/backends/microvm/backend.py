@@ -90,6 +90,7 @@ STATE = "checkpoint.img"  # the migration stream (the Manager checks for this na
 SANDBOX_FILE = "sandbox"  # in a jail dir: the sandbox a standby VM was handed to
 RECORD_FILE = "vm.json"  # in a jail dir (outside the chroot): what a restarted daemon needs
 STANDBY_PREFIX = "sb-"
+RAM_REGROW = 256 << 20  # a template memfd this much beyond 2x its saved pages is reloaded
 
 
 @dataclass
@@ -110,6 +111,7 @@ class VM:
 @dataclass
 class TemplateRAM:
     fd: int
+    saved: int  # bytes of pages the template had (the memfd grows as clones fault in)
     standby: list[VM] = field(default_factory=list)
     filling: bool = False
 
@@ -467,14 +469,30 @@ class MicroVMBackend:
             raise
         meta.update(ram="shared", ram_id=secrets.token_hex(8))
         (image_dir / "meta.json").write_text(json.dumps(meta, indent=1))
-        self._rams[meta["ram_id"]] = TemplateRAM(fd)
+        self._rams[meta["ram_id"]] = TemplateRAM(fd, size)
 
-    def _template_ram(self, image_dir: Path, meta: dict[str, Any]) -> TemplateRAM:
+    async def _template_ram(self, image_dir: Path, meta: dict[str, Any]) -> TemplateRAM:
+        """The template's sealed RAM memfd: loaded from its saved pages by a restarted
+        daemon, and loaded afresh once clones have faulted it far beyond the template's
+        own pages (tmpfs allocates a page even for a read of a hole through a private
+        mapping: the memfd grows towards the guest's RAM size). Running clones keep the
+        memfd they mapped; it is freed with the last of them."""
         ram_id = str(meta["ram_id"])
-        tr = self._rams.get(ram_id)
-        if tr is None:  # a restarted daemon: load the saved pages into a sealed memfd
-            tr = self._rams[ram_id] = TemplateRAM(ram.load(image_dir / "ram", f"cpuos-{ram_id}"))
-        return tr
+        async with self._image_locks.setdefault("ram:" + ram_id, asyncio.Lock()):
+            tr = self._rams.get(ram_id)
+            if tr is not None:
+                grown = os.fstat(tr.fd).st_blocks * 512
+                if grown <= max(2 * tr.saved, tr.saved + RAM_REGROW):
+                    return tr
+                log.info("template RAM %s grew to %d MiB (%d MiB saved): loading it afresh",
+                         ram_id, grown >> 20, tr.saved >> 20)
+            fd = await asyncio.to_thread(ram.load, image_dir / "ram", f"cpuos-{ram_id}")
+            if tr is None:
+                tr = self._rams[ram_id] = TemplateRAM(fd, os.fstat(fd).st_blocks * 512)
+            else:  # whoever launches a QEMU holds a dup of the fd it passes: close ours
+                old, tr.fd = tr.fd, fd
+                os.close(old)
+            return tr
 
     @staticmethod
     def _read_meta(image_dir: Path) -> tuple[dict[str, Any], VMConfig]:
@@ -496,19 +514,25 @@ class MicroVMBackend:
         vm = dataclasses.replace(vm, incoming=True, start_paused=False,
                                  agent_socket=f"{JAIL_AGENT_DIR}/{spec.sock_path.name}")
         tr = None
+        ram_fd = None
         if meta.get("ram") == "shared":
-            tr = self._template_ram(image_dir, meta)
+            tr = await self._template_ram(image_dir, meta)
             vm = dataclasses.replace(vm, memory_shared=False)
             if tr.standby:
                 sb = tr.standby.pop(0)
                 self._fill_standby(tr, image_dir, spec, vm)
                 return await self._handout(sb, spec, image_dir)
-        uid = self._allocate_uid()
-        spec.dir.mkdir(parents=True, exist_ok=True)
-        overlay = spec.dir / "overlay.ext4"
-        await self._writable_layer(image_dir / "overlay.ext4", overlay, uid)
-        rec = await self._launch(spec, uid, vm, Path(meta["rootfs_image"]), overlay,
-                                 ram_fd=None if tr is None else tr.fd)
+            ram_fd = os.dup(tr.fd)  # ours until QEMU has it (a reload may close tr.fd)
+        try:
+            uid = self._allocate_uid()
+            spec.dir.mkdir(parents=True, exist_ok=True)
+            overlay = spec.dir / "overlay.ext4"
+            await self._writable_layer(image_dir / "overlay.ext4", overlay, uid)
+            rec = await self._launch(spec, uid, vm, Path(meta["rootfs_image"]), overlay,
+                                     ram_fd=ram_fd)
+        finally:
+            if ram_fd is not None:
+                os.close(ram_fd)
         try:
             q = await self._qmp(rec)
             try:
@@ -558,7 +582,7 @@ class MicroVMBackend:
         async def fill() -> None:
             try:
                 while len(tr.standby) < self.standby:
-                    tr.standby.append(await self._spawn_standby(image_dir, like, vm, tr.fd))
+                    tr.standby.append(await self._spawn_standby(image_dir, like, vm, tr))
             except Exception:
                 log.exception("standby microVM for %s", image_dir.name)
             finally:
@@ -569,7 +593,7 @@ class MicroVMBackend:
         t.add_done_callback(self._tasks.discard)
 
     async def _spawn_standby(self, image_dir: Path, like: SandboxSpec, vm: VMConfig,
-                             ram_fd: int) -> VM:
+                             tr: TemplateRAM) -> VM:
         """A jailed QEMU waiting on ``-incoming defer`` for image_dir, its agent chardev
         connected to a placeholder listener (QEMU retries a failed connect only after a
         second; this way the connection is made before a sandbox needs it)."""
@@ -579,6 +603,7 @@ class MicroVMBackend:
         spec.sock_dir.mkdir(parents=True)
         spec.sock_dir.chmod(0o755)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        ram_fd = os.dup(tr.fd)  # ours until QEMU has it (a reload may close tr.fd)
         try:
             listener.bind(str(spec.sock_path))
             listener.listen(1)
@@ -594,6 +619,8 @@ class MicroVMBackend:
             listener.close()
             shutil.rmtree(d, ignore_errors=True)
             raise
+        finally:
+            os.close(ram_fd)
         self.vms.pop(jid, None)  # not a sandbox until handed out
         rec.listener, rec.sock_dir = listener, spec.sock_dir
         try:
