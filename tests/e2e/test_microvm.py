@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -147,6 +148,32 @@ def test_microvm_sandboxes_clone_pause_resume_fork(daemon: Daemon) -> None:
         a.kill()
 
 
+def _standbys(daemon: Daemon, timeout: float = 10.0) -> list[Path]:
+    """The jails of standby QEMUs ready and not handed out (waiting up to timeout for one;
+    ready: the backend writes vm.json once QEMU waits for its state)."""
+    jails = daemon.home / "microvm" / "jail" / "qemu-system-x86_64"
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [j for j in jails.iterdir() if j.name.startswith("sb-")
+                 and (j / "vm.json").exists() and not (j / "sandbox").exists()]
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
+
+
+def test_a_dead_standby_is_replaced_not_handed_out(daemon: Daemon) -> None:
+    kw = daemon.sdk_kwargs()
+    Sandbox.create(template="python", timeout="5m", **kw).kill()
+    (sb,) = _standbys(daemon)
+    os.kill(int((sb / "vmm.pid").read_text()), signal.SIGKILL)
+    s = Sandbox.create(template="python", timeout="5m", **kw)
+    try:
+        assert s.exec("hostname").stdout.strip() == s.id
+    finally:
+        s.kill()
+    assert f"standby microVM {sb.name} unusable" in daemon.log.read_text()
+
+
 def test_daemon_restart_reattaches_and_clones_from_the_saved_ram(daemon: Daemon) -> None:
     """kill -9 the daemon: a running microVM (a standby that was handed out) is reattached
     (QEMU reconnects into the sandbox's socket directory), can be paused and resumed; the
@@ -158,11 +185,7 @@ def test_daemon_restart_reattaches_and_clones_from_the_saved_ram(daemon: Daemon)
     try:
         a.files.write("/dev/shm/before", b"kept")
         jails = daemon.home / "microvm" / "jail" / "qemu-system-x86_64"
-        for _ in range(100):  # the replacement standby is up
-            if any(j.name.startswith("sb-") and not (j / "sandbox").exists()
-                   for j in jails.iterdir()):
-                break
-            time.sleep(0.1)
+        assert _standbys(daemon)  # the replacement standby is up
         daemon.kill9()
         daemon.start()
         assert a.exec("cat /dev/shm/before", timeout="60s").stdout == "kept"

@@ -518,10 +518,13 @@ class MicroVMBackend:
         if meta.get("ram") == "shared":
             tr = await self._template_ram(image_dir, meta)
             vm = dataclasses.replace(vm, memory_shared=False)
-            if tr.standby:
+            while tr.standby:
                 sb = tr.standby.pop(0)
                 self._fill_standby(tr, image_dir, spec, vm)
-                return await self._handout(sb, spec, image_dir)
+                try:
+                    return await self._handout(sb, spec, image_dir)
+                except ApiError as e:  # it died waiting, or failed its load: start afresh
+                    log.warning("standby microVM %s unusable: %s", sb.jail_id, e.message)
             ram_fd = os.dup(tr.fd)  # ours until QEMU has it (a reload may close tr.fd)
         try:
             uid = self._allocate_uid()
@@ -637,8 +640,10 @@ class MicroVMBackend:
         assert sb.listener is not None and sb.sock_dir is not None and sb.qmp is not None
         loop = asyncio.get_running_loop()
         try:
+            if not _alive(int(sb.paths.pid_file.read_text())):
+                raise OSError("its QEMU has exited")
             conn, _ = await asyncio.wait_for(loop.sock_accept(sb.listener), 5)
-        except (TimeoutError, OSError) as e:
+        except (TimeoutError, OSError, ValueError) as e:
             await self._end(sb.jail_id, sb)
             raise ApiError("internal", f"standby microVM's agent chardev: {e}") from None
         sb.listener.close()
