@@ -31,10 +31,11 @@ it, and ends the VM. Two kinds of image:
 
 * a **template image** (``spec.template_boot``: the Manager's boot-once-then-snapshot):
   the template booted with its RAM in a memfd mapped ``share=on`` (``ram.py``), so the
-  migration runs with ``x-ignore-shared`` and carries device state only; the memfd is
-  then sealed against writes and saved as ``ram``. A clone maps the sealed memfd
-  ``share=off`` (``MAP_PRIVATE``: copy on write, one copy of the template's pages in host
-  memory for all clones), starts with ``-incoming defer`` and loads the device state.
+  migration runs with ``x-ignore-shared`` and carries device state only; the memfd's
+  pages are saved (sparse) as ``ram``, then it is filled and sealed against writes. A
+  clone maps the sealed memfd ``share=off`` (``MAP_PRIVATE``: copy on write, one copy of
+  the template's RAM in host memory for all clones), starts with ``-incoming defer`` and
+  loads the device state.
 * a **full image** (pause, fork): RAM travels in the migration stream (zero pages as
   flags), restored into a plain anonymous-memory VM.
 
@@ -90,7 +91,7 @@ STATE = "checkpoint.img"  # the migration stream (the Manager checks for this na
 SANDBOX_FILE = "sandbox"  # in a jail dir: the sandbox a standby VM was handed to
 RECORD_FILE = "vm.json"  # in a jail dir (outside the chroot): what a restarted daemon needs
 STANDBY_PREFIX = "sb-"
-RAM_REGROW = 256 << 20  # a template memfd this much beyond 2x its saved pages is reloaded
+MIGRATE_BANDWIDTH = 64 << 30  # bytes/s: unlimited in effect
 
 
 @dataclass
@@ -111,7 +112,6 @@ class VM:
 @dataclass
 class TemplateRAM:
     fd: int
-    saved: int  # bytes of pages the template had (the memfd grows as clones fault in)
     standby: list[VM] = field(default_factory=list)
     filling: bool = False
 
@@ -459,39 +459,28 @@ class MicroVMBackend:
         if fd is None:
             return
         try:
-            ram.seal(fd)
             t0 = time.monotonic()
-            size = await asyncio.to_thread(ram.save, fd, image_dir / "ram")
-            log.info("template RAM of %s: %d MiB of pages saved in %.0f ms", sandbox_id,
-                     size >> 20, (time.monotonic() - t0) * 1e3)
+            size = await asyncio.to_thread(ram.save, fd, image_dir / "ram")  # sparse
+            await asyncio.to_thread(ram.fill, fd)
+            ram.seal(fd)
+            log.info("template RAM of %s: %d MiB of pages saved, memfd filled and sealed in "
+                     "%.0f ms", sandbox_id, size >> 20, (time.monotonic() - t0) * 1e3)
         except BaseException:
             os.close(fd)
             raise
         meta.update(ram="shared", ram_id=secrets.token_hex(8))
         (image_dir / "meta.json").write_text(json.dumps(meta, indent=1))
-        self._rams[meta["ram_id"]] = TemplateRAM(fd, size)
+        self._rams[meta["ram_id"]] = TemplateRAM(fd)
 
     async def _template_ram(self, image_dir: Path, meta: dict[str, Any]) -> TemplateRAM:
-        """The template's sealed RAM memfd: loaded from its saved pages by a restarted
-        daemon, and loaded afresh once clones have faulted it far beyond the template's
-        own pages (tmpfs allocates a page even for a read of a hole through a private
-        mapping: the memfd grows towards the guest's RAM size). Running clones keep the
-        memfd they mapped; it is freed with the last of them."""
+        """The template's sealed RAM memfd (a restarted daemon loads it from the saved
+        pages)."""
         ram_id = str(meta["ram_id"])
         async with self._image_locks.setdefault("ram:" + ram_id, asyncio.Lock()):
             tr = self._rams.get(ram_id)
-            if tr is not None:
-                grown = os.fstat(tr.fd).st_blocks * 512
-                if grown <= max(2 * tr.saved, tr.saved + RAM_REGROW):
-                    return tr
-                log.info("template RAM %s grew to %d MiB (%d MiB saved): loading it afresh",
-                         ram_id, grown >> 20, tr.saved >> 20)
-            fd = await asyncio.to_thread(ram.load, image_dir / "ram", f"cpuos-{ram_id}")
             if tr is None:
-                tr = self._rams[ram_id] = TemplateRAM(fd, os.fstat(fd).st_blocks * 512)
-            else:  # whoever launches a QEMU holds a dup of the fd it passes: close ours
-                old, tr.fd = tr.fd, fd
-                os.close(old)
+                fd = await asyncio.to_thread(ram.load, image_dir / "ram", f"cpuos-{ram_id}")
+                tr = self._rams[ram_id] = TemplateRAM(fd)
             return tr
 
     @staticmethod
@@ -525,17 +514,13 @@ class MicroVMBackend:
                     return await self._handout(sb, spec, image_dir)
                 except ApiError as e:  # it died waiting, or failed its load: start afresh
                     log.warning("standby microVM %s unusable: %s", sb.jail_id, e.message)
-            ram_fd = os.dup(tr.fd)  # ours until QEMU has it (a reload may close tr.fd)
-        try:
-            uid = self._allocate_uid()
-            spec.dir.mkdir(parents=True, exist_ok=True)
-            overlay = spec.dir / "overlay.ext4"
-            await self._writable_layer(image_dir / "overlay.ext4", overlay, uid)
-            rec = await self._launch(spec, uid, vm, Path(meta["rootfs_image"]), overlay,
-                                     ram_fd=ram_fd)
-        finally:
-            if ram_fd is not None:
-                os.close(ram_fd)
+            ram_fd = tr.fd
+        uid = self._allocate_uid()
+        spec.dir.mkdir(parents=True, exist_ok=True)
+        overlay = spec.dir / "overlay.ext4"
+        await self._writable_layer(image_dir / "overlay.ext4", overlay, uid)
+        rec = await self._launch(spec, uid, vm, Path(meta["rootfs_image"]), overlay,
+                                 ram_fd=ram_fd)
         try:
             q = await self._qmp(rec)
             try:
@@ -606,7 +591,6 @@ class MicroVMBackend:
         spec.sock_dir.mkdir(parents=True)
         spec.sock_dir.chmod(0o755)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        ram_fd = os.dup(tr.fd)  # ours until QEMU has it (a reload may close tr.fd)
         try:
             listener.bind(str(spec.sock_path))
             listener.listen(1)
@@ -617,13 +601,11 @@ class MicroVMBackend:
             await self._writable_layer(image_dir / "overlay.ext4", overlay, uid)
             meta, _ = self._read_meta(image_dir)
             rec = await self._launch(spec, uid, vm, Path(meta["rootfs_image"]), overlay,
-                                     ram_fd=ram_fd)
+                                     ram_fd=tr.fd)
         except BaseException:
             listener.close()
             shutil.rmtree(d, ignore_errors=True)
             raise
-        finally:
-            os.close(ram_fd)
         self.vms.pop(jid, None)  # not a sandbox until handed out
         rec.listener, rec.sock_dir = listener, spec.sock_dir
         try:
@@ -696,6 +678,8 @@ class MicroVMBackend:
         try:
             await q.stop()
             await q.set_ignore_shared(ignore_shared)
+            # to a local file: QEMU's default 128 MiB/s migration bandwidth cap is no use
+            await q.execute("migrate-set-parameters", {"max-bandwidth": MIGRATE_BANDWIDTH})
             fd = os.open(directory / STATE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
                          0o600)
             try:

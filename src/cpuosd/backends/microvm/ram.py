@@ -10,6 +10,13 @@ F_SEAL_SEAL``). A clone still opens it read-write and maps it ``MAP_PRIVATE`` (c
 write: its pages are its own), but ``write(2)``, ``fallocate(2)``, ``ftruncate(2)`` and a
 shared writable mapping all fail with ``EPERM`` for everyone, root included.
 
+Before it is sealed, the memfd's holes are filled (``posix_fallocate``: zeroed pages,
+charged to the daemon): tmpfs allocates a page for any fault in a hole, a read through a
+private mapping included, and charges it to the faulting clone's cgroup — a clone touching
+all its RAM would be charged twice (that page plus its private copy) and hit its memory
+limit at half its RAM. Filled, the template costs one guest RAM of host memory, shared by
+all its clones, and a clone's cgroup holds only its own copies.
+
 The memfd reaches a jail as an inherited fd (the jailer's ``--keep-fd``; a bind mount of
 ``/proc/<pid>/fd/<n>`` is refused, EINVAL: the memfd's mount is not in our namespace) that
 QEMU opens as ``mem-path=/proc/self/fd/<n>`` (the jail then has a ``/proc`` of its own pid
@@ -46,6 +53,11 @@ def seal(fd: int) -> None:
     fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
 
 
+def fill(fd: int) -> None:
+    """Allocate every page of the memfd (holes become zero pages; data stays)."""
+    os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
+
+
 def sealed(fd: int) -> bool:
     return fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS == SEALS
 
@@ -71,13 +83,14 @@ def save(fd: int, path: Path) -> int:
 
 
 def load(path: Path, name: str) -> int:
-    """A sealed memfd holding the (sparse) file at ``path``."""
+    """A filled, sealed memfd holding the (sparse) file at ``path``."""
     src = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         size = os.fstat(src).st_size
         fd = new(name, size)
         try:
             copy_sparse_fd(src, fd, size)
+            fill(fd)
             seal(fd)
         except BaseException:
             os.close(fd)
