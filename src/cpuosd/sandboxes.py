@@ -180,7 +180,7 @@ class Manager:
             if d.name != "templates" and d.name not in paused:
                 shutil.rmtree(d, ignore_errors=True)
         # template images of older builds or older agents are never restored again
-        current = {f"{t['name']}-{t['digest']}-{self.agent_dir.name}"
+        current = {self._template_image_name(t["name"], t["digest"])
                    for t in list_templates(self.cfg.templates_dir)}
         tdir = self.cfg.snapshots_dir / "templates"
         for d in tdir.iterdir() if tdir.is_dir() else ():
@@ -329,13 +329,18 @@ class Manager:
         return row
 
     # ---- template snapshots and the warm pool -----------------------------------------
+    def _template_image_name(self, template: str, digest: str) -> str:
+        """A template image is of one template build, one agent and one kind of machine
+        (an image of another backend, accelerator or device set never restores)."""
+        return f"{template}-{digest}-{self.agent_dir.name}-{self.backend.image_kind}"
+
     async def _template_image(self, template: str, info: dict[str, Any]) -> Path | None:
         """The template booted once and checkpointed; made on first use. None when
         snapshots are off or could not be made (create then boots)."""
         if not self.cfg.template_snapshots or not self.backend.capabilities.checkpoint:
             return None
         d = (self.cfg.snapshots_dir / "templates"
-             / f"{template}-{info['digest']}-{self.agent_dir.name}")
+             / self._template_image_name(template, info["digest"]))
         if (d / "checkpoint.img").exists():
             return d
         async with self._lock("template:" + template):

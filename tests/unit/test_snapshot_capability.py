@@ -18,6 +18,7 @@ from cpuosd.store import Store
 
 class NoSnapshotBackend:
     capabilities = Capabilities(name="fake", checkpoint=False, network=False)
+    image_kind = "fake"
 
     def __init__(self) -> None:
         self.calls: list[str] = []

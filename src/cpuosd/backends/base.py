@@ -44,6 +44,8 @@ class Capabilities:
 
 class Backend(Protocol):
     capabilities: Capabilities
+    # what its snapshot images are of (in their names): one restores only into the same
+    image_kind: str
 
     async def start(self, spec: SandboxSpec) -> None:
         """Start the sandbox; its agent will connect to ``spec.sock_path``."""

@@ -183,6 +183,8 @@ class GVisorBackend:
             await self.kill(spec.id)
             raise ApiError("internal", f"runsc failed to restore the sandbox: {tail}")
 
+    image_kind = "gvisor"
+
     async def close(self) -> None:
         pass
 

@@ -87,6 +87,7 @@ JAIL_ROOT_IMG = "/disk/root.ext4"
 JAIL_OVERLAY_IMG = "/disk/overlay.ext4"
 JAIL_AGENT_DIR = "/agent"
 JAIL_QMP = "/run/qmp.sock"
+MACHINE_VERSION = 1  # bump when the VM's devices (and so its migration state) change
 STATE = "checkpoint.img"  # the migration stream (the Manager checks for this name)
 SANDBOX_FILE = "sandbox"  # in a jail dir: the sandbox a standby VM was handed to
 RECORD_FILE = "vm.json"  # in a jail dir (outside the chroot): what a restarted daemon needs
@@ -140,6 +141,8 @@ class MicroVMBackend:
         self.console_log = console_log
         self.python = python or sys.executable
         self.standby = standby  # spawned QEMUs kept waiting per template image and size
+        # images restore only into the same accelerator and device set (MACHINE_VERSION)
+        self.image_kind = f"microvm-{accel}-m{MACHINE_VERSION}"
         self._artifacts = artifacts
         self.vms: dict[str, VM] = {}
         self._rams: dict[str, TemplateRAM] = {}  # template image's ram_id -> its memfd
