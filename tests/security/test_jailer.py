@@ -347,7 +347,8 @@ def _wait_vmm(sid: str, base: Path) -> int:
             with open(f"/proc/{vmm}/status") as f:
                 uid_ok = f"Uid:\t{UID}\t" in f.read()
             with open(f"/proc/{vmm}/cmdline", "rb") as f:
-                execed = b"jailer" not in f.read()  # past the jailer's own exec
+                cmdline = f.read()  # empty while the process is inside execve
+                execed = bool(cmdline) and b"jailer" not in cmdline  # past the jailer's exec
             if uid_ok and execed:
                 return vmm
         time.sleep(0.01)

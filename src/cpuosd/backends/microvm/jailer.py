@@ -820,8 +820,9 @@ def _kept_fds(args: Sequence[str]) -> set[int]:
             break
         if a.startswith("--keep-fd="):
             with contextlib.suppress(ValueError):
-                if int(a.split("=", 1)[1]) > 2:
-                    out.add(int(a.split("=", 1)[1]))
+                fd = int(a.removeprefix("--keep-fd="))
+                if fd > 2:
+                    out.add(fd)
     return out
 
 
