@@ -49,13 +49,15 @@ from cpuosd.backends.microvm.backend import UID_BASE as MVM_UID_BASE
 from cpuosd.backends.microvm.backend import UID_COUNT as MVM_UID_COUNT
 from cpuosd.backends.microvm.probe import kvm_boot_probe
 from cpuosd.backends.microvm.qemu import Accel, VMConfig, connect_unix, qemu_argv
+from cpuosd.backends.runsc import find_runsc
 from cpuosd.config import Config
 from cpuosd.sandboxes import DEVICE_SETTLE
 from cpuosd.testing import TEMPLATES, Daemon, e2e_unavailable, new_daemon
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / ".cache" / "bench" / "results.json"
-RUNSC = "runsc"
+RUNSC_INFO = find_runsc()  # the daemon's own choice (CPUOS_RUNSC, CPUOS_RUNSC_PLATFORM)
+RUNSC = RUNSC_INFO.path
 MB = 1_000_000  # throughput is reported in MB/s, 1 MB = 10^6 bytes
 MiB = 1 << 20
 
@@ -196,7 +198,7 @@ class RawRunsc:
         self.vcpus, self.memory_mib = cfg.default_vcpus, cfg.default_memory_mib
 
     def global_flags(self) -> list[str]:
-        return [RUNSC, "--root", str(self.root), "--platform=ptrace"]
+        return [RUNSC, "--root", str(self.root), f"--platform={RUNSC_INFO.platform}"]
 
     def run_true(self) -> tuple[float, float, float]:
         """(run seconds, delete seconds, run+delete seconds)."""
@@ -212,7 +214,8 @@ class RawRunsc:
         cfg["process"]["args"] = ["/bin/true"]
         (bundle / "config.json").write_text(json.dumps(cfg, indent=1))
         run = [*self.global_flags(), "--network=none", "--host-uds=open",
-               f"--overlay2=root:{overlay}", "run", "--bundle", str(bundle), cid]
+               f"--overlay2=root:{overlay}", "--gofer-network-namespace=new", "run",
+               "--bundle", str(bundle), cid]
         t0 = now()
         rc, _, err = PROCS.run(run, timeout=60)
         t1 = now()
@@ -230,7 +233,7 @@ class RawRunsc:
 
     def sandbox_flags(self) -> list[str]:
         return [*self.global_flags(), "--network=none", "--host-uds=open",
-                "--overlay2=root:memory"]
+                "--overlay2=root:memory", "--gofer-network-namespace=new"]
 
     def new_id(self, what: str) -> str:
         self.n += 1
@@ -621,7 +624,12 @@ def bench_snap_create(d: Daemon, raw: RawRunsc, n: int) -> dict[str, Any]:
             image = raw.tmp / "template-image"
             shutil.copytree(src, image)
             agent = raw.tmp / "agent-copy"
-            shutil.copytree(d.home / "agent" / src.name.rsplit("-", 1)[1], agent)
+            # the image name is <template>-<digest>-<agent copy>-<backend kind>: match the
+            # agent copy by name among the daemon's (there is one)
+            copies = [a for a in (d.home / "agent").iterdir() if f"-{a.name}-" in src.name]
+            if len(copies) != 1:
+                raise RuntimeError(f"no agent copy of {src.name} in {d.home / 'agent'}")
+            shutil.copytree(copies[0], agent)
         cid = raw.new_id("restore")
         sdir = raw.bundle(cid, agent_dir=agent)
         try:

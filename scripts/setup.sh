@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs everything cpuos needs on a Debian 12 machine, as root, idempotently:
-# Debian packages (runsc, mmdebstrap, gcc for the template shim), a virtualenv in .venv
-# with cpuos installed (editable, with dev tools when --dev), and the `python` template.
+# Debian packages (mmdebstrap, QEMU, and Debian's 2022 runsc, kept only as a fallback and
+# for the side-by-side benchmark), the runsc the project builds from the pinned gVisor Go
+# module (scripts/build-runsc.sh, cached), a virtualenv in .venv with cpuos installed
+# (editable, with dev tools when --dev), and the `python` template.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -13,7 +15,7 @@ if [ "$(id -u)" -ne 0 ]; then
   exit 2
 fi
 
-need_pkgs=(runsc mmdebstrap gcc libc6-dev python3 python3-venv python3-pip ca-certificates procps
+need_pkgs=(runsc mmdebstrap iproute2 python3 python3-venv python3-pip ca-certificates procps
            qemu-system-x86 busybox-static cpio lz4 e2fsprogs zstd xz-utils)
 missing=()
 for p in "${need_pkgs[@]}"; do
@@ -23,6 +25,11 @@ if [ ${#missing[@]} -gt 0 ]; then
   echo "==> apt-get install ${missing[*]}"
   apt-get update -q
   DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+
+if ! bash scripts/build-runsc.sh; then
+  echo "WARNING: building runsc failed (see above); cpuosd falls back to Debian's 2022" \
+       "runsc on ptrace, 4-11x slower, and says so at start-up" >&2
 fi
 
 if [ ! -x .venv/bin/python ]; then

@@ -21,7 +21,6 @@ class Config:
     home: Path = field(default_factory=lambda: Path(os.environ.get("CPUOS_HOME", DEFAULT_HOME)))
     host: str = field(default_factory=lambda: os.environ.get("CPUOS_HOST", DEFAULT_HOST))
     port: int = field(default_factory=lambda: _int("CPUOS_PORT", DEFAULT_PORT))
-    runsc: str = field(default_factory=lambda: os.environ.get("CPUOS_RUNSC", "runsc"))
     # gvisor | microvm | auto: auto picks microvm only where the KVM boot probe passes
     # (cpuosd.backends.microvm.selection); microvm refuses to start where it fails.
     backend: str = field(default_factory=lambda: os.environ.get("CPUOS_BACKEND", "auto"))

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import httpx
 
+from cpuosd.backends.runsc import RunscUnavailable, find_runsc
+
 TEMPLATES = Path(os.environ.get("CPUOS_TEMPLATES_DIR", "/var/lib/cpuos/templates"))
 ARTIFACTS = Path.cwd() / ".cache" / "test-artifacts"
 
@@ -28,11 +30,21 @@ ARTIFACTS = Path.cwd() / ".cache" / "test-artifacts"
 def e2e_unavailable() -> str | None:
     if os.geteuid() != 0:
         return "needs root (runsc as root)"
-    if shutil.which("runsc") is None:
-        return "runsc is not installed (apt-get install runsc)"
+    try:
+        find_runsc()
+    except RunscUnavailable as e:
+        return f"no runsc: {e}"
     if not (TEMPLATES / "python.json").exists():
         return f"python template not built in {TEMPLATES} (cpuos template build python)"
     return None
+
+
+def mounts_under(path: Path) -> list[str]:
+    """Mount points at or below path (e.g. a runsc root's null-netns a daemon left)."""
+    prefix = str(path).rstrip("/") + "/"
+    with open("/proc/self/mounts") as f:
+        points = [line.split()[1] for line in f]
+    return [p for p in points if p.startswith(prefix) or p == str(path)]
 
 
 def _free_port() -> int:
@@ -73,6 +85,11 @@ class Daemon:
         raise RuntimeError("cpuosd did not come up")
 
     @property
+    def runsc(self) -> str:
+        """The runsc binary this daemon runs (its CPUOS_RUNSC, else the daemon's choice)."""
+        return self.extra_env.get("CPUOS_RUNSC") or find_runsc().path
+
+    @property
     def key(self) -> str:
         return (self.home / "admin.key").read_text().strip()
 
@@ -98,7 +115,7 @@ class Daemon:
                 self.proc.wait()
 
     def runsc_containers(self) -> list[str]:
-        out = subprocess.run(["runsc", "--root", str(self.home / "runsc"), "list",
+        out = subprocess.run([self.runsc, "--root", str(self.home / "runsc"), "list",
                               "-format=json"], capture_output=True, check=True).stdout
         return [c["id"] for c in json.loads(out or b"null") or []]
 
@@ -114,8 +131,11 @@ class Daemon:
         self.stop()
         left = self.runsc_containers() if (self.home / "runsc").exists() else []
         for cid in left:
-            subprocess.run(["runsc", "--root", str(self.home / "runsc"), "delete", "--force",
+            subprocess.run([self.runsc, "--root", str(self.home / "runsc"), "delete", "--force",
                             cid], capture_output=True)
+        left += [f"mount {m}" for m in mounts_under(self.home)]
+        for m in reversed(mounts_under(self.home)):
+            subprocess.run(["umount", "--lazy", m], capture_output=True)
         if failed and self.log.exists():
             ARTIFACTS.mkdir(parents=True, exist_ok=True)
             shutil.copy(self.log, ARTIFACTS / f"cpuosd-{self.home.name}.log")

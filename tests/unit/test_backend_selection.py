@@ -21,7 +21,7 @@ from cpuosd.errors import ApiError
 
 
 def _cfg(tmp_path: Path, backend: str) -> Config:
-    return Config(home=tmp_path / "home", runsc="runsc", backend=backend)
+    return Config(home=tmp_path / "home", backend=backend)
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ import hashlib
 import io
 import json
 import os
-import shutil
 import tarfile
 from pathlib import Path
 
@@ -360,7 +359,7 @@ def test_not_an_image(tmp_path: Path) -> None:
 
 
 needs_build_tools = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("gcc") is None, reason="needs root and gcc")
+    os.geteuid() != 0, reason="needs root")
 
 
 @needs_build_tools
@@ -373,7 +372,7 @@ def test_build_from_oci_records_and_caches(tmp_path: Path) -> None:
     assert info["env"] == {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
     root = Path(info["rootfs"])
     check_tree(root)
-    assert "/usr/local/lib/cpuos/" in (root / "etc/ld.so.preload").read_text()
+    assert not (root / "etc/ld.so.preload").exists()  # no compat shim any more
     assert template_info(tdir, "img") == info
     again = build_from_oci(tar, "img", tdir)
     assert again["cached"] and again["digest"] == info["digest"]

@@ -244,8 +244,9 @@ def create_app(cfg: Config | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health(request: Request) -> dict[str, Any]:
-        return {"ok": True, "version": VERSION,
-                "backend": mgr(request).backend.capabilities.name}
+        backend = mgr(request).backend
+        return {"ok": True, "version": VERSION, "backend": backend.capabilities.name,
+                **backend.runtime()}
 
     @app.post("/workspaces", status_code=201)
     async def new_workspace(body: NewWorkspace, request: Request, ws: Ws) -> dict[str, Any]:

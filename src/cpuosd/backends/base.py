@@ -47,6 +47,9 @@ class Backend(Protocol):
     # what its snapshot images are of (in their names): one restores only into the same
     image_kind: str
 
+    def runtime(self) -> dict[str, str]:
+        """What runs the sandboxes (for /health): e.g. runsc version and platform."""
+
     async def start(self, spec: SandboxSpec) -> None:
         """Start the sandbox; its agent will connect to ``spec.sock_path``."""
 

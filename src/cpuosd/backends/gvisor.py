@@ -1,4 +1,5 @@
-"""gVisor backend: Debian's ``runsc`` (ptrace platform), one runsc sandbox per cpuos sandbox.
+"""gVisor backend: one runsc sandbox per cpuos sandbox, on the runsc the project builds
+(systrap platform; see ``runsc.py`` for how the binary and platform are chosen).
 
 Root filesystem: the template tree, shared and never written, under runsc's
 ``--overlay2=root:<dir>`` (a per-sandbox writable layer whose file store lives
@@ -21,6 +22,7 @@ from typing import Any
 from .. import reaper
 from ..errors import ApiError
 from .base import Capabilities, SandboxSpec
+from .runsc import Runsc
 
 log = logging.getLogger("cpuosd.gvisor")
 
@@ -41,16 +43,19 @@ def oci_spec(spec: SandboxSpec) -> dict[str, Any]:
     return {
         "ociVersion": "1.0.2",
         "process": {
-            "user": {"uid": SANDBOX_UID, "gid": SANDBOX_GID, "additionalGids": []},
+            "user": {"uid": SANDBOX_UID, "gid": SANDBOX_GID},
             "args": ["/usr/bin/python3", "-s", "-m", "cpuos_agent"],
             "env": [f"{k}={v}" for k, v in env.items()],
             "cwd": "/",
             "terminal": False,
             "noNewPrivileges": True,
             # The agent may set the hostname after a restore (CAP_SYS_ADMIN, in the
-            # sandbox's own UTS namespace); it is uid 1000, so what it execs has no caps.
-            "capabilities": {"bounding": ["CAP_SYS_ADMIN"], "effective": ["CAP_SYS_ADMIN"],
-                             "permitted": ["CAP_SYS_ADMIN"], "inheritable": [], "ambient": []},
+            # sandbox's own UTS namespace). A non-root process keeps a capability across
+            # execve only as an ambient one (current runsc applies that rule to PID 1 too);
+            # the agent clears its ambient and inheritable sets first thing
+            # (cpuos_agent.agent.drop_inheritable_caps), so what it runs has none.
+            "capabilities": {k: ["CAP_SYS_ADMIN"] for k in
+                             ("bounding", "effective", "permitted", "inheritable", "ambient")},
             "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 65536, "soft": 65536}],
         },
         "root": {"path": str(spec.rootfs), "readonly": False},
@@ -84,13 +89,18 @@ def oci_spec(spec: SandboxSpec) -> dict[str, Any]:
 class GVisorBackend:
     capabilities = Capabilities(name="gvisor", checkpoint=True, network=False)
 
-    def __init__(self, runsc: str, root: Path) -> None:
-        self.runsc = runsc
+    def __init__(self, runsc: Runsc, root: Path) -> None:
+        self.info = runsc
+        self.runsc = runsc.path
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
 
+    def runtime(self) -> dict[str, str]:
+        return {"runsc": self.info.path, "runsc_version": self.info.version,
+                "platform": self.info.platform, "runsc_source": self.info.source}
+
     def _global_flags(self) -> list[str]:
-        return [self.runsc, "--root", str(self.root), "--platform=ptrace"]
+        return [self.runsc, "--root", str(self.root), f"--platform={self.info.platform}"]
 
     async def _run(self, *args: str, timeout: float = 30.0, log_path: Path | None = None
                    ) -> tuple[int, bytes, bytes]:
@@ -137,8 +147,10 @@ class GVisorBackend:
 
     def _sandbox_flags(self) -> list[str]:
         # The writable layer lives in sandbox memory so that a checkpoint carries it.
+        # --gofer-network-namespace=new: each gofer in an empty netns of its own (runsc's
+        # default, one shared netns bind-mounted at <root>/null-netns, is never unmounted)
         return [*self._global_flags(), "--network=none", "--host-uds=open",
-                "--overlay2=root:memory"]
+                "--overlay2=root:memory", "--gofer-network-namespace=new"]
 
     async def start(self, spec: SandboxSpec) -> None:
         bundle = self._bundle(spec)

@@ -1,5 +1,5 @@
 """Template root filesystems: built with mmdebstrap from a spec (TOML or a Dockerfile subset,
-see spec.py) or unpacked from an image tarball (see oci.py); the compat shims go into both.
+see spec.py) or unpacked from an image tarball (see oci.py).
 
 A build is cached by its digest: ``<templates_dir>/<name>-<digest>/rootfs`` plus
 ``<name>.json``, the info record of the current build (name, digest, rootfs, built_at,
@@ -39,13 +39,12 @@ from .spec import BUILTIN_DIR, DEFAULT_PATH, NAME_RE, CopySpec, Ready, TemplateE
 
 __all__ = ["BUILTIN_DIR", "CopySpec", "Ready", "Step", "TemplateError", "TemplateSpec",
            "base_apt", "base_steps", "build", "build_from_oci", "build_steps", "chroot_mounts",
-           "install_shims", "list_templates", "remove_template", "run_steps", "shell_steps",
+           "list_templates", "remove_template", "run_steps", "shell_steps",
            "spec_digest", "template_info"]
 
-BUILDER_VERSION = 2
+# 3: no statx compat shim (the runsc the project builds answers statx as Linux does)
+BUILDER_VERSION = 3
 RM_NAME_RE = re.compile(r"^[a-z0-9-]{1,64}$")
-SHIMS_DIR = Path(__file__).parent / "shims"
-SHIM_DEST = "usr/local/lib/cpuos"
 PROXY_VARS = ("http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY")
 STEP_TAIL = 20
 # The host's CA bundle is put in the root during the build steps (only), so pip, npm, curl
@@ -127,7 +126,7 @@ def runtime(spec: TemplateSpec) -> dict[str, Any]:
 
 
 def spec_digest(spec: TemplateSpec) -> str:
-    """Covers the spec, the copied files' contents, the base and the shims."""
+    """Covers the spec, the copied files' contents and the base."""
     files = {c.src: tree_digest(p)
              for c, p in zip(spec.copy, spec.copy_sources(), strict=True)}
     return _digest({"spec": spec.fields(), "files": files, "apt": base_apt(spec),
@@ -135,8 +134,7 @@ def spec_digest(spec: TemplateSpec) -> str:
 
 
 def _digest(payload: dict[str, Any]) -> str:
-    shims = {p.name: p.read_text() for p in sorted(SHIMS_DIR.glob("*.c"))}
-    blob = json.dumps({"v": BUILDER_VERSION, **payload, "shims": shims}, sort_keys=True)
+    blob = json.dumps({"v": BUILDER_VERSION, **payload}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -186,8 +184,8 @@ def build(spec: TemplateSpec, templates_dir: Path, *, force: bool = False,
 
 def build_from_oci(tar_path: str | Path, name: str, templates_dir: Path, *, force: bool = False,
                    on_line: Emit | None = None) -> dict[str, Any]:
-    """A template from a ``docker save`` tarball or an OCI layout tarball: its layers, then
-    the shims. The digest covers the tarball's bytes and the shims."""
+    """A template from a ``docker save`` tarball or an OCI layout tarball: its layers. The
+    digest covers the tarball's bytes."""
     _need_root()
     if not NAME_RE.fullmatch(name):
         raise TemplateError(f"bad template name {name!r} (want ^[a-z0-9][a-z0-9-]{{0,63}}$)")
@@ -218,7 +216,7 @@ def _build_tree(templates_dir: Path, name: str, digest: str, record: dict[str, A
                 populate: Callable[[Path, Emit], None], *, force: bool,
                 on_line: Emit | None) -> dict[str, Any]:
     """The build-or-cache frame around ``populate(rootfs, emit)``: temporary directory, log,
-    shims, rename into place, info record."""
+    rename into place, info record."""
     final = templates_dir / f"{name}-{digest}"
     info_path = templates_dir / f"{name}.json"
     info: dict[str, Any] = {"name": name, "digest": digest, "rootfs": str(final / "rootfs"),
@@ -245,7 +243,6 @@ def _build_tree(templates_dir: Path, name: str, digest: str, record: dict[str, A
                     on_line(line)
 
             populate(work / "rootfs", emit)
-            install_shims(work / "rootfs", emit)
     except TemplateError as e:
         _rmtree(work)
         first, _, rest = str(e).partition("\n")
@@ -394,39 +391,6 @@ def _stream(argv: list[str], emit: Emit, *, env: Mapping[str, str] | None = None
         proc.wait()
         raise
     return proc.wait(), list(lines)
-
-
-# ---- shims -----------------------------------------------------------------------------------
-def install_shims(rootfs: Path, on_line: Emit | None = None) -> None:
-    """Compile the compat shims (shims/*.c) with the host's gcc into the new root and list
-    them in its /etc/ld.so.preload (see statx_no_automount.c for why)."""
-    cc = shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        raise TemplateError("gcc is needed to build the template's compat shims "
-                            "(apt-get install gcc libc6-dev)")
-    dest = resolve_in_root(rootfs, SHIM_DEST)
-    dest.mkdir(parents=True, exist_ok=True)
-    ours = []
-    for src in sorted(SHIMS_DIR.glob("*.c")):
-        out = dest / (src.stem + ".so")
-        if os.path.lexists(out):
-            out.unlink()
-        r = subprocess.run([cc, "-shared", "-fPIC", "-O2", "-Wall", "-o", str(out), str(src)],
-                           capture_output=True, text=True)
-        if r.returncode != 0:
-            raise TemplateError(f"compiling shim {src.name} failed:\n{r.stderr[-2000:]}")
-        ours.append("/" + SHIM_DEST + "/" + out.name)
-        if on_line:
-            on_line(f"I: installed compat shim {out.name}")
-    etc = resolve_in_root(rootfs, "etc")
-    etc.mkdir(exist_ok=True)
-    preload = etc / "ld.so.preload"
-    theirs = []
-    if preload.is_file() and not preload.is_symlink():
-        theirs = [x for x in preload.read_text().split() if x not in ours]
-    if os.path.lexists(preload):
-        preload.unlink()
-    preload.write_text("\n".join(theirs + ours) + "\n")
 
 
 # ---- the cache -------------------------------------------------------------------------------

@@ -154,6 +154,10 @@ class MicroVMBackend:
         self.jail_base = jailer.check_chroot_base(self.jail_base.resolve())
 
     # ---- artifacts -----------------------------------------------------------------------
+
+    def runtime(self) -> dict[str, str]:
+        return {"vmm": self.qemu, "accel": self.accel}
+
     def artifacts(self) -> kernel.Artifacts:
         art = self._artifacts or kernel.current_artifacts(self.dir)
         if art is None or not art.exist():

@@ -20,6 +20,7 @@ from pathlib import Path
 from ...config import Config
 from ..base import Backend
 from ..gvisor import GVisorBackend
+from ..runsc import RunscUnavailable, find_runsc
 from . import kernel
 from . import probe as probe_mod
 from .backend import QEMU_BIN, MicroVMBackend
@@ -60,6 +61,16 @@ def _one_line(s: str) -> str:
     return " ".join(s.split())
 
 
+def _gvisor(cfg: Config) -> GVisorBackend:
+    try:
+        runsc = find_runsc()
+    except RunscUnavailable as e:
+        raise BackendUnavailable(f"gvisor backend: {_one_line(str(e))}") from None
+    log.info("runsc %s (%s) at %s, platform %s", runsc.version, runsc.source, runsc.path,
+             runsc.platform)
+    return GVisorBackend(runsc, cfg.runsc_root)
+
+
 def select_backend(cfg: Config) -> Backend:
     """The backend ``cfg.backend`` asks for (see the module docstring). Raises
     ``BackendUnavailable`` for an unknown choice or a forced microvm the host cannot run."""
@@ -69,7 +80,7 @@ def select_backend(cfg: Config) -> Backend:
                                  f"{', '.join(CHOICES)}")
     if choice == "gvisor":
         log.info("backend: gvisor (CPUOS_BACKEND=gvisor; KVM boot probe not run)")
-        return GVisorBackend(cfg.runsc, cfg.runsc_root)
+        return _gvisor(cfg)
     accel = cfg.microvm_accel.strip().lower()
     if accel not in ("kvm", "tcg"):
         raise BackendUnavailable(f"CPUOS_MICROVM_ACCEL={cfg.microvm_accel!r} is not kvm or tcg")
@@ -102,7 +113,7 @@ def select_backend(cfg: Config) -> Backend:
                                          ) from None
             log.warning("backend: gvisor (CPUOS_BACKEND=auto; KVM boot probe passed in %.2fs "
                         "but the microVM backend cannot be set up: %s)", took, why)
-            return GVisorBackend(cfg.runsc, cfg.runsc_root)
+            return _gvisor(cfg)
         log.info("backend: microvm (CPUOS_BACKEND=%s; KVM boot probe passed in %.2fs: %s)",
                  choice, took, reason)
         return backend
@@ -111,4 +122,4 @@ def select_backend(cfg: Config) -> Backend:
                                  f"after {took:.2f}s: {reason}")
     log.info("backend: gvisor (CPUOS_BACKEND=auto; KVM boot probe failed in %.2fs: %s)",
              took, reason)
-    return GVisorBackend(cfg.runsc, cfg.runsc_root)
+    return _gvisor(cfg)

@@ -1,0 +1,118 @@
+"""Which ``runsc`` the gVisor backend runs, and on which platform.
+
+The project builds its own runsc from the gVisor Go module pinned in
+``deps/runsc/go.mod`` (``scripts/build-runsc.sh``) and installs it at
+``/usr/local/lib/cpuos/runsc-<version>/runsc``. Order of choice:
+
+1. ``CPUOS_RUNSC`` (a path or a name on PATH), as the operator said;
+2. the pinned build;
+3. another build under the same prefix (newest first), with a warning;
+4. ``runsc`` on PATH (Debian's 2022-12-19 build: ptrace only), with a warning.
+
+The platform is ``CPUOS_RUNSC_PLATFORM`` when set, else ``systrap`` where the binary
+knows it, else ``ptrace``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("cpuosd.runsc")
+
+# The gVisor module version built by scripts/build-runsc.sh (a unit test keeps this and
+# deps/runsc/go.mod in step).
+PINNED_VERSION = "v0.0.0-20260905035102-160fafc42237"
+PREFIX = Path(os.environ.get("CPUOS_RUNSC_PREFIX", "/usr/local/lib/cpuos"))
+PLATFORMS = ("systrap", "ptrace", "kvm")
+
+
+class RunscUnavailable(Exception):
+    """No usable runsc; str() is the one-line reason."""
+
+
+@dataclass(frozen=True)
+class Runsc:
+    path: str
+    version: str  # what `runsc --version` says
+    platform: str
+    source: str  # env | pinned | other-build | path
+    platforms: tuple[str, ...]  # those the binary knows
+
+    @property
+    def is_fallback(self) -> bool:
+        return self.source in ("path", "other-build")
+
+    def describe(self) -> dict[str, str]:
+        return {"path": self.path, "version": self.version, "platform": self.platform,
+                "source": self.source}
+
+
+def pinned_path(prefix: Path | None = None) -> Path:
+    return (prefix or PREFIX) / f"runsc-{PINNED_VERSION}" / "runsc"
+
+
+def _probe(path: str) -> tuple[str, tuple[str, ...]]:
+    """(version, platforms known) of a runsc binary; raises RunscUnavailable."""
+    try:
+        v = subprocess.run([path, "--version"], capture_output=True, timeout=20, check=False)
+        f = subprocess.run([path, "flags"], capture_output=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise RunscUnavailable(f"cannot run {path}: {e}") from None
+    m = re.search(rb"runsc version (\S+)", v.stdout + v.stderr)
+    if v.returncode != 0 or m is None:
+        raise RunscUnavailable(f"{path} --version failed: {(v.stdout + v.stderr)[-200:]!r}")
+    text = f.stdout + f.stderr
+    line = next((ln for ln in text.splitlines() if b"platform to use" in ln), b"")
+    known = tuple(p for p in PLATFORMS if p.encode() in line) or ("ptrace",)
+    return m.group(1).decode(), known
+
+
+def _others(prefix: Path) -> list[Path]:
+    found = [p / "runsc" for p in prefix.glob("runsc-*") if (p / "runsc").is_file()]
+    return sorted(found, key=lambda p: p.parent.name, reverse=True)
+
+
+def find_runsc(prefix: Path | None = None) -> Runsc:
+    prefix = prefix or PREFIX
+    env = os.environ.get("CPUOS_RUNSC")
+    candidates: list[tuple[str, str]] = []
+    if env:
+        found = shutil.which(env) if "/" not in env else env
+        if not found or not os.access(found, os.X_OK):
+            raise RunscUnavailable(f"CPUOS_RUNSC={env!r} is not an executable")
+        candidates.append((found, "env"))
+    else:
+        pin = pinned_path(prefix)
+        if pin.is_file():
+            candidates.append((str(pin), "pinned"))
+        candidates += [(str(p), "other-build") for p in _others(prefix) if p != pin]
+        on_path = shutil.which("runsc")
+        if on_path:
+            candidates.append((on_path, "path"))
+    if not candidates:
+        raise RunscUnavailable(f"no runsc: build it with scripts/build-runsc.sh (installs "
+                               f"{pinned_path(prefix)}) or install Debian's runsc")
+    errors = []
+    for path, source in candidates:
+        try:
+            version, known = _probe(path)
+        except RunscUnavailable as e:
+            errors.append(str(e))
+            continue
+        platform = os.environ.get("CPUOS_RUNSC_PLATFORM") or (
+            "systrap" if "systrap" in known else "ptrace")
+        if platform not in known:
+            raise RunscUnavailable(f"runsc {version} ({path}) has no platform {platform!r}; "
+                                   f"it knows {', '.join(known)}")
+        r = Runsc(path, version, platform, source, known)
+        if r.is_fallback:
+            log.warning("runsc %s at %s is not the pinned build %s (run scripts/build-runsc.sh)"
+                        "; platform %s", version, path, PINNED_VERSION, platform)
+        return r
+    raise RunscUnavailable("; ".join(errors))
