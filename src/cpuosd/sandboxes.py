@@ -262,12 +262,18 @@ class Manager:
             (spec.sock_dir / "machine-id").write_text(mid + "\n")
             (spec.sock_dir / "machine-id").chmod(0o444)
             await chan.listen()
+            t0 = time.monotonic()
             if image is None:
                 await self.backend.start(spec)
             else:
                 await self.backend.restore(spec, image)
+            t1 = time.monotonic()
             await chan.wait_connected(self.cfg.agent_connect_timeout)
+            t2 = time.monotonic()
             await self._identity(lv)
+            log.info("%s of %s: backend %.0f ms, agent hello %.0f ms, identity %.0f ms",
+                     "boot" if image is None else "restore", row.id, (t1 - t0) * 1e3,
+                     (t2 - t1) * 1e3, (time.monotonic() - t2) * 1e3)
         except BaseException:
             await self._teardown(row.id)
             raise

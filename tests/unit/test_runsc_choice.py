@@ -13,16 +13,19 @@ from cpuosd.backends import runsc as R
 REPO = Path(__file__).resolve().parents[2]
 
 NEW_FLAGS = ("  -platform string\n    \tspecifies which platform to use: systrap (default), "
-             "ptrace, kvm. (default \"systrap\")\n")
+             "ptrace, kvm. (default \"systrap\")\n"
+             "  -gofer-network-namespace value\n")
 OLD_FLAGS = "  -platform string\n    \tspecifies which platform to use: ptrace (default), kvm\n"
 
 
 def fake_runsc(path: Path, version: str, flags: str) -> Path:
+    restore = "  -background\n" if "gofer-network" in flags else ""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("#!/bin/sh\n"
                     f"if [ \"$1\" = --version ]; then echo 'runsc version {version}'; "
                     "echo 'spec: 1.0.2'; exit 0; fi\n"
-                    f"if [ \"$1\" = flags ]; then printf '%s' '{flags}'; exit 0; fi\nexit 1\n")
+                    f"if [ \"$1\" = flags ]; then printf '%s' '{flags}'; exit 0; fi\n"
+                    f"if [ \"$1\" = help ]; then printf '%s' '{restore}'; exit 0; fi\nexit 1\n")
     path.chmod(0o755)
     return path
 
@@ -50,6 +53,8 @@ def test_pinned_build_wins_over_path_on_systrap(tmp_path: Path) -> None:
         str(R.pinned_path(prefix)), R.PINNED_VERSION, "systrap", "pinned")
     assert not r.is_fallback
     assert r.platforms == ("systrap", "ptrace", "kvm")
+    assert r.gofer_flags() == ["--gofer-network-namespace=new"]
+    assert r.background_restore
 
 
 def test_debian_fallback_warns_and_uses_ptrace(tmp_path: Path,
@@ -59,6 +64,7 @@ def test_debian_fallback_warns_and_uses_ptrace(tmp_path: Path,
         r = R.find_runsc(tmp_path / "lib")
     assert (r.path, r.platform, r.source) == (str(deb), "ptrace", "path")
     assert r.is_fallback
+    assert r.gofer_flags() == [] and not r.background_restore  # not in Debian's 2022 build
     assert "not the pinned build" in caplog.text
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -150,7 +151,7 @@ class GVisorBackend:
         # --gofer-network-namespace=new: each gofer in an empty netns of its own (runsc's
         # default, one shared netns bind-mounted at <root>/null-netns, is never unmounted)
         return [*self._global_flags(), "--network=none", "--host-uds=open",
-                "--overlay2=root:memory", "--gofer-network-namespace=new"]
+                "--overlay2=root:memory", *self.info.gofer_flags()]
 
     async def start(self, spec: SandboxSpec) -> None:
         bundle = self._bundle(spec)
@@ -187,7 +188,10 @@ class GVisorBackend:
 
     async def restore(self, spec: SandboxSpec, image_dir: Path) -> None:
         bundle = self._bundle(spec)
-        args = [*self._sandbox_flags(), "restore", "--detach", f"--image-path={image_dir}",
+        # --background: memory pages keep loading after restore returns (the sandbox runs
+        # meanwhile); needs an uncompressed image, which is runsc's default now
+        bg = ["--background"] if self.info.background_restore else []
+        args = [*self._sandbox_flags(), "restore", "--detach", *bg, f"--image-path={image_dir}",
                 "--bundle", str(bundle), spec.id]
         rc, _, err = await self._run(*args, log_path=spec.dir / "runsc.log", timeout=120)
         if rc != 0:
@@ -198,7 +202,12 @@ class GVisorBackend:
     image_kind = "gvisor"
 
     async def close(self) -> None:
-        pass
+        # a runsc without --gofer-network-namespace (Debian's) bind-mounts one shared gofer
+        # netns at <root>/null-netns and never unmounts it; running gofers keep theirs
+        null = self.root / "null-netns"
+        if not self.info.gofer_netns and os.path.ismount(null):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.umount2(str(null).encode(), 2)  # MNT_DETACH
 
     def memory_usage(self, sandbox_id: str) -> int | None:
         """Bytes the sandbox's cgroup holds (an upper bound of its checkpoint image)."""

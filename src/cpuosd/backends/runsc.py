@@ -43,25 +43,34 @@ class Runsc:
     platform: str
     source: str  # env | pinned | other-build | path
     platforms: tuple[str, ...]  # those the binary knows
+    # --gofer-network-namespace (not in Debian's 2022 build)
+    gofer_netns: bool = False
+    # restore --background (memory keeps loading after restore returns; not in Debian's)
+    background_restore: bool = False
 
     @property
     def is_fallback(self) -> bool:
         return self.source in ("path", "other-build")
 
-    def describe(self) -> dict[str, str]:
-        return {"path": self.path, "version": self.version, "platform": self.platform,
-                "source": self.source}
+    def gofer_flags(self) -> list[str]:
+        """Each gofer in an empty netns of its own: runsc's default (one shared netns
+        bind-mounted at <root>/null-netns) leaves that mount behind for good."""
+        return ["--gofer-network-namespace=new"] if self.gofer_netns else []
+
 
 
 def pinned_path(prefix: Path | None = None) -> Path:
     return (prefix or PREFIX) / f"runsc-{PINNED_VERSION}" / "runsc"
 
 
-def _probe(path: str) -> tuple[str, tuple[str, ...]]:
-    """(version, platforms known) of a runsc binary; raises RunscUnavailable."""
+def _probe(path: str) -> tuple[str, tuple[str, ...], bool, bool]:
+    """(version, platforms known, knows --gofer-network-namespace, knows restore
+    --background) of a runsc binary; raises RunscUnavailable."""
     try:
         v = subprocess.run([path, "--version"], capture_output=True, timeout=20, check=False)
         f = subprocess.run([path, "flags"], capture_output=True, timeout=20, check=False)
+        r = subprocess.run([path, "help", "restore"], capture_output=True, timeout=20,
+                           check=False)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise RunscUnavailable(f"cannot run {path}: {e}") from None
     m = re.search(rb"runsc version (\S+)", v.stdout + v.stderr)
@@ -70,7 +79,8 @@ def _probe(path: str) -> tuple[str, tuple[str, ...]]:
     text = f.stdout + f.stderr
     line = next((ln for ln in text.splitlines() if b"platform to use" in ln), b"")
     known = tuple(p for p in PLATFORMS if p.encode() in line) or ("ptrace",)
-    return m.group(1).decode(), known
+    return (m.group(1).decode(), known, b"-gofer-network-namespace" in text,
+            b"-background" in r.stdout + r.stderr)
 
 
 def _others(prefix: Path) -> list[Path]:
@@ -101,7 +111,7 @@ def find_runsc(prefix: Path | None = None) -> Runsc:
     errors = []
     for path, source in candidates:
         try:
-            version, known = _probe(path)
+            version, known, gofer_netns, background = _probe(path)
         except RunscUnavailable as e:
             errors.append(str(e))
             continue
@@ -110,7 +120,7 @@ def find_runsc(prefix: Path | None = None) -> Runsc:
         if platform not in known:
             raise RunscUnavailable(f"runsc {version} ({path}) has no platform {platform!r}; "
                                    f"it knows {', '.join(known)}")
-        r = Runsc(path, version, platform, source, known)
+        r = Runsc(path, version, platform, source, known, gofer_netns, background)
         if r.is_fallback:
             log.warning("runsc %s at %s is not the pinned build %s (run scripts/build-runsc.sh)"
                         "; platform %s", version, path, PINNED_VERSION, platform)
