@@ -139,18 +139,23 @@ class UnixSocketTransport(Transport):
     sees every session end (the socket closes)."""
 
     RETRY = 0.005  # the host is waiting for us after a restore: come back quickly
+    MAX_RETRY = 1.0
 
     def __init__(self, path: str) -> None:
         self.path = path
 
     def connect(self) -> Link:
+        # quickly at first (the host is waiting for us after a restore), then backing off to
+        # MAX_RETRY: a hundred sandboxes whose daemon is down must not load the host
+        delay = self.RETRY
         while True:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 s.connect(self.path)
             except OSError:
                 s.close()
-                time.sleep(self.RETRY)
+                time.sleep(delay)
+                delay = min(self.MAX_RETRY, delay * 1.5)
                 continue
             return SocketLink(s)
 
@@ -675,7 +680,8 @@ class Exec:
 
 
 class Agent:
-    def __init__(self) -> None:
+    def __init__(self, key: str | None = None) -> None:
+        self.key = key if key is not None else read_key()
         self.reaper = Reaper()
         self.execs: dict[int, Exec] = {}
         self.writes: dict[int, tuple[BinaryIO, str, str]] = {}
@@ -688,7 +694,8 @@ class Agent:
             quiesced = False
             try:
                 conn.send({"t": "hello", "version": P.PROTOCOL_VERSION, "pid": os.getpid(),
-                           "uid": os.getuid(), "transport": transport.kind})
+                           "uid": os.getuid(), "transport": transport.kind,
+                           "key": self.key})
                 self._serve(conn)
             except Quiesce:
                 quiesced = True
@@ -919,6 +926,24 @@ def apply_identity(h: P.Header) -> list[str]:
     return applied
 
 
+def read_key(path: str = P.KEY_PATH) -> str:
+    """The key the host left for this agent ("" if none: a microVM's agent, whose channel
+    is a device only it can open)."""
+    try:
+        with open(path) as f:
+            key = f.read(128).strip()
+    except OSError:
+        return ""
+    return key if re.fullmatch(P.KEY_RE, key) else ""
+
+
+def not_dumpable() -> None:
+    """No process of the commands' uid may read this one's memory, fds or environment
+    (/proc/1/mem, /proc/1/fd, ptrace): the agent key lives there."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
+
+
 def drop_inheritable_caps() -> None:
     """The microVM's /init hands the agent CAP_SYS_ADMIN and CAP_SYS_TIME (hostname,
     RNG reseed, clock) as ambient capabilities; keep them for the agent alone: clear the
@@ -992,6 +1017,7 @@ def main() -> None:
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     os.umask(0o022)
     sys.stdout = sys.stderr  # nothing of ours goes to a guest-visible stdout
+    not_dumpable()
     drop_inheritable_caps()
     Agent().serve_forever()
 

@@ -21,7 +21,13 @@ import json
 import struct
 from typing import Any
 
-PROTOCOL_VERSION = 1
+# 2: the hello carries the per-sandbox agent key (the host refuses other versions)
+PROTOCOL_VERSION = 2
+# where the host leaves the agent its key before a cold boot; it removes the file once the
+# agent has said hello, before any command runs (the agent keeps the key in memory, which
+# no command can read: the agent is not dumpable)
+KEY_PATH = "/run/cpuos/agent.key"
+KEY_RE = r"[0-9a-f]{64}"
 CONTENT_TYPE = "application/x-cpuos-frames"
 
 MAX_HEADER = 64 * 1024

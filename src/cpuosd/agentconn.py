@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import itertools
 import logging
 import os
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -70,9 +72,22 @@ class Stream:
         self.chan.streams.pop(self.id, None)
 
 
+# at most one logged refusal per channel per this many seconds (code inside a sandbox can
+# knock on its socket in a loop: that must not flood the daemon's log)
+REFUSAL_LOG_INTERVAL = 10.0
+
+
 class AgentChannel:
-    def __init__(self, sock_path: Path) -> None:
+    """``key``: the agent must present it in its hello (hmac-compared). A hello without it
+    (code inside the sandbox knocking on the socket) is refused and never displaces the
+    connected agent; only a hello with the key, i.e. the agent itself reconnecting, may."""
+
+    def __init__(self, sock_path: Path, key: str | None = None) -> None:
         self.sock_path = sock_path
+        self.key = key
+        self.refusals = 0
+        self.last_refusal: str | None = None
+        self._refusal_logged = -REFUSAL_LOG_INTERVAL
         self.streams: dict[int, Stream] = {}
         self.generation = 0
         self.hello: P.Header | None = None
@@ -127,20 +142,20 @@ class AgentChannel:
         try:
             await asyncio.wait_for(self._connected.wait(), timeout)
         except TimeoutError:
-            raise ApiError("unavailable", f"sandbox agent did not connect within {timeout:.0f}s"
-                           ) from None
+            why = f" (refused: {self.last_refusal})" if self.last_refusal else ""
+            raise ApiError("unavailable", f"sandbox agent did not connect within "
+                           f"{timeout:.0f}s{why}") from None
 
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
                           ) -> None:
         try:
             h, _ = await asyncio.wait_for(self._read_frame(reader), 10)
-            if h["t"] != "hello":
-                raise P.ProtocolError("first frame must be hello")
+            self._check_hello(h)
         except (TimeoutError, P.ProtocolError, asyncio.IncompleteReadError, OSError) as e:
-            log.warning("agent handshake failed on %s: %s", self.sock_path, e)
+            self._refuse(str(e) or type(e).__name__)
             writer.close()
             return
-        self._drop_connection()  # a new agent connection replaces the old one
+        self._drop_connection()  # the agent itself (it has the key) reconnected
         self.generation += 1
         self.hello = h
         self._writer = writer
@@ -167,6 +182,29 @@ class AgentChannel:
             if self.generation == gen:
                 self._drop_connection()
             writer.close()
+
+    def _check_hello(self, h: P.Header) -> None:
+        if h["t"] != "hello":
+            raise P.ProtocolError("first frame must be hello")
+        v = h.get("version")
+        if v != P.PROTOCOL_VERSION:
+            raise P.ProtocolError(f"agent speaks protocol version {v!r}; this daemon speaks "
+                                  f"{P.PROTOCOL_VERSION} (a sandbox paused by an older cpuos "
+                                  "cannot resume)")
+        if self.key is not None:
+            got = h.get("key")
+            if not isinstance(got, str) or not hmac.compare_digest(got.encode(),
+                                                                   self.key.encode()):
+                raise P.ProtocolError("hello without the agent key (not the agent)")
+
+    def _refuse(self, why: str) -> None:
+        self.refusals += 1
+        self.last_refusal = why[:300]
+        now = time.monotonic()
+        if now - self._refusal_logged >= REFUSAL_LOG_INTERVAL:
+            self._refusal_logged = now
+            log.warning("agent channel %s refused a connection (%d so far): %s",
+                        self.sock_path, self.refusals, self.last_refusal)
 
     @staticmethod
     async def _read_frame(reader: asyncio.StreamReader) -> tuple[P.Header, bytes]:

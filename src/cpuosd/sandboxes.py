@@ -29,7 +29,7 @@ from .backends.base import Backend, SandboxSpec
 from .config import Config
 from .errors import ApiError, not_found
 from .paths import check_id
-from .reaper import reap_orphans
+from . import procs
 from .store import LIVE_STATES, SandboxRow, Store
 from .templates.builder import list_templates, template_info
 
@@ -41,6 +41,10 @@ MAX_ENTRIES = 10000
 DEVICE_SETTLE = 0.1
 # s a request waits for the agent of a running sandbox that is reconnecting
 RECONNECT_GRACE = 5.0
+# s a kill waits for another operation on the sandbox to let go, then for its teardown
+KILL_LOCK_WAIT = 3.0
+KILL_TIMEOUT = 20.0
+KILL_RETRY_INTERVAL = 5.0
 
 
 def _now() -> float:
@@ -62,6 +66,8 @@ class Manager:
         self.live: dict[str, Live] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._locks: dict[str, asyncio.Lock] = {}
+        # creates in progress (cancelled by a DELETE of their sandbox)
+        self._inflight: dict[str, asyncio.Task[Any] | None] = {}
         self.pool: dict[str, list[Live]] = {}
         self._filling: dict[str, bool] = {}
         self.agent_dir = self._install_agent()
@@ -115,6 +121,7 @@ class Manager:
         self.cfg.snapshots_dir.chmod(0o700)
         await self.reconcile()
         self._spawn(self._reaper())
+        self._spawn(procs.reap_loop())  # the runsc/QEMU processes we adopted
         if self.cfg.pool_size > 0 and template_info(self.cfg.templates_dir, "python"):
             self._spawn(self._fill_pool("python"))
 
@@ -189,7 +196,8 @@ class Manager:
         self._prune_agents()
 
     async def _reattach(self, row: SandboxRow) -> None:
-        lv = Live(row, self._spec(row), AgentChannel(self._spec(row).sock_path))
+        lv = Live(row, self._spec(row), AgentChannel(self._spec(row).sock_path,
+                                                     row.spec.get("agent_key")))
         self.live[row.id] = lv
         await lv.chan.listen()
         lv.chan.on_disconnect.append(lambda sid=row.id: self._on_disconnect(sid))
@@ -251,7 +259,8 @@ class Manager:
         connected and told who it is. On failure everything made for it is removed and
         the error raised."""
         spec = self._spec(row)
-        chan = AgentChannel(spec.sock_path)
+        key = self._agent_key(row, image)
+        chan = AgentChannel(spec.sock_path, key)
         spec.template_boot, spec.adopt = template_boot, chan.adopt
         lv = Live(row, spec, chan)
         self.live[row.id] = lv
@@ -261,6 +270,12 @@ class Manager:
             mid = row.spec.setdefault("machine_id", secrets.token_hex(16))
             (spec.sock_dir / "machine-id").write_text(mid + "\n")
             (spec.sock_dir / "machine-id").chmod(0o444)
+            key_file = spec.sock_dir / P.KEY_PATH.rsplit("/", 1)[1]
+            if key is not None and image is None:
+                # read once by the agent at start; removed at its hello, before any command
+                fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o444)
+                with os.fdopen(fd, "w") as f:
+                    f.write(key)
             await chan.listen()
             t0 = time.monotonic()
             if image is None:
@@ -269,6 +284,7 @@ class Manager:
                 await self.backend.restore(spec, image)
             t1 = time.monotonic()
             await chan.wait_connected(self.cfg.agent_connect_timeout)
+            key_file.unlink(missing_ok=True)
             t2 = time.monotonic()
             await self._identity(lv)
             log.info("%s of %s: backend %.0f ms, agent hello %.0f ms, identity %.0f ms",
@@ -279,6 +295,27 @@ class Manager:
             raise
         chan.on_disconnect.append(lambda: self._on_disconnect(row.id))
         return lv
+
+    def _agent_key(self, row: SandboxRow, image: Path | None) -> str | None:
+        """The key the sandbox's agent holds: a new one for a cold boot, the image's for a
+        restore (written beside it at checkpoint); kept in the row for reattaching."""
+        if not self.backend.capabilities.agent_key:
+            return None
+        key: str | None = None
+        if image is not None:
+            with contextlib.suppress(OSError):
+                key = (image / "agent.key").read_text().strip()
+        key = key or row.spec.get("agent_key") or secrets.token_hex(32)
+        row.spec["agent_key"] = key
+        return key
+
+    @staticmethod
+    def _save_agent_key(lv: Live, image_dir: Path) -> None:
+        key = lv.row.spec.get("agent_key")
+        if key:
+            fd = os.open(image_dir / "agent.key", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(key)
 
     async def _identity(self, lv: Live) -> None:
         """New for every boot, restore and clone: hostname (the sandbox id), machine-id,
@@ -323,16 +360,36 @@ class Manager:
         row = self._new_row(workspace_id, template, info, timeout, metadata, env, vcpus,
                             memory_mib, on_timeout=on_timeout)
         async with self._lock(row.id):
+            self._inflight[row.id] = asyncio.current_task()
             try:
-                lv = await self._boot(row, image)
-                if image is None:
-                    await self._start_command(lv, info)
+                await self._boot_or_fallback(row, image, info)
             except BaseException as e:
                 await self._teardown(row.id)
-                self._finish(row.id, "error", f"create failed: {e}"[:500])
+                why = "cancelled (deleted while creating)" if isinstance(
+                    e, asyncio.CancelledError) else str(e)
+                self._finish(row.id, "error", f"create failed: {why}"[:500])
                 raise
+            finally:
+                self._inflight.pop(row.id, None)
             self._mark_running(row, timeout)
         return row
+
+    async def _boot_or_fallback(self, row: SandboxRow, image: Path | None,
+                                info: dict[str, Any]) -> Live:
+        """Restore from image, retried once, then a cold boot (with the template's start
+        command), before an error reaches the user."""
+        if image is not None:
+            for attempt in (1, 2):
+                try:
+                    return await self._boot(row, image)
+                except ApiError as e:
+                    log.warning("restore of %s from %s failed (attempt %d): %s", row.id,
+                                image.name, attempt, e.message)
+            log.warning("sandbox %s: restores failed; booting it instead", row.id)
+            row.spec.pop("agent_key", None)  # a cold boot's agent gets a key of its own
+        lv = await self._boot(row, None)
+        await self._start_command(lv, info)
+        return lv
 
     # ---- template snapshots and the warm pool -----------------------------------------
     def _template_image_name(self, template: str, digest: str) -> str:
@@ -379,6 +436,7 @@ class Manager:
             await self._start_command(lv, info)
             await self._quiesce(lv)
             await self.backend.checkpoint(row.id, tmp)
+            self._save_agent_key(lv, tmp)
             os.rename(tmp, d)
         finally:
             await self._teardown(row.id)
@@ -517,6 +575,7 @@ class Manager:
         t1 = time.monotonic()
         try:
             await self.backend.checkpoint(sid, tmp)
+            self._save_agent_key(lv, tmp)
             os.rename(tmp, image)
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -631,14 +690,48 @@ class Manager:
         return self.get(workspace_id, sid)
 
     async def kill(self, sid: str, reason: str = "killed", final_state: str = "killed") -> None:
-        async with self._lock(sid):
+        """Returns within about KILL_LOCK_WAIT + KILL_TIMEOUT in every state: a create in
+        progress is cancelled; an operation that holds the sandbox longer is not waited
+        for; a teardown that overruns leaves the row in error with that reason."""
+        task = self._inflight.get(sid)
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+        lock = self._lock(sid)
+        try:
+            await asyncio.wait_for(lock.acquire(), KILL_LOCK_WAIT)
+            locked = True
+        except TimeoutError:
+            locked = False
+            log.warning("kill of %s: another operation holds it; killing anyway", sid)
+        try:
             row = self.store.get_sandbox(sid)
             if row is None or row.state not in LIVE_STATES:
                 return
             self.store.update_sandbox(sid, state="killing", reason=reason)
-            await self._teardown(sid)
+            try:
+                await asyncio.wait_for(self._teardown(sid), KILL_TIMEOUT)
+            except TimeoutError:
+                log.error("kill of %s: teardown did not finish in %.0fs", sid, KILL_TIMEOUT)
+                self._finish(sid, "error", f"kill timed out after {KILL_TIMEOUT:.0f}s")
+                self._spawn(self._retry_teardown(sid))
+                return
             shutil.rmtree(self._snap(sid), ignore_errors=True)
             self._finish(sid, final_state, reason)
+        finally:
+            if locked:
+                lock.release()
+
+    async def _retry_teardown(self, sid: str, attempts: int = 12) -> None:
+        """A teardown that overran is tried again in the background (a restarted daemon's
+        reconcile also ends any runsc sandbox without a live record)."""
+        for _ in range(attempts):
+            await asyncio.sleep(KILL_RETRY_INTERVAL)
+            try:
+                await asyncio.wait_for(self._teardown(sid), KILL_TIMEOUT)
+                log.info("kill of %s: teardown finished on a retry", sid)
+                return
+            except Exception as e:
+                log.warning("kill of %s: retry failed: %s", sid, e)
 
     async def _teardown(self, sid: str) -> None:
         lv = self.live.pop(sid, None)
@@ -652,24 +745,34 @@ class Manager:
         self._locks.pop(sid, None)
 
     async def _reaper(self) -> None:
+        """Deadlines: each expired sandbox is handled in a task of its own, so one slow or
+        stuck kill never holds up another workspace's deadlines."""
+        expiring: set[str] = set()
         while True:
             await asyncio.sleep(self.cfg.reaper_interval)
-            reap_orphans()  # sandbox processes we adopted (see cpuosd.reaper)
             for sid, on_timeout in self.store.expired(_now()):
-                log.info("sandbox %s reached its deadline (%s)", sid, on_timeout)
-                try:
-                    if on_timeout == "pause":
-                        row = self.store.get_sandbox(sid)
-                        if row is not None:
-                            try:
-                                await self.pause(row.workspace_id, sid)
-                                self.store.update_sandbox(sid, remaining=row.spec.get("timeout"))
-                                continue
-                            except ApiError as e:
-                                log.warning("auto-pause of %s failed (%s); killing", sid, e)
-                    await self.kill(sid, reason="timeout")
-                except Exception:
-                    log.exception("reaper failed on %s", sid)
+                if sid in expiring:
+                    continue
+                expiring.add(sid)
+                self._spawn(self._expire(sid, on_timeout, expiring))
+
+    async def _expire(self, sid: str, on_timeout: str, expiring: set[str]) -> None:
+        log.info("sandbox %s reached its deadline (%s)", sid, on_timeout)
+        try:
+            if on_timeout == "pause":
+                row = self.store.get_sandbox(sid)
+                if row is not None:
+                    try:
+                        await self.pause(row.workspace_id, sid)
+                        self.store.update_sandbox(sid, remaining=row.spec.get("timeout"))
+                        return
+                    except ApiError as e:
+                        log.warning("auto-pause of %s failed (%s); killing", sid, e)
+            await self.kill(sid, reason="timeout")
+        except Exception:
+            log.exception("deadline handling failed on %s", sid)
+        finally:
+            expiring.discard(sid)
 
     # ---- exec -----------------------------------------------------------------------
     async def exec_start(self, lv: Live, cmd: str | list[str], env: dict[str, str],

@@ -18,7 +18,7 @@ async def _setup() -> tuple[AgentChannel, asyncio.StreamReader, asyncio.StreamWr
     chan = AgentChannel(d / "agent.sock")
     await chan.listen()
     r, w = await asyncio.open_unix_connection(str(d / "agent.sock"))
-    w.write(P.encode({"t": "hello", "version": 1}))
+    w.write(P.encode({"t": "hello", "version": P.PROTOCOL_VERSION}))
     await w.drain()
     await chan.wait_connected(5)
     return chan, r, w
@@ -69,6 +69,52 @@ def test_frames_for_unknown_streams_are_ignored_and_hello_required() -> None:
         await asyncio.sleep(0.2)
         assert chan.connected
         s.close()
+        await chan.close()
+
+    asyncio.run(main())
+
+
+async def _until(cond: object, timeout: float = 5) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():  # type: ignore[operator]
+        assert loop.time() < end, "condition not reached"
+        await asyncio.sleep(0.005)
+
+
+def test_keyed_channel_refuses_impostors_and_old_agents() -> None:
+    key = "ab" * 32
+
+    async def hello(path: Path, **fields: object) -> asyncio.StreamWriter:
+        _, w = await asyncio.open_unix_connection(str(path))
+        w.write(P.encode({"t": "hello", "version": P.PROTOCOL_VERSION, **fields}))
+        await w.drain()
+        return w
+
+    async def main() -> None:
+        d = Path(tempfile.mkdtemp(prefix="cpuos-ac-"))
+        chan = AgentChannel(d / "agent.sock", key)
+        await chan.listen()
+        # no key, a wrong key, an old protocol: refused, nothing connected
+        for fields in ({}, {"key": "cd" * 32}, {"key": key, "version": 1}):
+            await hello(chan.sock_path, **fields)
+        await _until(lambda: chan.refusals == 3)
+        assert not chan.connected
+        with pytest.raises(Exception, match="protocol version 1"):
+            await chan.wait_connected(0.1)
+        # the agent (it has the key) connects; an impostor after it never displaces it
+        agent = await hello(chan.sock_path, key=key)  # (kept: a dropped writer hangs up)
+        await chan.wait_connected(5)
+        gen = chan.generation
+        impostor = await hello(chan.sock_path, key="00" * 32)
+        await _until(lambda: chan.refusals == 4)
+        assert chan.connected and chan.generation == gen
+        # the agent itself reconnecting replaces its old connection
+        again = await hello(chan.sock_path, key=key)
+        await _until(lambda: chan.generation == gen + 1)
+        assert chan.connected
+        for w in (agent, impostor, again):
+            w.close()
         await chan.close()
 
     asyncio.run(main())

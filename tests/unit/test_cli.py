@@ -171,11 +171,14 @@ class FakeSandbox:
         self.closed = False
 
     @classmethod
-    def connect(cls, sid: str, **kw: Any) -> FakeSandbox:
-        if sid == "sbx-gone":
-            raise NotFound(f"sandbox {sid!r} not found")
-        cls.calls.append(("connect", (sid, kw)))
-        return cls(sid)
+    def connect(cls, sandbox_id: str, *, auto_resume: bool = True,
+                api_url: str | None = None, api_key: str | None = None) -> FakeSandbox:
+        """Sandbox.connect's signature (test_fake_matches_the_sdk checks it)."""
+        if sandbox_id == "sbx-gone":
+            raise NotFound(f"sandbox {sandbox_id!r} not found")
+        cls.calls.append(("connect", (sandbox_id, {"auto_resume": auto_resume,
+                                                   "api_url": api_url, "api_key": api_key})))
+        return cls(sandbox_id)
 
     def exec(self, cmd: Any, **kw: Any) -> ExecResult:
         self.calls.append(("exec", (cmd, kw)))
@@ -262,3 +265,27 @@ def test_files_ls_table(fake: type[FakeSandbox]) -> None:
     assert r.exit_code == 0
     assert "0644" in r.stdout and "a.txt" in r.stdout
     assert "[sub]/" in r.stdout and "0755" in r.stdout
+
+
+def test_fake_matches_the_sdk() -> None:
+    import inspect
+
+    from cpuos import Sandbox
+
+    for name in ("connect",):
+        fake, real = (inspect.signature(getattr(c, name)) for c in (FakeSandbox, Sandbox))
+        assert fake.parameters == real.parameters, name
+
+
+@pytest.mark.parametrize("argv", [["info", "sbx-1"], ["kill", "sbx-1"],
+                                  ["timeout", "sbx-1", "5m"]])
+def test_inspecting_or_killing_never_resumes(fake: type[FakeSandbox], argv: list[str]) -> None:
+    runner.invoke(cli.app, argv)
+    resumes = [c[1][1]["auto_resume"] for c in fake.calls if c[0] == "connect"]
+    assert resumes and not any(resumes), fake.calls
+
+
+def test_exec_resumes_a_paused_sandbox(fake: type[FakeSandbox]) -> None:
+    r = runner.invoke(cli.app, ["exec", "sbx-1", "--", "true"])
+    assert r.exit_code == 3, r.output
+    assert [c[1][1]["auto_resume"] for c in fake.calls if c[0] == "connect"] == [True]

@@ -161,8 +161,11 @@ _STATE_STYLE = {"running": "green", "creating": "yellow", "killing": "yellow", "
 
 
 @contextmanager
-def _connect(sandbox_id: str, api_url: str | None, api_key: str | None) -> Iterator[Sandbox]:
-    sbx = Sandbox.connect(sandbox_id, api_url=api_url, api_key=api_key)
+def _connect(sandbox_id: str, api_url: str | None, api_key: str | None, *,
+             resume: bool = False) -> Iterator[Sandbox]:
+    """The sandbox; a paused one stays paused unless ``resume`` (exec and files, which
+    need it running, say so)."""
+    sbx = Sandbox.connect(sandbox_id, auto_resume=resume, api_url=api_url, api_key=api_key)
     try:
         yield sbx
     finally:
@@ -301,6 +304,37 @@ def kill(
             sbx.kill()
 
 
+@app.command()
+def pause(sandbox_id: SandboxId, api_url: ApiUrl = None, api_key: ApiKey = None) -> None:
+    """Pause a sandbox: memory, processes and files to disk; nothing left running."""
+    with _connect(sandbox_id, api_url, api_key) as sbx:
+        sbx.pause()
+    typer.echo(f"{sandbox_id}: paused")
+
+
+@app.command()
+def resume(sandbox_id: SandboxId, api_url: ApiUrl = None, api_key: ApiKey = None) -> None:
+    """Resume a paused sandbox as it was."""
+    sbx = Sandbox.resume(sandbox_id, api_url=api_url, api_key=api_key)
+    sbx.close()
+    typer.echo(f"{sandbox_id}: running")
+
+
+@app.command()
+def fork(
+    sandbox_id: SandboxId,
+    n: Annotated[int, typer.Option("-n", help="How many copies.", min=1, max=16)] = 1,
+    api_url: ApiUrl = None,
+    api_key: ApiKey = None,
+) -> None:
+    """Copy a running sandbox (memory, processes, files) N times; prints the new ids."""
+    with _connect(sandbox_id, api_url, api_key) as sbx:
+        clones = sbx.fork(n=n)
+    for c in clones:
+        typer.echo(c.id)
+        c.close()
+
+
 @app.command("timeout")
 def set_timeout(
     sandbox_id: SandboxId,
@@ -355,7 +389,7 @@ def exec_(
     data = sys.stdin.buffer.read() if stdin else None
     sys.stdout.flush()
     sys.stderr.flush()
-    with _connect(sandbox_id, api_url, api_key) as sbx:
+    with _connect(sandbox_id, api_url, api_key, resume=True) as sbx:
         res = sbx.exec(command, timeout=timeout, cwd=cwd, env=env_d, stdin=data,
                        on_stdout=_writer(sys.stdout), on_stderr=_writer(sys.stderr),
                        max_output=64 * 1024)  # the output is streamed; keep little of it
@@ -382,7 +416,7 @@ def files_put(
         raise CliError("not_found", f"local file {str(local)!r} does not exist or is not a file")
     if remote.endswith("/"):
         remote += local.name
-    with _connect(sandbox_id, api_url, api_key) as sbx:
+    with _connect(sandbox_id, api_url, api_key, resume=True) as sbx:
         e = sbx.files.upload(local, remote)
     typer.echo(f"{e.path} ({e.size} bytes)")
 
@@ -397,7 +431,7 @@ def files_get(
     api_key: ApiKey = None,
 ) -> None:
     """Download a file from the sandbox (to stdout, raw bytes, without LOCAL)."""
-    with _connect(sandbox_id, api_url, api_key) as sbx:
+    with _connect(sandbox_id, api_url, api_key, resume=True) as sbx:
         if local is None or local == "-":
             data = sbx.files.read(remote)
             sys.stdout.flush()
@@ -432,7 +466,7 @@ def files_ls(
     api_key: ApiKey = None,
 ) -> None:
     """List a directory in the sandbox."""
-    with _connect(sandbox_id, api_url, api_key) as sbx:
+    with _connect(sandbox_id, api_url, api_key, resume=True) as sbx:
         entries = sbx.files.list(path)
     if json_:
         _print_json([dataclasses.asdict(e) for e in entries])
@@ -459,7 +493,7 @@ def files_rm(
     api_key: ApiKey = None,
 ) -> None:
     """Remove a file or directory in the sandbox."""
-    with _connect(sandbox_id, api_url, api_key) as sbx:
+    with _connect(sandbox_id, api_url, api_key, resume=True) as sbx:
         sbx.files.remove(path)
 
 

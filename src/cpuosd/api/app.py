@@ -31,7 +31,7 @@ from ..backends.microvm.selection import BackendUnavailable, select_backend
 from ..config import Config
 from ..errors import ApiError, invalid
 from ..paths import ID_RE, check_path
-from ..reaper import become_subreaper
+from ..procs import become_subreaper
 from ..sandboxes import Manager
 from ..store import ACTIVE_STATES, SandboxRow, Store
 

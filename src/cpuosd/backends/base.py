@@ -40,6 +40,9 @@ class Capabilities:
     name: str
     checkpoint: bool
     network: bool
+    # the agent's channel is a socket code inside could knock on: the agent proves itself
+    # with a per-sandbox key (cpuos_agent.protocol.KEY_PATH)
+    agent_key: bool = False
 
 
 class Backend(Protocol):

@@ -12,7 +12,6 @@ socket in a per-sandbox directory bind-mounted at /run/cpuos. No network
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import json
 import logging
@@ -20,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .. import reaper
+from .. import procs
 from ..errors import ApiError
 from .base import Capabilities, SandboxSpec
 from .runsc import Runsc
@@ -88,7 +87,7 @@ def oci_spec(spec: SandboxSpec) -> dict[str, Any]:
 
 
 class GVisorBackend:
-    capabilities = Capabilities(name="gvisor", checkpoint=True, network=False)
+    capabilities = Capabilities(name="gvisor", checkpoint=True, network=False, agent_key=True)
 
     def __init__(self, runsc: Runsc, root: Path) -> None:
         self.info = runsc
@@ -105,38 +104,13 @@ class GVisorBackend:
 
     async def _run(self, *args: str, timeout: float = 30.0, log_path: Path | None = None
                    ) -> tuple[int, bytes, bytes]:
-        """Run runsc; with ``log_path`` its output goes to that file (a detached sandbox
-        inherits runsc's stdio, so pipes would never reach EOF)."""
-        logf = open(log_path, "ab") if log_path is not None else None
+        """Run runsc through cpuosd.procs (output to files: a detached sandbox inherits
+        runsc's stdio, so pipes would never reach EOF); a runsc that overruns is killed."""
         try:
-            out_target = logf if logf is not None else asyncio.subprocess.PIPE
-            proc = await asyncio.create_subprocess_exec(
-                *args, stdin=asyncio.subprocess.DEVNULL, stdout=out_target, stderr=out_target,
-                start_new_session=True)
-        finally:
-            if logf is not None:
-                logf.close()
-        reaper.managed.add(proc.pid)
-        try:
-            return await self._wait(proc, args, timeout, log_path)
-        finally:
-            reaper.managed.discard(proc.pid)
-
-    async def _wait(self, proc: asyncio.subprocess.Process, args: tuple[str, ...],
-                    timeout: float, log_path: Path | None) -> tuple[int, bytes, bytes]:
-        try:
-            if log_path is not None:
-                await asyncio.wait_for(proc.wait(), timeout)
-                out, err = b"", log_path.read_bytes()[-2000:]
-            else:
-                out, err = await asyncio.wait_for(proc.communicate(), timeout)
+            return await procs.run(args, timeout=timeout, log_path=log_path)
         except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
-            raise ApiError("internal", f"runsc {args[4:6]} timed out after {timeout}s") from None
-        assert proc.returncode is not None
-        return proc.returncode, out, err
+            raise ApiError("timeout", f"runsc {' '.join(args[4:6])} did not finish within "
+                           f"{timeout:.0f}s") from None
 
     def _bundle(self, spec: SandboxSpec) -> Path:
         bundle = spec.dir / "bundle"
@@ -176,12 +150,18 @@ class GVisorBackend:
         await self._delete_reaping(sandbox_id)
 
     async def _delete_reaping(self, sandbox_id: str) -> None:
-        """runsc delete waits for the sandbox process to be reaped: reap while it waits."""
+        """runsc delete waits for the sandbox process (our adopted orphan) to be reaped:
+        reap orphans while it waits (woken every 5 ms; each pass is one scan of our
+        children, bounded by runsc delete's own timeout)."""
         delete = asyncio.ensure_future(
             self._run(*self._global_flags(), "delete", "--force", sandbox_id))
-        while not delete.done():
-            reaper.reap_orphans()
-            await asyncio.wait([delete], timeout=0.005)
+        try:
+            while not delete.done():
+                await asyncio.to_thread(procs.reap_orphans)
+                await asyncio.wait([delete], timeout=0.005)
+        except BaseException:
+            delete.cancel()
+            raise
         rc, _, err = delete.result()
         if rc != 0 and b"not exist" not in err:
             log.warning("runsc delete %s: %s", sandbox_id, err.decode(errors="replace")[-300:])

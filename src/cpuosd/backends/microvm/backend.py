@@ -68,6 +68,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ... import procs
 from ...errors import ApiError
 from ..base import Capabilities, SandboxSpec
 from . import jailer, kernel, ram
@@ -115,6 +116,10 @@ class TemplateRAM:
     fd: int
     standby: list[VM] = field(default_factory=list)
     filling: bool = False
+
+
+# s the jailer has to set up the jail and exec QEMU
+JAIL_TIMEOUT = 60.0
 
 
 class MicroVMBackend:
@@ -306,12 +311,16 @@ class MicroVMBackend:
         argv = self.jailed_argv(spec, uid, vm, rootfs_image, overlay, jid, ram_fd)
         spec.dir.mkdir(parents=True, exist_ok=True)
         with open(spec.dir / "qemu.log", "ab") as logf:
-            proc = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=logf, stderr=logf,
-                start_new_session=True, pass_fds=() if ram_fd is None else (ram_fd,))
+            proc = procs.spawn(argv, stdout=logf, stderr=logf,
+                               pass_fds=() if ram_fd is None else (ram_fd,))
         # --detach: the jailer exits once QEMU has been exec'd (QEMU is left to us, the
         # subreaper); no supervisor process stays beside each VM
-        rc = await proc.wait()
+        try:
+            rc = await proc.wait(JAIL_TIMEOUT)
+        except BaseException:
+            proc.killpg()
+            proc.kill()
+            raise
         paths = jailer.jail_paths(jid, self.qemu, self.jail_base, self.qemu)
         if rc != 0:
             await asyncio.to_thread(jailer.cleanup, jid, self.jail_base, Path(self.qemu).name)
@@ -410,8 +419,7 @@ class MicroVMBackend:
             os.kill(pid, signal.SIGKILL)
         await asyncio.to_thread(jailer.cleanup, jid, self.jail_base, Path(self.qemu).name)
         if pid is not None:  # our child when we are its subreaper (cpuosd): reap it now
-            with contextlib.suppress(ChildProcessError, OSError):
-                os.waitpid(pid, os.WNOHANG)
+            await asyncio.to_thread(procs.reap_orphans)  # (never a child registered there)
         if jid.startswith(STANDBY_PREFIX) and jailer.ID_RE.fullmatch(jid):
             shutil.rmtree(self.standby_dir / jid, ignore_errors=True)
         if rec is None:

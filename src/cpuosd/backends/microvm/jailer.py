@@ -58,7 +58,6 @@ import select
 import shutil
 import signal
 import stat
-import subprocess
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -275,14 +274,17 @@ def place_file(root: Path, src: str, dst: str) -> Path:
 def ldd_deps(binary: str | Path) -> list[str]:
     """Absolute paths of the shared libraries ``binary`` loads (as the loader names them),
     the ELF interpreter included, from ``ldd``."""
-    r = subprocess.run(["ldd", str(binary)], capture_output=True, text=True,
-                       env={"PATH": "/usr/bin:/bin", "LC_ALL": "C"})
-    if r.returncode != 0:
-        if "not a dynamic executable" in (r.stdout + r.stderr):
+    from ... import procs  # (the jailer itself runs as a program of its own: import late)
+
+    rc, bout, berr = procs.run_sync(["ldd", str(binary)],
+                                    env={"PATH": "/usr/bin:/bin", "LC_ALL": "C"})
+    stdout, stderr = bout.decode(errors="replace"), berr.decode(errors="replace")
+    if rc != 0:
+        if "not a dynamic executable" in (stdout + stderr):
             return []
-        raise JailError(f"ldd {binary} failed: {(r.stderr or r.stdout).strip()[:300]}")
+        raise JailError(f"ldd {binary} failed: {(stderr or stdout).strip()[:300]}")
     out: list[str] = []
-    for line in r.stdout.splitlines():
+    for line in stdout.splitlines():
         line = line.strip()
         if "not found" in line:
             raise JailError(f"{binary}: missing library: {line}")

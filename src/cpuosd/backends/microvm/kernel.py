@@ -30,7 +30,6 @@ import os
 import shutil
 import stat
 import struct
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +37,8 @@ import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from ... import procs
 
 KERNEL_PACKAGE = "linux-image-cloud-amd64"
 BUSYBOX_PACKAGE = "busybox-static"
@@ -83,11 +84,11 @@ def current_artifacts(cache: Path | None = None) -> Artifacts | None:
 # ---- Debian packages ------------------------------------------------------------------------
 
 def _run(argv: Sequence[str], cwd: Path | None = None) -> str:
-    r = subprocess.run(list(argv), cwd=cwd, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise KernelError(f"{' '.join(argv)} failed (exit {r.returncode}): "
-                          f"{(r.stderr or r.stdout).strip()[-800:]}")
-    return r.stdout
+    rc, out, err = procs.run_sync(argv, cwd=cwd)
+    if rc != 0:
+        raise KernelError(f"{' '.join(argv)} failed (exit {rc}): "
+                          f"{(err or out).decode(errors='replace').strip()[-800:]}")
+    return out.decode(errors="replace")
 
 
 def resolve_kernel_package(meta: str = KERNEL_PACKAGE) -> str:
@@ -195,8 +196,7 @@ def lz4_legacy_decompress(data: bytes | memoryview) -> bytes:
 def _cli(argv: Sequence[str], data: bytes | memoryview) -> bytes:
     """Run a decompressor CLI; like extract-vmlinux, errors about trailing data are ignored
     (the caller checks the output is an ELF)."""
-    r = subprocess.run(list(argv), input=bytes(data), capture_output=True)
-    return r.stdout
+    return procs.run_sync(argv, input=bytes(data))[1]
 
 
 def _decompress(kind: str, data: memoryview) -> bytes:
