@@ -28,6 +28,8 @@ from .agentconn import AgentChannel, AgentGone, raise_for_agent_error
 from .backends.base import Backend, SandboxSpec
 from .config import Config
 from .errors import ApiError, not_found
+from .events import EventBus, SandboxEvent
+from .lifecycle import states
 from .paths import check_id
 from . import procs
 from .store import LIVE_STATES, SandboxRow, Store
@@ -59,10 +61,12 @@ class Live:
 
 
 class Manager:
-    def __init__(self, cfg: Config, store: Store, backend: Backend) -> None:
+    def __init__(self, cfg: Config, store: Store, backend: Backend,
+                 events: EventBus | None = None) -> None:
         self.cfg = cfg
         self.store = store
         self.backend = backend
+        self.events = events or EventBus()
         self.live: dict[str, Live] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._locks: dict[str, asyncio.Lock] = {}
@@ -151,7 +155,7 @@ class Manager:
                     # a paused row has no deadline: it gets back the time it had left
                     deadline = row.deadline or _now() + float(
                         row.remaining or row.spec.get("timeout") or self.cfg.default_timeout)
-                    self.store.update_sandbox(row.id, state="running", deadline=deadline)
+                    self._set_state(row.id, "running", deadline=deadline)
                     log.info("sandbox %s was %s at restart: running", row.id, row.state)
                     row.state, row.deadline = "running", deadline
                 continue
@@ -167,7 +171,7 @@ class Manager:
             if row.state in ("paused", "pausing", "resuming") and has_snap:
                 if row.state != "paused":
                     left = row.remaining or max(1.0, (row.deadline or _now()) - _now())
-                    self.store.update_sandbox(row.id, state="paused", paused_at=_now(),
+                    self._set_state(row.id, "paused", paused_at=_now(),
                                               remaining=left, deadline=None,
                                               snapshot_bytes=_du(snap))
                 continue
@@ -329,12 +333,12 @@ class Manager:
 
     def _mark_running(self, row: SandboxRow, timeout: float) -> None:
         started = _now()
-        row.state, row.deadline = "running", started + timeout
+        row.deadline = started + timeout
         row.started_at = row.started_at or started
-        self.store.update_sandbox(row.id, state="running", started_at=row.started_at,
-                                  deadline=row.deadline, workspace_id=row.workspace_id,
-                                  spec=row.spec, metadata=row.metadata,
-                                  on_timeout=row.on_timeout)
+        self._set_state(row.id, "running", started_at=row.started_at,
+                        deadline=row.deadline, workspace_id=row.workspace_id,
+                        spec=row.spec, metadata=row.metadata, on_timeout=row.on_timeout)
+        row.state = "running"
 
     async def create(self, workspace_id: str, template: str, timeout: float,
                      metadata: dict[str, str], env: dict[str, str], vcpus: int,
@@ -562,13 +566,11 @@ class Manager:
                            "snapshot sandboxes yet (pause and fork need it)")
         t0 = time.monotonic()
         self._check_space(sid, image.parent)
-        self.store.update_sandbox(sid, state="pausing")
-        lv.row.state = "pausing"
+        self._set_state(sid, "pausing")
         try:
             await self._quiesce(lv)
         except BaseException:
-            self.store.update_sandbox(sid, state="running")
-            lv.row.state = "running"
+            self._set_state(sid, "running")
             raise
         tmp = image.with_name("." + image.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -590,28 +592,26 @@ class Manager:
 
     async def pause(self, workspace_id: str, sid: str) -> SandboxRow:
         async with self._lock(sid):
-            lv = self.running(workspace_id, sid)
+            lv = self.running(workspace_id, sid, "pause")
             remaining = max(1.0, (lv.row.deadline or _now()) - _now())
             await self._checkpoint(lv, self._snap(sid))
             size = _du(self._snap(sid))
-            self.store.update_sandbox(sid, state="paused", paused_at=_now(), remaining=remaining,
+            self._set_state(sid, "paused", paused_at=_now(), remaining=remaining,
                                       snapshot_bytes=size, deadline=None)
         return self.get(workspace_id, sid)
 
     async def resume(self, workspace_id: str, sid: str) -> SandboxRow:
         async with self._lock(sid):
             row = self.get(workspace_id, sid)
+            states.check("resume", sid, row.state, row.reason)
             if row.state == "running":
                 return row
-            if row.state != "paused":
-                raise ApiError("conflict", f"sandbox {sid} is {row.state}, not paused",
-                               {"state": row.state})
             snap = self._snap(sid)
-            self.store.update_sandbox(sid, state="resuming")
+            self._set_state(sid, "resuming")
             try:
                 await self._boot(row, snap)
             except BaseException:
-                self.store.update_sandbox(sid, state="paused")  # the snapshot is still good
+                self._set_state(sid, "paused")  # the snapshot is still good
                 raise
             self._mark_running(row, row.remaining or row.spec.get("timeout") or 300.0)
             self.store.update_sandbox(sid, paused_at=None, remaining=None, snapshot_bytes=None)
@@ -622,13 +622,13 @@ class Manager:
         """n new sandboxes with the memory, processes and files of sid (which keeps running):
         checkpoint once, restore n + 1 times."""
         async with self._lock(sid):
-            lv = self.running(workspace_id, sid)
+            lv = self.running(workspace_id, sid, "fork")
             row = lv.row
             image = self.cfg.snapshots_dir / f"fork-{sid}-{secrets.token_hex(4)}"
             remaining = max(1.0, (row.deadline or _now()) - _now())
             try:
                 await self._checkpoint(lv, image)
-                self.store.update_sandbox(sid, state="resuming")
+                self._set_state(sid, "resuming")
                 try:
                     await self._boot(row, image)
                 except BaseException as e:
@@ -660,19 +660,20 @@ class Manager:
             raise not_found("sandbox", sid)
         return row
 
-    def running(self, workspace_id: str, sid: str) -> Live:
+    def running(self, workspace_id: str, sid: str, op: str = "exec") -> Live:
+        """The live sandbox, if its state accepts op (lifecycle.states.OPS), else 409."""
         row = self.get(workspace_id, sid)
+        states.check(op, sid, row.state, row.reason)
         lv = self.live.get(sid)
-        if row.state != "running" or lv is None:
-            raise ApiError("conflict", f"sandbox {sid} is {row.state}"
-                           + (f" ({row.reason})" if row.reason else ""),
-                           {"state": row.state, "reason": row.reason})
+        if lv is None:  # (running in the table but not attached here: being reattached)
+            raise ApiError("conflict", f"sandbox {sid} is {row.state} but not attached yet",
+                           {"state": row.state, "reason": row.reason, "operation": op})
         return lv
 
-    async def ready(self, workspace_id: str, sid: str) -> Live:
+    async def ready(self, workspace_id: str, sid: str, op: str = "exec") -> Live:
         """A running sandbox whose agent is connected; waits a little for one that is
         reconnecting (a restarted daemon: a microVM's QEMU redials once a second)."""
-        lv = self.running(workspace_id, sid)
+        lv = self.running(workspace_id, sid, op)
         if not lv.chan.connected:
             with contextlib.suppress(ApiError):
                 await lv.chan.wait_connected(RECONNECT_GRACE)
@@ -680,10 +681,11 @@ class Manager:
 
     def set_timeout(self, workspace_id: str, sid: str, timeout: float) -> SandboxRow:
         row = self.get(workspace_id, sid)
+        states.check("set_timeout", sid, row.state, row.reason)
         if row.state == "paused":
             self.store.update_sandbox(sid, remaining=timeout)
             return self.get(workspace_id, sid)
-        lv = self.running(workspace_id, sid)
+        lv = self.running(workspace_id, sid, "set_timeout")
         deadline = _now() + timeout
         self.store.update_sandbox(sid, deadline=deadline)
         lv.row.deadline = deadline
@@ -707,7 +709,7 @@ class Manager:
             row = self.store.get_sandbox(sid)
             if row is None or row.state not in LIVE_STATES:
                 return
-            self.store.update_sandbox(sid, state="killing", reason=reason)
+            self._set_state(sid, "killing", reason=reason)
             try:
                 await asyncio.wait_for(self._teardown(sid), KILL_TIMEOUT)
             except TimeoutError:
@@ -740,8 +742,26 @@ class Manager:
         await self.backend.kill(sid)
         shutil.rmtree(self.cfg.sandboxes_dir / sid, ignore_errors=True)
 
+    def _set_state(self, sid: str, to: str, **fields: Any) -> None:
+        """The one way a sandbox changes state: checked against the table
+        (lifecycle.states), written to SQLite before anything acts on it, published as an
+        event."""
+        row = self.store.get_sandbox(sid)
+        frm = row.state if row is not None else None
+        if frm is not None and frm != to:
+            states.check_transition(frm, to)
+        self.store.update_sandbox(sid, state=to, **fields)
+        lv = self.live.get(sid)
+        if lv is not None:
+            lv.row.state = to
+        if row is not None and frm != to:
+            self.events.emit(SandboxEvent(
+                to, sid, str(fields.get("workspace_id") or row.workspace_id), frm,
+                fields={k: v for k, v in fields.items()
+                        if k in ("reason", "deadline", "remaining", "snapshot_bytes")}))
+
     def _finish(self, sid: str, state: str, reason: str) -> None:
-        self.store.update_sandbox(sid, state=state, reason=reason, ended_at=_now())
+        self._set_state(sid, state, reason=reason, ended_at=_now())
         self._locks.pop(sid, None)
 
     async def _reaper(self) -> None:

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TypedDict
 
 import httpx
 
@@ -37,6 +38,13 @@ def e2e_unavailable() -> str | None:
     if not (TEMPLATES / "python.json").exists():
         return f"python template not built in {TEMPLATES} (cpuos template build python)"
     return None
+
+
+class SdkKwargs(TypedDict):
+    """What Sandbox.create/connect/resume/list take to reach this daemon."""
+
+    api_url: str
+    api_key: str
 
 
 def mounts_under(path: Path) -> list[str]:
@@ -97,7 +105,7 @@ class Daemon:
         return httpx.Client(base_url=self.url, timeout=60,
                             headers={"Authorization": f"Bearer {key or self.key}"})
 
-    def sdk_kwargs(self, key: str | None = None) -> dict[str, str]:
+    def sdk_kwargs(self, key: str | None = None) -> SdkKwargs:
         return {"api_url": self.url, "api_key": key or self.key}
 
     def kill9(self) -> None:

@@ -3,6 +3,8 @@ The system calls are replaced: the test must not rename this host or set its clo
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -17,18 +19,18 @@ MID = "0123456789abcdef0123456789abcdef"
 @pytest.fixture
 def calls(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, Any]:
     seen: dict[str, Any] = {"urandom": b""}
-    monkeypatch.setattr(A.socket, "sethostname", lambda n: seen.__setitem__("hostname", n))
-    monkeypatch.setattr(A.time, "clock_settime",
+    monkeypatch.setattr(socket, "sethostname", lambda n: seen.__setitem__("hostname", n))
+    monkeypatch.setattr(time, "clock_settime",
                         lambda clk, t: seen.__setitem__("clock", (clk, t)))
     monkeypatch.setattr(A, "MACHINE_ID_PATH", str(tmp_path / "machine-id"))
-    real_open = A.os.open
+    real_open = os.open
 
     def fake_open(path: str, flags: int, *a: Any) -> int:
         if path == "/dev/urandom":  # a file stands in for it; the ioctls then fail
-            return real_open(str(tmp_path / "urandom"), A.os.O_WRONLY | A.os.O_CREAT, 0o600)
+            return real_open(str(tmp_path / "urandom"), os.O_WRONLY | os.O_CREAT, 0o600)
         return real_open(path, flags, *a)
 
-    monkeypatch.setattr(A.os, "open", fake_open)
+    monkeypatch.setattr(os, "open", fake_open)
     seen["urandom_path"] = tmp_path / "urandom"
     return seen
 
@@ -43,7 +45,7 @@ def test_identity_is_applied(calls: dict[str, Any]) -> None:
     assert calls["urandom_path"].read_bytes() == seed
     assert abs(calls["clock"][1] - (time.time() + 3600)) < 5
     # the same again: nothing left to change but the randomness
-    applied = A.apply_identity({"hostname": A.os.uname().nodename, "machine_id": MID,
+    applied = A.apply_identity({"hostname": os.uname().nodename, "machine_id": MID,
                                 "seed": seed.hex(), "time": time.time()})
     assert applied == ["rng"]
 

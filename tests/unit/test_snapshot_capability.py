@@ -41,6 +41,12 @@ class NoSnapshotBackend:
     def memory_usage(self, sandbox_id: str) -> int | None:
         return None
 
+    def runtime(self) -> dict[str, str]:
+        return {}
+
+    async def close(self) -> None:
+        pass
+
 
 def test_no_checkpoint_capability(tmp_path: Path) -> None:
     async def main() -> None:

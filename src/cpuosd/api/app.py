@@ -30,6 +30,7 @@ from cpuos_agent import protocol as P
 from ..backends.microvm.selection import BackendUnavailable, select_backend
 from ..config import Config
 from ..errors import ApiError, invalid
+from ..events import EventBus, log_event
 from ..paths import ID_RE, check_path
 from ..procs import become_subreaper
 from ..sandboxes import Manager
@@ -202,7 +203,9 @@ def create_app(cfg: Config | None = None) -> FastAPI:
             raise
         store = Store(cfg.db_path)
         bootstrap(cfg, store)
-        mgr = Manager(cfg, store, backend)
+        events = EventBus()
+        events.subscribe(log_event)
+        mgr = Manager(cfg, store, backend, events)
         await mgr.startup()
         app.state.store, app.state.mgr = store, mgr
         try:
@@ -336,19 +339,19 @@ def create_app(cfg: Config | None = None) -> FastAPI:
     # ---- files --------------------------------------------------------------------------
     @app.put("/sandboxes/{sid}/files")
     async def put_file(sid: str, path: PathQ, request: Request, ws: Ws) -> dict[str, Any]:
-        lv = await mgr(request).ready(ws, sid)
+        lv = await mgr(request).ready(ws, sid, "files")
         return await mgr(request).write_file(lv, check_path(path), request.stream())
 
     @app.get("/sandboxes/{sid}/files",
              responses={200: {"content": {"application/octet-stream": {}}}})
     async def get_file(sid: str, path: PathQ, request: Request, ws: Ws) -> StreamingResponse:
-        lv = await mgr(request).ready(ws, sid)
+        lv = await mgr(request).ready(ws, sid, "files")
         body = await mgr(request).read_file(lv, check_path(path))
         return StreamingResponse(body, media_type="application/octet-stream")
 
     @app.delete("/sandboxes/{sid}/files")
     async def remove_file(sid: str, path: PathQ, request: Request, ws: Ws) -> dict[str, Any]:
-        lv = await mgr(request).ready(ws, sid)
+        lv = await mgr(request).ready(ws, sid, "files")
         p = check_path(path)
         if p == "/":
             raise invalid("refusing to remove /", field="path")
@@ -358,18 +361,18 @@ def create_app(cfg: Config | None = None) -> FastAPI:
     @app.get("/sandboxes/{sid}/files/list")
     async def list_files(sid: str, request: Request, ws: Ws, path: PathQ = "/work"
                          ) -> dict[str, Any]:
-        lv = await mgr(request).ready(ws, sid)
+        lv = await mgr(request).ready(ws, sid, "files")
         return {"entries": await mgr(request).file_call(lv, "list", check_path(path))}
 
     @app.get("/sandboxes/{sid}/files/stat")
     async def stat_file(sid: str, path: PathQ, request: Request, ws: Ws) -> dict[str, Any]:
-        lv = await mgr(request).ready(ws, sid)
+        lv = await mgr(request).ready(ws, sid, "files")
         result: dict[str, Any] = await mgr(request).file_call(lv, "stat", check_path(path))
         return result
 
     @app.post("/sandboxes/{sid}/files/mkdir")
     async def mkdir(sid: str, path: PathQ, request: Request, ws: Ws) -> dict[str, Any]:
-        lv = await mgr(request).ready(ws, sid)
+        lv = await mgr(request).ready(ws, sid, "files")
         result: dict[str, Any] = await mgr(request).file_call(lv, "mkdir", check_path(path))
         return result
 

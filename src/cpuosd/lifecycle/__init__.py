@@ -1,0 +1,1 @@
+"""The sandbox lifecycle: its states and transitions as data (states.py)."""

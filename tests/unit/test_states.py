@@ -1,0 +1,133 @@
+"""The lifecycle as data: the state table itself, and every (state, operation) pair through
+the Manager — an operation the state does not accept answers 409 with the current state
+and touches nothing; one it accepts gets past the check. (A fake backend: this is the
+API-layer logic only; the transitions themselves run for real in tests/e2e.)"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cpuosd.backends.base import Backend, Capabilities, SandboxSpec
+from cpuosd.config import Config
+from cpuosd.errors import ApiError
+from cpuosd.events import EventBus, SandboxEvent
+from cpuosd.lifecycle import states
+from cpuosd.sandboxes import Manager
+from cpuosd.store import LIVE_STATES, Store
+
+
+class FakeBackend:
+    capabilities = Capabilities(name="fake", checkpoint=True, network=False)
+    image_kind = "fake"
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def runtime(self) -> dict[str, str]:
+        return {}
+
+    async def start(self, spec: SandboxSpec) -> None:
+        self.calls.append("start")
+
+    async def kill(self, sandbox_id: str) -> None:
+        self.calls.append("kill")
+
+    async def running(self) -> dict[str, str]:
+        return {}
+
+    async def checkpoint(self, sandbox_id: str, image_dir: Path) -> None:
+        self.calls.append("checkpoint")
+
+    async def restore(self, spec: SandboxSpec, image_dir: Path) -> None:
+        self.calls.append("restore")
+
+    def memory_usage(self, sandbox_id: str) -> int | None:
+        return None
+
+    async def close(self) -> None:
+        pass
+
+
+def test_the_table_is_closed_and_every_live_state_can_end() -> None:
+    assert set(states.TRANSITIONS) == set(states.STATES)
+    for frm, tos in states.TRANSITIONS.items():
+        assert tos <= set(states.STATES), frm
+        assert frm not in tos, f"{frm} -> itself is no transition"
+    assert states.TRANSITIONS["killed"] == frozenset()
+    for s in states.LIVE:  # DELETE works everywhere: each live state reaches the end
+        seen, todo = {s}, [s]
+        while todo:
+            for nxt in states.TRANSITIONS[todo.pop()]:
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        assert "killed" in seen, s
+    assert set(states.LIVE) == set(LIVE_STATES)  # the store and the table agree
+    assert set(states.OPS["delete"]) == set(states.STATES)
+    with pytest.raises(states.InvalidTransition):
+        states.check_transition("killed", "running")
+
+
+@pytest.mark.parametrize("state", states.STATES)
+def test_every_state_and_operation(tmp_path: Path, state: str) -> None:
+    async def main() -> None:
+        cfg = Config(home=tmp_path, agent_connect_timeout=0.2)  # the fake has no agent
+        store = Store(cfg.db_path)
+        fake = FakeBackend()
+        backend: Backend = fake  # the fake must be a Backend (mypy checks tests/)
+        events = EventBus()
+        seen: list[SandboxEvent] = []
+        events.subscribe(seen.append)
+        mgr = Manager(cfg, store, backend, events)
+        ws = store.create_workspace("w")
+        info: dict[str, Any] = {"rootfs": "/nonexistent", "digest": "d"}
+        row = mgr._new_row(ws, "python", info, 60, {}, {}, 2, 2048)
+        store.update_sandbox(row.id, state=state)
+        ops: dict[str, Any] = {
+            "exec": lambda: mgr.running(ws, row.id, "exec"),
+            "files": lambda: mgr.running(ws, row.id, "files"),
+            "pause": lambda: mgr.pause(ws, row.id),
+            "resume": lambda: mgr.resume(ws, row.id),
+            "fork": lambda: mgr.fork(ws, row.id, 1),
+            "set_timeout": lambda: mgr.set_timeout(ws, row.id, 30),
+        }
+        for op, call in ops.items():
+            before = list(fake.calls)
+            try:
+                r = call()
+                if asyncio.iscoroutine(r):
+                    await r
+            except ApiError as e:
+                accepted = state in states.OPS[op]
+                if state == "pooled":  # a pooled sandbox is nobody's: not found
+                    assert e.code == "not_found", (op, e)
+                    continue
+                if not accepted:
+                    assert e.code == "conflict", (op, e)
+                    assert e.details["state"] == state and e.details["operation"] == op
+                    assert fake.calls == before, f"{op} touched the backend in {state}"
+                    current = store.get_sandbox(row.id)
+                    assert current is not None and current.state == state
+                else:  # accepted: it got past the check (and failed later on the fake)
+                    assert e.details.get("operation") != op or "attached" in e.message, e
+                continue
+            except Exception:
+                assert state in states.OPS[op], f"{op} in {state} went past the check"
+                continue
+            assert state in states.OPS[op], f"{op} succeeded in {state}"
+        # DELETE returns in every state, and ends what is live
+        await asyncio.wait_for(mgr.kill(row.id), 30)
+        end = store.get_sandbox(row.id)
+        assert end is not None
+        assert end.state == (state if state in states.ENDED else "killed")
+        if state not in states.ENDED:
+            want = ["killed"] if state == "killing" else ["killing", "killed"]
+            assert [e.kind for e in seen[-len(want):]] == want
+            assert all(e.sandbox == row.id and e.workspace == ws for e in seen)
+        store.close()
+
+    asyncio.run(main())
