@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from cpuos_agent.protocol import ERROR_CODES
+
 
 class CpuosError(Exception):
     code = "internal"
@@ -73,25 +75,11 @@ class ServerError(CpuosError):
     code = "internal"
 
 
+# from the one table of codes (cpuos_agent.protocol.ERROR_CODES)
 _BY_CODE: dict[str, type[CpuosError]] = {
-    "unauthorized": AuthError,
-    "permission_denied": PermissionDenied,
-    "not_found": NotFound,
-    "conflict": Conflict,
-    "already_exists": Conflict,
-    "is_a_directory": Conflict,
-    "not_a_directory": Conflict,
-    "invalid_argument": InvalidArgument,
-    "limit_exceeded": LimitExceeded,
-    "no_space": NoSpace,
-    "timeout": Timeout,
-    "unavailable": Unavailable,
-}
-
+    code: globals()[cls] for code, (_, cls, _) in ERROR_CODES.items()}
 _BY_STATUS: dict[int, type[CpuosError]] = {
-    401: AuthError, 403: PermissionDenied, 404: NotFound, 409: Conflict, 422: InvalidArgument,
-    429: LimitExceeded, 503: Unavailable, 504: Timeout, 507: NoSpace,
-}
+    status: globals()[cls] for _, (status, cls, _) in ERROR_CODES.items() if status != 500}
 
 
 def error_from(status: int | None, code: str | None, message: str,

@@ -18,6 +18,7 @@ This module is stdlib-only: it is imported inside every sandbox.
 from __future__ import annotations
 
 import json
+import re
 import struct
 from typing import Any
 
@@ -130,7 +131,26 @@ def _read_exact(f: Any, n: int, allow_eof: bool) -> bytes | None:
     return b"".join(chunks)
 
 
-# Error codes shared by agent, daemon and SDK.
+# The error codes: the one table for agent, daemon and SDK.
+# code -> (HTTP status the daemon answers with, the SDK's exception class, may the agent
+# report it: anything else from an agent becomes "internal")
+ERROR_CODES: dict[str, tuple[int, str, bool]] = {
+    "invalid_argument": (422, "InvalidArgument", True),
+    "unauthorized": (401, "AuthError", False),
+    "permission_denied": (403, "PermissionDenied", True),
+    "not_found": (404, "NotFound", True),
+    "conflict": (409, "Conflict", False),
+    "already_exists": (409, "Conflict", True),
+    "is_a_directory": (409, "Conflict", True),
+    "not_a_directory": (409, "Conflict", True),
+    "limit_exceeded": (429, "LimitExceeded", False),
+    "no_space": (507, "NoSpace", True),
+    "timeout": (504, "Timeout", False),
+    "unavailable": (503, "Unavailable", False),
+    "internal": (500, "ServerError", False),
+}
+AGENT_ERROR_CODES = frozenset(c for c, (_, _, agent) in ERROR_CODES.items() if agent)
+
 E_NOT_FOUND = "not_found"
 E_INVALID = "invalid_argument"
 E_PERMISSION = "permission_denied"
@@ -139,3 +159,37 @@ E_IS_DIR = "is_a_directory"
 E_NOT_DIR = "not_a_directory"
 E_NO_SPACE = "no_space"
 E_INTERNAL = "internal"
+
+
+# Durations in requests: "15m", "2m30s", "1h", "90s", "250ms" or a number of seconds (the
+# SDK, the CLI and the daemon parse them alike).
+_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(value: object, what: str = "duration") -> float:
+    """Seconds as a float; ValueError with a readable message on anything else."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what}: expected a duration like '15m' or seconds, got {value!r}")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str):
+        s = value.strip().lower().replace(" ", "")
+        try:
+            seconds = float(s)
+        except ValueError:
+            pos, seconds = 0, 0.0
+            for m in _PART.finditer(s):
+                if m.start() != pos:
+                    break
+                seconds += float(m.group(1)) * _UNITS[m.group(2)]
+                pos = m.end()
+            if pos != len(s) or not s:
+                raise ValueError(
+                    f"{what}: bad duration {value!r}; use e.g. '15m', '2m30s', '1h' or seconds"
+                ) from None
+    else:
+        raise ValueError(f"{what}: expected a duration like '15m' or seconds, got {value!r}")
+    if seconds != seconds or seconds <= 0 or seconds == float("inf"):
+        raise ValueError(f"{what}: must be a positive duration, got {value!r}")
+    return seconds

@@ -274,8 +274,6 @@ class AgentChannel:
             self.sock_path.unlink()
 
 
-_AGENT_CODES = {P.E_NOT_FOUND, P.E_INVALID, P.E_PERMISSION, P.E_EXISTS, P.E_IS_DIR,
-                P.E_NOT_DIR, P.E_NO_SPACE}
 
 
 def raise_for_agent_error(h: P.Header) -> None:
@@ -284,4 +282,4 @@ def raise_for_agent_error(h: P.Header) -> None:
     code = h.get("code")
     msg = h.get("message")
     msg = msg[:500] if isinstance(msg, str) else "sandbox agent error"
-    raise ApiError(code if code in _AGENT_CODES else "internal", msg)
+    raise ApiError(code if code in P.AGENT_ERROR_CODES else "internal", msg)

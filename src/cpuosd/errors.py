@@ -5,21 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-STATUS = {
-    "invalid_argument": 422,
-    "unauthorized": 401,
-    "permission_denied": 403,
-    "not_found": 404,
-    "conflict": 409,
-    "already_exists": 409,
-    "is_a_directory": 409,
-    "not_a_directory": 409,
-    "limit_exceeded": 429,
-    "no_space": 507,
-    "timeout": 504,
-    "unavailable": 503,
-    "internal": 500,
-}
+from cpuos_agent.protocol import ERROR_CODES
+
+# code -> HTTP status, from the one table (cpuos_agent.protocol.ERROR_CODES)
+STATUS = {code: status for code, (status, _, _) in ERROR_CODES.items()}
 
 
 class ApiError(Exception):

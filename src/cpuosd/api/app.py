@@ -24,8 +24,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cpuos._durations import parse_duration
 from cpuos_agent import protocol as P
+from cpuos_agent.protocol import parse_duration
 
 from ..backends.microvm.selection import BackendUnavailable, select_backend
 from ..config import Config
