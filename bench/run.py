@@ -51,7 +51,7 @@ from cpuosd.backends.microvm.probe import kvm_boot_probe
 from cpuosd.backends.microvm.qemu import Accel, VMConfig, connect_unix, qemu_argv
 from cpuosd.backends.runsc import find_runsc
 from cpuosd.config import Config
-from cpuosd.sandboxes import DEVICE_SETTLE
+from cpuosd.lifecycle.common import DEVICE_SETTLE
 from cpuosd.testing import TEMPLATES, Daemon, e2e_unavailable, new_daemon
 
 REPO = Path(__file__).resolve().parent.parent

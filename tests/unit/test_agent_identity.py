@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from cpuos_agent import agent as A
+from cpuos_agent import identity as A
 
 MID = "0123456789abcdef0123456789abcdef"
 

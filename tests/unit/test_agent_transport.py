@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 
 import cpuos_agent
-from cpuos_agent import agent as A
+from cpuos_agent import conn as C
+from cpuos_agent import transport as A
 from cpuos_agent import protocol as P
 
 SRC = str(Path(cpuos_agent.__file__).resolve().parent.parent)
@@ -342,7 +343,7 @@ def test_device_link_close_stops_a_blocked_writer() -> None:
 
 def test_conn_send_raises_closed_after_hangup() -> None:
     host, link = _pair()
-    conn = A.Conn(link)
+    conn = C.Conn(link)
     conn.send({"t": "hello"})
     assert host.recv(100) == P.encode({"t": "hello"})
     host.close()

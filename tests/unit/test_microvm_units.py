@@ -359,3 +359,21 @@ def test_copy_sparse_keeps_holes(tmp_path: Path) -> None:
     assert dst.stat().st_blocks * 512 < 1 << 20
     with pytest.raises(FileExistsError):
         kernel.copy_sparse(src, dst)
+
+
+def test_one_option_table_writes_and_parses_every_field() -> None:
+    import dataclasses
+
+    cfg = jailer.JailConfig(
+        id="j-1", exec_file=Path("/usr/bin/q"), uid=300001, gid=300001,
+        chroot_base=Path("/srv/jail"), args=["-x", "--", "-y"], files=[("/a", "/b")],
+        binds=[("/s", "/d", False)], netns=Path("/run/netns/n"), cgroups=[("pids.max", "9")],
+        cgroup_version=1, parent_cgroup="p", rlimits={"nofile": 7, "core": 0, "fsize": 1},
+        devices=("kvm",), writable_dirs=("/run", "/tmp"), mount_proc=True, exec_dest="/q",
+        keep_fds=(5, 9), detach=True)
+    assert {o.field for o in jailer.OPTIONS} | {"args"} == {
+        f.name for f in dataclasses.fields(jailer.JailConfig)}  # no field left out
+    assert jailer.parse_args(jailer.config_argv(cfg, "/py")[4:]) == cfg
+    bare = jailer.JailConfig(id="j-2", exec_file=Path("/q"), uid=1, gid=1,
+                             chroot_base=Path("/c"))
+    assert jailer.parse_args(jailer.config_argv(bare, "/py")[4:]) == bare

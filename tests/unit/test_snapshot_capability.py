@@ -12,7 +12,7 @@ import pytest
 from cpuosd.backends.base import Capabilities, SandboxSpec
 from cpuosd.config import Config
 from cpuosd.errors import ApiError
-from cpuosd.sandboxes import Live, Manager
+from cpuosd.lifecycle.manager import Live, Manager
 from cpuosd.store import Store
 
 

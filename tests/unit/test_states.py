@@ -16,7 +16,7 @@ from cpuosd.config import Config
 from cpuosd.errors import ApiError
 from cpuosd.events import EventBus, SandboxEvent
 from cpuosd.lifecycle import states
-from cpuosd.sandboxes import Manager
+from cpuosd.lifecycle.manager import Manager
 from cpuosd.store import LIVE_STATES, Store
 
 

@@ -33,7 +33,7 @@ from ..errors import ApiError, invalid
 from ..events import EventBus, log_event
 from ..paths import ID_RE, check_path
 from ..procs import become_subreaper
-from ..sandboxes import Manager
+from ..lifecycle.manager import Manager
 from ..store import ACTIVE_STATES, SandboxRow, Store
 
 log = logging.getLogger("cpuosd.api")

@@ -60,8 +60,9 @@ import signal
 import stat
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 from pathlib import Path
 
 ID_RE = re.compile(r"[a-z0-9-]{1,64}")
@@ -706,6 +707,106 @@ def run(cfg: JailConfig) -> int:
 
 # ---- command line ---------------------------------------------------------------------------
 
+def _file(s: str) -> tuple[str, str]:
+    src, _, dst = s.partition(":")
+    return src, dst or src
+
+
+def _bind(s: str) -> tuple[str, str, bool]:
+    parts = s.split(":")
+    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ("ro", "rw")):
+        raise JailError(f"bad --bind {s!r}: expected SRC:DST[:ro|rw]")
+    return parts[0], parts[1], len(parts) == 2 or parts[2] == "ro"
+
+
+def _kv(s: str) -> tuple[str, str]:
+    k, sep, v = s.partition("=")
+    if not sep or not k:
+        raise JailError(f"expected NAME=VALUE, got {s!r}")
+    return k, v
+
+
+def _rlimit(s: str) -> tuple[str, int]:
+    k, v = _kv(s)
+    try:
+        return k, int(v)
+    except ValueError:
+        raise JailError(f"bad --rlimit {k}={v!r}: not an integer") from None
+
+
+def _cgroup_version(s: str) -> int:
+    if s not in ("1", "2"):
+        raise JailError(f"bad --cgroup-version {s!r}: 1 or 2")
+    return int(s)
+
+
+def _csv(s: str) -> tuple[str, ...]:
+    return tuple(x for x in s.split(",") if x)
+
+
+@dataclass(frozen=True)
+class Opt:
+    """One JailConfig field on the command line. kind: ``one`` (--x=V), ``many`` (--x=V
+    repeated, a list), ``pairs`` (--x=K=V repeated, a dict), ``csv`` (--x=A,B), ``flag``."""
+
+    field: str
+    flag: str
+    kind: str
+    decode: Callable[[str], Any] = str
+    encode: Callable[[Any], str] = str
+    help: str = ""
+
+
+# The one table the writer (jailer_argv) and the parser (parse_args) are both made from.
+OPTIONS: tuple[Opt, ...] = (
+    Opt("id", "--id", "one"),
+    Opt("exec_file", "--exec-file", "one", Path),
+    Opt("uid", "--uid", "one", int),
+    Opt("gid", "--gid", "one", int),
+    Opt("chroot_base", "--chroot-base", "one", Path),
+    Opt("parent_cgroup", "--parent-cgroup", "one"),
+    Opt("files", "--file", "many", _file, lambda f: f"{f[0]}:{f[1]}", "SRC[:DST]"),
+    Opt("binds", "--bind", "many", _bind,
+        lambda b: f"{b[0]}:{b[1]}:{'ro' if b[2] else 'rw'}", "SRC:DST[:ro|rw]"),
+    Opt("netns", "--netns", "one", Path),
+    Opt("cgroup_version", "--cgroup-version", "one", _cgroup_version),
+    Opt("cgroups", "--cgroup", "many", _kv, lambda kv: f"{kv[0]}={kv[1]}", "FILE=VALUE"),
+    Opt("rlimits", "--rlimit", "pairs", _rlimit, lambda kv: f"{kv[0]}={kv[1]}", "NAME=VALUE"),
+    Opt("devices", "--devices", "csv"),
+    Opt("writable_dirs", "--writable-dirs", "csv"),
+    Opt("mount_proc", "--mount-proc", "flag",
+        help="mount a proc of the jail's pid namespace (for posture probes)"),
+    Opt("exec_dest", "--exec-dest", "one",
+        help="the VMM's path inside the jail (default /<exec-name>)"),
+    Opt("keep_fds", "--keep-fd", "many", int, help="an open fd (> 2) the VMM inherits"),
+    Opt("detach", "--detach", "flag",
+        help="exit 0 once the VMM has been exec'd (the VMM is left to the nearest "
+             "subreaper) instead of supervising it"),
+)
+REQUIRED = ("id", "exec_file", "uid", "gid", "chroot_base")
+
+
+def config_argv(cfg: JailConfig, python: str | None = None) -> list[str]:
+    """The argv that runs the VMM jailed with cfg (``python -I -m ...jailer``); every
+    option as --opt=value, so a value starting with '-' is never taken for an option."""
+    check_id(cfg.id)
+    argv = [python or sys.executable, "-I", "-m", "cpuosd.backends.microvm.jailer"]
+    for o in OPTIONS:
+        v = getattr(cfg, o.field)
+        if o.kind == "one":
+            if v is not None:
+                argv.append(f"{o.flag}={o.encode(v)}")
+        elif o.kind == "many":
+            argv += [f"{o.flag}={o.encode(x)}" for x in v]
+        elif o.kind == "pairs":
+            argv += [f"{o.flag}={o.encode(kv)}" for kv in v.items()]
+        elif o.kind == "csv":
+            argv.append(f"{o.flag}={','.join(v)}")
+        elif v:
+            argv.append(o.flag)
+    return [*argv, "--", *cfg.args]
+
+
 def jailer_argv(*, sandbox_id: str, exec_file: Path | str, uid: int, gid: int,
                 chroot_base: Path | str, args: Sequence[str],
                 files: Iterable[str | tuple[str, str]] = (),
@@ -719,98 +820,51 @@ def jailer_argv(*, sandbox_id: str, exec_file: Path | str, uid: int, gid: int,
                 mount_proc: bool = False, exec_dest: str | None = None,
                 keep_fds: Sequence[int] = (), detach: bool = False,
                 python: str | None = None) -> list[str]:
-    """The argv that runs the VMM jailed (``python -I -m cpuosd.backends.microvm.jailer``)."""
+    """config_argv of the JailConfig these make."""
     check_id(sandbox_id)
-    # --opt=value everywhere: a value starting with '-' is never taken for an option
-    argv = [python or sys.executable, "-I", "-m", "cpuosd.backends.microvm.jailer",
-            f"--id={sandbox_id}", f"--exec-file={exec_file}", f"--uid={uid}", f"--gid={gid}",
-            f"--chroot-base={chroot_base}", f"--parent-cgroup={parent_cgroup}"]
-    for f in files:
-        argv.append("--file=" + (f if isinstance(f, str) else f"{f[0]}:{f[1]}"))
-    for src, dst, ro in binds:
-        argv.append(f"--bind={src}:{dst}:{'ro' if ro else 'rw'}")
-    if netns is not None:
-        argv.append(f"--netns={netns}")
-    if cgroup_version is not None:
-        argv.append(f"--cgroup-version={cgroup_version}")
-    for fname, value in cgroups:
-        argv.append(f"--cgroup={fname}={value}")
-    for name, limit in (rlimits or {}).items():
-        argv.append(f"--rlimit={name}={limit}")
-    if devices is not None:
-        argv.append("--devices=" + ",".join(devices))
-    if writable_dirs is not None:
-        argv.append("--writable-dirs=" + ",".join(writable_dirs))
-    if mount_proc:
-        argv.append("--mount-proc")
-    if exec_dest is not None:
-        argv.append(f"--exec-dest={exec_dest}")
-    argv += [f"--keep-fd={fd}" for fd in keep_fds]
-    if detach:
-        argv.append("--detach")
-    return [*argv, "--", *args]
-
-
-def _kv(s: str) -> tuple[str, str]:
-    k, sep, v = s.partition("=")
-    if not sep or not k:
-        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {s!r}")
-    return k, v
+    cfg = JailConfig(
+        id=sandbox_id, exec_file=Path(exec_file), uid=uid, gid=gid,
+        chroot_base=Path(chroot_base), args=list(args),
+        files=[(f, f) if isinstance(f, str) else (f[0], f[1]) for f in files],
+        binds=list(binds), netns=Path(netns) if netns is not None else None,
+        cgroups=list(cgroups), cgroup_version=cgroup_version, parent_cgroup=parent_cgroup,
+        rlimits={**DEFAULT_RLIMITS, **(rlimits or {})},
+        devices=tuple(devices) if devices is not None else DEFAULT_DEVICES,
+        writable_dirs=tuple(writable_dirs) if writable_dirs is not None else ("/run",),
+        mount_proc=mount_proc, exec_dest=exec_dest, keep_fds=tuple(keep_fds), detach=detach)
+    return config_argv(cfg, python)
 
 
 def parse_args(argv: Sequence[str]) -> JailConfig:
     ap = argparse.ArgumentParser(prog="python -m cpuosd.backends.microvm.jailer",
                                  description="Run a VMM jailed (Firecracker-jailer style).")
-    ap.add_argument("--id", required=True)
-    ap.add_argument("--exec-file", required=True)
-    ap.add_argument("--uid", required=True, type=int)
-    ap.add_argument("--gid", required=True, type=int)
-    ap.add_argument("--chroot-base", required=True)
-    ap.add_argument("--file", action="append", default=[], metavar="SRC[:DST]")
-    ap.add_argument("--bind", action="append", default=[], metavar="SRC:DST[:ro|rw]")
-    ap.add_argument("--netns", metavar="PATH")
-    ap.add_argument("--cgroup", action="append", default=[], type=_kv, metavar="FILE=VALUE")
-    ap.add_argument("--cgroup-version", type=int, choices=(1, 2))
-    ap.add_argument("--parent-cgroup", default=DEFAULT_PARENT_CGROUP)
-    ap.add_argument("--rlimit", action="append", default=[], type=_kv, metavar="NAME=VALUE")
-    ap.add_argument("--devices", default=",".join(DEFAULT_DEVICES))
-    ap.add_argument("--writable-dirs", default="/run")
-    ap.add_argument("--mount-proc", action="store_true",
-                    help="mount a proc of the jail's pid namespace (for posture probes)")
-    ap.add_argument("--exec-dest", metavar="PATH",
-                    help="the VMM's path inside the jail (default /<exec-name>)")
-    ap.add_argument("--keep-fd", action="append", default=[], type=int, metavar="FD",
-                    help="an open fd (> 2) the VMM inherits")
-    ap.add_argument("--detach", action="store_true",
-                    help="exit 0 once the VMM has been exec'd (the VMM is left to the nearest "
-                         "subreaper) instead of supervising it")
+    for o in OPTIONS:
+        dest = o.field
+        if o.kind == "flag":
+            ap.add_argument(o.flag, dest=dest, action="store_true", help=o.help)
+        elif o.kind in ("many", "pairs"):
+            ap.add_argument(o.flag, dest=dest, action="append", default=[], help=o.help)
+        else:
+            ap.add_argument(o.flag, dest=dest, required=o.field in REQUIRED, help=o.help)
     ap.add_argument("args", nargs="*")
     ns = ap.parse_args(list(argv))
-    files: list[tuple[str, str]] = []
-    for f in ns.file:
-        src, _, dst = f.partition(":")
-        files.append((src, dst or src))
-    binds: list[tuple[str, str, bool]] = []
-    for b in ns.bind:
-        parts = b.split(":")
-        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ("ro", "rw")):
-            raise JailError(f"bad --bind {b!r}: expected SRC:DST[:ro|rw]")
-        binds.append((parts[0], parts[1], len(parts) == 2 or parts[2] == "ro"))
-    rlimits = dict(DEFAULT_RLIMITS)
-    for k, v in ns.rlimit:
-        try:
-            rlimits[k] = int(v)
-        except ValueError:
-            raise JailError(f"bad --rlimit {k}={v!r}: not an integer") from None
-    return JailConfig(
-        id=ns.id, exec_file=Path(ns.exec_file), uid=ns.uid, gid=ns.gid,
-        chroot_base=Path(ns.chroot_base), args=list(ns.args), files=files, binds=binds,
-        netns=Path(ns.netns) if ns.netns else None, cgroups=list(ns.cgroup),
-        cgroup_version=ns.cgroup_version, parent_cgroup=ns.parent_cgroup, rlimits=rlimits,
-        devices=tuple(x for x in ns.devices.split(",") if x),
-        writable_dirs=tuple(x for x in ns.writable_dirs.split(",") if x),
-        mount_proc=ns.mount_proc, exec_dest=ns.exec_dest, keep_fds=tuple(ns.keep_fd),
-        detach=ns.detach)
+    fields: dict[str, Any] = {"args": list(ns.args)}
+    for o in OPTIONS:
+        raw = getattr(ns, o.field)
+        if o.kind == "flag":
+            fields[o.field] = bool(raw)
+        elif o.kind == "many":
+            fields[o.field] = [o.decode(x) for x in raw]
+        elif o.kind == "pairs":
+            fields[o.field] = {**DEFAULT_RLIMITS, **dict(o.decode(x) for x in raw)}
+        elif raw is None:
+            continue  # the JailConfig default
+        elif o.kind == "csv":
+            fields[o.field] = _csv(raw)
+        else:
+            fields[o.field] = o.decode(raw)
+    fields["keep_fds"] = tuple(fields["keep_fds"])
+    return JailConfig(**fields)
 
 
 def _kept_fds(args: Sequence[str]) -> set[int]:

@@ -1,0 +1,125 @@
+"""Who this sandbox is (hostname, machine-id, randomness, clock) and what keeps the agent's
+channel its own (its key, not dumpable, no inheritable capabilities).
+
+Stdlib only: it runs inside every sandbox."""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import os
+import re
+import socket
+import struct
+import time
+
+from . import protocol as P
+from .files import _unlink_quiet
+
+MACHINE_ID_PATH = "/run/cpuos/machine-id"  # /etc/machine-id links here (templates)
+
+
+RNDADDENTROPY = 0x40085203
+
+
+RNDRESEEDCRNG = 0x5207
+
+
+CLOCK_SLACK = 0.05  # s: a guest clock this close to the host's is left alone
+
+
+def apply_identity(h: P.Header) -> list[str]:
+    """What a sandbox gets new after every boot, restore and clone, sent by the host right
+    after the hello: its hostname, its machine-id, fresh randomness (every clone of one
+    snapshot would otherwise share the kernel RNG's state) and the time (a restored VM's
+    clock stands where the snapshot stopped it). Applied as far as this agent may (gVisor:
+    the sentry keeps the time and randomness; the host serves machine-id); returns what
+    changed."""
+    applied = []
+    name = h.get("hostname")
+    if isinstance(name, str) and re.fullmatch(r"[a-z0-9][a-z0-9-]{0,62}", name):
+        if name != os.uname().nodename:
+            try:
+                socket.sethostname(name)
+                applied.append("hostname")
+            except OSError:
+                pass
+    mid = h.get("machine_id")
+    if isinstance(mid, str) and re.fullmatch(r"[0-9a-f]{32}", mid):
+        try:
+            with open(MACHINE_ID_PATH) as f:
+                current = f.read().strip()
+        except OSError:
+            current = ""
+        if current != mid:
+            tmp = f"{MACHINE_ID_PATH}.{os.getpid()}"
+            try:
+                with open(tmp, "w") as f:
+                    f.write(mid + "\n")
+                os.chmod(tmp, 0o444)
+                os.replace(tmp, MACHINE_ID_PATH)
+                applied.append("machine-id")
+            except OSError:
+                _unlink_quiet(tmp)
+    seed = h.get("seed")
+    if isinstance(seed, str) and re.fullmatch(r"(?:[0-9a-f]{2}){16,256}", seed):
+        data = bytes.fromhex(seed)
+        try:
+            fd = os.open("/dev/urandom", os.O_WRONLY | os.O_CLOEXEC)
+        except OSError:
+            fd = -1
+        if fd >= 0:
+            try:
+                os.write(fd, data)  # mixed in, not credited: anyone may
+                applied.append("rng")
+                try:  # credited and reseeded now (CAP_SYS_ADMIN)
+                    info = struct.pack("ii", len(data) * 8, len(data)) + data
+                    fcntl.ioctl(fd, RNDADDENTROPY, info)
+                    fcntl.ioctl(fd, RNDRESEEDCRNG)
+                    applied.append("rng-reseed")
+                except OSError:
+                    pass
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+    now = h.get("time")
+    if isinstance(now, (int, float)) and abs(time.time() - now) > CLOCK_SLACK:
+        try:
+            time.clock_settime(time.CLOCK_REALTIME, float(now))
+            applied.append("clock")
+        except (OSError, OverflowError):
+            pass
+    return applied
+
+
+def read_key(path: str = P.KEY_PATH) -> str:
+    """The key the host left for this agent ("" if none: a microVM's agent, whose channel
+    is a device only it can open)."""
+    try:
+        with open(path) as f:
+            key = f.read(128).strip()
+    except OSError:
+        return ""
+    return key if re.fullmatch(P.KEY_RE, key) else ""
+
+
+def not_dumpable() -> None:
+    """No process of the commands' uid may read this one's memory, fds or environment
+    (/proc/1/mem, /proc/1/fd, ptrace): the agent key lives there."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
+
+
+def drop_inheritable_caps() -> None:
+    """The microVM's /init hands the agent CAP_SYS_ADMIN and CAP_SYS_TIME (hostname,
+    RNG reseed, clock) as ambient capabilities; keep them for the agent alone: clear the
+    ambient and inheritable sets, so nothing it runs gets them back."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL
+    hdr = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
+    data = (ctypes.c_uint32 * 6)()
+    if libc.capget(hdr, data) != 0:
+        return
+    data[2] = data[5] = 0  # inheritable (both 32-bit halves)
+    libc.capset(hdr, data)

@@ -1,0 +1,45 @@
+"""What the lifecycle modules share: the live-sandbox record, bounds, small helpers."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..agentconn import AgentChannel
+from ..backends.base import SandboxSpec
+from ..store import SandboxRow
+
+# s a device agent (CharDeviceTransport) gets to see the host hang up after a quiesce
+DEVICE_SETTLE = 0.1
+# s a request waits for the agent of a running sandbox that is reconnecting
+RECONNECT_GRACE = 5.0
+# s a kill waits for another operation on the sandbox to let go, then for its teardown
+KILL_LOCK_WAIT = 3.0
+KILL_TIMEOUT = 20.0
+KILL_RETRY_INTERVAL = 5.0
+
+
+@dataclass
+class Live:
+    row: SandboxRow
+    spec: SandboxSpec
+    chan: AgentChannel
+
+
+def _now() -> float:
+    return time.time()
+
+
+def _base_env(row: SandboxRow) -> dict[str, str]:
+    """A command's environment before its own: defaults, the template's, the sandbox's."""
+    env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+           "HOME": "/home/user", "USER": "user", "LANG": "C.UTF-8", "TERM": "xterm",
+           "HOSTNAME": row.id}
+    env.update(row.spec.get("template_env") or {})
+    env.update(row.spec.get("env") or {})
+    return env
+
+
+def _du(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())

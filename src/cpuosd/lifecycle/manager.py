@@ -1,0 +1,405 @@
+"""The sandbox lifecycle's one writer: create, kill and every state change
+(lifecycle.states), each written to SQLite before it is acted on and published as an event.
+
+The Manager is assembled from one module per concern:
+``reconcile`` (restart), ``pool`` (template snapshots, warm pool), ``snapshots`` (pause,
+resume, fork), ``deadlines``, ``session`` (exec, files); this module holds what they share
+and the lifecycle itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import secrets
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import cpuos_agent
+from cpuos_agent import protocol as P
+
+from .. import procs
+from ..agentconn import AgentChannel, raise_for_agent_error
+from ..backends.base import Backend, SandboxSpec
+from ..config import Config
+from ..errors import ApiError, not_found
+from ..events import EventBus, SandboxEvent
+from ..paths import check_id
+from ..store import LIVE_STATES, SandboxRow, Store
+from ..templates.builder import template_info
+from . import states
+from .common import (KILL_LOCK_WAIT, KILL_RETRY_INTERVAL, KILL_TIMEOUT, RECONNECT_GRACE, Live,
+                     _now)
+from .deadlines import Deadlines
+from .pool import Templates
+from .reconcile import Reconcile
+from .session import Session
+from .snapshots import Snapshots
+
+log = logging.getLogger("cpuosd.lifecycle")
+
+__all__ = ["Live", "Manager"]
+
+
+class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
+    def __init__(self, cfg: Config, store: Store, backend: Backend,
+                 events: EventBus | None = None) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.backend = backend
+        self.events = events or EventBus()
+        self.live: dict[str, Live] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._locks: dict[str, asyncio.Lock] = {}
+        # creates in progress (cancelled by a DELETE of their sandbox)
+        self._inflight: dict[str, asyncio.Task[Any] | None] = {}
+        self.pool: dict[str, list[Live]] = {}
+        self._filling: dict[str, bool] = {}
+        self.agent_dir = self._install_agent()
+        cfg.sandboxes_dir.mkdir(parents=True, exist_ok=True)
+        # agent sockets live below: no other host user may reach (and impersonate) an agent
+        cfg.sandboxes_dir.chmod(0o700)
+
+    def _install_agent(self) -> Path:
+        """Copy the agent package to $CPUOS_HOME/agent/<hash>/ (mounted read-only in sandboxes)."""
+        src = Path(cpuos_agent.__file__).parent
+        files = sorted(p for p in src.glob("*.py"))
+        h = hashlib.sha256()
+        for f in files:
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+        dest = self.cfg.home / "agent" / h.hexdigest()[:16]
+        if not (dest / "cpuos_agent" / "agent.py").exists():
+            tmp = dest.with_name(dest.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / "cpuos_agent").mkdir(parents=True)
+            for f in files:
+                shutil.copy2(f, tmp / "cpuos_agent" / f.name)
+            shutil.rmtree(dest, ignore_errors=True)
+            tmp.rename(dest)
+        return dest
+
+    def _prune_agents(self) -> None:
+        """Agent copies other than the current one, once no live sandbox mounts them."""
+        if self.store.list_sandboxes(states=LIVE_STATES):
+            return  # a reattached or paused sandbox may still use an older copy
+        for d in self.agent_dir.parent.iterdir():
+            if d != self.agent_dir:
+                shutil.rmtree(d, ignore_errors=True)
+
+    def _spawn(self, coro: Any) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    def _lock(self, sid: str) -> asyncio.Lock:
+        return self._locks.setdefault(sid, asyncio.Lock())
+
+    def _spec(self, row: SandboxRow) -> SandboxSpec:
+        s = row.spec
+        return SandboxSpec(id=row.id, rootfs=Path(s["rootfs"]), dir=self.cfg.sandboxes_dir / row.id,
+                           agent_dir=self.agent_dir, vcpus=s["vcpus"], memory_mib=s["memory_mib"],
+                           hostname=s.get("hostname", "sandbox"), env=s.get("env", {}))
+
+    async def startup(self) -> None:
+        self.cfg.snapshots_dir.mkdir(parents=True, exist_ok=True)
+        self.cfg.snapshots_dir.chmod(0o700)
+        await self.reconcile()
+        self._spawn(self._reaper())
+        self._spawn(procs.reap_loop())  # the runsc/QEMU processes we adopted
+        if self.cfg.pool_size > 0 and template_info(self.cfg.templates_dir, "python"):
+            self._spawn(self._fill_pool("python"))
+
+    async def shutdown(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        # creates still in progress are cancelled and clean up after themselves (their rows
+        # end in error): a stopping daemon leaves nothing half-made
+        creating = [t for t in self._inflight.values() if t is not None and not t.done()]
+        for t in creating:
+            t.cancel()
+        if creating:
+            await asyncio.wait(creating, timeout=KILL_TIMEOUT)
+        for pool in self.pool.values():  # pooled sandboxes belong to no one: end them
+            while pool:
+                await self.kill(pool.pop().row.id, reason="pool_discarded")
+        for lv in list(self.live.values()):
+            await lv.chan.close()  # sandboxes keep running; a restarted daemon reattaches
+        await self.backend.close()
+
+    def _snap(self, sid: str) -> Path:
+        return self.cfg.snapshots_dir / sid
+
+    def _new_row(self, workspace_id: str, template: str, info: dict[str, Any], timeout: float,
+                 metadata: dict[str, str], env: dict[str, str], vcpus: int, memory_mib: int,
+                 state: str = "creating", on_timeout: str = "kill") -> SandboxRow:
+        sid = "sbx-" + "".join(secrets.choice("abcdefghijklmnopqrstuvwxyz0123456789")
+                               for _ in range(12))
+        now = _now()
+        row = SandboxRow(
+            id=sid, workspace_id=workspace_id, template=template,
+            backend=self.backend.capabilities.name, state=state, reason=None,
+            created_at=now, started_at=None, ended_at=None, deadline=now + timeout,
+            spec={"rootfs": info["rootfs"], "template_digest": info["digest"], "vcpus": vcpus,
+                  "memory_mib": memory_mib, "hostname": "sandbox", "env": env,
+                  "timeout": timeout, "machine_id": secrets.token_hex(16),
+                  "template_env": info.get("env") or {}, "workdir": info.get("workdir")},
+            metadata=metadata, on_timeout=on_timeout,
+        )
+        self.store.insert_sandbox(row)
+        return row
+
+    async def _boot(self, row: SandboxRow, image: Path | None, *,
+                    template_boot: bool = False) -> Live:
+        """Start (image None) or restore a sandbox for row; returns it with its agent
+        connected and told who it is. On failure everything made for it is removed and
+        the error raised."""
+        spec = self._spec(row)
+        key = self._agent_key(row, image)
+        chan = AgentChannel(spec.sock_path, key)
+        spec.template_boot, spec.adopt = template_boot, chan.adopt
+        lv = Live(row, spec, chan)
+        self.live[row.id] = lv
+        try:
+            spec.sock_dir.mkdir(parents=True, exist_ok=True)
+            # Per sandbox, also after a restore: templates link /etc/machine-id here.
+            mid = row.spec.setdefault("machine_id", secrets.token_hex(16))
+            (spec.sock_dir / "machine-id").write_text(mid + "\n")
+            (spec.sock_dir / "machine-id").chmod(0o444)
+            key_file = spec.sock_dir / P.KEY_PATH.rsplit("/", 1)[1]
+            if key is not None and image is None:
+                # read once by the agent at start; removed at its hello, before any command
+                fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o444)
+                with os.fdopen(fd, "w") as f:
+                    f.write(key)
+            await chan.listen()
+            t0 = time.monotonic()
+            if image is None:
+                await self.backend.start(spec)
+            else:
+                await self.backend.restore(spec, image)
+            t1 = time.monotonic()
+            await chan.wait_connected(self.cfg.agent_connect_timeout)
+            key_file.unlink(missing_ok=True)
+            t2 = time.monotonic()
+            await self._identity(lv)
+            log.info("%s of %s: backend %.0f ms, agent hello %.0f ms, identity %.0f ms",
+                     "boot" if image is None else "restore", row.id, (t1 - t0) * 1e3,
+                     (t2 - t1) * 1e3, (time.monotonic() - t2) * 1e3)
+        except BaseException:
+            await self._teardown(row.id)
+            raise
+        chan.on_disconnect.append(lambda: self._on_disconnect(row.id))
+        return lv
+
+    def _agent_key(self, row: SandboxRow, image: Path | None) -> str | None:
+        """The key the sandbox's agent holds: a new one for a cold boot, the image's for a
+        restore (written beside it at checkpoint); kept in the row for reattaching."""
+        if not self.backend.capabilities.agent_key:
+            return None
+        key: str | None = None
+        if image is not None:
+            with contextlib.suppress(OSError):
+                key = (image / "agent.key").read_text().strip()
+        key = key or row.spec.get("agent_key") or secrets.token_hex(32)
+        row.spec["agent_key"] = key
+        return key
+
+    @staticmethod
+    def _save_agent_key(lv: Live, image_dir: Path) -> None:
+        key = lv.row.spec.get("agent_key")
+        if key:
+            fd = os.open(image_dir / "agent.key", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(key)
+
+    async def _identity(self, lv: Live) -> None:
+        """New for every boot, restore and clone: hostname (the sandbox id), machine-id,
+        randomness for the guest's RNG and the time (cpuos_agent.agent.apply_identity)."""
+        h = await lv.chan.call({"t": "identity", "hostname": lv.row.id,
+                                "machine_id": lv.row.spec["machine_id"],
+                                "seed": secrets.token_hex(64), "time": time.time()},
+                               timeout=30)
+        raise_for_agent_error(h)
+        log.debug("identity of %s: %s", lv.row.id, h.get("applied"))
+
+    def _mark_running(self, row: SandboxRow, timeout: float) -> None:
+        started = _now()
+        row.deadline = started + timeout
+        row.started_at = row.started_at or started
+        self._set_state(row.id, "running", started_at=row.started_at,
+                        deadline=row.deadline, workspace_id=row.workspace_id,
+                        spec=row.spec, metadata=row.metadata, on_timeout=row.on_timeout)
+        row.state = "running"
+
+    async def create(self, workspace_id: str, template: str, timeout: float,
+                     metadata: dict[str, str], env: dict[str, str], vcpus: int,
+                     memory_mib: int, on_timeout: str = "kill") -> SandboxRow:
+        info = template_info(self.cfg.templates_dir, template)
+        if info is None:
+            raise ApiError("not_found", f"template {template!r} is not built; run "
+                           f"`cpuos template build {template}` on the daemon's host",
+                           {"template": template})
+        default_size = (vcpus, memory_mib) == (self.cfg.default_vcpus,
+                                              self.cfg.default_memory_mib)
+        pool = self.pool.get(template)
+        if default_size and pool:
+            lv = pool.pop()  # no await between the check and the pop: handed out once
+            self._spawn(self._fill_pool(template))
+            row = lv.row
+            row.workspace_id, row.metadata, row.on_timeout = workspace_id, metadata, on_timeout
+            row.spec = {**row.spec, "env": env, "timeout": timeout}
+            lv.spec.env = env
+            self._mark_running(row, timeout)
+            return row
+        # the row first: a create waiting for its template's snapshot is listed (creating)
+        # and can be deleted
+        row = self._new_row(workspace_id, template, info, timeout, metadata, env, vcpus,
+                            memory_mib, on_timeout=on_timeout)
+        async with self._lock(row.id):
+            self._inflight[row.id] = asyncio.current_task()
+            try:
+                image = await self._template_image(template, info) if default_size else None
+                await self._boot_or_fallback(row, image, info)
+            except BaseException as e:
+                await self._teardown(row.id)
+                why = "cancelled (deleted while creating)" if isinstance(
+                    e, asyncio.CancelledError) else str(e)
+                self._finish(row.id, "error", f"create failed: {why}"[:500])
+                raise
+            finally:
+                self._inflight.pop(row.id, None)
+            self._mark_running(row, timeout)
+        return row
+
+    async def _boot_or_fallback(self, row: SandboxRow, image: Path | None,
+                                info: dict[str, Any]) -> Live:
+        """Restore from image, retried once, then a cold boot (with the template's start
+        command), before an error reaches the user."""
+        if image is not None:
+            for attempt in (1, 2):
+                try:
+                    return await self._boot(row, image)
+                except ApiError as e:
+                    log.warning("restore of %s from %s failed (attempt %d): %s", row.id,
+                                image.name, attempt, e.message)
+            log.warning("sandbox %s: restores failed; booting it instead", row.id)
+            row.spec.pop("agent_key", None)  # a cold boot's agent gets a key of its own
+        lv = await self._boot(row, None)
+        await self._start_command(lv, info)
+        return lv
+
+    def get(self, workspace_id: str, sid: str) -> SandboxRow:
+        check_id(sid)
+        row = self.store.get_sandbox(sid)
+        if row is None or row.workspace_id != workspace_id or row.state == "pooled":
+            raise not_found("sandbox", sid)
+        return row
+
+    def running(self, workspace_id: str, sid: str, op: str = "exec") -> Live:
+        """The live sandbox, if its state accepts op (lifecycle.states.OPS), else 409."""
+        row = self.get(workspace_id, sid)
+        states.check(op, sid, row.state, row.reason)
+        lv = self.live.get(sid)
+        if lv is None:  # (running in the table but not attached here: being reattached)
+            raise ApiError("conflict", f"sandbox {sid} is {row.state} but not attached yet",
+                           {"state": row.state, "reason": row.reason, "operation": op})
+        return lv
+
+    async def ready(self, workspace_id: str, sid: str, op: str = "exec") -> Live:
+        """A running sandbox whose agent is connected; waits a little for one that is
+        reconnecting (a restarted daemon: a microVM's QEMU redials once a second)."""
+        lv = self.running(workspace_id, sid, op)
+        if not lv.chan.connected:
+            with contextlib.suppress(ApiError):
+                await lv.chan.wait_connected(RECONNECT_GRACE)
+        return lv
+
+    def set_timeout(self, workspace_id: str, sid: str, timeout: float) -> SandboxRow:
+        row = self.get(workspace_id, sid)
+        states.check("set_timeout", sid, row.state, row.reason)
+        if row.state == "paused":
+            self.store.update_sandbox(sid, remaining=timeout)
+            return self.get(workspace_id, sid)
+        lv = self.running(workspace_id, sid, "set_timeout")
+        deadline = _now() + timeout
+        self.store.update_sandbox(sid, deadline=deadline)
+        lv.row.deadline = deadline
+        return self.get(workspace_id, sid)
+
+    async def kill(self, sid: str, reason: str = "killed", final_state: str = "killed") -> None:
+        """Returns within about KILL_LOCK_WAIT + KILL_TIMEOUT in every state: a create in
+        progress is cancelled; an operation that holds the sandbox longer is not waited
+        for; a teardown that overruns leaves the row in error with that reason."""
+        task = self._inflight.get(sid)
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+        lock = self._lock(sid)
+        try:
+            await asyncio.wait_for(lock.acquire(), KILL_LOCK_WAIT)
+            locked = True
+        except TimeoutError:
+            locked = False
+            log.warning("kill of %s: another operation holds it; killing anyway", sid)
+        try:
+            row = self.store.get_sandbox(sid)
+            if row is None or row.state not in LIVE_STATES:
+                return
+            self._set_state(sid, "killing", reason=reason)
+            try:
+                await asyncio.wait_for(self._teardown(sid), KILL_TIMEOUT)
+            except TimeoutError:
+                log.error("kill of %s: teardown did not finish in %.0fs", sid, KILL_TIMEOUT)
+                self._finish(sid, "error", f"kill timed out after {KILL_TIMEOUT:.0f}s")
+                self._spawn(self._retry_teardown(sid))
+                return
+            shutil.rmtree(self._snap(sid), ignore_errors=True)
+            self._finish(sid, final_state, reason)
+        finally:
+            if locked:
+                lock.release()
+
+    async def _retry_teardown(self, sid: str, attempts: int = 12) -> None:
+        """A teardown that overran is tried again in the background (a restarted daemon's
+        reconcile also ends any runsc sandbox without a live record)."""
+        for _ in range(attempts):
+            await asyncio.sleep(KILL_RETRY_INTERVAL)
+            try:
+                await asyncio.wait_for(self._teardown(sid), KILL_TIMEOUT)
+                log.info("kill of %s: teardown finished on a retry", sid)
+                return
+            except Exception as e:
+                log.warning("kill of %s: retry failed: %s", sid, e)
+
+    async def _teardown(self, sid: str) -> None:
+        lv = self.live.pop(sid, None)
+        if lv is not None:
+            await lv.chan.close()
+        await self.backend.kill(sid)
+        shutil.rmtree(self.cfg.sandboxes_dir / sid, ignore_errors=True)
+
+    def _set_state(self, sid: str, to: str, **fields: Any) -> None:
+        """The one way a sandbox changes state: checked against the table
+        (lifecycle.states), written to SQLite before anything acts on it, published as an
+        event."""
+        row = self.store.get_sandbox(sid)
+        frm = row.state if row is not None else None
+        if frm is not None and frm != to:
+            states.check_transition(frm, to)
+        self.store.update_sandbox(sid, state=to, **fields)
+        lv = self.live.get(sid)
+        if lv is not None:
+            lv.row.state = to
+        if row is not None and frm != to:
+            self.events.emit(SandboxEvent(
+                to, sid, str(fields.get("workspace_id") or row.workspace_id), frm,
+                fields={k: v for k, v in fields.items()
+                        if k in ("reason", "deadline", "remaining", "snapshot_bytes")}))
+
+    def _finish(self, sid: str, state: str, reason: str) -> None:
+        self._set_state(sid, state, reason=reason, ended_at=_now())
+        self._locks.pop(sid, None)

@@ -1,0 +1,154 @@
+"""Template snapshots (each template booted once and checkpointed) and the warm pool
+of sandboxes restored ahead of time; the template's start command and ready check."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import shlex
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+
+from ..agentconn import raise_for_agent_error
+from ..errors import ApiError
+from ..store import SandboxRow
+from ..templates.builder import template_info
+from .common import (Live, _base_env, _now)
+
+if TYPE_CHECKING:
+    from .manager import Manager
+
+log = logging.getLogger("cpuosd.lifecycle")
+
+
+class Templates:
+    def _template_image_name(self: Manager, template: str, digest: str) -> str:
+        """A template image is of one template build, one agent and one kind of machine
+        (an image of another backend, accelerator or device set never restores)."""
+        return f"{template}-{digest}-{self.agent_dir.name}-{self.backend.image_kind}"
+
+    async def _template_image(self: Manager, template: str, info: dict[str, Any]) -> Path | None:
+        """The template booted once and checkpointed; made on first use. None when
+        snapshots are off or could not be made (create then boots)."""
+        if not self.cfg.template_snapshots or not self.backend.capabilities.checkpoint:
+            return None
+        d = (self.cfg.snapshots_dir / "templates"
+             / self._template_image_name(template, info["digest"]))
+        if (d / "checkpoint.img").exists():
+            return d
+        async with self._lock("template:" + template):
+            if (d / "checkpoint.img").exists():
+                return d
+            try:
+                await self._make_template_image(template, info, d)
+            except Exception:
+                log.exception("snapshot of template %s failed; booting instead", template)
+                return None
+        return d
+
+    async def _make_template_image(self: Manager, template: str, info: dict[str, Any],
+                                   d: Path) -> None:
+        t0 = time.monotonic()
+        row = SandboxRow(id="tpl-" + secrets.token_hex(6), workspace_id="", template=template,
+                         backend=self.backend.capabilities.name, state="creating", reason=None,
+                         created_at=_now(), started_at=None, ended_at=None, deadline=None,
+                         spec={"rootfs": info["rootfs"], "vcpus": self.cfg.default_vcpus,
+                               "memory_mib": self.cfg.default_memory_mib,
+                               "hostname": "sandbox", "env": {},
+                               "machine_id": secrets.token_hex(16),
+                               "template_env": info.get("env") or {},
+                               "workdir": info.get("workdir")},
+                         metadata={})
+        tmp = d.with_name(d.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        d.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            lv = await self._boot(row, None, template_boot=True)
+            await self._start_command(lv, info)
+            await self._quiesce(lv)
+            await self.backend.checkpoint(row.id, tmp)
+            self._save_agent_key(lv, tmp)
+            os.rename(tmp, d)
+        finally:
+            await self._teardown(row.id)
+            shutil.rmtree(tmp, ignore_errors=True)
+        log.info("template %s snapshotted in %.2fs", template, time.monotonic() - t0)
+
+    async def _fill_pool(self: Manager, template: str) -> None:
+        if self._filling.get(template):
+            return
+        self._filling[template] = True
+        try:
+            info = template_info(self.cfg.templates_dir, template)
+            ws = self.store.workspace_by_name("default")
+            pool = self.pool.setdefault(template, [])
+            while info and ws and len(pool) < self.cfg.pool_size:
+                image = await self._template_image(template, info)
+                if image is None:
+                    return
+                row = self._new_row(ws, template, info, self.cfg.default_timeout, {}, {},
+                                    self.cfg.default_vcpus, self.cfg.default_memory_mib,
+                                    state="pooled")
+                try:
+                    lv = await self._boot(row, image)
+                except Exception:
+                    log.exception("warm pool: restoring %s failed", template)
+                    self._finish(row.id, "error", "pool restore failed")
+                    return
+                pool.append(lv)
+        finally:
+            self._filling[template] = False
+
+    async def _run_simple(self: Manager, lv: Live, cmd: str, timeout: float) -> tuple[int, bytes]:
+        """Run a shell line in the sandbox for the daemon itself: (exit code, output tail)."""
+        st = lv.chan.open()
+        try:
+            await st.send({"t": "exec", "shell": cmd, "env": _base_env(lv.row), "cwd": "/",
+                           "timeout": timeout, "stdin": False})
+            out = b""
+            while True:
+                h, payload = await st.get(timeout + 10)
+                raise_for_agent_error(h)
+                if h["t"] == "out":
+                    out = (out + payload)[-4000:]
+                elif h["t"] == "exit":
+                    code = h.get("exit_code")
+                    return (code if isinstance(code, int) else -1), out
+        except TimeoutError:
+            raise ApiError("timeout", f"{cmd!r} did not finish in the sandbox") from None
+        finally:
+            st.close()
+
+    async def _start_command(self: Manager, lv: Live, info: dict[str, Any]) -> None:
+        """The template's long-running start command, then its ready check (a command that
+        must exit 0, or a port that must accept connections)."""
+        start = info.get("start")
+        if not start:
+            return
+        await self._run_simple(
+            lv, f"cd {shlex.quote(lv.row.spec.get('workdir') or '/')} && "
+            f"nohup sh -c {shlex.quote(start)} >/tmp/cpuos-start.log 2>&1 &", 30)
+        ready = info.get("ready") or {}
+        check = ready.get("cmd")
+        if ready.get("port"):
+            check = (f"python3 -c 'import socket; socket.create_connection("
+                     f"(\"127.0.0.1\", {int(ready['port'])}), 1)'")
+        if not check:
+            return
+        timeout = float(ready.get("timeout") or 30)
+        deadline = time.monotonic() + timeout
+        while True:
+            code, _ = await self._run_simple(lv, check, 10)
+            if code == 0:
+                return
+            if time.monotonic() > deadline:
+                _, log_tail = await self._run_simple(lv, "tail -c 2000 /tmp/cpuos-start.log", 10)
+                raise ApiError("timeout", f"template {info.get('name')}: ready check {check!r} "
+                               f"did not pass within {timeout:.0f}s; start log: "
+                               f"{log_tail.decode(errors='replace')[-500:]}")
+            await asyncio.sleep(0.2)

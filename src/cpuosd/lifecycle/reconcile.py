@@ -1,0 +1,118 @@
+"""After a (possibly unclean) restart: make SQLite and the host agree; reattach to
+live sandboxes, and notice when one dies."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+from typing import TYPE_CHECKING
+
+
+from ..agentconn import AgentChannel
+from ..errors import ApiError
+from ..store import LIVE_STATES, SandboxRow
+from ..templates.builder import list_templates
+from .common import (Live, _du, _now)
+
+if TYPE_CHECKING:
+    from .manager import Manager
+
+log = logging.getLogger("cpuosd.lifecycle")
+
+
+class Reconcile:
+    async def reconcile(self: Manager) -> None:
+        """Make SQLite and the host agree after a (possibly unclean) restart."""
+        actual = await self.backend.running()
+        keep: set[str] = set()
+        for row in self.store.list_sandboxes(states=LIVE_STATES):
+            alive = actual.get(row.id) == "running"
+            snap = self._snap(row.id)
+            if alive and row.state in ("running", "pausing", "resuming"):
+                # a pause that did not get to checkpoint, or a resume that did: running
+                await self._reattach(row)
+                keep.add(row.id)
+                if row.state != "running":
+                    # a paused row has no deadline: it gets back the time it had left
+                    deadline = row.deadline or _now() + float(
+                        row.remaining or row.spec.get("timeout") or self.cfg.default_timeout)
+                    self._set_state(row.id, "running", deadline=deadline)
+                    log.info("sandbox %s was %s at restart: running", row.id, row.state)
+                    row.state, row.deadline = "running", deadline
+                continue
+            if alive:
+                await self.backend.kill(row.id)
+            has_snap = (snap / "checkpoint.img").exists()
+            tmp = snap.with_name("." + snap.name + ".tmp")
+            if row.state == "pausing" and not has_snap and (tmp / "checkpoint.img").exists() \
+                    and (tmp / "checkpoint.img").stat().st_size > 0:
+                # the daemon died after runsc wrote the image but before it was renamed
+                os.rename(tmp, snap)
+                has_snap = True
+            if row.state in ("paused", "pausing", "resuming") and has_snap:
+                if row.state != "paused":
+                    left = row.remaining or max(1.0, (row.deadline or _now()) - _now())
+                    self._set_state(row.id, "paused", paused_at=_now(),
+                                              remaining=left, deadline=None,
+                                              snapshot_bytes=_du(snap))
+                continue
+            reason = {"running": "lost", "paused": "snapshot_lost", "pooled": "pool_discarded",
+                      "killing": row.reason or "killed"}.get(row.state, "interrupted")
+            self._finish(row.id, "killed" if row.state in ("killing", "pooled") else "error",
+                         reason)
+        for cid in actual:
+            if cid not in keep:
+                log.warning("killing runsc sandbox %s that has no live record", cid)
+                await self.backend.kill(cid)
+        for d in self.cfg.sandboxes_dir.iterdir():
+            if d.name not in keep:
+                shutil.rmtree(d, ignore_errors=True)
+        paused = {r.id for r in self.store.list_sandboxes(states=("paused",))}
+        for d in self.cfg.snapshots_dir.iterdir():
+            if d.name != "templates" and d.name not in paused:
+                shutil.rmtree(d, ignore_errors=True)
+        # template images of older builds or older agents are never restored again
+        current = {self._template_image_name(t["name"], t["digest"])
+                   for t in list_templates(self.cfg.templates_dir)}
+        tdir = self.cfg.snapshots_dir / "templates"
+        for d in tdir.iterdir() if tdir.is_dir() else ():
+            if d.name not in current:
+                shutil.rmtree(d, ignore_errors=True)
+        self._prune_agents()
+
+    async def _reattach(self: Manager, row: SandboxRow) -> None:
+        lv = Live(row, self._spec(row), AgentChannel(self._spec(row).sock_path,
+                                                     row.spec.get("agent_key")))
+        self.live[row.id] = lv
+        await lv.chan.listen()
+        lv.chan.on_disconnect.append(lambda sid=row.id: self._on_disconnect(sid))
+        self._spawn(self._await_reattach(row.id))
+        log.info("reattaching to sandbox %s", row.id)
+
+    async def _await_reattach(self: Manager, sid: str) -> None:
+        lv = self.live.get(sid)
+        if lv is None:
+            return
+        try:
+            await lv.chan.wait_connected(self.cfg.agent_connect_timeout)
+        except ApiError:
+            log.warning("sandbox %s: agent did not reconnect; killing it", sid)
+            await self.kill(sid, reason="lost", final_state="error")
+
+    def _on_disconnect(self: Manager, sid: str) -> None:
+        self._spawn(self._check_alive(sid))
+
+    async def _check_alive(self: Manager, sid: str) -> None:
+        """The agent dropped its connection: it reconnects unless the sandbox died."""
+        await asyncio.sleep(2.0)
+        lv = self.live.get(sid)
+        if lv is None or lv.chan.connected or lv.row.state != "running":
+            return
+        row = self.store.get_sandbox(sid)
+        if row is None or row.state != "running":
+            return
+        state = (await self.backend.running()).get(sid)
+        if state != "running":
+            await self.kill(sid, reason="exited", final_state="error")

@@ -1,0 +1,218 @@
+"""Exec and files over the agent channel: everything the agent sends is checked and
+rebuilt before it reaches a client."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from cpuos_agent import protocol as P
+
+from ..agentconn import AgentGone, raise_for_agent_error
+from ..errors import ApiError
+from .common import (Live, _base_env)
+
+if TYPE_CHECKING:
+    from .manager import Manager
+
+log = logging.getLogger("cpuosd.lifecycle")
+
+
+ENTRY_TYPES = {"file", "dir", "symlink", "other"}
+MAX_ENTRIES = 10000
+
+
+class Session:
+    async def exec_start(self: Manager, lv: Live, cmd: str | list[str], env: dict[str, str],
+                         cwd: str | None,
+                         timeout: float | None, stdin: bytes | None
+                         ) -> AsyncIterator[bytes]:
+        """Start a command; returns the frame stream for the HTTP response.
+
+        Errors that happen before the command runs raise ApiError (a proper HTTP
+        status); everything after is reported inside the stream.
+        """
+        eid = "exe-" + secrets.token_hex(6)
+        st = lv.chan.open()
+        try:
+            target = {"shell": cmd} if isinstance(cmd, str) else {"argv": cmd}
+            cwd = cwd or lv.row.spec.get("workdir") or "/work"
+            await st.send({"t": "exec", **target, "env": {**_base_env(lv.row), **env},
+                           "cwd": cwd, "timeout": timeout, "stdin": stdin is not None})
+            if stdin is not None:
+                for i in range(0, len(stdin), P.CHUNK):
+                    await st.send({"t": "stdin"}, stdin[i:i + P.CHUNK])
+                await st.send({"t": "stdin"})
+            h, _ = await st.get(15.0)
+            raise_for_agent_error(h)
+            if h["t"] != "started":
+                raise ApiError("internal", f"unexpected agent answer {h['t']!r}")
+        except TimeoutError:
+            st.close()
+            raise ApiError("timeout", "sandbox agent did not start the command") from None
+        except BaseException:
+            st.close()
+            raise
+        self.store.insert_exec(eid, lv.row.id, ["/bin/bash", "-c", cmd] if isinstance(cmd, str)
+                               else cmd)
+        return self._exec_frames(lv, st, eid, timeout)
+
+    async def _exec_frames(self: Manager, lv: Live, st: Any, eid: str, timeout: float | None
+                           ) -> AsyncIterator[bytes]:
+        t0 = time.monotonic()
+        counts = {1: 0, 2: 0}
+        done = False
+        result: dict[str, Any] = {}
+        try:
+            yield P.encode({"t": "started", "exec_id": eid})
+            # The agent enforces the timeout; the host allows a grace period on top.
+            host_deadline = None if timeout is None else t0 + timeout + 10.0
+            while True:
+                wait = None if host_deadline is None else max(0.1, host_deadline - time.monotonic())
+                try:
+                    h, payload = await st.get(wait)
+                except TimeoutError:
+                    result = {"t": "error", "code": "timeout",
+                              "message": "command did not finish after its timeout"}
+                    yield P.encode(result)
+                    break
+                t = h["t"]
+                if t == "out":
+                    fd = h.get("fd")
+                    if fd not in (1, 2):
+                        continue
+                    counts[fd] += len(payload)
+                    yield P.encode({"t": "out", "fd": fd}, payload)
+                elif t == "exit":
+                    result = _exit_frame(h, time.monotonic() - t0)
+                    yield P.encode(result)
+                    done = True
+                    break
+                elif t == "err":
+                    raise_for_agent_error(h)
+        except AgentGone:
+            row = self.store.get_sandbox(lv.row.id)
+            why = f"sandbox is {row.state} ({row.reason})" if row and row.state != "running" \
+                else "sandbox agent disconnected"
+            result = {"t": "error", "code": "unavailable", "message": why}
+            yield P.encode(result)
+        except ApiError as e:
+            result = {"t": "error", "code": e.code, "message": e.message}
+            yield P.encode(result)
+        finally:
+            if not done:
+                # client went away or we gave up: kill the command's whole tree
+                with contextlib.suppress(Exception):
+                    self._spawn(lv.chan.send({"t": "kill", "id": st.id, "reason": "cancelled"}))
+            st.close()
+            self.store.finish_exec(
+                eid, exit_code=result.get("exit_code"), signal=result.get("signal"),
+                timed_out=int(bool(result.get("timed_out"))), error=result.get("message"),
+                stdout_bytes=counts[1], stderr_bytes=counts[2])
+
+    async def write_file(self: Manager, lv: Live, path: str, body: AsyncIterator[bytes]
+                         ) -> dict[str, Any]:
+        st = lv.chan.open()
+        try:
+            await st.send({"t": "write", "path": path})
+            async for chunk in body:
+                for i in range(0, len(chunk), P.CHUNK):
+                    if not st.queue.empty():  # the agent refused early (e.g. permission)
+                        h, _ = await st.get()
+                        raise_for_agent_error(h)
+                    await st.send({"t": "data"}, chunk[i:i + P.CHUNK])
+            await st.send({"t": "eof"})
+            h, _ = await st.get(120.0)
+            raise_for_agent_error(h)
+            return _clean_stat(h.get("stat"), path)
+        except TimeoutError:
+            raise ApiError("timeout", f"sandbox agent did not finish writing {path}") from None
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self._spawn(lv.chan.send({"t": "eof", "id": st.id, "abort": True}))
+            raise
+        finally:
+            st.close()
+
+    async def read_file(self: Manager, lv: Live, path: str) -> AsyncIterator[bytes]:
+        st = lv.chan.open()
+        try:
+            await st.send({"t": "read", "path": path})
+            h, _ = await st.get(30.0)
+            raise_for_agent_error(h)
+        except TimeoutError:
+            st.close()
+            raise ApiError("timeout", f"sandbox agent did not open {path}") from None
+        except BaseException:
+            st.close()
+            raise
+
+        async def gen() -> AsyncIterator[bytes]:
+            try:
+                while True:
+                    h, payload = await st.get(60.0)
+                    if h["t"] == "data":
+                        yield payload
+                    elif h["t"] == "eof":
+                        return
+                    else:
+                        raise_for_agent_error(h)
+                        raise ApiError("internal", f"unexpected agent frame {h['t']!r}")
+            finally:
+                st.close()
+
+        return gen()
+
+    async def file_call(self: Manager, lv: Live, op: str, path: str, **extra: Any) -> Any:
+        h = await lv.chan.call({"t": op, "path": path, **extra})
+        if op == "list":
+            entries = h.get("entries")
+            if not isinstance(entries, list):
+                raise ApiError("internal", "sandbox agent sent a malformed listing")
+            return [_clean_stat(e, None, parent=path) for e in entries[:MAX_ENTRIES]]
+        if op in ("stat", "mkdir"):
+            return _clean_stat(h.get("stat"), path)
+        return None
+
+
+def _exit_frame(h: P.Header, duration: float) -> dict[str, Any]:
+    """Rebuild the agent's exit report from checked fields only."""
+    code = h.get("exit_code")
+    sig = h.get("signal")
+    return {
+        "t": "exit",
+        "exit_code": code if isinstance(code, int) and -1 <= code <= 255 else -1,
+        "signal": sig if isinstance(sig, int) and 0 < sig < 128 else None,
+        "timed_out": h.get("timed_out") is True,
+        "killed": h.get("killed") is True,
+        "duration": round(duration, 6),
+    }
+
+
+def _clean_stat(d: Any, path: str | None, parent: str | None = None) -> dict[str, Any]:
+    """Rebuild an entry from the agent with checked fields; never pass its data through."""
+    if not isinstance(d, dict):
+        raise ApiError("internal", "sandbox agent sent a malformed entry")
+    name = d.get("name")
+    if not isinstance(name, str) or not name or "\x00" in name or len(name) > 255 or (
+            "/" in name and name != "/"):
+        raise ApiError("internal", "sandbox agent sent a malformed file name")
+    if path is None:
+        path = (parent.rstrip("/") if parent else "") + "/" + name
+    size, mode, mtime = d.get("size"), d.get("mode"), d.get("mtime")
+    out: dict[str, Any] = {
+        "name": name,
+        "path": path,
+        "type": d.get("type") if d.get("type") in ENTRY_TYPES else "other",
+        "size": size if isinstance(size, int) and size >= 0 else 0,
+        "mode": mode if isinstance(mode, int) and 0 <= mode <= 0o7777 else 0,
+        "mtime": float(mtime) if isinstance(mtime, (int, float)) else 0.0,
+    }
+    target = d.get("target")
+    if out["type"] == "symlink" and isinstance(target, str):
+        out["target"] = target[:4096]
+    return out

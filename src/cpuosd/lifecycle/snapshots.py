@@ -1,0 +1,155 @@
+"""Pause, resume and fork: quiesce the agent, checkpoint, restore."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+
+from ..errors import ApiError
+from ..store import SandboxRow
+from . import states
+from .common import (DEVICE_SETTLE, Live, _du, _now)
+
+if TYPE_CHECKING:
+    from .manager import Manager
+
+log = logging.getLogger("cpuosd.lifecycle")
+
+
+class Snapshots:
+    async def _quiesce(self: Manager, lv: Live) -> None:
+        """Have the agent drop its connection (a checkpoint cannot carry it); the socket
+        is removed first, so it can only come back once we listen again."""
+        if lv.chan.streams:
+            raise ApiError("conflict", "commands or file transfers are still running in the "
+                           "sandbox; wait for them to finish")
+        lv.chan.stop_listening()
+        try:
+            await lv.chan.call({"t": "quiesce"}, timeout=10)
+            if (lv.chan.hello or {}).get("transport") == "device":
+                # a device agent (microVM) cannot hang up: we do, and give it the moment
+                # it needs to see that (else a restored copy would wait for it)
+                lv.chan.disconnect()
+                await asyncio.sleep(DEVICE_SETTLE)
+            else:
+                try:  # a socket agent closes its end
+                    await lv.chan.wait_disconnected(1.0)
+                except ApiError:
+                    lv.chan.disconnect()
+        except BaseException as e:
+            await lv.chan.listen()  # the agent keeps retrying: it comes back
+            await lv.chan.wait_connected(self.cfg.agent_connect_timeout)
+            if isinstance(e, ApiError) and e.code == "already_exists":
+                raise ApiError("conflict", e.message) from None
+            raise
+
+    def _check_space(self: Manager, sid: str, where: Path) -> None:
+        need = (self.backend.memory_usage(sid) or 0) + self.cfg.snapshot_margin
+        where.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(where).free
+        if free < need:
+            raise ApiError("no_space", f"not enough space for a snapshot in {where}: "
+                           f"{free >> 20} MiB free, up to {need >> 20} MiB needed",
+                           {"free_bytes": free, "needed_bytes": need})
+
+    async def _checkpoint(self: Manager, lv: Live, image: Path) -> None:
+        """Quiesce and checkpoint lv into image (the sandbox stops). A failed checkpoint
+        loses the sandbox (runsc stops it either way): it is marked error."""
+        sid = lv.row.id
+        if not self.backend.capabilities.checkpoint:
+            raise ApiError("conflict", f"the {self.backend.capabilities.name} backend cannot "
+                           "snapshot sandboxes yet (pause and fork need it)")
+        t0 = time.monotonic()
+        self._check_space(sid, image.parent)
+        self._set_state(sid, "pausing")
+        try:
+            await self._quiesce(lv)
+        except BaseException:
+            self._set_state(sid, "running")
+            raise
+        tmp = image.with_name("." + image.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        t1 = time.monotonic()
+        try:
+            await self.backend.checkpoint(sid, tmp)
+            self._save_agent_key(lv, tmp)
+            os.rename(tmp, image)
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            await self._teardown(sid)
+            msg = e.message if isinstance(e, ApiError) else str(e)
+            self._finish(sid, "error", f"checkpoint failed: {msg}"[:500])
+            raise
+        t2 = time.monotonic()
+        await self._teardown(sid)
+        log.info("checkpoint of %s: quiesce %.0f ms, runsc checkpoint %.0f ms, teardown %.0f ms",
+                 sid, (t1 - t0) * 1e3, (t2 - t1) * 1e3, (time.monotonic() - t2) * 1e3)
+
+    async def pause(self: Manager, workspace_id: str, sid: str) -> SandboxRow:
+        async with self._lock(sid):
+            lv = self.running(workspace_id, sid, "pause")
+            remaining = max(1.0, (lv.row.deadline or _now()) - _now())
+            await self._checkpoint(lv, self._snap(sid))
+            size = _du(self._snap(sid))
+            self._set_state(sid, "paused", paused_at=_now(), remaining=remaining,
+                                      snapshot_bytes=size, deadline=None)
+        return self.get(workspace_id, sid)
+
+    async def resume(self: Manager, workspace_id: str, sid: str) -> SandboxRow:
+        async with self._lock(sid):
+            row = self.get(workspace_id, sid)
+            states.check("resume", sid, row.state, row.reason)
+            if row.state == "running":
+                return row
+            snap = self._snap(sid)
+            self._set_state(sid, "resuming")
+            try:
+                await self._boot(row, snap)
+            except BaseException:
+                self._set_state(sid, "paused")  # the snapshot is still good
+                raise
+            self._mark_running(row, row.remaining or row.spec.get("timeout") or 300.0)
+            self.store.update_sandbox(sid, paused_at=None, remaining=None, snapshot_bytes=None)
+            shutil.rmtree(snap, ignore_errors=True)
+        return self.get(workspace_id, sid)
+
+    async def fork(self: Manager, workspace_id: str, sid: str, n: int) -> list[SandboxRow]:
+        """n new sandboxes with the memory, processes and files of sid (which keeps running):
+        checkpoint once, restore n + 1 times."""
+        async with self._lock(sid):
+            lv = self.running(workspace_id, sid, "fork")
+            row = lv.row
+            image = self.cfg.snapshots_dir / f"fork-{sid}-{secrets.token_hex(4)}"
+            remaining = max(1.0, (row.deadline or _now()) - _now())
+            try:
+                await self._checkpoint(lv, image)
+                self._set_state(sid, "resuming")
+                try:
+                    await self._boot(row, image)
+                except BaseException as e:
+                    self._finish(sid, "error", f"restore after fork failed: {e}"[:500])
+                    raise
+                self._mark_running(row, remaining)
+                info = {"rootfs": row.spec["rootfs"], "digest": row.spec.get("template_digest")}
+                clones = []
+                for _ in range(n):
+                    c = self._new_row(workspace_id, row.template, info, remaining, row.metadata,
+                                      row.spec.get("env", {}), row.spec["vcpus"],
+                                      row.spec["memory_mib"], on_timeout=row.on_timeout)
+                    try:
+                        await self._boot(c, image)
+                    except BaseException as e:
+                        self._finish(c.id, "error", f"fork restore failed: {e}"[:500])
+                        raise
+                    self._mark_running(c, remaining)
+                    clones.append(c)
+            finally:
+                shutil.rmtree(image, ignore_errors=True)
+        return clones
