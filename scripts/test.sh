@@ -9,7 +9,8 @@ bash scripts/setup.sh --dev
 # the microVM guest (kernel + initramfs from Debian packages): the TCG tests boot it
 echo "==> microVM guest artifacts"
 if ! bash scripts/build-microvm-kernel.sh; then
-  echo "WARNING: building the microVM guest artifacts failed; its TCG tests will skip" >&2
+  echo "error: building the microVM guest artifacts failed (its TCG tests need them)" >&2
+  exit 1
 fi
 
 echo "==> lint and types"
