@@ -214,7 +214,7 @@ class RawRunsc:
         cfg["process"]["args"] = ["/bin/true"]
         (bundle / "config.json").write_text(json.dumps(cfg, indent=1))
         run = [*self.global_flags(), "--network=none", "--host-uds=open",
-               f"--overlay2=root:{overlay}", *RUNSC_INFO.gofer_flags(), "run",
+               "--overlay2=root:memory", *RUNSC_INFO.gofer_flags(), "run",
                "--bundle", str(bundle), cid]
         t0 = now()
         rc, _, err = PROCS.run(run, timeout=60)
