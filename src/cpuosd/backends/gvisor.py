@@ -207,4 +207,27 @@ class GVisorBackend:
         if rc != 0:
             raise ApiError("internal", f"runsc list failed: {err.decode(errors='replace')[-300:]}")
         items = json.loads(out or b"null") or []
-        return {str(i["id"]): str(i.get("status", "")) for i in items}
+        out_states: dict[str, str] = {}
+        for i in items:
+            cid, status = str(i["id"]), str(i.get("status", ""))
+            if status == "running" and not self._sandbox_alive(i.get("pid"), cid):
+                # runsc reads its state file: after a checkpoint that outlived its caller
+                # it still says running with no sandbox process left
+                status = "stopped"
+            out_states[cid] = status
+        return out_states
+
+    def _sandbox_alive(self, pid: object, cid: str) -> bool:
+        """Is pid a live runsc sandbox process of this root and id (not only a pid read
+        from runsc's state file, which may be stale or reused)?"""
+        if not isinstance(pid, int) or pid <= 0:
+            return False
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return False
+        return (state != b"Z" and argv[:1] == [b"runsc-sandbox"] and cid.encode() in argv
+                and f"--root={self.root}".encode() in argv)

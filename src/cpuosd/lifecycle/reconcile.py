@@ -38,8 +38,9 @@ class Reconcile:
                     # a paused row has no deadline: it gets back the time it had left
                     deadline = row.deadline or _now() + float(
                         row.remaining or row.spec.get("timeout") or self.cfg.default_timeout)
+                    was = row.state
                     self._set_state(row.id, "running", deadline=deadline)
-                    log.info("sandbox %s was %s at restart: running", row.id, row.state)
+                    log.info("sandbox %s was %s at restart: running", row.id, was)
                     row.state, row.deadline = "running", deadline
                 continue
             if alive:
