@@ -38,12 +38,11 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from cpuos import Sandbox
-from cpuosd.testing import TEMPLATES, Daemon, e2e_unavailable, new_daemon
+from cpuosd.testing import TEMPLATES, Daemon, e2e_unavailable, new_daemon, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 OUT = REPO / ".cache" / "bench"
@@ -123,14 +122,6 @@ def mem_available() -> int:
     raise RuntimeError("no MemAvailable in /proc/meminfo")
 
 
-def wait_for(cond: Callable[[], bool], what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def measure(d: Daemon, args: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = d.sdk_kwargs()
     res: dict[str, Any] = {}
@@ -161,7 +152,7 @@ def measure(d: Daemon, args: argparse.Namespace) -> dict[str, Any]:
         # pause / resume with a 100 MiB heap
         sbx.files.write("/work/heap.py", HEAP)
         sbx.exec("nohup python3 /work/heap.py /work/heap.ready >/dev/null 2>&1 &")
-        wait_for(lambda: sbx.files.exists("/work/heap.ready"), "the 100 MiB heap")
+        wait_until(lambda: sbx.files.exists("/work/heap.ready"), "the 100 MiB heap")
         pauses, resumes = [], []
         sid = sbx.id
         for _ in range(args.n_pause):

@@ -18,10 +18,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import TypedDict
 
 import httpx
 
+from cpuosd.backends.base import Capabilities, SandboxSpec
 from cpuosd.backends.runsc import RunscUnavailable, find_runsc
 
 TEMPLATES = Path(os.environ.get("CPUOS_TEMPLATES_DIR", "/var/lib/cpuos/templates"))
@@ -45,6 +47,15 @@ class SdkKwargs(TypedDict):
 
     api_url: str
     api_key: str
+
+
+def wait_until(cond: Callable[[], bool], what: str, timeout: float = 60) -> None:
+    """Poll cond (every 50 ms) until it holds; TimeoutError naming what after timeout."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.05)
 
 
 def mounts_under(path: Path) -> list[str]:
@@ -149,6 +160,53 @@ class Daemon:
             shutil.copy(self.log, ARTIFACTS / f"cpuosd-{self.home.name}.log")
         shutil.rmtree(self.home, ignore_errors=True)
         return left
+
+
+def wrapped_runsc_daemon(tmp_path: Path, script: str, **env: str) -> Daemon:
+    """A daemon (pool off) whose runsc is ``script``, a shell script of the test's that
+    stands in for the real runsc (``{real}`` in it is the real one's path): for injecting
+    hangs and kills into runsc calls. Not started."""
+    real = find_runsc()
+    wrapper = tmp_path / "runsc"
+    wrapper.write_text(script.replace("{real}", real.path))
+    wrapper.chmod(0o755)
+    return new_daemon(CPUOS_POOL_SIZE="0", CPUOS_RUNSC=str(wrapper),
+                      CPUOS_RUNSC_PLATFORM=real.platform, **env)
+
+
+class FakeBackend:
+    """A Backend that runs nothing and records the calls it gets: for tests of the API
+    layer's own logic (never the proof that a feature works)."""
+
+    image_kind = "fake"
+
+    def __init__(self, checkpoint: bool = True) -> None:
+        self.capabilities = Capabilities(name="fake", checkpoint=checkpoint, network=False)
+        self.calls: list[str] = []
+
+    def runtime(self) -> dict[str, str]:
+        return {}
+
+    async def start(self, spec: SandboxSpec) -> None:
+        self.calls.append("start")
+
+    async def kill(self, sandbox_id: str) -> None:
+        self.calls.append("kill")
+
+    async def running(self) -> dict[str, str]:
+        return {}
+
+    async def checkpoint(self, sandbox_id: str, image_dir: Path) -> None:
+        self.calls.append("checkpoint")
+
+    async def restore(self, spec: SandboxSpec, image_dir: Path) -> None:
+        self.calls.append("restore")
+
+    def memory_usage(self, sandbox_id: str) -> int | None:
+        return None
+
+    async def close(self) -> None:
+        pass
 
 
 def new_daemon(**env: str) -> Daemon:

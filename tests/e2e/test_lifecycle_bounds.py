@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,8 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from cpuosd.backends.runsc import find_runsc
-from cpuosd.testing import Daemon, e2e_unavailable, new_daemon
+from cpuosd.testing import Daemon, e2e_unavailable, wait_until, wrapped_runsc_daemon
 
 pytestmark = pytest.mark.e2e
 
@@ -25,22 +23,17 @@ def hang_daemon(tmp_path: Path) -> Iterator[tuple[Daemon, Path]]:
     why = e2e_unavailable()
     if why:
         pytest.skip(why)
-    real = find_runsc()
     hang = tmp_path / "hang"
     hang.mkdir()
-    wrapper = tmp_path / "runsc"
     # hangs (in its own process, killable) when $hang/<subcommand> or $hang/<id> exists
-    wrapper.write_text(f"""#!/bin/sh
+    d = wrapped_runsc_daemon(tmp_path, f"""#!/bin/sh
 for a in "$@"; do
   case "$a" in delete|restore|run) sub=$a ;; esac
 done
 if [ -n "$sub" ] && [ -e "{hang}/$sub" ]; then exec sleep 300; fi
 if [ "$sub" = delete ]; then for a in "$@"; do [ -e "{hang}/$a" ] && exec sleep 300; done; fi
-exec {real.path} "$@"
+exec {{real}} "$@"
 """)
-    wrapper.chmod(0o755)
-    d = new_daemon(CPUOS_POOL_SIZE="0", CPUOS_RUNSC=str(wrapper),
-                   CPUOS_RUNSC_PLATFORM=real.platform)
     d.start()
     try:
         yield d, hang
@@ -55,13 +48,6 @@ def _state(c: httpx.Client, sid: str) -> str:
     s = c.get(f"/sandboxes/{sid}").json()["state"]
     assert isinstance(s, str)
     return s
-
-
-def _wait(cond: Any, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def test_delete_cancels_a_create_stuck_in_runsc(hang_daemon: tuple[Daemon, Path]) -> None:
@@ -83,13 +69,10 @@ def test_delete_cancels_a_create_stuck_in_runsc(hang_daemon: tuple[Daemon, Path]
         def creating() -> list[str]:
             return [s["id"] for s in c.get("/sandboxes").json()["sandboxes"]
                     if s["state"] == "creating"]
-        _wait(lambda: creating(), "a sandbox in creating")
+        wait_until(lambda: bool(creating()), "a sandbox in creating")
         sid = creating()[0]
-        t0 = time.monotonic()
-        r = c.delete(f"/sandboxes/{sid}", timeout=30)
-        took = time.monotonic() - t0
+        r = c.delete(f"/sandboxes/{sid}", timeout=30)  # (httpx raises past the bound)
         assert r.status_code in (200, 204), r.text
-        assert took < 30  # (bounded by the client's timeout; the figure is in the log)
         t.join(60)
         assert not t.is_alive()
         assert _state(c, sid) in ("killed", "error")
@@ -102,13 +85,13 @@ def test_deadlines_kept_while_one_kill_is_stuck(hang_daemon: tuple[Daemon, Path]
         a = c.post("/sandboxes", json={"template": "python", "timeout": "10m"}).json()["id"]
         (hang / a).touch()  # runsc delete of a hangs
         assert c.post(f"/sandboxes/{a}/timeout", json={"timeout": 1}).status_code == 200
-        _wait(lambda: _state(c, a) == "killing", "the stuck kill to begin")
+        wait_until(lambda: _state(c, a) == "killing", "the stuck kill to begin")
         b = c.post("/sandboxes", json={"template": "python", "timeout": 2}).json()["id"]
-        _wait(lambda: _state(c, b) == "killed", "b's deadline while a's kill hangs")
+        wait_until(lambda: _state(c, b) == "killed", "b's deadline while a's kill hangs")
         assert _state(c, a) == "killing"
         # a DELETE of the stuck one returns too, and the kill ends with a reason
         r = c.delete(f"/sandboxes/{a}", timeout=60)
         assert r.status_code in (200, 204), r.text
         os.unlink(hang / a)
-        _wait(lambda: _state(c, a) in ("killed", "error"), "a's kill to give up", 90)
-        _wait(lambda: a not in d.runsc_containers(), "a's runsc container to go", 90)
+        wait_until(lambda: _state(c, a) in ("killed", "error"), "a's kill to give up", 90)
+        wait_until(lambda: a not in d.runsc_containers(), "a's runsc container to go", 90)

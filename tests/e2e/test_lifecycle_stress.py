@@ -9,7 +9,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,17 +17,9 @@ import httpx
 import pytest
 
 from cpuos import Sandbox
-from cpuosd.backends.runsc import find_runsc
-from cpuosd.testing import Daemon, e2e_unavailable, new_daemon
+from cpuosd.testing import Daemon, e2e_unavailable, new_daemon, wait_until, wrapped_runsc_daemon
 
 pytestmark = pytest.mark.e2e
-
-
-def _wait(cond: Callable[[], bool], what: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def _sandboxes(c: httpx.Client) -> list[dict[str, Any]]:
@@ -80,7 +72,7 @@ def test_clients_leaving_mid_create_leave_nothing_half_made(daemon1: Daemon) -> 
     with d.client() as c:
         # the daemon finishes what it was asked (a left client does not cancel a create):
         # ten rows, none still creating
-        _wait(lambda: len(_sandboxes(c)) + len(_ended(c)) == 10
+        wait_until(lambda: len(_sandboxes(c)) + len(_ended(c)) == 10
               and all(s["state"] != "creating" for s in _sandboxes(c)),
               "every create to finish", 300)
         _consistent(d, c)
@@ -120,25 +112,20 @@ def test_restore_killed_midway_is_retried(tmp_path: Path) -> None:
     why = e2e_unavailable()
     if why:
         pytest.skip(why)
-    real = find_runsc()
     pids = tmp_path / "restore-pids"
     arm = tmp_path / "arm"
-    wrapper = tmp_path / "runsc"
     # a restore runs the real runsc as our child and says its pid; the test SIGKILLs the
     # first one it sees while armed
-    wrapper.write_text(f"""#!/bin/bash
+    d = wrapped_runsc_daemon(tmp_path, f"""#!/bin/bash
 for a in "$@"; do [ "$a" = restore ] && restore=1; done
 if [ -n "$restore" ] && [ -e {arm} ]; then
-  {real.path} "$@" &
+  {{real}} "$@" &
   echo $! >> {pids}
   wait $!
   exit $?
 fi
-exec {real.path} "$@"
+exec {{real}} "$@"
 """)
-    wrapper.chmod(0o755)
-    d = new_daemon(CPUOS_POOL_SIZE="0", CPUOS_RUNSC=str(wrapper),
-                   CPUOS_RUNSC_PLATFORM=real.platform)
     d.start()
     try:
         with d.client() as c:
@@ -149,7 +136,7 @@ exec {real.path} "$@"
             t = threading.Thread(target=lambda: result.__setitem__(
                 "r", c.post("/sandboxes", json={"template": "python"}, timeout=180)))
             t.start()
-            _wait(lambda: pids.exists() and pids.read_text().strip() != "", "a restore")
+            wait_until(lambda: pids.exists() and pids.read_text().strip() != "", "a restore")
             victim = int(pids.read_text().split()[0])
             os.kill(victim, signal.SIGKILL)  # our wrapper's child: the real runsc restore
             t.join(180)
@@ -203,7 +190,7 @@ def test_daemon_down_60s_under_100_sandboxes_comes_back(tmp_path: Path) -> None:
         d.start()
         with d.client() as c:
             assert c.get("/health").json()["ok"]
-            _wait(lambda: all(c.post(f"/sandboxes/{i}/exec", json={"cmd": "true"})
+            wait_until(lambda: all(c.post(f"/sandboxes/{i}/exec", json={"cmd": "true"})
                               .status_code == 200 for i in ids), "every sandbox reattached",
                   180)
         print(f"load average while the daemon was down: max {max(loads):.1f}")

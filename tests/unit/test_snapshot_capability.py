@@ -9,50 +9,18 @@ from typing import Any
 
 import pytest
 
-from cpuosd.backends.base import Capabilities, SandboxSpec
 from cpuosd.config import Config
 from cpuosd.errors import ApiError
 from cpuosd.lifecycle.manager import Live, Manager
 from cpuosd.store import Store
-
-
-class NoSnapshotBackend:
-    capabilities = Capabilities(name="fake", checkpoint=False, network=False)
-    image_kind = "fake"
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    async def start(self, spec: SandboxSpec) -> None:
-        self.calls.append("start")
-
-    async def kill(self, sandbox_id: str) -> None:
-        self.calls.append("kill")
-
-    async def running(self) -> dict[str, str]:
-        return {}
-
-    async def checkpoint(self, sandbox_id: str, image_dir: Path) -> None:
-        self.calls.append("checkpoint")
-
-    async def restore(self, spec: SandboxSpec, image_dir: Path) -> None:
-        self.calls.append("restore")
-
-    def memory_usage(self, sandbox_id: str) -> int | None:
-        return None
-
-    def runtime(self) -> dict[str, str]:
-        return {}
-
-    async def close(self) -> None:
-        pass
+from cpuosd.testing import FakeBackend
 
 
 def test_no_checkpoint_capability(tmp_path: Path) -> None:
     async def main() -> None:
         cfg = Config(home=tmp_path)
         store = Store(cfg.db_path)
-        backend = NoSnapshotBackend()
+        backend = FakeBackend(checkpoint=False)
         mgr = Manager(cfg, store, backend)
         info: dict[str, Any] = {"rootfs": "/nonexistent", "digest": "d"}
         assert await mgr._template_image("python", info) is None

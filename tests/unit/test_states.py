@@ -11,45 +11,14 @@ from typing import Any
 
 import pytest
 
-from cpuosd.backends.base import Backend, Capabilities, SandboxSpec
+from cpuosd.backends.base import Backend
 from cpuosd.config import Config
 from cpuosd.errors import ApiError
 from cpuosd.events import EventBus, SandboxEvent
 from cpuosd.lifecycle import states
 from cpuosd.lifecycle.manager import Manager
 from cpuosd.store import LIVE_STATES, Store
-
-
-class FakeBackend:
-    capabilities = Capabilities(name="fake", checkpoint=True, network=False)
-    image_kind = "fake"
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    def runtime(self) -> dict[str, str]:
-        return {}
-
-    async def start(self, spec: SandboxSpec) -> None:
-        self.calls.append("start")
-
-    async def kill(self, sandbox_id: str) -> None:
-        self.calls.append("kill")
-
-    async def running(self) -> dict[str, str]:
-        return {}
-
-    async def checkpoint(self, sandbox_id: str, image_dir: Path) -> None:
-        self.calls.append("checkpoint")
-
-    async def restore(self, spec: SandboxSpec, image_dir: Path) -> None:
-        self.calls.append("restore")
-
-    def memory_usage(self, sandbox_id: str) -> int | None:
-        return None
-
-    async def close(self) -> None:
-        pass
+from cpuosd.testing import FakeBackend
 
 
 def test_the_table_is_closed_and_every_live_state_can_end() -> None:
@@ -77,7 +46,7 @@ def test_every_state_and_operation(tmp_path: Path, state: str) -> None:
     async def main() -> None:
         cfg = Config(home=tmp_path, agent_connect_timeout=0.2)  # the fake has no agent
         store = Store(cfg.db_path)
-        fake = FakeBackend()
+        fake = FakeBackend(checkpoint=True)
         backend: Backend = fake  # the fake must be a Backend (mypy checks tests/)
         events = EventBus()
         seen: list[SandboxEvent] = []
