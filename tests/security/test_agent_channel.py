@@ -5,7 +5,6 @@ request meant for the agent, also across a pause and resume."""
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator
 
 import pytest
 
@@ -70,16 +69,8 @@ while time.time() < end and not os.path.exists("/tmp/impostor.stop"):
 """
 
 
-@pytest.fixture
-def box(daemon: Daemon) -> Iterator[Sandbox]:
-    s = Sandbox.create(template="python", timeout="10m", **daemon.sdk_kwargs())
-    yield s
-    s.kill()
-    s.close()
-
-
-def test_agent_key_and_memory_are_out_of_reach(box: Sandbox) -> None:
-    r = box.exec("ls -a /run/cpuos; cat /run/cpuos/agent.key; cat /proc/1/environ; "
+def test_agent_key_and_memory_are_out_of_reach(sbx: Sandbox) -> None:
+    r = sbx.exec("ls -a /run/cpuos; cat /run/cpuos/agent.key; cat /proc/1/environ; "
                  "head -c 1 /proc/1/mem; echo x >> /proc/1/fd/2; echo done")
     assert "agent.key" not in r.stdout
     assert r.stdout.strip().splitlines()[-1] == "done"
@@ -95,13 +86,13 @@ def _wait_file(sbx: Sandbox, path: str) -> None:
     raise AssertionError(f"{path} never appeared")
 
 
-def test_impostor_never_gets_the_channel(daemon: Daemon, box: Sandbox) -> None:
-    box.files.write("/tmp/impostor.py", IMPOSTOR)
-    r = box.exec("cd /tmp && PYTHONPATH=/opt/cpuos nohup python3 impostor.py "
+def test_impostor_never_gets_the_channel(daemon: Daemon, sbx: Sandbox) -> None:
+    sbx.files.write("/tmp/impostor.py", IMPOSTOR)
+    r = sbx.exec("cd /tmp && PYTHONPATH=/opt/cpuos nohup python3 impostor.py "
                  ">/tmp/impostor.log 2>&1 &")
     assert r.exit_code == 0
-    _wait_file(box, "/tmp/impostor.ready")
-    _wait_file(box, "/tmp/impostor.json")
+    _wait_file(sbx, "/tmp/impostor.ready")
+    _wait_file(sbx, "/tmp/impostor.json")
 
     def check_execs(sbx: Sandbox, n: int) -> None:
         for _ in range(n):
@@ -109,9 +100,9 @@ def test_impostor_never_gets_the_channel(daemon: Daemon, box: Sandbox) -> None:
             r = sbx.exec(f"echo {nonce}")
             assert (r.exit_code, r.stdout) == (0, nonce + "\n")
 
-    check_execs(box, 20)
-    box.pause()  # the impostor races the agent to the socket as the sandbox comes back
-    resumed = Sandbox.resume(box.id, **daemon.sdk_kwargs())
+    check_execs(sbx, 20)
+    sbx.pause()  # the impostor races the agent to the socket as the sandbox comes back
+    resumed = Sandbox.resume(sbx.id, **daemon.sdk_kwargs())
     try:
         check_execs(resumed, 10)
         resumed.files.write("/tmp/impostor.stop", b"")
