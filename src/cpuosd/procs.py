@@ -55,19 +55,21 @@ class Child:
     def poll(self) -> int | None:
         """Collect the exit status if the child has exited (never blocks)."""
         with LOCK:
-            if self.returncode is not None:
-                return self.returncode
-            try:
-                res = os.waitid(os.P_PIDFD, self.pidfd, os.WEXITED | os.WNOHANG)
-            except ChildProcessError:  # someone reaped it behind our back: status lost
-                log.error("child %d (%s) was reaped by someone else", self.pid, self.argv[0])
-                res = None
-                code = -255
-            else:
-                if res is None:
-                    return None
-                code = res.si_status if res.si_code == os.CLD_EXITED else -res.si_status
-            self._finish(code)
+            return self._collect()
+
+    def _collect(self) -> int | None:
+        """(LOCK held) the exit status, collected now if the child has exited."""
+        if self.returncode is not None:
+            return self.returncode
+        try:
+            res = os.waitid(os.P_PIDFD, self.pidfd, os.WEXITED | os.WNOHANG)
+        except ChildProcessError:  # someone reaped it behind our back: status lost
+            log.error("child %d (%s) was reaped by someone else", self.pid, self.argv[0])
+            self._finish(-255)
+            return self.returncode
+        if res is None:
+            return None
+        self._finish(res.si_status if res.si_code == os.CLD_EXITED else -res.si_status)
         return self.returncode
 
     def _finish(self, code: int) -> None:
@@ -309,13 +311,7 @@ def reap_orphans() -> int:
         # registered children whose exit nobody is waiting for: collect them too
         for child in list(_owned.values()):
             if child._loop is None and not child._waiters:
-                try:
-                    res = os.waitid(os.P_PIDFD, child.pidfd, os.WEXITED | os.WNOHANG)
-                except ChildProcessError:
-                    res = None
-                if res is not None:
-                    child._finish(res.si_status if res.si_code == os.CLD_EXITED
-                                  else -res.si_status)
+                child._collect()
     return n
 
 

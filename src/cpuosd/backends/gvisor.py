@@ -91,7 +91,6 @@ class GVisorBackend:
 
     def __init__(self, runsc: Runsc, root: Path) -> None:
         self.info = runsc
-        self.runsc = runsc.path
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
 
@@ -100,7 +99,7 @@ class GVisorBackend:
                 "platform": self.info.platform, "runsc_source": self.info.source}
 
     def _global_flags(self) -> list[str]:
-        return [self.runsc, "--root", str(self.root), f"--platform={self.info.platform}"]
+        return [self.info.path, "--root", str(self.root), f"--platform={self.info.platform}"]
 
     async def _run(self, *args: str, timeout: float = 30.0, log_path: Path | None = None
                    ) -> tuple[int, bytes, bytes]:
