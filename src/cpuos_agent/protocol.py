@@ -143,6 +143,7 @@ ERROR_CODES: dict[str, tuple[int, str, bool]] = {
     "already_exists": (409, "Conflict", True),
     "is_a_directory": (409, "Conflict", True),
     "not_a_directory": (409, "Conflict", True),
+    "too_large": (413, "InvalidArgument", False),
     "limit_exceeded": (429, "LimitExceeded", False),
     "no_space": (507, "NoSpace", True),
     "timeout": (504, "Timeout", False),

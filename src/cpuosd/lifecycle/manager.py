@@ -115,8 +115,11 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
             self._spawn(self._fill_pool("python"))
 
     async def shutdown(self) -> None:
-        for t in list(self._tasks):
+        background = list(self._tasks)
+        for t in background:
             t.cancel()
+        if background:  # a template snapshot or pool fill under way tears its sandbox down
+            await asyncio.wait(background, timeout=KILL_TIMEOUT)
         # creates still in progress are cancelled and clean up after themselves (their rows
         # end in error): a stopping daemon leaves nothing half-made
         creating = [t for t in self._inflight.values() if t is not None and not t.done()]
