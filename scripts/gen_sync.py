@@ -18,6 +18,7 @@ DST = ROOT / "src" / "cpuos" / "_sync"
 REPLACEMENTS = {
     "AsyncSandbox": "Sandbox",
     "AsyncFiles": "Files",
+    "AsyncTemplates": "Templates",
     "_AsyncHTTP": "_SyncHTTP",
     "AsyncClient": "Client",
     "aiter_raw": "iter_raw",

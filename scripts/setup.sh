@@ -43,4 +43,4 @@ echo "==> pip install -e .[$extra]"
 .venv/bin/python -m pip install -q -e ".[$extra]"
 
 echo "==> building the python template (cached by content hash)"
-.venv/bin/cpuos template build python
+.venv/bin/cpuosd template build python

@@ -7,6 +7,7 @@
 """
 
 from ._async.sandbox import AsyncFiles, AsyncSandbox
+from ._async.templates import AsyncTemplates
 from ._durations import parse_duration
 from ._errors import (
     AuthError,
@@ -21,14 +22,15 @@ from ._errors import (
     Timeout,
     Unavailable,
 )
-from ._models import ExecResult, FileEntry, SandboxInfo
+from ._models import ExecResult, FileEntry, SandboxInfo, TemplateInfo
 from ._sync.sandbox import Files, Sandbox
+from ._sync.templates import Templates
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AsyncFiles", "AsyncSandbox", "AuthError", "Conflict", "CpuosError", "ExecResult",
-    "FileEntry", "Files", "InvalidArgument", "LimitExceeded", "NoSpace", "NotFound",
-    "PermissionDenied", "Sandbox", "SandboxInfo", "ServerError", "Timeout", "Unavailable",
-    "parse_duration",
+    "AsyncFiles", "AsyncSandbox", "AsyncTemplates", "AuthError", "Conflict", "CpuosError",
+    "ExecResult", "FileEntry", "Files", "InvalidArgument", "LimitExceeded", "NoSpace",
+    "NotFound", "PermissionDenied", "Sandbox", "SandboxInfo", "ServerError", "TemplateInfo",
+    "Templates", "Timeout", "Unavailable", "parse_duration",
 ]

@@ -110,3 +110,25 @@ class SandboxInfo:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> SandboxInfo:
         return cls(**{k: d.get(k) for k in cls.__dataclass_fields__})  # type: ignore[arg-type]
+
+
+@dataclass
+class TemplateInfo:
+    """A template built on the daemon's host (``cpuos template ls``)."""
+
+    name: str
+    digest: str
+    source: str | None = None
+    rootfs: str | None = None
+    size_bytes: int | None = None
+    built_at: float | None = None
+    build_seconds: float | None = None
+    cached: bool | None = None
+    packages: list[str] = field(default_factory=list)
+    workdir: str | None = None
+    user: str | None = None
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> TemplateInfo:
+        kw = {k: d[k] for k in cls.__dataclass_fields__ if k in d and d[k] is not None}
+        return cls(**kw)

@@ -1,4 +1,5 @@
-"""``cpuosd``: run the daemon (also available as ``cpuos server``)."""
+"""``cpuosd``: run the daemon (``cpuosd [--host H] [--port P] [--home DIR]``), or administer
+templates on this host (``cpuosd template build|ls|rm``, see cpuosd.templates.admin)."""
 
 from __future__ import annotations
 
@@ -32,14 +33,20 @@ def serve(host: str | None = None, port: int | None = None, home: str | None = N
                 access_log=False, timeout_graceful_shutdown=5)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="cpuosd", description="the cpuos daemon")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["template"]:
+        from .templates.admin import main as template_main
+
+        raise SystemExit(template_main(argv[1:]))
+    ap = argparse.ArgumentParser(prog="cpuosd", description="the cpuos daemon "
+                                 "(`cpuosd template --help`: template administration)")
     ap.add_argument("--host")
     ap.add_argument("--port", type=int)
     ap.add_argument("--home", help="state directory (default $CPUOS_HOME or /var/lib/cpuos)")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     serve(a.host, a.port, a.home)
 
 

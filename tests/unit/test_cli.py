@@ -112,26 +112,6 @@ def test_usage_error_exits_2() -> None:
     assert run("nosuchcommand").exit_code == 2
 
 
-def test_template_build_unknown() -> None:
-    r = run("template", "build", "nosuchtemplate")
-    assert r.exit_code == 1
-    line = one_error_line(r.stderr)
-    assert "nosuchtemplate" in line and line.startswith("error: template: ")
-
-
-def test_template_build_bad_spec(tmp_path: Path) -> None:
-    spec = tmp_path / "x.toml"
-    spec.write_text('name = "x"\nbogus = 1\n')
-    r = run("template", "build", str(spec))
-    assert r.exit_code == 1
-    assert "bogus" in one_error_line(r.stderr)
-
-
-def test_template_ls_empty() -> None:
-    r = run("template", "ls", "--json")
-    assert r.exit_code == 0 and r.stdout.strip() == "[]"
-
-
 def test_files_put_missing_local_file(tmp_path: Path) -> None:
     r = run("files", "put", "sbx-x", str(tmp_path / "nope"), "/work/x", *DEAD)
     assert r.exit_code == 1

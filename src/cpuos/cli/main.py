@@ -31,8 +31,9 @@ from typer.core import TyperGroup
 from .. import __version__
 from .._durations import parse_duration
 from .._errors import CpuosError, InvalidArgument
-from .._models import SandboxInfo
+from .._models import SandboxInfo, TemplateInfo
 from .._sync.sandbox import Sandbox
+from .._sync.templates import Templates
 
 
 class CliError(Exception):
@@ -195,9 +196,14 @@ def server(
         help="State directory (default $CPUOS_HOME or /var/lib/cpuos).")] = None,
 ) -> None:
     """Run the daemon (cpuosd) in the foreground; needs root."""
-    from cpuosd.main import serve
-
-    serve(host, port, home)
+    argv = ["cpuosd"]
+    for flag, v in (("--host", host), ("--port", port), ("--home", home)):
+        if v is not None:
+            argv += [flag, str(v)]
+    try:  # the daemon's own program (the CLI never imports server code)
+        os.execvp(sys.executable, [sys.executable, "-m", "cpuosd", *argv[1:]])
+    except OSError as e:
+        raise CliError("server", f"cannot start cpuosd: {e}") from None
 
 
 # ---- lifecycle ----------------------------------------------------------------------------
@@ -498,66 +504,55 @@ def files_rm(
 
 
 # ---- templates ----------------------------------------------------------------------------
-def _templates_dir() -> Path:
-    from cpuosd.config import Config
-
-    return Config().templates_dir
-
-
 @template_app.command("build")
 def template_build(
     source: Annotated[str | None, typer.Argument(
         metavar="NAME_OR_FILE",
         help="A built-in template (python, node, devbox), a TOML spec, or a Dockerfile "
-             "(named Dockerfile or *.Dockerfile).")] = None,
+             "(named Dockerfile or *.Dockerfile); a file's directory is uploaded as the "
+             "build context.")] = None,
     oci: Annotated[Path | None, typer.Option(
         "--oci", metavar="TARBALL",
         help="Build from an image tarball (docker save, or an OCI layout) instead.")] = None,
     name: Annotated[str | None, typer.Option(
         "--name", help="The template's name (needed with --oci; overrides a spec's).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Rebuild even if cached.")] = False,
-    json_: JsonOut = False,
+    api_url: ApiUrl = None, api_key: ApiKey = None, json_: JsonOut = False,
 ) -> None:
-    """Build a template's root filesystem here (needs root; mmdebstrap for specs)."""
-    from cpuosd.templates.builder import TemplateError, TemplateSpec, build, build_from_oci
-
+    """Build a template on the daemon's host (admin key); the build log streams here."""
     if (source is None) == (oci is None):
         raise typer.BadParameter("give NAME_OR_FILE or --oci TARBALL (one of them)")
     if oci is not None and not name:
         raise typer.BadParameter("--oci needs --name")
-    try:
-        tdir = _templates_dir()
+    label = name or (Path(source).name if source else "template")
+    with Templates(api_url=api_url, api_key=api_key) as t:
         if oci is not None:
             assert name is not None
-            info = _with_progress(name, lambda on_line: build_from_oci(
-                oci, name, tdir, force=force, on_line=on_line))
+            info = _with_progress(label, lambda on_line: t.build_oci(
+                oci, name=name, force=force, on_log=on_line))
         else:
             assert source is not None
-            spec = TemplateSpec.load(source, name=name)
-            info = _with_progress(spec.name, lambda on_line: build(
-                spec, tdir, force=force, on_line=on_line))
-    except TemplateError as e:
-        first, _, rest = str(e).partition("\n")
-        raise CliError("template", first, rest) from None
+            info = _with_progress(label, lambda on_line: t.build(
+                source, name=name, force=force, on_log=on_line))
     if json_:
-        _print_json(info)
+        _print_json(dataclasses.asdict(info))
         return
-    t = Table.grid(padding=(0, 2))
-    t.add_column(style="bold", no_wrap=True)
-    t.add_column()
-    t.add_row("name", str(info["name"]))
-    t.add_row("digest", str(info["digest"]))
-    t.add_row("rootfs", str(info["rootfs"]))
-    t.add_row("size", _fmt_size(int(info.get("size_bytes") or 0)))
-    if info.get("cached"):
-        t.add_row("build", "cached (use --force to rebuild)")
+    g = Table.grid(padding=(0, 2))
+    g.add_column(style="bold", no_wrap=True)
+    g.add_column()
+    g.add_row("name", info.name)
+    g.add_row("digest", info.digest)
+    g.add_row("rootfs", str(info.rootfs))
+    g.add_row("size", _fmt_size(int(info.size_bytes or 0)))
+    if info.cached:
+        g.add_row("build", "cached (use --force to rebuild)")
     else:
-        t.add_row("build", f"{info.get('build_seconds', '?')}s")
-    _out().print(t)
+        g.add_row("build", f"{info.build_seconds if info.build_seconds is not None else '?'}s")
+    _out().print(g)
 
 
-def _with_progress(name: str, run: Callable[[Callable[[str], None]], dict[str, Any]]
-                   ) -> dict[str, Any]:
+def _with_progress(name: str, run: Callable[[Callable[[str], None]], TemplateInfo]
+                   ) -> TemplateInfo:
     """``run(on_line)`` with its output as a spinner line on a terminal, else on stderr."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -583,45 +578,39 @@ def _with_progress(name: str, run: Callable[[Callable[[str], None]], dict[str, A
 
 
 @template_app.command("ls")
-def template_ls(json_: JsonOut = False) -> None:
-    """List the templates built on this machine: name, digest, size on disk, built time."""
-    from cpuosd.templates.builder import disk_usage, list_templates
-
-    tdir = _templates_dir()
-    items = list_templates(tdir) if tdir.is_dir() else []
-    for i in items:
-        if not i.get("size_bytes"):  # built before sizes were recorded
-            i["size_bytes"] = disk_usage(Path(i["rootfs"]))
+def template_ls(api_url: ApiUrl = None, api_key: ApiKey = None, json_: JsonOut = False) -> None:
+    """List the templates built on the daemon's host: name, digest, size, built time."""
+    with Templates(api_url=api_url, api_key=api_key) as t:
+        items = t.list()
     if json_:
-        _print_json(items)
+        _print_json([dataclasses.asdict(i) for i in items])
         return
     if not items:
-        _err().print(f"no templates built in {tdir} (cpuos template build python)", style="dim",
+        _err().print("no templates built (cpuos template build python)", style="dim",
                      markup=False)
         return
-    t = Table(box=None, header_style="bold", pad_edge=False)
+    tab = Table(box=None, header_style="bold", pad_edge=False)
     for col in ("NAME", "DIGEST", "SIZE", "BUILT"):
-        t.add_column(col, no_wrap=True)
+        tab.add_column(col, no_wrap=True)
     for i in items:
-        t.add_row(str(i.get("name")), str(i.get("digest")), _fmt_size(int(i["size_bytes"])),
-                  _fmt_time(i["built_at"]) if i.get("built_at") else "-")
-    _out().print(t)
+        tab.add_row(i.name, i.digest, _fmt_size(int(i.size_bytes or 0)),
+                    _fmt_time(i.built_at) if i.built_at else "-")
+    _out().print(tab)
 
 
 @template_app.command("rm")
 def template_rm(
     name: Annotated[str, typer.Argument(help="The template to delete.")],
+    force: Annotated[bool, typer.Option(
+        "--force", help="Delete even while sandboxes of it are alive (they may break).")
+    ] = False,
+    api_url: ApiUrl = None, api_key: ApiKey = None,
 ) -> None:
-    """Delete a template's builds and record. Sandboxes still running from it will break."""
-    from cpuosd.templates.builder import TemplateError, remove_template
-
-    try:
-        gone = remove_template(_templates_dir(), name)
-    except TemplateError as e:
-        raise CliError("template", str(e)) from None
-    if not gone:
-        raise CliError("not_found", f"no template {name!r} in {_templates_dir()}")
-    _err().print(f"removed {len(gone)} path(s) of template {name}", style="dim", markup=False)
+    """Delete a template's builds and snapshot images (admin key)."""
+    with Templates(api_url=api_url, api_key=api_key) as t:
+        d = t.remove(name, force=force)
+    _err().print(f"removed template {name} ({d.get('paths')} path(s), "
+                 f"{d.get('snapshot_images')} snapshot image(s))", style="dim", markup=False)
 
 
 def main() -> None:

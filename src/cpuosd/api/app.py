@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal
 
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -27,6 +27,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cpuos_agent import protocol as P
 from cpuos_agent.protocol import parse_duration
 
+from .auth import Guard, Ws, require_admin
+from .templates import TemplateBuilds, router as templates_router
 from ..backends.microvm.selection import BackendUnavailable, select_backend
 from ..config import Config
 from ..errors import ApiError, invalid
@@ -141,18 +143,6 @@ class NewWorkspace(BaseModel):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[a-z0-9-]+$")
 
 
-def workspace(request: Request) -> str:
-    auth = request.headers.get("authorization", "")
-    scheme, _, key = auth.partition(" ")
-    if scheme.lower() != "bearer" or not key.strip():
-        raise ApiError("unauthorized", "missing API key: send 'Authorization: Bearer <key>'")
-    wid = request.app.state.store.workspace_for_key(key.strip())
-    if wid is None:
-        raise ApiError("unauthorized", "invalid API key")
-    assert isinstance(wid, str)
-    return wid
-
-Ws = Annotated[str, Depends(workspace)]
 PathQ = Annotated[str, Query(description="path inside the sandbox (relative: to /work)")]
 
 
@@ -208,13 +198,17 @@ def create_app(cfg: Config | None = None) -> FastAPI:
         mgr = Manager(cfg, store, backend, events)
         await mgr.startup()
         app.state.store, app.state.mgr = store, mgr
+        app.state.builds = TemplateBuilds(cfg)
         try:
             yield
         finally:
+            await app.state.builds.shutdown()
             await mgr.shutdown()
             store.close()
 
     app = FastAPI(title="cpuos", version=VERSION, lifespan=lifespan)
+    app.add_middleware(Guard)  # the key is checked before any body is read
+    app.include_router(templates_router)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, e: ApiError) -> JSONResponse:
@@ -236,7 +230,8 @@ def create_app(cfg: Config | None = None) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "invalid_argument", 401: "unauthorized"}.get(
+        code = {404: "not_found", 405: "invalid_argument", 401: "unauthorized",
+                413: "too_large"}.get(
             e.status_code, "internal" if e.status_code >= 500 else "invalid_argument")
         return JSONResponse({"error": {"code": code, "message": str(e.detail), "details": {}}},
                             status_code=e.status_code)
@@ -254,8 +249,7 @@ def create_app(cfg: Config | None = None) -> FastAPI:
     @app.post("/workspaces", status_code=201)
     async def new_workspace(body: NewWorkspace, request: Request, ws: Ws) -> dict[str, Any]:
         store: Store = request.app.state.store
-        if ws != store.workspace_by_name("default"):
-            raise ApiError("permission_denied", "only the admin workspace can create workspaces")
+        require_admin(request, ws)
         if store.workspace_by_name(body.name):
             raise ApiError("conflict", f"workspace {body.name!r} exists")
         wid = store.create_workspace(body.name)

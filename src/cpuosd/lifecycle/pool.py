@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import secrets
 import shlex
 import shutil
@@ -78,6 +79,20 @@ class Templates:
             await self._teardown(row.id)
             shutil.rmtree(tmp, ignore_errors=True)
         log.info("template %s snapshotted in %.2fs", template, time.monotonic() - t0)
+
+    async def forget_template(self: Manager, template: str) -> int:
+        """A template is being removed: end its pooled sandboxes and delete its snapshot
+        images (sandboxes users hold are the caller's concern). Returns how many images."""
+        async with self._lock("template:" + template):
+            for lv in self.pool.pop(template, []):
+                await self.kill(lv.row.id, reason="template removed")
+            ours = re.compile(rf"{re.escape(template)}-[0-9a-f]{{16}}-.+")
+            tdir = self.cfg.snapshots_dir / "templates"
+            gone = [d for d in (tdir.iterdir() if tdir.is_dir() else ())
+                    if ours.fullmatch(d.name) and d.is_dir() and not d.is_symlink()]
+            for d in gone:
+                await asyncio.to_thread(shutil.rmtree, d, True)
+            return len(gone)
 
     async def _fill_pool(self: Manager, template: str) -> None:
         if self._filling.get(template):
