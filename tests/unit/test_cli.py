@@ -269,3 +269,15 @@ def test_exec_resumes_a_paused_sandbox(fake: type[FakeSandbox]) -> None:
     r = runner.invoke(cli.app, ["exec", "sbx-1", "--", "true"])
     assert r.exit_code == 3, r.output
     assert [c[1][1]["auto_resume"] for c in fake.calls if c[0] == "connect"] == [True]
+
+
+def test_cli_and_sdk_import_no_server_code() -> None:
+    """Layering: the CLI and SDK talk to the daemon over its API only."""
+    import subprocess
+    import sys
+
+    code = ("import sys, cpuos, cpuos.cli.main; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'cpuosd'))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       check=True)
+    assert r.stdout.strip() == "[]"
