@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,7 @@ from rich.table import Table
 
 import cpuos_agent
 from cpuos import Sandbox
-from cpuosd.agentconn import AgentChannel
+from cpuosd.agentconn import DEVICE_SETTLE, AgentChannel
 from cpuosd.backends.base import SandboxSpec
 from cpuosd.backends.gvisor import SANDBOX_GID, SANDBOX_UID, oci_spec
 from cpuosd.backends.microvm import jailer, kernel
@@ -51,7 +51,6 @@ from cpuosd.backends.microvm.probe import kvm_boot_probe
 from cpuosd.backends.microvm.qemu import Accel, VMConfig, connect_unix, qemu_argv
 from cpuosd.backends.runsc import find_runsc
 from cpuosd.config import Config
-from cpuosd.lifecycle.common import DEVICE_SETTLE
 from cpuosd.testing import TEMPLATES, Daemon, e2e_unavailable, new_daemon
 
 REPO = Path(__file__).resolve().parent.parent
@@ -316,7 +315,7 @@ def runsc_exec_argv(root: Path, sid: str, *argv: str) -> list[str]:
 
 
 def runsc_exec(d: Daemon, sid: str, *argv: str) -> list[str]:
-    return runsc_exec_argv(d.home / "runsc", sid, *argv)
+    return runsc_exec_argv(d.runsc_root, sid, *argv)
 
 
 # ---- benchmarks -------------------------------------------------------------------------
@@ -585,16 +584,6 @@ def kill_quietly(sbx: Sandbox) -> None:
         sbx.close()
 
 
-def template_image(d: Daemon) -> Path:
-    """The daemon's template snapshot dir of "python" (made on the first create)."""
-    found = sorted(p for p in (d.home / "snapshots" / "templates").glob("python-*")
-                   if (p / "checkpoint.img").exists() and not p.name.endswith(".tmp"))
-    if len(found) != 1:
-        raise RuntimeError(f"expected one python template snapshot, found {found}; "
-                           f"see {d.log}")
-    return found[0]
-
-
 def bench_snap_create(d: Daemon, raw: RawRunsc, n: int) -> dict[str, Any]:
     """Sandbox.create + exec('true') restoring the template snapshot (daemon with
     CPUOS_POOL_SIZE=0) vs raw ``runsc restore --detach`` of a copy of the same image.
@@ -620,16 +609,11 @@ def bench_snap_create(d: Daemon, raw: RawRunsc, n: int) -> dict[str, Any]:
             # the raw floor restores a copy of the daemon's template image, with a copy of
             # the agent package at /opt/cpuos (the restored agent keeps polling for its
             # socket, which nobody serves)
-            src = template_image(d)
+            src, src_agent = d.template_image("python")
             image = raw.tmp / "template-image"
             shutil.copytree(src, image)
             agent = raw.tmp / "agent-copy"
-            # the image name is <template>-<digest>-<agent copy>-<backend kind>: match the
-            # agent copy by name among the daemon's (there is one)
-            copies = [a for a in (d.home / "agent").iterdir() if f"-{a.name}-" in src.name]
-            if len(copies) != 1:
-                raise RuntimeError(f"no agent copy of {src.name} in {d.home / 'agent'}")
-            shutil.copytree(copies[0], agent)
+            shutil.copytree(src_agent, agent)
         cid = raw.new_id("restore")
         sdir = raw.bundle(cid, agent_dir=agent)
         try:
@@ -655,14 +639,16 @@ def bench_snap_create(d: Daemon, raw: RawRunsc, n: int) -> dict[str, Any]:
             "floor_restore_s": f_restore, "floor_restore_exec_s": f_exec}
 
 
-def connected_agents(d: Daemon) -> set[str]:
-    """Ids of the daemon's sandboxes whose agent is connected right now. The accepted end of
-    an agent connection lives in the network namespace of the connecting gofer, so it shows
-    (path, state 03 = connected) in that gofer's /proc/<pid>/net/unix, not in ours."""
-    sdirs = str(d.home / "sandboxes") + "/"
+def connected_agents(d: Daemon, ids: Iterable[str]) -> set[str]:
+    """Those of ``ids`` (sandboxes of d) whose agent is connected right now. The accepted
+    end of an agent connection lives in the network namespace of the connecting gofer, so
+    it shows (path, state 03 = connected) in that gofer's /proc/<pid>/net/unix, not in
+    ours."""
+    want = {str(d.agent_socket(sid)): sid for sid in ids}
+    home = str(d.home).encode()
     found: set[str] = set()
     for pid, argv0, cmd in _runsc_procs():
-        if argv0 != "runsc-gofer" or sdirs.encode() not in cmd:
+        if argv0 != "runsc-gofer" or home not in cmd:
             continue
         try:
             lines = Path(f"/proc/{pid}/net/unix").read_text().splitlines()[1:]
@@ -670,9 +656,8 @@ def connected_agents(d: Daemon) -> set[str]:
             continue
         for line in lines:
             f = line.split()
-            if len(f) >= 8 and f[5] == "03" and f[7].startswith(sdirs) \
-                    and f[7].endswith("/sock/agent.sock"):
-                found.add(f[7][len(sdirs):].split("/", 1)[0])
+            if len(f) >= 8 and f[5] == "03" and f[7] in want:
+                found.add(want[f[7]])
     return found
 
 
@@ -681,7 +666,7 @@ def wait_pool(d: Daemon, size: int, mine: set[str], timeout: float = 180) -> set
     (the daemon puts a sandbox in the pool once its agent is back); returns their ids."""
     deadline = time.time() + timeout
     while True:
-        ready = (set(d.runsc_containers()) & connected_agents(d)) - mine
+        ready = connected_agents(d, set(d.runsc_containers()) - mine)
         if len(ready) >= size:
             time.sleep(0.1)  # the daemon appends to the pool right after the connect
             return ready
@@ -837,7 +822,7 @@ def bench_size(d: Daemon, raw: RawRunsc) -> dict[str, Any]:
             info = sbx.info()
             if info.state != "paused":
                 raise RuntimeError(f"sandbox {sid} is {info.state} after pause")
-            apparent, allocated = du(d.home / "snapshots" / sid)
+            apparent, allocated = du(d.snapshots_dir / sid)
         finally:
             kill_quietly(sbx)
         cid = raw.new_id(f"size-{name}")
@@ -989,8 +974,8 @@ class MicroVMBench:
         return MVM_UID + self.n % 64
 
     def vm_config(self, spec: SandboxSpec) -> VMConfig:
-        """The daemon's VM config for spec (MicroVMBackend._vm_config), with ``-S``."""
-        vm = dataclasses.replace(self.backend._vm_config(spec), start_paused=True)
+        """The daemon's VM config for spec (MicroVMBackend.vm_config), with ``-S``."""
+        vm = dataclasses.replace(self.backend.vm_config(spec), start_paused=True)
         if self.art is None:
             vm = dataclasses.replace(vm, kernel=None, initrd=None, cmdline="")
         return vm
@@ -1141,7 +1126,7 @@ async def mvm_clones(mb: MicroVMBench, rootfs: Path, agent_pkg: Path, n: int
                       f"{mib(out['state_bytes'])}, RAM pages {mib(out['ram_bytes'])})")
         for i in range(n + 1):
             for _ in range(200):  # the standby the last restore asked for is up
-                if any(tr.standby for tr in b._rams.values()):
+                if b.standby_waiting():
                     break
                 await asyncio.sleep(0.05)
             spec = mb.spec("clone")

@@ -31,6 +31,9 @@ CREDIT_BATCH = 1 << 20
 # control frames that need no credit. More is a protocol violation and drops the agent.
 MAX_QUEUED = P.WINDOW + 2 * P.MAX_PAYLOAD
 DATA_TYPES = ("out", "data")
+# s a device agent (a microVM's: it cannot hang up itself) gets to see the host hang up after
+# a quiesce: whoever checkpoints one waits this long after disconnect()
+DEVICE_SETTLE = 0.1
 
 
 class AgentGone(ApiError):

@@ -25,6 +25,7 @@ import httpx
 
 from cpuosd.backends.base import Capabilities, SandboxSpec
 from cpuosd.backends.runsc import RunscUnavailable, find_runsc
+from cpuosd.config import Config
 
 TEMPLATES = Path(os.environ.get("CPUOS_TEMPLATES_DIR", "/var/lib/cpuos/templates"))
 ARTIFACTS = Path.cwd() / ".cache" / "test-artifacts"
@@ -109,6 +110,38 @@ class Daemon:
         return self.extra_env.get("CPUOS_RUNSC") or find_runsc().path
 
     @property
+    def runsc_root(self) -> Path:
+        """The daemon's ``runsc --root``: its containers are named by sandbox id."""
+        return Config(home=self.home).runsc_root
+
+    @property
+    def snapshots_dir(self) -> Path:
+        """Where the daemon keeps snapshots (CPUOS_SNAPSHOTS_DIR, else $CPUOS_HOME/snapshots);
+        a paused sandbox's image is ``<snapshots_dir>/<id>``."""
+        return Path(self.extra_env.get("CPUOS_SNAPSHOTS_DIR")
+                    or os.environ.get("CPUOS_SNAPSHOTS_DIR") or self.home / "snapshots")
+
+    def agent_socket(self, sandbox_id: str) -> Path:
+        """Where the daemon listens for the agent of sandbox_id (its SandboxSpec.sock_path)."""
+        sdir = Config(home=self.home).sandboxes_dir / sandbox_id
+        return SandboxSpec(id=sandbox_id, rootfs=Path("/"), dir=sdir, agent_dir=Path("/")).sock_path
+
+    def template_image(self, template: str) -> tuple[Path, Path]:
+        """(image dir, agent package dir) of the daemon's one snapshot of ``template`` (made on
+        the first create from it): what restoring that image outside the daemon needs
+        (bench/cases/snap_create.py). Images are ``<template>-<digest>-<agent copy>-<kind>``
+        under ``<snapshots_dir>/templates``; the agent copies under ``$CPUOS_HOME/agent``."""
+        found = sorted(p for p in (self.snapshots_dir / "templates").glob(f"{template}-*")
+                       if (p / "checkpoint.img").exists() and not p.name.endswith(".tmp"))
+        if len(found) != 1:
+            raise RuntimeError(f"expected one {template} template snapshot, found {found}; "
+                               f"see {self.log}")
+        copies = [a for a in (self.home / "agent").iterdir() if f"-{a.name}-" in found[0].name]
+        if len(copies) != 1:
+            raise RuntimeError(f"no agent copy of {found[0].name} in {self.home / 'agent'}")
+        return found[0], copies[0]
+
+    @property
     def key(self) -> str:
         return (self.home / "admin.key").read_text().strip()
 
@@ -134,7 +167,7 @@ class Daemon:
                 self.proc.wait()
 
     def runsc_containers(self) -> list[str]:
-        out = subprocess.run([self.runsc, "--root", str(self.home / "runsc"), "list",
+        out = subprocess.run([self.runsc, "--root", str(self.runsc_root), "list",
                               "-format=json"], capture_output=True, check=True).stdout
         return [c["id"] for c in json.loads(out or b"null") or []]
 
@@ -148,9 +181,9 @@ class Daemon:
             except Exception:
                 pass
         self.stop()
-        left = self.runsc_containers() if (self.home / "runsc").exists() else []
+        left = self.runsc_containers() if self.runsc_root.exists() else []
         for cid in left:
-            subprocess.run([self.runsc, "--root", str(self.home / "runsc"), "delete", "--force",
+            subprocess.run([self.runsc, "--root", str(self.runsc_root), "delete", "--force",
                             cid], capture_output=True)
         left += [f"mount {m}" for m in mounts_under(self.home)]
         for m in reversed(mounts_under(self.home)):

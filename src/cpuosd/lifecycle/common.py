@@ -10,8 +10,6 @@ from ..agentconn import AgentChannel
 from ..backends.base import SandboxSpec
 from ..store import SandboxRow
 
-# s a device agent (CharDeviceTransport) gets to see the host hang up after a quiesce
-DEVICE_SETTLE = 0.1
 # s a request waits for the agent of a running sandbox that is reconnecting
 RECONNECT_GRACE = 5.0
 # s a kill waits for another operation on the sandbox to let go, then for its teardown

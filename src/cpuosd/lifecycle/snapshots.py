@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 
+from ..agentconn import DEVICE_SETTLE
 from ..errors import ApiError
 from ..store import SandboxRow
 from . import states
-from .common import (DEVICE_SETTLE, Live, _du, _now)
+from .common import (Live, _du, _now)
 
 if TYPE_CHECKING:
     from .manager import Manager

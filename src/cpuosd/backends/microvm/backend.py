@@ -267,7 +267,8 @@ class MicroVMBackend:
         return sandbox_id
 
     # ---- launching -----------------------------------------------------------------------
-    def _vm_config(self, spec: SandboxSpec, *, incoming: bool = False) -> VMConfig:
+    def vm_config(self, spec: SandboxSpec, *, incoming: bool = False) -> VMConfig:
+        """The VM a sandbox of spec runs (paths as seen inside its jail)."""
         return VMConfig(
             qmp_socket=JAIL_QMP, kernel=JAIL_KERNEL, initrd=JAIL_INITRD,
             cmdline=kernel_cmdline(console=self.console_log, accel=self.accel,
@@ -378,7 +379,7 @@ class MicroVMBackend:
         spec.dir.mkdir(parents=True, exist_ok=True)
         overlay = spec.dir / "overlay.ext4"
         await self._writable_layer(base, overlay, uid)
-        vm = self._vm_config(spec)
+        vm = self.vm_config(spec)
         ram_fd = None
         if spec.template_boot:
             # RAM in a memfd the clones will share (ram.py); read-write: the template runs
@@ -576,6 +577,10 @@ class MicroVMBackend:
                              f"{info.get('error-desc', info.get('status'))}")
 
     # ---- standby VMs -----------------------------------------------------------------------
+    def standby_waiting(self) -> int:
+        """How many standby QEMUs wait for a clone (over every template image)."""
+        return sum(len(tr.standby) for tr in self._rams.values())
+
     def _fill_standby(self, tr: TemplateRAM, image_dir: Path, like: SandboxSpec,
                       vm: VMConfig) -> None:
         if tr.filling or len(tr.standby) >= self.standby:
