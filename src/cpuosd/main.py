@@ -3,16 +3,17 @@ templates on this host (``cpuosd template build|ls|rm``, see cpuosd.templates.ad
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 
 from .config import Config
 
 
-def serve(host: str | None = None, port: int | None = None, home: str | None = None) -> None:
+def serve(host: str | None = None, port: int | None = None, home: str | None = None,
+          log_file: str | None = None) -> None:
     import uvicorn
 
+    from . import logs
     from .api.app import create_app
 
     if home:
@@ -26,11 +27,9 @@ def serve(host: str | None = None, port: int | None = None, home: str | None = N
         print("cpuosd: must run as root (runsc checkpoint/restore and cgroups need it)",
               file=sys.stderr)
         raise SystemExit(2)
-    logging.basicConfig(level=os.environ.get("CPUOS_LOG_LEVEL", "INFO"),
-                        format='{"time":"%(asctime)s","level":"%(levelname)s",'
-                               '"logger":"%(name)s","msg":"%(message)s"}')
+    logs.setup(path=log_file)  # JSON lines, rate-limited, rotated with CPUOS_LOG_FILE
     uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning",
-                access_log=False, timeout_graceful_shutdown=5)
+                log_config=None, access_log=False, timeout_graceful_shutdown=5)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -46,8 +45,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--host")
     ap.add_argument("--port", type=int)
     ap.add_argument("--home", help="state directory (default $CPUOS_HOME or /var/lib/cpuos)")
+    ap.add_argument("--log-file", help="log here, rotated by size (default $CPUOS_LOG_FILE, "
+                                       "else stderr)")
     a = ap.parse_args(argv)
-    serve(a.host, a.port, a.home)
+    serve(a.host, a.port, a.home, a.log_file)
 
 
 if __name__ == "__main__":

@@ -196,16 +196,22 @@ def owned(pid: int) -> Child | None:
 
 
 async def run(argv: Sequence[str], *, timeout: float, log_path: Path | None = None,
-              what: str | None = None) -> tuple[int, bytes, bytes]:
+              null_stdio: bool = False, what: str | None = None) -> tuple[int, bytes, bytes]:
     """Run argv to its end: (exit status, stdout, stderr). Output goes to temporary files
     (a detached runsc hands its stdio to the sandbox it starts, so a pipe would never reach
-    EOF) or, with log_path, appended to that file (stderr is then its tail). On timeout
-    the child's process group is killed and collected, and TimeoutError raised."""
-    if log_path is not None:
-        with open(log_path, "ab") as logf:
-            child = spawn(argv, stdout=logf, stderr=logf)
+    EOF) or, with log_path, appended to that file (stderr is then its tail). With
+    null_stdio the child's stdio is /dev/null and it writes log_path itself (a detached
+    sandbox must not inherit a host file it could grow). On timeout the child's process
+    group is killed and collected, and TimeoutError raised."""
+    if null_stdio:
+        assert log_path is not None
+        child = spawn(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         out_f: IO[bytes] | None = None
         err_f: IO[bytes] | None = None
+    elif log_path is not None:
+        with open(log_path, "ab") as logf:
+            child = spawn(argv, stdout=logf, stderr=logf)
+        out_f = err_f = None
     else:
         out_f = tempfile.TemporaryFile()
         err_f = tempfile.TemporaryFile()
@@ -224,8 +230,11 @@ async def run(argv: Sequence[str], *, timeout: float, log_path: Path | None = No
             err_f.seek(0)
             return rc, out_f.read(OUTPUT_CAP), _tail(err_f)
         assert log_path is not None
-        with open(log_path, "rb") as logf:
-            return rc, b"", _tail(logf)
+        try:
+            with open(log_path, "rb") as logf:
+                return rc, b"", _tail(logf)
+        except FileNotFoundError:
+            return rc, b"", b""
     finally:
         for f in (out_f, err_f):
             if f is not None:

@@ -86,6 +86,18 @@ def oci_spec(spec: SandboxSpec) -> dict[str, Any]:
     }
 
 
+def log_tail(raw: bytes, limit: int = 800) -> str:
+    """The end of a runsc log: its JSON lines' messages, or the text as it is."""
+    out = []
+    for line in raw.decode(errors="replace").splitlines():
+        try:
+            msg = json.loads(line).get("msg")
+        except (ValueError, AttributeError):
+            msg = None
+        out.append(str(msg) if msg is not None else line)
+    return "\n".join(out).strip()[-limit:]
+
+
 class GVisorBackend:
     capabilities = Capabilities(name="gvisor", checkpoint=True, network=False, agent_key=True)
 
@@ -126,14 +138,27 @@ class GVisorBackend:
         return [*self._global_flags(), "--network=none", "--host-uds=open",
                 "--overlay2=root:memory", *self.info.gofer_flags()]
 
+    async def _run_detached(self, spec: SandboxSpec, *args: str, timeout: float
+                            ) -> tuple[int, bytes, bytes]:
+        """runsc run/restore: its stdio, which the sandbox's agent inherits as fds 0-2 (and
+        code inside reaches through /proc/1/fd), is /dev/null, never a host file a sandbox
+        could grow; runsc's own messages go to runsc.log (--log)."""
+        log_path = spec.dir / "runsc.log"
+        flags = [*self._sandbox_flags(), f"--log={log_path}"]
+        try:
+            return await procs.run([*flags, *args], timeout=timeout, log_path=log_path,
+                                   null_stdio=True)
+        except TimeoutError:
+            raise ApiError("timeout", f"runsc {args[0]} did not finish within "
+                           f"{timeout:.0f}s") from None
+
     async def start(self, spec: SandboxSpec) -> None:
         bundle = self._bundle(spec)
-        args = [*self._sandbox_flags(), "run", "--detach", "--bundle", str(bundle), spec.id]
-        rc, _, err = await self._run(*args, log_path=spec.dir / "runsc.log")
+        rc, _, err = await self._run_detached(spec, "run", "--detach", "--bundle", str(bundle),
+                                              spec.id, timeout=30)
         if rc != 0:
-            tail = err.decode(errors="replace").strip()[-800:]
             await self.kill(spec.id)
-            raise ApiError("internal", f"runsc failed to start the sandbox: {tail}")
+            raise ApiError("internal", f"runsc failed to start the sandbox: {log_tail(err)}")
 
     async def checkpoint(self, sandbox_id: str, image_dir: Path) -> None:
         """Save the sandbox (memory, processes, writable layer) to image_dir. The sandbox
@@ -170,13 +195,12 @@ class GVisorBackend:
         # --background: memory pages keep loading after restore returns (the sandbox runs
         # meanwhile); needs an uncompressed image, which is runsc's default now
         bg = ["--background"] if self.info.background_restore else []
-        args = [*self._sandbox_flags(), "restore", "--detach", *bg, f"--image-path={image_dir}",
-                "--bundle", str(bundle), spec.id]
-        rc, _, err = await self._run(*args, log_path=spec.dir / "runsc.log", timeout=120)
+        rc, _, err = await self._run_detached(
+            spec, "restore", "--detach", *bg, f"--image-path={image_dir}", "--bundle",
+            str(bundle), spec.id, timeout=120)
         if rc != 0:
-            tail = err.decode(errors="replace").strip()[-800:]
             await self.kill(spec.id)
-            raise ApiError("internal", f"runsc failed to restore the sandbox: {tail}")
+            raise ApiError("internal", f"runsc failed to restore the sandbox: {log_tail(err)}")
 
     image_kind = "gvisor"
 
