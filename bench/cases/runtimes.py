@@ -34,20 +34,20 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from cpuos import Sandbox
-from cpuosd.testing import TEMPLATES, Daemon, e2e_unavailable, new_daemon, wait_until
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `cases`
 
-REPO = Path(__file__).resolve().parents[2]
-OUT = REPO / ".cache" / "bench"
+from cpuos import Sandbox
+from cpuosd.testing import Daemon, e2e_unavailable, new_daemon, wait_until
+
+from cases._common import OUT, median, ms, now, template_rootfs
+
 DEBIAN_RUNSC = "/usr/bin/runsc"
-now = time.perf_counter
 
 # Times each workload from inside the machine it runs on (sandbox or chroot); prints JSON.
 DRIVER = r"""
@@ -94,15 +94,6 @@ while True:
 """
 
 
-def p50(xs: list[float]) -> float:
-    return statistics.median(xs)
-
-
-def template_rootfs() -> Path:
-    info = json.loads((TEMPLATES / "python.json").read_text())
-    return Path(info["rootfs"])
-
-
 def native(reps: int) -> dict[str, list[float]]:
     """The workload driver in a chroot of the template's root, as uid 1000."""
     r = subprocess.run(["chroot", "--userspec=1000:1000", str(template_rootfs()),
@@ -123,7 +114,7 @@ def mem_available() -> int:
 
 
 def measure(d: Daemon, args: argparse.Namespace) -> dict[str, Any]:
-    kw: dict[str, Any] = d.sdk_kwargs()
+    kw = d.sdk_kwargs()
     res: dict[str, Any] = {}
     with Sandbox.create(template="python", timeout="30m", **kw) as sbx:
         # workloads
@@ -262,33 +253,29 @@ ROWS: list[tuple[str, str, str, float | None]] = [
 ]
 
 
-def fmt_ms(s: float) -> str:
-    return f"{s * 1000:.1f} ms"
-
-
 def report(R: dict[str, Any]) -> list[list[str]]:
     names = list(R["runtimes"])
     head = ["metric", *names, "native / floor", "target"]
     rows: list[list[str]] = [head]
     nat = R["native"]
     for key, label, _, target in ROWS:
-        base = p50(nat[key])
+        base = median(nat[key])
         cells = [label]
         for n in names:
-            v = p50(R["runtimes"][n]["workloads"][key])
+            v = median(R["runtimes"][n]["workloads"][key])
             cells.append(f"{v:.3f} s ({v / base:.1f}x)")
         rows.append([*cells, f"{base:.3f} s", f"<= {target}x"])
     cells = ["exec true round trip p50 (spawn floor in the sandbox)"]
     for n in names:
         x = R["runtimes"][n]
-        cells.append(f"{fmt_ms(p50(x['exec_s']))} ({fmt_ms(p50(x['spawn_floor_s']))})")
+        cells.append(f"{ms(median(x['exec_s']))} ({ms(median(x['spawn_floor_s']))})")
     rows.append([*cells, "-", "<= floor + 2 ms"])
-    for key, label, target in (("create_exec_s", "create from snapshot -> first exec p50",
-                                "<= 100 ms"),
-                               ("pause_s", "pause, 100 MiB heap, p50", "<= 250 ms"),
-                               ("resume_s", "resume, 100 MiB heap, p50", "<= 150 ms")):
-        rows.append([label, *[fmt_ms(p50(R["runtimes"][n][key])) for n in names], "-",
-                     target])
+    for key, label, limit in (("create_exec_s", "create from snapshot -> first exec p50",
+                               "<= 100 ms"),
+                              ("pause_s", "pause, 100 MiB heap, p50", "<= 250 ms"),
+                              ("resume_s", "resume, 100 MiB heap, p50", "<= 150 ms")):
+        rows.append([label, *[ms(median(R["runtimes"][n][key])) for n in names], "-",
+                     limit])
     rows.append([f"host memory per idle sandbox (N={R['runtimes'][names[0]]['idle_n']})"
                  if names else "host memory per idle sandbox",
                  *[f"{R['runtimes'][n]['idle_bytes_per_sandbox'] / (1 << 20):.1f} MiB"
@@ -329,6 +316,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO / "src"))
     shutil.which("chroot") or sys.exit("chroot is not installed")
     sys.exit(main())

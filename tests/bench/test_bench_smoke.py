@@ -1,4 +1,6 @@
-"""Every benchmark case runs in smoke mode in the default test run, so it cannot rot."""
+"""Every benchmark case runs in smoke mode (tiny N) in the default test run, so it cannot
+rot: each case module by itself (``bench/cases/<case>.py --smoke``), the runner's grouping
+of cases by daemon (bench/run.py), and the runtimes case."""
 
 from __future__ import annotations
 
@@ -6,42 +8,145 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
 
 from cpuosd.testing import e2e_unavailable
 
 REPO = Path(__file__).resolve().parents[2]
+OUT = REPO / ".cache" / "bench"
+
+class Case(NamedTuple):
+    section: str  # bench/run.py --only
+    key: str  # in the results
+    title: str  # how its table's title starts (not the line printed before it runs)
+    samples: list[str]  # sample lists it fills (N each)
+    metrics: list[str]  # its rows of the summary
+
+
+CASES = {
+    "create": Case("create", "create", "1. create → first exec result",
+                   ["ours_s", "floor_run_s", "floor_delete_s", "floor_run_delete_s"],
+                   ["create → first exec, p50"]),
+    "exec_roundtrip": Case(
+        "exec", "exec", "2. exec round trip of `true`",
+        ["ours_shell_s", "ours_argv_s", "floor_in_sandbox_s", "peer_runsc_exec_s"],
+        ["exec 'true' round trip, p50", "exec ['/bin/true'] round trip, p50"]),
+    "stream": Case("stream", "stream", "3. stdout streaming to the SDK",
+                   ["ours_MBps", "floor_MBps", "ours_dd_MBps", "floor_dd_MBps"],
+                   ["stdout streaming (head -c), median", "stdout streaming (dd bs=1M), median"]),
+    "files": Case("files", "files", "4. files,",
+                  ["ours_up_MBps", "ours_down_MBps", "floor_up_MBps", "floor_down_MBps"],
+                  ["file upload, median", "file download, median"]),
+    "snap_create": Case(
+        "snap-create", "snap_create", "5. create from the template snapshot → first exec result",
+        ["ours_s", "ours_create_s", "floor_restore_s", "floor_restore_exec_s"],
+        ["create from snapshot → first exec, p50"]),
+    "pool": Case("pool", "pool", "6. create from the warm pool (CPUOS_POOL_SIZE=",
+                 ["ours_create_s", "ours_create_exec_s", "floor_http_s", "floor_runsc_exec_s"],
+                 ["create from warm pool, p50", "create from warm pool + first exec, p50"]),
+    "pause": Case("pause", "pause", "7. pause / resume with a 100 MiB heap (N=",
+                  ["ours_pause_s", "ours_resume_s", "ours_resume_exec_s", "floor_checkpoint_s",
+                   "floor_checkpoint_delete_s", "floor_restore_s", "floor_restore_exec_s"],
+                  ["pause, 100 MiB heap, p50", "resume, 100 MiB heap, p50",
+                   "resume + first exec, 100 MiB heap, p50"]),
+    "size": Case("size", "size", "8. snapshot size on disk, one paused", [],
+                 ["snapshot size on disk, idle sandbox", "snapshot size on disk, 100 MiB heap"]),
+    "microvm": Case("microvm", "microvm", "9. microVM: QEMU -M microvm",
+                    ["spawn_jailed_s", "spawn_bare_s"],
+                    ["microVM spawn → QMP ready (jailed, -S), p50",
+                     "microVM clone → agent ready, p50",
+                     "microVM per-VM memory beyond guest RAM, p50"]),
+}
+HEAP = 100 << 20  # the heap holder's bytes (pause, size)
+
+
+def run(argv: list[str], out: Path) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    """Run a bench script (root, real runsc); its results file ``out``, written anew."""
+    why = e2e_unavailable()
+    if why:
+        pytest.skip(why)
+    out.unlink(missing_ok=True)
+    r = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=600,
+                       cwd=REPO)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res: dict[str, Any] = json.loads(out.read_text())
+    return r, res
+
+
+def check_clean_run(res: dict[str, Any]) -> None:
+    meta = res["meta"]
+    assert meta["complete"] and not meta["failed"]
+    cleanup = meta["cleanup"]
+    assert cleanup["raw_containers_left"] == []
+    assert all(left == [] for left in cleanup["daemon_containers_left"].values())
+    assert cleanup["stray_runsc_processes"] == []
+
+
+def check_figures(module: str, data: dict[str, Any]) -> None:
+    """Every sample list the case fills has its N samples, all positive, and what its
+    figures say about the sandboxes holds (a heap is in the images that should hold it)."""
+    for k in CASES[module].samples:
+        n = data["peer_n"] if k.startswith("peer_") else data.get("n", data.get("runs"))
+        assert len(data[k]) == n and all(x > 0 for x in data[k]), (k, data[k])
+    if module == "snap_create":
+        assert data["image_bytes"] > 0
+    if module == "pause":  # every cycle, the warmup's too
+        assert len(data["ours_snapshot_bytes"]) == data["n"] + 1
+        assert all(x > HEAP for x in data["ours_snapshot_bytes"] + data["floor_image_bytes"])
+    if module == "size":
+        for name in ("idle", "heap"):
+            assert all(v > 0 for v in data[name].values()), data[name]
+        for k in ("du_apparent", "floor_du_apparent"):
+            assert data["heap"][k] > data["idle"][k] + HEAP * 9 // 10, k
+    if module == "microvm":
+        assert set(data["probe"]) == {"ok", "reason", "seconds"}
+        assert data["gvisor"]["ours_create_s"] and data["gvisor"]["floor_restore_s"]
+        assert data["jails_left"] == []
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("module", list(CASES))
+def test_case_smoke(module: str) -> None:
+    """bench/cases/<module>.py --smoke by itself: its own daemon, its table, its summary
+    rows and samples, and nothing left behind."""
+    case = CASES[module]
+    r, res = run([f"bench/cases/{module}.py", "--smoke"], OUT / f"case-{case.section}-smoke.json")
+    check_clean_run(res)
+    assert res["meta"]["sections"] == [case.section]
+    check_figures(module, res[case.key])
+    assert [row["metric"] for row in res["summary"]] == case.metrics
+    assert all(row["ours"] and row["floor"] for row in res["summary"]), res["summary"]
+    assert r.stdout.index(case.title) < r.stdout.index("Summary")
+
+
+@pytest.mark.e2e
+def test_runner_groups_cases_by_daemon() -> None:
+    """bench/run.py runs the selected cases, consecutive ones with the same daemon
+    configuration on one daemon (exec and files share a cold-boot daemon and its sandbox;
+    pool gets its own), and reports them in their order with one summary."""
+    r, res = run(["bench/run.py", "--smoke", "--only", "pool,files,exec"],
+                 OUT / "results-smoke.json")
+    check_clean_run(res)
+    assert res["meta"]["sections"] == ["exec", "files", "pool"]
+    modules = ("exec_roundtrip", "files", "pool")
+    for module in modules:
+        check_figures(module, res[CASES[module].key])
+    assert len(res["meta"]["cleanup"]["daemon_containers_left"]) == 2  # daemons started
+    assert [row["metric"] for row in res["summary"]] == [
+        m for module in modules for m in CASES[module].metrics]
+    at = [r.stdout.index(t) for t in [*(CASES[m].title for m in modules), "Summary"]]
+    assert at == sorted(at)
 
 
 @pytest.mark.e2e
 def test_runtimes_case_smoke() -> None:
-    why = e2e_unavailable()
-    if why:
-        pytest.skip(why)
-    r = subprocess.run([sys.executable, str(REPO / "bench/cases/runtimes.py"), "--smoke",
-                        "--runtimes", "pinned"], capture_output=True, text=True, timeout=600,
-                       cwd=REPO)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    res = json.loads((REPO / ".cache/bench/runtimes-smoke.json").read_text())
+    r, res = run(["bench/cases/runtimes.py", "--smoke", "--runtimes", "pinned"],
+                 OUT / "runtimes-smoke.json")
     pinned = res["runtimes"]["pinned"]
     assert set(pinned["workloads"]) == {"import", "fork100", "pass20"}
     assert pinned["health"]["backend"] == "gvisor"
     for k in ("exec_s", "spawn_floor_s", "pause_s", "resume_s", "create_exec_s"):
         assert pinned[k] and all(x > 0 for x in pinned[k]), k
     assert "host memory per idle sandbox" in r.stdout
-
-
-@pytest.mark.e2e
-def test_bench_run_quick_every_section() -> None:
-    """bench/run.py --quick runs every section (the microVM rows say when the KVM probe
-    fails); a crash like the one the image renaming caused fails here."""
-    why = e2e_unavailable()
-    if why:
-        pytest.skip(why)
-    r = subprocess.run([sys.executable, str(REPO / "bench/run.py"), "--quick"],
-                       capture_output=True, text=True, timeout=900, cwd=REPO)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    for row in ("create from snapshot", "exec 'true' round trip", "pause, 100 MiB heap",
-                "create from warm pool"):
-        assert row in r.stdout, row
