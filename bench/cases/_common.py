@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -298,8 +299,12 @@ def runsc_exec(d: Daemon, sid: str, *argv: str) -> list[str]:
 
 
 class RawRunsc:
-    """Containers of the daemon's runsc, flags and OCI config (``oci_spec``, default sandbox
-    size), without cpuos: in a runsc root of its own (deleted in cleanup)."""
+    """Containers of the daemon's runsc, flags and OCI config (``oci_spec``, the size of the
+    daemon's sandboxes: ``match``), without cpuos: in a runsc root of its own (deleted in
+    cleanup)."""
+
+    # a sandbox's size as the API reports it and SandboxSpec takes it
+    SIZE = ("vcpus", "memory_mib", "pids")
 
     def __init__(self, rootfs: Path) -> None:
         self.rootfs = rootfs
@@ -309,6 +314,18 @@ class RawRunsc:
         self.root.mkdir()
         self.agent_dir.mkdir()
         self.n = 0
+        self.size: dict[str, Any] = {}  # SandboxSpec's defaults until match()
+
+    def match(self, d: Daemon, sid: str) -> None:
+        """From now on, give the raw containers the size the daemon gave its sandbox sid
+        (``GET /sandboxes/{id}``), so their OCI config is the daemon's: a restore of the
+        daemon's template image checks that it is."""
+        with d.client() as c:
+            r = c.get(f"/sandboxes/{sid}")
+            r.raise_for_status()
+            info = r.json()
+        known = {f.name for f in dataclasses.fields(SandboxSpec)}
+        self.size = {k: info[k] for k in self.SIZE if k in known and info.get(k) is not None}
 
     def global_flags(self) -> list[str]:
         return [runsc().path, "--root", str(self.root), f"--platform={runsc().platform}"]
@@ -329,7 +346,7 @@ class RawRunsc:
         ``args`` replaces the agent as PID 1. Returns the sandbox dir."""
         sdir = self.tmp / cid
         spec = SandboxSpec(id=cid, rootfs=self.rootfs, dir=sdir,
-                           agent_dir=agent_dir or self.agent_dir, hostname=hostname)
+                           agent_dir=agent_dir or self.agent_dir, hostname=hostname, **self.size)
         for d in (sdir / "bundle", spec.sock_dir):
             d.mkdir(parents=True, exist_ok=True)
         os.chmod(spec.sock_dir, 0o755)

@@ -29,7 +29,9 @@ def measure(ctx: Context) -> dict[str, Any]:
     f_del: list[float] = []
     f_total: list[float] = []
     for i in range(n + 1):
-        _, _, t = create_exec_true(d)
+        sid, _, t = create_exec_true(d)
+        if i == 0:
+            raw.match(d, sid)
         a, b, c = raw.run_true()
         if i == 0:
             continue  # warmup

@@ -58,9 +58,11 @@ def measure(ctx: Context) -> dict[str, Any]:
     floor_sizes: list[int] = []
     sbx = Sandbox.create(template="python", timeout="30m", **kw)
     cid = raw.new_id("heap")
-    sdir = raw.bundle(cid, ["/usr/bin/python3", "-c", HEAP_HOLDER, "/work/holder.ready"])
+    sdir: Path | None = None
     image: Path | None = None
     try:
+        raw.match(d, sbx.id)
+        sdir = raw.bundle(cid, ["/usr/bin/python3", "-c", HEAP_HOLDER, "/work/holder.ready"])
         start_heap_holder(sbx)
         raw.run_detached(cid, sdir)
         raw.wait_log(sdir, b"ready")
@@ -107,7 +109,8 @@ def measure(ctx: Context) -> dict[str, Any]:
     finally:
         kill_quietly(sbx)
         raw.delete(cid)
-        shutil.rmtree(sdir, ignore_errors=True)
+        if sdir is not None:
+            shutil.rmtree(sdir, ignore_errors=True)
         if image is not None:
             shutil.rmtree(image, ignore_errors=True)
     parts = pause_breakdown(d, sbx.id)[1:]  # without the warmup

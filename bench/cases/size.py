@@ -39,6 +39,7 @@ def measure(ctx: Context) -> dict[str, Any]:
     for name, holder in (("idle", IDLE_HOLDER), ("heap", HEAP_HOLDER)):
         sbx = Sandbox.create(template="python", timeout="10m", **kw)
         try:
+            raw.match(d, sbx.id)
             if name == "heap":
                 start_heap_holder(sbx)
             sid = sbx.pause()

@@ -34,8 +34,9 @@ def bench(d: Daemon, raw: RawRunsc, n: int) -> dict[str, Any]:
     f_exec: list[float] = []
     image = agent = None
     for i in range(n + 1):
-        _, t_create, t_exec = create_exec_true(d)
+        sid, t_create, t_exec = create_exec_true(d)
         if image is None or agent is None:
+            raw.match(d, sid)
             # the raw floor restores a copy of the daemon's template image, with a copy of
             # the agent package at /opt/cpuos (the restored agent keeps polling for its
             # socket, which nobody serves)
