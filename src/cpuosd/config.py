@@ -34,6 +34,8 @@ class Config:
     reaper_interval: float = 0.5
     default_vcpus: int = 2
     default_memory_mib: int = 2048
+    # tasks a sandbox's commands may have (processes and threads; a fork past it: EAGAIN)
+    default_pids: int = field(default_factory=lambda: _int("CPUOS_DEFAULT_PIDS", 512))
     # microVM backend: kvm, or tcg (emulated: tests and debugging only; no probe)
     microvm_accel: str = field(default_factory=lambda: os.environ.get("CPUOS_MICROVM_ACCEL",
                                                                       "kvm"))

@@ -47,6 +47,9 @@ MIGRATIONS = [
     ALTER TABLE sandboxes ADD COLUMN remaining REAL;
     ALTER TABLE sandboxes ADD COLUMN snapshot_bytes INTEGER;
     """,
+    """
+    ALTER TABLE workspaces ADD COLUMN limits TEXT NOT NULL DEFAULT '{}';
+    """,
 ]
 
 # States with something on the host (a runsc sandbox, a snapshot, or both in flux).
@@ -115,10 +118,21 @@ class Store:
             return self._db.execute(sql, args)
 
     # ---- workspaces and keys --------------------------------------------------------
-    def create_workspace(self, name: str) -> str:
+    def create_workspace(self, name: str, limits: dict[str, int] | None = None) -> str:
         wid = "ws-" + secrets.token_hex(6)
-        self._exec("INSERT INTO workspaces VALUES (?,?,?)", (wid, name, time.time()))
+        self._exec("INSERT INTO workspaces (id, name, created_at, limits) VALUES (?,?,?,?)",
+                   (wid, name, time.time(), json.dumps(limits or {})))
         return wid
+
+    def workspace(self, wid: str) -> dict[str, Any] | None:
+        r = self._exec("SELECT id, name, created_at, limits FROM workspaces WHERE id=?",
+                       (wid,)).fetchone()
+        if r is None:
+            return None
+        return {"id": r[0], "name": r[1], "created_at": r[2], "limits": json.loads(r[3])}
+
+    def set_workspace_limits(self, wid: str, limits: dict[str, int]) -> None:
+        self._exec("UPDATE workspaces SET limits=? WHERE id=?", (json.dumps(limits), wid))
 
     def workspace_by_name(self, name: str) -> str | None:
         r = self._exec("SELECT id FROM workspaces WHERE name=?", (name,)).fetchone()

@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import time
+from dataclasses import asdict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal
@@ -31,7 +32,8 @@ from .auth import Guard, Ws, require_admin
 from .templates import TemplateBuilds, router as templates_router
 from ..backends.microvm.selection import BackendUnavailable, select_backend
 from ..config import Config
-from ..errors import ApiError, invalid
+from ..accounting.quotas import check_limits_body
+from ..errors import ApiError, invalid, not_found
 from ..events import EventBus, log_event
 from ..paths import ID_RE, check_path
 from ..procs import become_subreaper
@@ -141,6 +143,14 @@ class ForkRequest(BaseModel):
 class NewWorkspace(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(min_length=1, max_length=64, pattern=r"^[a-z0-9-]+$")
+    limits: dict[str, int] = Field(default_factory=dict, description=(
+        "maxima: max_sandboxes, max_vcpus and max_memory_mib (per sandbox), "
+        "max_total_vcpus and max_total_memory_mib (its running sandboxes together)"))
+
+
+class SetLimits(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    limits: dict[str, int]
 
 
 PathQ = Annotated[str, Query(description="path inside the sandbox (relative: to /work)")]
@@ -169,6 +179,7 @@ def sandbox_json(row: SandboxRow) -> dict[str, Any]:
         "timeout_remaining": max(0.0, row.deadline - now)
         if row.deadline and row.state == "running" else None,
         "vcpus": row.spec.get("vcpus"), "memory_mib": row.spec.get("memory_mib"),
+        "pids": row.spec.get("pids"),
         "metadata": row.metadata, "on_timeout": row.on_timeout, "paused_at": row.paused_at,
         "snapshot_bytes": row.snapshot_bytes,
     }
@@ -252,8 +263,26 @@ def create_app(cfg: Config | None = None) -> FastAPI:
         require_admin(request, ws)
         if store.workspace_by_name(body.name):
             raise ApiError("conflict", f"workspace {body.name!r} exists")
-        wid = store.create_workspace(body.name)
-        return {"id": wid, "name": body.name, "key": store.add_key(wid, "default")}
+        wid = store.create_workspace(body.name, check_limits_body(body.limits))
+        return {"id": wid, "name": body.name, "key": store.add_key(wid, "default"),
+                "limits": asdict(mgr(request).admission.limits(wid))}
+
+    @app.put("/workspaces/{wid}/limits")
+    async def set_limits(wid: str, body: SetLimits, request: Request, ws: Ws
+                         ) -> dict[str, Any]:
+        """Set a workspace's maxima (admin); names not given take the defaults."""
+        require_admin(request, ws)
+        store: Store = request.app.state.store
+        if store.workspace(wid) is None:
+            raise not_found("workspace", wid)
+        store.set_workspace_limits(wid, check_limits_body(body.limits))
+        return {"id": wid, "limits": asdict(mgr(request).admission.limits(wid))}
+
+    @app.get("/workspace")
+    async def my_workspace(request: Request, ws: Ws) -> dict[str, Any]:
+        """The caller's workspace: its maxima, what its sandboxes hold, the host's room."""
+        info = request.app.state.store.workspace(ws) or {"id": ws}
+        return {**info, **mgr(request).admission.usage(ws)}
 
     @app.post("/sandboxes", status_code=201)
     async def create(body: CreateSandbox, request: Request, ws: Ws) -> dict[str, Any]:

@@ -17,6 +17,9 @@ class SandboxSpec:
     agent_dir: Path  # host directory holding the cpuos_agent package (mounted read-only)
     vcpus: int = 2
     memory_mib: int = 2048
+    # tasks (processes and threads) the sandbox's commands may have; None: no limit (a
+    # sandbox paused before limits existed resumes as it was checkpointed)
+    pids: int | None = None
     hostname: str = "sandbox"
     env: dict[str, str] = field(default_factory=dict)
     # the Manager's boot of a template, to be checkpointed and cloned (a backend may lay

@@ -3,10 +3,10 @@
 
 Root filesystem: the template tree, shared and never written, under runsc's
 ``--overlay2=root:<dir>`` (a per-sandbox writable layer whose file store lives
-in the sandbox's own host directory). The agent runs as PID 1 with the
-sandbox user's uid and reaches the host through ``--host-uds=open`` on a
-socket in a per-sandbox directory bind-mounted at /run/cpuos. No network
-(``--network=none``).
+in the sandbox's own host directory). The agent runs as PID 1 (real uid 0, the
+sandbox user's effective uid; commands run as the user) and reaches the host through
+``--host-uds=open`` on a socket in a per-sandbox directory bind-mounted at /run/cpuos.
+No network (``--network=none``).
 """
 
 from __future__ import annotations
@@ -31,6 +31,14 @@ SANDBOX_GID = 1000
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
+SPEC_VERSION = 2  # 2: RLIMIT_NPROC and a pids cgroup limit
+
+
+def host_pids_limit(pids: int) -> int:
+    """The sandbox cgroup's pids.max for a sandbox of ``pids`` guest tasks."""
+    return 4 * pids + 1024
+
+
 def oci_spec(spec: SandboxSpec) -> dict[str, Any]:
     env = {
         "PATH": BASE_PATH,
@@ -43,20 +51,26 @@ def oci_spec(spec: SandboxSpec) -> dict[str, Any]:
     return {
         "ociVersion": "1.0.2",
         "process": {
-            "user": {"uid": SANDBOX_UID, "gid": SANDBOX_GID},
+            # The agent starts as real root and keeps real uid 0 (no command, all of whose
+            # ids are SANDBOX_UID, may signal or ptrace it), working with the sandbox
+            # user's effective ids (cpuos_agent.privs); commands are started by its
+            # spawner under SANDBOX_UID. Its capabilities: CAP_SYS_ADMIN (hostname, its
+            # exec cgroups), CAP_SETUID/CAP_SETGID (dropping to the user); none reach a
+            # command (a uid change to non-root clears them).
+            "user": {"uid": 0, "gid": 0},
             "args": ["/usr/bin/python3", "-s", "-m", "cpuos_agent"],
-            "env": [f"{k}={v}" for k, v in env.items()],
+            "env": [f"{k}={v}" for k, v in {**env, "CPUOS_UID": str(SANDBOX_UID)}.items()],
             "cwd": "/",
             "terminal": False,
             "noNewPrivileges": True,
-            # The agent may set the hostname after a restore (CAP_SYS_ADMIN, in the
-            # sandbox's own UTS namespace). A non-root process keeps a capability across
-            # execve only as an ambient one (current runsc applies that rule to PID 1 too);
-            # the agent clears its ambient and inheritable sets first thing
-            # (cpuos_agent.agent.drop_inheritable_caps), so what it runs has none.
-            "capabilities": {k: ["CAP_SYS_ADMIN"] for k in
-                             ("bounding", "effective", "permitted", "inheritable", "ambient")},
-            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 65536, "soft": 65536}],
+            "capabilities": {k: ["CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID"] for k in
+                             ("bounding", "effective", "permitted")},
+            # RLIMIT_NPROC: the sandbox's process (task) limit, enforced by gVisor on the
+            # commands' uid (the agent, with CAP_SYS_ADMIN, is exempt): a fork past it
+            # fails with EAGAIN inside, and the sandbox lives on
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 65536, "soft": 65536},
+                        *([{"type": "RLIMIT_NPROC", "hard": spec.pids, "soft": spec.pids}]
+                          if spec.pids else [])],
         },
         "root": {"path": str(spec.rootfs), "readonly": False},
         "hostname": spec.hostname,
@@ -80,6 +94,9 @@ def oci_spec(spec: SandboxSpec) -> dict[str, Any]:
             "resources": {
                 "memory": {"limit": spec.memory_mib << 20},
                 "cpu": {"quota": 100000 * spec.vcpus, "period": 100000},
+                # the host-side backstop: about two host tasks per guest process under
+                # systrap; reaching it would end the sandbox, so it sits well above
+                **({"pids": {"limit": host_pids_limit(spec.pids)}} if spec.pids else {}),
             },
             "cgroupsPath": f"/cpuos/{spec.id}",
         },
@@ -202,7 +219,9 @@ class GVisorBackend:
             await self.kill(spec.id)
             raise ApiError("internal", f"runsc failed to restore the sandbox: {log_tail(err)}")
 
-    image_kind = "gvisor"
+    # the OCI spec's layout: runsc restores an image only into a spec like its own
+    # (rlimits, mounts, capabilities), so template images are per layout
+    image_kind = f"gvisor-s{SPEC_VERSION}"
 
     async def close(self) -> None:
         # a runsc without --gofer-network-namespace (Debian's) bind-mounts one shared gofer

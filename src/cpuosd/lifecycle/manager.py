@@ -31,6 +31,7 @@ from ..errors import ApiError, not_found
 from ..events import EventBus, SandboxEvent
 from ..paths import check_id
 from ..store import LIVE_STATES, SandboxRow, Store
+from ..accounting.quotas import Admission
 from ..templates.builder import template_info
 from . import states
 from .common import (KILL_LOCK_WAIT, KILL_RETRY_INTERVAL, KILL_TIMEOUT, RECONNECT_GRACE, Live,
@@ -53,6 +54,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
         self.store = store
         self.backend = backend
         self.events = events or EventBus()
+        self.admission = Admission(store)
         self.live: dict[str, Live] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._locks: dict[str, asyncio.Lock] = {}
@@ -103,6 +105,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
         s = row.spec
         return SandboxSpec(id=row.id, rootfs=Path(s["rootfs"]), dir=self.cfg.sandboxes_dir / row.id,
                            agent_dir=self.agent_dir, vcpus=s["vcpus"], memory_mib=s["memory_mib"],
+                           pids=s.get("pids"),
                            hostname=s.get("hostname", "sandbox"), env=s.get("env", {}))
 
     async def startup(self) -> None:
@@ -148,7 +151,8 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
             backend=self.backend.capabilities.name, state=state, reason=None,
             created_at=now, started_at=None, ended_at=None, deadline=now + timeout,
             spec={"rootfs": info["rootfs"], "template_digest": info["digest"], "vcpus": vcpus,
-                  "memory_mib": memory_mib, "hostname": "sandbox", "env": env,
+                  "memory_mib": memory_mib, "pids": self.cfg.default_pids,
+                  "hostname": "sandbox", "env": env,
                   "timeout": timeout, "machine_id": secrets.token_hex(16),
                   "template_env": info.get("env") or {}, "workdir": info.get("workdir")},
             metadata=metadata, on_timeout=on_timeout,
@@ -250,6 +254,9 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
         default_size = (vcpus, memory_mib) == (self.cfg.default_vcpus,
                                               self.cfg.default_memory_mib)
         pool = self.pool.get(template)
+        # no await from here to the row's insert (or the pop): admission is atomic
+        self.admission.admit(workspace_id, vcpus, memory_mib,
+                             reserve_host=not (default_size and pool))
         if default_size and pool:
             lv = pool.pop()  # no await between the check and the pop: handed out once
             self._spawn(self._fill_pool(template))

@@ -31,7 +31,8 @@ class Templates:
     def _template_image_name(self: Manager, template: str, digest: str) -> str:
         """A template image is of one template build, one agent and one kind of machine
         (an image of another backend, accelerator or device set never restores)."""
-        return f"{template}-{digest}-{self.agent_dir.name}-{self.backend.image_kind}"
+        return (f"{template}-{digest}-{self.agent_dir.name}-{self.backend.image_kind}"
+                f"-p{self.cfg.default_pids}")  # rlimits must match at restore
 
     async def _template_image(self: Manager, template: str, info: dict[str, Any]) -> Path | None:
         """The template booted once and checkpointed; made on first use. None when
@@ -60,6 +61,7 @@ class Templates:
                          created_at=_now(), started_at=None, ended_at=None, deadline=None,
                          spec={"rootfs": info["rootfs"], "vcpus": self.cfg.default_vcpus,
                                "memory_mib": self.cfg.default_memory_mib,
+                               "pids": self.cfg.default_pids,
                                "hostname": "sandbox", "env": {},
                                "machine_id": secrets.token_hex(16),
                                "template_env": info.get("env") or {},
@@ -103,6 +105,9 @@ class Templates:
             ws = self.store.workspace_by_name("default")
             pool = self.pool.setdefault(template, [])
             while info and ws and len(pool) < self.cfg.pool_size:
+                if not self.admission.host_has_room(self.cfg.default_vcpus,
+                                                    self.cfg.default_memory_mib):
+                    return  # a pooled sandbox must not take the place of a user's
                 image = await self._template_image(template, info)
                 if image is None:
                     return

@@ -110,6 +110,8 @@ class Snapshots:
             if row.state == "running":
                 return row
             snap = self._snap(sid)
+            self.admission.admit(workspace_id, row.spec["vcpus"], row.spec["memory_mib"],
+                                 new_sandboxes=False)
             self._set_state(sid, "resuming")
             try:
                 await self._boot(row, snap)
@@ -127,6 +129,7 @@ class Snapshots:
         async with self._lock(sid):
             lv = self.running(workspace_id, sid, "fork")
             row = lv.row
+            self.admission.admit(workspace_id, row.spec["vcpus"], row.spec["memory_mib"], n=n)
             image = self.cfg.snapshots_dir / f"fork-{sid}-{secrets.token_hex(4)}"
             remaining = max(1.0, (row.deadline or _now()) - _now())
             try:
@@ -144,6 +147,8 @@ class Snapshots:
                     c = self._new_row(workspace_id, row.template, info, remaining, row.metadata,
                                       row.spec.get("env", {}), row.spec["vcpus"],
                                       row.spec["memory_mib"], on_timeout=row.on_timeout)
+                    c.spec["pids"] = row.spec.get("pids")  # rlimits must match at restore
+                    self.store.update_sandbox(c.id, spec=c.spec)
                     try:
                         await self._boot(c, image)
                     except BaseException as e:

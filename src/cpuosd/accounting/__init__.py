@@ -1,0 +1,1 @@
+"""Accounting: admission (quotas); usage and audit subscribe to lifecycle events."""
