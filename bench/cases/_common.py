@@ -343,7 +343,8 @@ class RawRunsc:
     def bundle(self, cid: str, args: list[str] | None = None,
                agent_dir: Path | None = None, hostname: str = "sandbox") -> Path:
         """A fresh sandbox dir for cid (bundle, sock dir, runsc log) with oci_spec's config;
-        ``args`` replaces the agent as PID 1. Returns the sandbox dir."""
+        ``args`` replaces the agent as PID 1, run as the sandbox user (as the agent runs
+        commands). Returns the sandbox dir."""
         sdir = self.tmp / cid
         spec = SandboxSpec(id=cid, rootfs=self.rootfs, dir=sdir,
                            agent_dir=agent_dir or self.agent_dir, hostname=hostname, **self.size)
@@ -353,6 +354,7 @@ class RawRunsc:
         cfg = oci_spec(spec)
         if args is not None:
             cfg["process"]["args"] = args
+            cfg["process"]["user"] = {"uid": SANDBOX_UID, "gid": SANDBOX_GID}
         (sdir / "bundle" / "config.json").write_text(json.dumps(cfg, indent=1))
         return sdir
 
