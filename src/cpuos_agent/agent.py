@@ -12,32 +12,44 @@ The host never trusts anything this program sends.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import json
 import os
-import signal
 import stat as stat_mod
 import sys
 import threading
 import time
-from typing import BinaryIO
+from collections.abc import Callable
+from typing import Any
 
+from . import privs
 from . import protocol as P
+from .cgroups import Cgroups
 from .conn import Conn
 from .exec import Exec
-from .files import _errcode, _list, _remove, _stat, _unlink_quiet
+from .files import _errcode, _list, _remove, _stat, _unlink_quiet, create_beside, open_regular
 from .identity import apply_identity, drop_inheritable_caps, not_dumpable, read_key
 from .reaper import Reaper
+from .spawner import Spawner
 from .transport import Closed, Quiesce, Transport, transport_for
 
 SOCKET_PATH = os.environ.get("CPUOS_AGENT_SOCKET", "/run/cpuos/agent.sock")
 
 
 class Agent:
-    def __init__(self, key: str | None = None) -> None:
+    """``spawner`` and ``cgroups``: root mode's (see ``main``); None: commands are started
+    by the agent itself and tracked by a process-tree scan."""
+
+    def __init__(self, key: str | None = None, spawner: Spawner | None = None,
+                 cgroups: Cgroups | None = None) -> None:
         self.key = key if key is not None else read_key()
         self.reaper = Reaper()
+        self.spawner, self.cgroups = spawner, cgroups
+        if spawner is not None:
+            spawner.attach(self.reaper, cgroups)
         self.execs: dict[int, Exec] = {}
-        self.writes: dict[int, tuple[BinaryIO, str, str]] = {}
+        self.writes: dict[int, tuple[int, str, str]] = {}
 
     # ---- connection lifecycle -------------------------------------------------------
     def serve_forever(self, transport: Transport | None = None) -> None:
@@ -58,8 +70,8 @@ class Agent:
                 conn.shutdown()
                 for ex in list(self.execs.values()):
                     ex.kill("disconnected")
-                for f, tmp, _ in self.writes.values():
-                    f.close()
+                for fd, tmp, _ in self.writes.values():
+                    os.close(fd)
                     _unlink_quiet(tmp)
                 self.writes.clear()
             transport.after_session(conn.link, quiesced)
@@ -107,6 +119,8 @@ class Agent:
             ex = self.execs.get(sid)
             if ex is not None:
                 ex.kill(str(h.get("reason") or "killed"))
+            else:  # a file read the host gave up on: its sender stops
+                conn.close_stream(sid)
         elif t == "credit":
             conn.add_credit(sid, int(h.get("n", 0)))
         elif t == "write":
@@ -115,10 +129,12 @@ class Agent:
             w = self.writes.get(sid)
             if w is not None:
                 try:
-                    w[0].write(payload)
+                    view = memoryview(payload)
+                    while view:  # a regular file of ours (O_EXCL): never blocks
+                        view = view[os.write(w[0], view):]
                 except OSError as e:
                     self.writes.pop(sid)
-                    w[0].close()
+                    os.close(w[0])
                     _unlink_quiet(w[1])
                     conn.send({"t": "err", "id": sid, "code": _errcode(e),
                                "message": f"writing {w[2]}: {e.strerror}"})
@@ -129,15 +145,35 @@ class Agent:
         elif t == "stat":
             conn.send({"t": "ok", "id": sid, "stat": _stat(h["path"])})
         elif t == "list":
-            conn.send({"t": "ok", "id": sid, "entries": _list(h["path"])})
+            path = h["path"]
+            self._in_thread(conn, sid, lambda: _listing(path))
         elif t == "remove":
-            _remove(h["path"], bool(h.get("recursive", True)))
-            conn.send({"t": "ok", "id": sid})
+            path, recursive = h["path"], bool(h.get("recursive", True))
+            self._in_thread(conn, sid, lambda: _remove(path, recursive))
         elif t == "mkdir":
             os.makedirs(h["path"], mode=0o755, exist_ok=True)
             conn.send({"t": "ok", "id": sid, "stat": _stat(h["path"])})
         else:
             conn.send({"t": "err", "id": sid, "code": P.E_INVALID, "message": f"unknown {t!r}"})
+
+    def _in_thread(self, conn: Conn, sid: int, fn: Callable[[], Any]) -> None:
+        """Answer a request from a thread of its own (it may take long: a big tree)."""
+        def run() -> None:
+            try:
+                out = fn()
+                fields, payload = out if isinstance(out, tuple) else (out or {}, b"")
+                conn.send({"t": "ok", "id": sid, **fields}, payload)
+            except Closed:
+                pass
+            except OSError as e:
+                with contextlib.suppress(Closed):
+                    conn.send({"t": "err", "id": sid, "code": _errcode(e),
+                               "message": f"{e.strerror or e}"})
+            except Exception as e:
+                with contextlib.suppress(Closed):
+                    conn.send({"t": "err", "id": sid, "code": P.E_INTERNAL,
+                               "message": f"{type(e).__name__}: {e}"})
+        threading.Thread(target=run, daemon=True).start()
 
     # ---- files ----------------------------------------------------------------------
     def _write_open(self, conn: Conn, sid: int, h: P.Header) -> None:
@@ -146,27 +182,25 @@ class Agent:
         os.makedirs(parent, exist_ok=True)
         if os.path.isdir(path):
             raise IsADirectoryError(errno.EISDIR, "is a directory", path)
-        tmp = os.path.join(parent, f".{os.path.basename(path)}.cpuos-{sid}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-        self.writes[sid] = (os.fdopen(fd, "wb", buffering=1 << 20), tmp, path)
+        fd, tmp = create_beside(path)
+        self.writes[sid] = (fd, tmp, path)
 
     def _write_close(self, conn: Conn, sid: int, abort: bool) -> None:
         w = self.writes.pop(sid, None)
         if w is None:
             return
-        f, tmp, path = w
+        fd, tmp, path = w
         try:
-            f.close()
-            if abort:
-                _unlink_quiet(tmp)
-                return
-            mode = None
             try:
-                mode = stat_mod.S_IMODE(os.stat(path).st_mode)
-            except OSError:
-                pass
-            if mode is not None:
-                os.chmod(tmp, mode)
+                if abort:
+                    _unlink_quiet(tmp)
+                    return
+                try:  # a replaced file keeps its mode
+                    os.fchmod(fd, stat_mod.S_IMODE(os.stat(path).st_mode))
+                except OSError:
+                    pass
+            finally:
+                os.close(fd)
             os.replace(tmp, path)
         except OSError as e:
             _unlink_quiet(tmp)
@@ -175,47 +209,75 @@ class Agent:
         conn.send({"t": "ok", "id": sid, "stat": _stat(path)})
 
     def _read(self, conn: Conn, sid: int, path: str) -> None:
+        """Stream a regular file. ``exact`` in the answer: the file has real blocks, so its
+        size is its length, and exactly ``size`` bytes follow (a file that grows is cut
+        there; one that shrank is an error). Otherwise (procfs, sysfs: size 0 or made up)
+        the length is known only at ``eof``."""
         try:
             try:
-                f = open(path, "rb", buffering=0)
+                fd, st = open_regular(path)
             except OSError as e:
                 conn.send({"t": "err", "id": sid, "code": _errcode(e),
                            "message": f"{path}: {e.strerror}"})
                 return
-            with f:
-                st = os.fstat(f.fileno())
-                if stat_mod.S_ISDIR(st.st_mode):
-                    conn.send({"t": "err", "id": sid, "code": P.E_IS_DIR,
-                               "message": f"{path}: is a directory"})
-                    return
+            try:
+                exact = st.st_size > 0 and st.st_blocks > 0
+                left = st.st_size if exact else -1
                 conn.open_stream(sid)
-                conn.send({"t": "ok", "id": sid, "size": st.st_size})
+                conn.send({"t": "ok", "id": sid, "size": st.st_size, "exact": exact})
                 try:
-                    while True:
-                        data = f.read(P.CHUNK)
+                    while left != 0:
+                        data = os.read(fd, P.CHUNK if left < 0 else min(P.CHUNK, left))
                         if not data:
+                            if left > 0:
+                                raise OSError(errno.EIO, f"{path} shrank while being read")
                             break
+                        if left > 0:
+                            left -= len(data)
                         conn.send_data(sid, {"t": "data", "id": sid}, data)
                     conn.send({"t": "eof", "id": sid})
                 finally:
                     conn.close_stream(sid)
+            finally:
+                os.close(fd)
         except Closed:
             pass
         except OSError as e:
-            try:
-                conn.send({"t": "err", "id": sid, "code": _errcode(e), "message": str(e)})
-            except Closed:
-                pass
+            with contextlib.suppress(Closed):
+                conn.send({"t": "err", "id": sid, "code": _errcode(e),
+                           "message": f"{path}: {e.strerror or e}"})
+
+
+def _listing(path: str) -> tuple[dict[str, Any], bytes]:
+    """A directory's entries, as JSON in the payload (a header holds at most 64 KiB: a few
+    hundred entries); as many as fit in one frame."""
+    entries = _list(path)
+    while True:
+        data = json.dumps(entries, separators=(",", ":")).encode()
+        if len(data) <= P.MAX_PAYLOAD or not entries:
+            return {"n": len(entries)}, data
+        entries = entries[: len(entries) // 2]
 
 
 def main() -> None:
-    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    """Start-up, in this order: signals shielded; in root mode (``privs``) the spawner is
+    forked (before any thread, before the key is read), the cgroup tree mounted, and the
+    agent drops to the user's effective ids; then it reads its key and becomes
+    non-dumpable."""
+    privs.shield_signals()
+    not_dumpable()
     os.umask(0o022)
     sys.stdout = sys.stderr  # nothing of ours goes to a guest-visible stdout
+    spawner: Spawner | None = None
+    cgroups: Cgroups | None = None
+    if privs.root_mode():
+        spawner = Spawner()
+        spawner.fork()
+        cgroups = Cgroups.setup()
+        key = read_key()
+        privs.drop_to_user()
+    else:
+        key = read_key()
     not_dumpable()
     drop_inheritable_caps()
-    Agent().serve_forever()
-
-
-if __name__ == "__main__":
-    main()
+    Agent(key, spawner, cgroups).serve_forever()

@@ -5,11 +5,12 @@ Stdlib only: it runs inside every sandbox."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import re
 import selectors
-import subprocess
+import signal
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -17,7 +18,9 @@ from typing import TYPE_CHECKING
 from . import protocol as P
 from .conn import Conn
 from .files import _errcode
+from .privs import root_mode
 from .reaper import kill_tree
+from .spawner import popen
 from .transport import Closed
 
 if TYPE_CHECKING:
@@ -27,6 +30,7 @@ EXEC_MARK = "CPUOS_EXEC_ID"
 
 
 DRAIN_AFTER_EXIT = 0.25  # seconds to wait for pipe EOF once the main process exited
+SPAWNER_CHECK = 0.5  # s: how often a running exec looks whether its spawner was stopped
 
 
 F_SETPIPE_SZ = 1031
@@ -45,73 +49,125 @@ SHELL_WORDS = {"cd", "export", "source", ".", "exit", "set", "unset", "alias", "
                "builtin", "declare", "local", "let", "times", "jobs", "fg", "bg", "history"}
 
 
-def _argv_for(h: P.Header) -> tuple[list[str], list[str] | None]:
-    """(argv to try first, fallback argv) for an exec request."""
+def _argv_for(h: P.Header) -> list[list[str]]:
+    """The argvs to try, in order, for an exec request."""
     shell = h.get("shell")
     if isinstance(shell, str):
         full = ["/bin/bash", "-c", shell]
         if SIMPLE.fullmatch(shell) and shell.split()[0] not in SHELL_WORDS:
-            return shell.split(), full
-        return full, None
+            return [shell.split(), full]
+        return [full]
     argv = h.get("argv")
     if isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv):
-        return argv, None
+        return [argv]
     raise ValueError("exec needs 'shell' (a string) or 'argv' (a non-empty list of strings)")
 
 
 class Exec:
+    """One command: started in a thread of its own (starting may wait on the spawner),
+    registered at once (stdin and kill frames that arrive meanwhile are kept)."""
+
     def __init__(self, agent: Agent, conn: Conn, sid: int, h: P.Header) -> None:
         self.agent, self.conn, self.sid, self.h = agent, conn, sid, h
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.pid: int | None = None
+        self.cgroup: str | None = None
         self.killed_reason: str | None = None
+        self.done_ev = threading.Event()
+        self.status_box: list[int] = []
         self._stdin_buf: list[bytes | None] = []
         self._stdin_cv = threading.Condition()
+        self._stdin_w: int | None = None
+        self._out: tuple[int, int] | None = None
+        self._spawned_by = 0
 
     def start(self) -> None:
-        h = self.h
         try:
-            argv, fallback = _argv_for(h)
+            self.argvs = _argv_for(self.h)
         except ValueError as e:
             self.conn.send({"t": "err", "id": self.sid, "code": P.E_INVALID, "message": str(e)})
             return
+        self.agent.execs[self.sid] = self
+        threading.Thread(target=self._main, name=f"exec-{self.sid}", daemon=True).start()
+
+    def _main(self) -> None:
+        try:
+            err = self._spawn()
+        except BaseException as e:  # never leave the exec registered
+            err = {"code": P.E_INTERNAL, "message": f"{type(e).__name__}: {e}"}
+        if err is not None:
+            self.agent.execs.pop(self.sid, None)
+            if self.cgroup is not None and self.agent.cgroups is not None:
+                self.agent.cgroups.kill(self.cgroup)  # whatever started, untracked: gone
+                self.agent.cgroups.release(self.cgroup)
+            try:
+                self.conn.send({"t": "err", "id": self.sid, **err})
+            except Closed:
+                pass
+            return
+        try:
+            self.conn.open_stream(self.sid)
+            self.conn.send({"t": "started", "id": self.sid, "pid": self.pid})
+        except Closed:
+            self.kill("disconnected")
+        if self.killed_reason is not None:  # a kill that came while it was starting
+            self._kill_now()
+        if self._stdin_w is not None:
+            threading.Thread(target=self._stdin_pump, daemon=True).start()
+        self._run()
+
+    def _spawn(self) -> dict[str, str] | None:
+        """Start the command; None, or the error to send."""
+        h = self.h
         env = {k: v for k, v in (h.get("env") or {}).items()
                if isinstance(k, str) and isinstance(v, str)}
         self.mark = f"{EXEC_MARK}={self.sid}-{time.monotonic_ns()}"
         env[EXEC_MARK] = self.mark.split("=", 1)[1]
         cwd = h.get("cwd") or "/work"
-        use_stdin = bool(h.get("stdin"))
-        spawned_at = time.monotonic()
-        while True:
+        if not isinstance(cwd, str):
+            return {"code": P.E_INVALID, "message": "cwd must be a string"}
+        cgroups = self.agent.cgroups
+        if cgroups is not None:
             try:
-                self.proc = subprocess.Popen(
-                    argv, cwd=cwd, env=env,
-                    stdin=subprocess.PIPE if use_stdin else subprocess.DEVNULL,
-                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                    start_new_session=True, bufsize=0,
-                )
-                break
-            except OSError as e:
-                if fallback is not None and not os.path.isdir(cwd):
-                    fallback = None
-                if fallback is not None:
-                    argv, fallback = fallback, None
-                    continue
-                self.conn.send({"t": "err", "id": self.sid, "code": _errcode(e),
-                                "message": f"cannot start {argv[0]!r} in {cwd!r}: {e.strerror}"})
-                return
-        for f in (self.proc.stdout, self.proc.stderr):
+                self.cgroup = cgroups.create()
+            except OSError:
+                self.cgroup = None  # tracked by the process-tree scan instead
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        if h.get("stdin"):
+            in_r, self._stdin_w = os.pipe2(os.O_CLOEXEC)
+        else:
+            in_r = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        for fd in (out_r, err_r):
             try:  # bigger pipes: fewer, larger reads and frames for chatty commands
-                fcntl.fcntl(f.fileno(), F_SETPIPE_SZ, PIPE_SIZE)  # type: ignore[union-attr]
+                fcntl.fcntl(fd, F_SETPIPE_SZ, PIPE_SIZE)
             except OSError:
                 pass
+        spawned_at = time.monotonic()
+        fds = (in_r, out_w, err_w)
+        try:
+            if self.agent.spawner is not None:
+                pid = self.agent.spawner.spawn(self.argvs, cwd, env, fds, self.cgroup)
+                self._spawned_by = self.agent.spawner.pid
+            elif root_mode():  # a child of ours would have real uid 0: never
+                raise OSError(errno.EAGAIN, "no command spawner")
+            else:
+                pid = popen(self.argvs, cwd, env, fds)
+        except OSError as e:
+            for fd in (out_r, err_r):
+                os.close(fd)
+            if self._stdin_w is not None:
+                os.close(self._stdin_w)
+                self._stdin_w = None
+            return {"code": _errcode(e), "message":
+                    f"cannot start {self.argvs[0][0]!r} in {cwd!r}: {e.strerror or e}"}
+        finally:
+            for fd in (in_r, out_w, err_w):
+                os.close(fd)
+        self.pid = pid
+        self._out = (out_r, err_r)
         self.started = time.monotonic()
-        self.done_ev, self.status_box = self.agent.reaper.register(self.proc.pid, spawned_at)
-        self.conn.open_stream(self.sid)
-        self.agent.execs[self.sid] = self
-        self.conn.send({"t": "started", "id": self.sid, "pid": self.proc.pid})
-        if use_stdin:
-            threading.Thread(target=self._stdin_pump, daemon=True).start()
-        threading.Thread(target=self._run, name=f"exec-{self.sid}", daemon=True).start()
+        self.done_ev, self.status_box = self.agent.reaper.register(self.pid, spawned_at)
+        return None
 
     # stdin frames arrive on the reader thread; a pump thread writes them (a full pipe must
     # never block the reader).
@@ -121,40 +177,68 @@ class Exec:
             self._stdin_cv.notify()
 
     def _stdin_pump(self) -> None:
-        assert self.proc is not None and self.proc.stdin is not None
-        while True:
-            with self._stdin_cv:
-                while not self._stdin_buf:
-                    self._stdin_cv.wait()
-                data = self._stdin_buf.pop(0)
-            try:
+        fd = self._stdin_w
+        assert fd is not None
+        try:
+            while True:
+                with self._stdin_cv:
+                    while not self._stdin_buf:
+                        self._stdin_cv.wait()
+                    data = self._stdin_buf.pop(0)
                 if data is None:
-                    self.proc.stdin.close()
                     return
-                self.proc.stdin.write(data)
-            except OSError:
-                return
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+        except OSError:
+            return
+        finally:
+            os.close(fd)
 
     def kill(self, reason: str) -> None:
-        if self.proc is None or self.done_ev.is_set():
+        if self.done_ev.is_set():
             return
         if self.killed_reason is None:
             self.killed_reason = reason
-        kill_tree(self.proc.pid, self.mark.encode())
+        if self.pid is not None:
+            self._kill_now()
+
+    def _check_spawner(self) -> None:
+        spawner = self.agent.spawner
+        if spawner is None or self.pid is None:
+            return
+        spawner.check()
+        if (spawner.pid != self._spawned_by and not self.done_ev.is_set()
+                and not os.path.exists(f"/proc/{self.pid}")):
+            # its spawner was replaced after reaping it and before reporting it
+            self.agent.reaper.deliver(self.pid, signal.SIGKILL)
+
+    def _kill_now(self) -> None:
+        """Every process of the exec: its cgroup, or (without one) its process tree."""
+        assert self.pid is not None
+        cgroups = self.agent.cgroups
+        if self.cgroup is not None and cgroups is not None:
+            cgroups.kill(self.cgroup)
+        else:
+            kill_tree(self.pid, self.mark.encode())
 
     def _run(self) -> None:
-        proc = self.proc
-        assert proc is not None and proc.stdout is not None and proc.stderr is not None
+        assert self._out is not None
+        out_r, err_r = self._out
         timeout = self.h.get("timeout")
         deadline = self.started + float(timeout) if timeout else None
         sel = selectors.DefaultSelector()
-        sel.register(proc.stdout, selectors.EVENT_READ, 1)
-        sel.register(proc.stderr, selectors.EVENT_READ, 2)
+        sel.register(out_r, selectors.EVENT_READ, 1)
+        sel.register(err_r, selectors.EVENT_READ, 2)
         open_fds = 2
         exited_at: float | None = None
+        checked = time.monotonic()
         try:
             while open_fds:
                 now = time.monotonic()
+                if now - checked > SPAWNER_CHECK:
+                    checked = now
+                    self._check_spawner()
                 if exited_at is None and self.done_ev.is_set():
                     exited_at = now
                 if exited_at is not None and now - exited_at > DRAIN_AFTER_EXIT:
@@ -166,21 +250,22 @@ class Exec:
                 if deadline is not None:
                     wait = min(wait, max(0.0, deadline - now))
                 for key, _ in sel.select(wait):
-                    f = key.fileobj
+                    fd = key.fd
                     try:
-                        data = os.read(f.fileno(), PIPE_SIZE)  # type: ignore[union-attr]
+                        data = os.read(fd, PIPE_SIZE)
                     except OSError:
                         data = b""
                     if not data:
-                        sel.unregister(f)
+                        sel.unregister(fd)
                         open_fds -= 1
                         continue
                     self.conn.send_data(self.sid, {"t": "out", "id": self.sid, "fd": key.data},
                                         data)
-            if not self.done_ev.wait(timeout=None if deadline is None else
-                                     max(0.0, deadline - time.monotonic())):
-                self.kill("timeout")
-                self.done_ev.wait()
+            while not self.done_ev.wait(SPAWNER_CHECK):
+                if deadline is not None and time.monotonic() >= deadline:
+                    self.kill("timeout")
+                    deadline = None
+                self._check_spawner()
             status = self.status_box[0]
             code = os.waitstatus_to_exitcode(status)
             sig = -code if code < 0 else None
@@ -197,7 +282,10 @@ class Exec:
             self.kill("disconnected")
         finally:
             sel.close()
-            for f in (proc.stdout, proc.stderr):
-                f.close()
+            for fd in (out_r, err_r):
+                os.close(fd)
             self.conn.close_stream(self.sid)
             self.agent.execs.pop(self.sid, None)
+            self.feed_stdin(None)  # a pump still waiting for stdin ends
+            if self.cgroup is not None and self.agent.cgroups is not None:
+                self.agent.cgroups.release(self.cgroup)

@@ -1,12 +1,20 @@
 """File operations and the error codes OS errors map to.
 
+Every path here is the sandbox's: code inside may have put a FIFO, a device, a socket or a
+symlink anywhere, and may swap one for another at any moment. So nothing here can block
+the agent on one: every open is non-blocking and checked afterwards (reads: regular files
+only; a FIFO or device could block or never end), temporary files are created with
+O_EXCL | O_NOFOLLOW under unpredictable names (O_TMPFILE would be neater; gVisor refuses
+it), directories are walked by fd with O_DIRECTORY | O_NOFOLLOW. The agent acts with the
+sandbox user's uid here (``privs.py``): following a symlink gives nothing the user lacks.
+
 Stdlib only: it runs inside every sandbox."""
 
 from __future__ import annotations
 
 import errno
 import os
-import shutil
+import secrets
 import stat as stat_mod
 from typing import Any
 
@@ -28,8 +36,65 @@ def _errcode(e: OSError) -> str:
         errno.EDQUOT: P.E_NO_SPACE,
         errno.ENAMETOOLONG: P.E_INVALID,
         errno.ELOOP: P.E_INVALID,
+        errno.EINVAL: P.E_INVALID,
+        errno.ENXIO: P.E_INVALID,
         errno.ENOTEMPTY: P.E_EXISTS,
     }.get(e.errno or 0, P.E_INTERNAL)
+
+
+NONBLOCK_READ = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+TMP_FLAGS = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_NONBLOCK
+             | os.O_NOCTTY | os.O_CLOEXEC)
+
+
+class NotRegular(OSError):
+    pass
+
+
+def open_regular(path: str) -> tuple[int, os.stat_result]:
+    """A blocking read fd of the regular file at path (symlinks followed) and its stat.
+    The open itself never waits (O_NONBLOCK: a FIFO without a writer does not hold us);
+    a directory is EISDIR, anything else but a regular file EINVAL."""
+    fd = os.open(path, NONBLOCK_READ)
+    try:
+        st = os.fstat(fd)
+        if stat_mod.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, "is a directory", path)
+        if not stat_mod.S_ISREG(st.st_mode):
+            raise NotRegular(errno.EINVAL, "not a regular file (a FIFO, socket or device)",
+                             path)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def read_small(path: str, limit: int) -> bytes:
+    """At most limit bytes of a regular file (for the agent's own small files)."""
+    fd, _ = open_regular(path)
+    try:
+        return os.read(fd, limit)
+    finally:
+        os.close(fd)
+
+
+def create_beside(path: str, mode: int = 0o644) -> tuple[int, str]:
+    """A new, empty file in path's directory under a name nobody can predict, opened for
+    writing: (fd, its path). O_EXCL | O_NOFOLLOW: whatever already sits at a name (a FIFO,
+    a symlink) is never opened, another name is drawn."""
+    parent = os.path.dirname(path) or "/"
+    stem = os.path.basename(path)[:200]
+    for _ in range(8):
+        tmp = os.path.join(parent, f".{stem}.cpuos-{secrets.token_hex(8)}.tmp")
+        try:
+            fd = os.open(tmp, TMP_FLAGS, mode)
+        except FileExistsError:
+            continue
+        os.set_blocking(fd, True)
+        return fd, tmp
+    raise FileExistsError(errno.EEXIST, "could not create a temporary file", parent)
 
 
 def _unlink_quiet(p: str) -> None:
@@ -78,10 +143,34 @@ def _list(path: str) -> list[dict[str, Any]]:
 
 def _remove(path: str, recursive: bool) -> None:
     st = os.lstat(path)
-    if stat_mod.S_ISDIR(st.st_mode):
-        if recursive:
-            shutil.rmtree(path)
-        else:
-            os.rmdir(path)
-    else:
+    if not stat_mod.S_ISDIR(st.st_mode):
         os.unlink(path)
+        return
+    if recursive:
+        fd = os.open(path, DIR_FLAGS)
+        try:
+            _empty_dir(fd)
+        finally:
+            os.close(fd)
+    os.rmdir(path)
+
+
+def _empty_dir(dfd: int) -> None:
+    """Remove everything in the directory open at dfd, by fd (a directory swapped for a
+    symlink or a FIFO meanwhile fails O_DIRECTORY | O_NOFOLLOW: never followed, never
+    waited on)."""
+    with os.scandir(dfd) as it:
+        entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+    for name, is_dir in entries:
+        try:
+            if is_dir:
+                fd = os.open(name, DIR_FLAGS, dir_fd=dfd)
+                try:
+                    _empty_dir(fd)
+                finally:
+                    os.close(fd)
+                os.rmdir(name, dir_fd=dfd)
+            else:
+                os.unlink(name, dir_fd=dfd)
+        except FileNotFoundError:
+            pass

@@ -14,7 +14,8 @@ import struct
 import time
 
 from . import protocol as P
-from .files import _unlink_quiet
+from .files import _unlink_quiet, create_beside, read_small
+from .privs import privileged
 
 MACHINE_ID_PATH = "/run/cpuos/machine-id"  # /etc/machine-id links here (templates)
 
@@ -40,27 +41,30 @@ def apply_identity(h: P.Header) -> list[str]:
     if isinstance(name, str) and re.fullmatch(r"[a-z0-9][a-z0-9-]{0,62}", name):
         if name != os.uname().nodename:
             try:
-                socket.sethostname(name)
+                with privileged():
+                    socket.sethostname(name)
                 applied.append("hostname")
             except OSError:
                 pass
     mid = h.get("machine_id")
     if isinstance(mid, str) and re.fullmatch(r"[0-9a-f]{32}", mid):
+        # a directory the user may write (microVM): as the user, never blocking on what
+        # sits there (files.py)
         try:
-            with open(MACHINE_ID_PATH) as f:
-                current = f.read().strip()
+            current = read_small(MACHINE_ID_PATH, 64).decode(errors="replace").strip()
         except OSError:
             current = ""
         if current != mid:
-            tmp = f"{MACHINE_ID_PATH}.{os.getpid()}"
+            tmp = ""
             try:
-                with open(tmp, "w") as f:
+                fd, tmp = create_beside(MACHINE_ID_PATH, 0o444)
+                with os.fdopen(fd, "w") as f:
                     f.write(mid + "\n")
-                os.chmod(tmp, 0o444)
                 os.replace(tmp, MACHINE_ID_PATH)
                 applied.append("machine-id")
             except OSError:
-                _unlink_quiet(tmp)
+                if tmp:
+                    _unlink_quiet(tmp)
     seed = h.get("seed")
     if isinstance(seed, str) and re.fullmatch(r"(?:[0-9a-f]{2}){16,256}", seed):
         data = bytes.fromhex(seed)
@@ -74,8 +78,9 @@ def apply_identity(h: P.Header) -> list[str]:
                 applied.append("rng")
                 try:  # credited and reseeded now (CAP_SYS_ADMIN)
                     info = struct.pack("ii", len(data) * 8, len(data)) + data
-                    fcntl.ioctl(fd, RNDADDENTROPY, info)
-                    fcntl.ioctl(fd, RNDRESEEDCRNG)
+                    with privileged():
+                        fcntl.ioctl(fd, RNDADDENTROPY, info)
+                        fcntl.ioctl(fd, RNDRESEEDCRNG)
                     applied.append("rng-reseed")
                 except OSError:
                     pass
@@ -86,7 +91,8 @@ def apply_identity(h: P.Header) -> list[str]:
     now = h.get("time")
     if isinstance(now, (int, float)) and abs(time.time() - now) > CLOCK_SLACK:
         try:
-            time.clock_settime(time.CLOCK_REALTIME, float(now))
+            with privileged():
+                time.clock_settime(time.CLOCK_REALTIME, float(now))
             applied.append("clock")
         except (OSError, OverflowError):
             pass
@@ -97,8 +103,7 @@ def read_key(path: str = P.KEY_PATH) -> str:
     """The key the host left for this agent ("" if none: a microVM's agent, whose channel
     is a device only it can open)."""
     try:
-        with open(path) as f:
-            key = f.read(128).strip()
+        key = read_small(path, 128).decode(errors="replace").strip()
     except OSError:
         return ""
     return key if re.fullmatch(P.KEY_RE, key) else ""

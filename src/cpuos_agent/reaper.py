@@ -49,16 +49,30 @@ class Reaper:
                 continue
             except InterruptedError:
                 continue
-            now = time.monotonic()
-            with self._lock:
-                w = self._waiters.pop(pid, None)
-                if w is None:  # an orphan, or one of ours not yet registered
-                    self._early[pid] = (now, status)
-                    if len(self._early) > 256:
-                        self._early = {p: v for p, v in self._early.items() if now - v[0] < 60}
-                    continue
-            w[1].append(status)
-            w[0].set()
+            self.deliver(pid, status)
+
+    def deliver(self, pid: int, status: int) -> None:
+        """pid exited with status (reaped here, or by the spawner, which reports it)."""
+        now = time.monotonic()
+        with self._lock:
+            w = self._waiters.pop(pid, None)
+            if w is None:  # an orphan, or one of ours not yet registered
+                self._early[pid] = (now, status)
+                if len(self._early) > 256:
+                    self._early = {p: v for p, v in self._early.items() if now - v[0] < 60}
+                return
+        w[1].append(status)
+        w[0].set()
+
+    def settle_lost(self) -> None:
+        """The spawner died: its children are ours now (the kernel reparents them to PID 1
+        and we reap them), except those it reaped and never reported. Those no longer
+        exist: they are settled as killed (SIGKILL)."""
+        with self._lock:
+            pids = list(self._waiters)
+        for pid in pids:
+            if not os.path.exists(f"/proc/{pid}"):
+                self.deliver(pid, signal.SIGKILL)
 
 
 def _children_map() -> dict[int, list[int]]:

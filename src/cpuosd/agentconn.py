@@ -251,16 +251,21 @@ class AgentChannel:
 
     async def call(self, header: P.Header, timeout: float = 30.0) -> P.Header:
         """One request, one ok/err answer."""
+        return (await self.call_full(header, timeout))[0]
+
+    async def call_full(self, header: P.Header, timeout: float = 30.0
+                        ) -> tuple[P.Header, bytes]:
+        """One request, one ok/err answer, with its payload."""
         st = self.open()
         try:
             await st.send(header)
             try:
-                h, _ = await st.get(timeout)
+                h, payload = await st.get(timeout)
             except TimeoutError:
                 raise ApiError("timeout", f"sandbox agent did not answer {header['t']!r}"
                                ) from None
             raise_for_agent_error(h)
-            return h
+            return h, payload
         finally:
             st.close()
 

@@ -4,6 +4,7 @@ rebuilt before it reaches a client."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import secrets
 import time
@@ -168,9 +169,14 @@ class Session:
         return gen()
 
     async def file_call(self: Manager, lv: Live, op: str, path: str, **extra: Any) -> Any:
-        h = await lv.chan.call({"t": op, "path": path, **extra})
+        h, payload = await lv.chan.call_full({"t": op, "path": path, **extra})
         if op == "list":
-            entries = h.get("entries")
+            entries = h.get("entries")  # (agents before the listing moved to the payload)
+            if entries is None and payload:
+                try:
+                    entries = json.loads(payload)
+                except ValueError:
+                    entries = None
             if not isinstance(entries, list):
                 raise ApiError("internal", "sandbox agent sent a malformed listing")
             return [_clean_stat(e, None, parent=path) for e in entries[:MAX_ENTRIES]]

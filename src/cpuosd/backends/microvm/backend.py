@@ -11,13 +11,14 @@ firmware, and, bind-mounted (read-only unless noted):
 * ``/agent``: the daemon's per-sandbox socket directory; QEMU's virtio-serial chardev
   connects to ``/agent/agent.sock`` (where ``AgentChannel`` listens) and reconnects.
 
-In the guest, /init (``kernel.py``) runs the agent itself (``python3 -m cpuos_agent``, uid
-1000) with ``CPUOS_AGENT_SOCKET`` set to the port's device (``/dev/vportNpM``): the agent's
-character-device transport waits until QEMU is connected to the daemon, says hello, and
-says it again on every reconnect (a daemon restart, a restore), so ``AgentChannel`` sees
-an ordinary agent connection. The agent cannot close QEMU's connection: after a
-``quiesce`` the host side must hang up (close the accepted connection) for the next hello
-to come on a new connection; otherwise the agent resumes on the same one after 5 s.
+In the guest, /init (``kernel.py``) runs the agent itself (``python3 -m cpuos_agent``, real
+uid 0, effective uid 1000; commands run as 1000) with ``CPUOS_AGENT_SOCKET`` set to the
+port's device (``/dev/vportNpM``): the agent's character-device transport waits until
+QEMU is connected to the daemon, says hello, and says it again on every reconnect (a
+daemon restart, a restore), so ``AgentChannel`` sees an ordinary agent connection. The
+agent cannot close QEMU's connection: after a ``quiesce`` the host side must hang up
+(close the accepted connection) for the next hello to come on a new connection; otherwise
+the agent resumes on the same one after 5 s.
 
 QEMU's QMP socket is ``/run/qmp.sock`` in the jail (``<jail>/root/run/qmp.sock`` on the
 host). Limits: cgroup cpu quota = vCPUs, memory = guest RAM + ``MEM_OVERHEAD_MIB``, pids;

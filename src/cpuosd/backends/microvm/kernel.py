@@ -409,17 +409,18 @@ mkdir -p /mnt/root/dev/shm /mnt/root/dev/pts
 mount -t tmpfs -o mode=1777,nosuid,nodev shm /mnt/root/dev/shm
 mount -t devpts -o nosuid,noexec,newinstance,ptmxmode=0666,mode=0620 devpts /mnt/root/dev/pts
 say "CPUOS-INIT-AGENT $port"
-# the agent keeps CAP_SYS_ADMIN and CAP_SYS_TIME (hostname, RNG reseed and clock after a
-# restore) as ambient caps, and clears them for everything it runs (drop_inheritable_caps)
-caps="-all,+sys_admin,+sys_time"
+# the agent starts as root and keeps real uid 0 (commands, which run as @UID@, can neither
+# signal nor trace it), takes @UID@ as its effective uid itself (cpuos_agent.privs) and
+# keeps only these capabilities: CAP_SYS_ADMIN (hostname, RNG reseed, its exec cgroups),
+# CAP_SYS_TIME (the clock after a restore), CAP_SETUID/CAP_SETGID (dropping to @UID@)
+caps="-all,+sys_admin,+sys_time,+setuid,+setgid"
 drop=""
 [ -x /mnt/root/usr/bin/setpriv ] && \
-  drop="/usr/bin/setpriv --reuid=@UID@ --regid=@UID@ --clear-groups --no-new-privs \
-        --inh-caps=$caps --ambient-caps=$caps --bounding-set=$caps --"
+  drop="/usr/bin/setpriv --no-new-privs --inh-caps=-all --bounding-set=$caps --"
 exec switch_root /mnt/root /usr/bin/env -i \
   PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/home/user USER=user \
   LANG=C.UTF-8 PYTHONPATH=/opt/cpuos PYTHONDONTWRITEBYTECODE=1 CPUOS_AGENT_SOCKET="$port" \
-  $drop /usr/bin/python3 -s -m cpuos_agent
+  CPUOS_UID=@UID@ $drop /usr/bin/python3 -s -m cpuos_agent
 """
 
 

@@ -1,0 +1,159 @@
+"""A cgroup per exec: what a command started, however it forks, setsids, double-forks or
+clears its environment, stays in its exec's cgroup (a process cannot leave a cgroup
+without write access to another one's ``cgroup.procs``, and this tree is root's), so a
+timeout or a kill reaches every one of them.
+
+The tree is mounted by the agent in root mode (``privs.py``) at ``CGROUP_DIR``, owned by
+root, read-only for everyone else: cgroup v2 where the kernel has it (a microVM guest;
+``cgroup.kill`` ends a cgroup at once), else a v1 hierarchy: ``pids`` (gVisor: its
+``pids.max`` set to 0 stops all forking before the kill), else a named one.
+
+Without root mode, or if no cgroup can be mounted, there is no tree (``setup`` returns
+None) and exec falls back to a process-tree scan (``reaper.kill_tree``).
+
+Stdlib only: it runs inside every sandbox."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import itertools
+import os
+import signal
+import threading
+import time
+
+from .privs import privileged
+
+CGROUP_DIR = "/run/cpuos-exec"
+MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
+KILL_ROUNDS = 400  # x KILL_WAIT: how long a kill keeps at it (a process in D state...)
+KILL_WAIT = 0.005
+GC_INTERVAL = 1.0
+
+
+class Cgroups:
+    def __init__(self, root: str, kind: str) -> None:
+        self.root = root
+        self.kind = kind  # "v2", "pids" or "named"
+        self._n = itertools.count(1)
+        self._lock = threading.Lock()
+        self._leftover: set[str] = set()  # released while processes were still in them
+        self._gc_at = 0.0
+
+    @classmethod
+    def setup(cls, root: str = CGROUP_DIR) -> Cgroups | None:
+        """Mount the tree (the agent is still real root, single-threaded). None if no
+        cgroup filesystem can be mounted here."""
+        libc = ctypes.CDLL(None, use_errno=True)
+        try:
+            os.makedirs(root, mode=0o755, exist_ok=True)
+        except OSError:
+            return None
+        flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
+        kind = None
+        for fstype, data, what in (("cgroup2", "", "v2"), ("cgroup", "pids", "pids"),
+                                   ("cgroup", "none,name=cpuos", "named")):
+            if libc.mount(b"cgroup", root.encode(), fstype.encode(), flags,
+                          data.encode() or None) == 0:
+                kind = what
+                break
+        if kind is None:
+            return None
+        try:
+            # gVisor makes the root 0555, and root here has no DAC override: make it
+            # writable by its owner (root) only
+            os.chmod(root, 0o755)
+        except OSError:
+            pass
+        return cls(root, kind)
+
+    # ---- one exec's cgroup ------------------------------------------------------------
+    def create(self) -> str:
+        self._gc()
+        path = os.path.join(self.root, f"x{next(self._n)}")
+        with privileged():
+            os.mkdir(path, 0o755)
+        return path
+
+    def enter(self, path: str, pid: int) -> None:
+        """Move process pid (all its threads) into the cgroup at path."""
+        with privileged():
+            with open(os.path.join(path, "cgroup.procs"), "w") as f:
+                f.write(str(pid))
+
+    def procs(self, path: str) -> list[int]:
+        try:
+            with open(os.path.join(path, "cgroup.procs")) as f:
+                return [int(x) for x in f.read().split()]
+        except (OSError, ValueError):
+            return []
+
+    def kill(self, path: str) -> None:
+        """SIGKILL every process in the cgroup, also those forked meanwhile, until none is
+        left (or KILL_ROUNDS passed)."""
+        if self.kind == "v2":
+            try:
+                with privileged():
+                    with open(os.path.join(path, "cgroup.kill"), "w") as f:
+                        f.write("1")
+            except OSError:
+                pass
+        elif self.kind == "pids":
+            try:  # no more forks in there: what is listed is everything
+                with privileged():
+                    with open(os.path.join(path, "pids.max"), "w") as f:
+                        f.write("0")
+            except OSError:
+                pass
+        stopped: set[int] = set()
+        for _ in range(KILL_ROUNDS):
+            pids = self.procs(path)
+            if not pids:
+                return
+            if self.kind == "named":
+                # no way to stop forks: stop everything first (a stopped process cannot
+                # fork), until a pass finds nobody new, then kill
+                new = set(pids) - stopped
+                if new:
+                    for p in new:
+                        _signal(p, signal.SIGSTOP)
+                    stopped |= new
+                    continue
+            for p in pids:
+                _signal(p, signal.SIGKILL)
+            time.sleep(KILL_WAIT)
+
+    def release(self, path: str) -> None:
+        """The exec is over: remove its cgroup, or keep it while processes it left running
+        (background jobs) are still in there."""
+        if not self._rmdir(path):
+            with self._lock:
+                self._leftover.add(path)
+
+    def _rmdir(self, path: str) -> bool:
+        try:
+            with privileged():
+                os.rmdir(path)
+            return True
+        except OSError as e:
+            return e.errno == errno.ENOENT
+
+    def _gc(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._gc_at < GC_INTERVAL or not self._leftover:
+                return
+            self._gc_at = now
+            todo = list(self._leftover)
+        for p in todo:
+            if self._rmdir(p):
+                with self._lock:
+                    self._leftover.discard(p)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except OSError:
+        pass

@@ -1,0 +1,302 @@
+"""Starting commands.
+
+In root mode (``privs.py``) the agent's real uid is 0 and a command must run with the
+user's uid in every slot; a child that inherited real uid 0 could take euid 0 back (dash
+and bash even do so on their own). Changing uids in the child rules out vfork: under
+gVisor a fork of the agent costs ~15 ms, doubling the exec round trip. So commands are
+started by the *spawner*: a small process of the agent's (forked from it at start, before
+it read its key or started a thread), all of whose ids are the user's, which starts each
+command with vfork (``subprocess``) and reports its exit status. The agent asks it over
+a socketpair (SCM_RIGHTS for the command's stdin/stdout/stderr), having first moved it
+into the exec's cgroup, so the command starts there.
+
+Commands can signal the spawner (same uid) but not the agent: a spawner that is killed,
+stopped or gone silent is killed and replaced, and the commands it started (reparented
+to the agent) are reaped by the agent.
+
+In legacy mode (the agent is the user) commands are started by the agent itself.
+
+Stdlib only: it runs inside every sandbox."""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import errno
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from . import privs
+
+if TYPE_CHECKING:
+    from .cgroups import Cgroups
+    from .reaper import Reaper
+
+MAX_REQUEST = 1 << 18  # an exec request's argv and env (the frame header is at most 64 KiB)
+MAX_REPLY = 1 << 12
+REPLY_WAIT = 10.0  # s: a spawner that has not answered by then is replaced
+CHECK_EVERY = 0.2  # s: how often a waiting spawn looks whether the spawner was stopped
+
+
+def popen(argvs: list[list[str]], cwd: str, env: dict[str, str], fds: tuple[int, int, int]
+          ) -> int:
+    """Start the first argv that can be started (a later one only if cwd is a directory:
+    otherwise the error is about cwd); its pid. Raises the last OSError."""
+    for i, argv in enumerate(argvs):
+        try:
+            p = subprocess.Popen(argv, cwd=cwd, env=env, stdin=fds[0], stdout=fds[1],
+                                 stderr=fds[2], start_new_session=True, close_fds=True)
+        except OSError:
+            if i + 1 < len(argvs) and os.path.isdir(cwd):
+                continue
+            raise
+        p.returncode = 0  # reaped by whoever reaps (never by Popen: a recycled pid...)
+        return p.pid
+    raise ValueError("nothing to start")
+
+
+def _send(sock: socket.socket, msg: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
+    data = json.dumps(msg, separators=(",", ":")).encode()
+    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds \
+        else []
+    sock.sendmsg([data], anc)
+
+
+def _recv(sock: socket.socket, size: int, nfds: int = 0
+          ) -> tuple[dict[str, Any] | None, list[int]]:
+    fds = array.array("i")
+    data, anc, _, _ = sock.recvmsg(size, socket.CMSG_LEN(max(1, nfds) * fds.itemsize))
+    for level, kind, cdata in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(cdata[: len(cdata) - (len(cdata) % fds.itemsize)])
+    if not data:
+        return None, list(fds)
+    return json.loads(data), list(fds)
+
+
+# ---- the spawner process ----------------------------------------------------------------
+def _spawner_main(sock: socket.socket, uid: int) -> None:
+    """The spawner's life (never returns). It owns nothing secret and holds no capability;
+    it ends when the agent's end of the socket closes."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        privs.become_user(uid)
+        libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: no command may read it or its fds
+        null = os.open("/dev/null", os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        os.closerange(3, sock.fileno())
+        os.closerange(sock.fileno() + 1, 1 << 16)
+    except BaseException:
+        os._exit(71)
+    lock = threading.Lock()
+    kids = threading.Semaphore(0)
+
+    def reap() -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, 0)
+            except ChildProcessError:
+                kids.acquire(timeout=5.0)
+                continue
+            except InterruptedError:
+                continue
+            with lock:
+                try:
+                    _send(sock, {"exit": pid, "status": status})
+                except OSError:
+                    os._exit(0)
+
+    threading.Thread(target=reap, daemon=True).start()
+    while True:
+        try:
+            req, fds = _recv(sock, MAX_REQUEST, 3)
+        except (OSError, ValueError):
+            os._exit(0)
+        if req is None:
+            os._exit(0)
+        reply: dict[str, Any]
+        try:
+            if len(fds) != 3:
+                raise ValueError("three fds expected")
+            pid = popen(req["argvs"], req["cwd"], req["env"], (fds[0], fds[1], fds[2]))
+            reply = {"pid": pid}
+            kids.release()
+        except OSError as e:
+            reply = {"errno": e.errno or 0, "strerror": e.strerror or str(e)}
+        except (KeyError, TypeError, ValueError) as e:
+            reply = {"errno": 22, "strerror": f"bad spawn request: {e}"}
+        finally:
+            for fd in fds:
+                os.close(fd)
+        with lock:
+            try:
+                _send(sock, reply)
+            except OSError:
+                os._exit(0)
+
+
+# ---- the agent's side -------------------------------------------------------------------
+class Spawner:
+    """The agent's handle on its spawner process (root mode only)."""
+
+    def __init__(self, uid: int = privs.SANDBOX_UID) -> None:
+        self.uid = uid
+        self.pid = 0
+        self.sock: socket.socket | None = None
+        self.reaper: Reaper | None = None
+        self.cgroups: Cgroups | None = None
+        self.restarts = 0
+        self._lock = threading.Lock()  # one spawn at a time (the spawner moves cgroups)
+        self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._gone = threading.Event()
+
+    def fork(self) -> None:
+        """Start a spawner process (at start: before any thread and before the key is
+        read; later: to replace one)."""
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = os.fork()
+        if pid == 0:
+            a.close()
+            _spawner_main(b, self.uid)
+            os._exit(0)
+        b.close()
+        a.set_inheritable(False)
+        self.sock, self.pid = a, pid
+        self._replies = queue.Queue()
+        self._gone = threading.Event()
+        if self.reaper is not None:
+            self._start_reader()
+
+    def attach(self, reaper: Reaper, cgroups: Cgroups | None) -> None:
+        """Exit statuses go to reaper from now on; commands start in their exec's cgroup."""
+        self.reaper, self.cgroups = reaper, cgroups
+        if self.sock is not None:
+            self._start_reader()
+
+    def _start_reader(self) -> None:
+        threading.Thread(target=self._read, args=(self.sock, self._replies, self._gone),
+                         name="spawner", daemon=True).start()
+
+    def _read(self, sock: socket.socket | None, replies: queue.Queue[dict[str, Any] | None],
+              gone: threading.Event) -> None:
+        try:
+            while sock is not None:
+                msg, fds = _recv(sock, MAX_REPLY)
+                for fd in fds:
+                    os.close(fd)
+                if msg is None:
+                    break
+                pid, status = msg.get("exit"), msg.get("status")
+                if isinstance(pid, int) and isinstance(status, int):
+                    if self.reaper is not None:
+                        self.reaper.deliver(pid, status)
+                else:
+                    replies.put(msg)
+        except (OSError, ValueError):
+            pass
+        gone.set()
+        replies.put(None)
+        if self.reaper is not None:
+            # what it started is now the agent's to reap (reparented to PID 1); statuses it
+            # reaped but never reported are settled as killed
+            self.reaper.settle_lost()
+
+    def _stopped(self) -> bool:
+        try:
+            with open(f"/proc/{self.pid}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return True
+        return state in (b"T", b"t", b"Z", b"X")
+
+    def _retire(self) -> None:
+        """Kill the spawner and let go of it (the next spawn forks a new one). What it
+        started is reparented to the agent, which reaps it."""
+        if self.pid:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except OSError:
+                pass
+        if self.sock is not None:
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self.sock.close()
+            self.sock = None
+
+    def _replace(self) -> None:
+        self._retire()
+        self.restarts += 1
+        self.fork()
+
+    def check(self) -> None:
+        """Called while commands run: a spawner stopped from inside cannot reap them (their
+        exits would never be reported), so it is killed (the agent reaps them then)."""
+        if not self._lock.acquire(blocking=False):
+            return  # a spawn is under way: it looks itself
+        try:
+            if self.sock is not None and not self._gone.is_set() and self._stopped():
+                self._retire()
+        finally:
+            self._lock.release()
+
+    def spawn(self, argvs: list[list[str]], cwd: str, env: dict[str, str],
+              fds: tuple[int, int, int], cgroup: str | None) -> int:
+        """Start a command through the spawner (in cgroup, if given); its pid. Raises
+        OSError: the command could not be started, or the spawner was stopped or killed
+        before it answered (it is replaced; the command is not retried: it may have
+        started, and the caller kills what is in its cgroup)."""
+        req = {"argvs": argvs, "cwd": cwd, "env": env}
+        with self._lock:
+            for _ in range(3):
+                if self.sock is None or self._gone.is_set() or self._stopped():
+                    self._replace()
+                assert self.sock is not None
+                moved = False
+                try:
+                    if cgroup is not None and self.cgroups is not None:
+                        self.cgroups.enter(cgroup, self.pid)
+                        moved = True
+                    try:
+                        _send(self.sock, req, fds)
+                    except OSError:
+                        self._gone.set()  # it was gone before it got the request
+                        continue
+                    reply = self._wait_reply()
+                finally:
+                    if moved and self.cgroups is not None:
+                        try:
+                            self.cgroups.enter(self.cgroups.root, self.pid)
+                        except OSError:
+                            pass
+                if reply is None:
+                    self._replace()
+                    raise OSError(errno.EAGAIN, "the command spawner was stopped or killed "
+                                  "from inside the sandbox before it reported the start (it "
+                                  "was replaced; what had started was killed)")
+                if isinstance(reply.get("pid"), int):
+                    return int(reply["pid"])
+                e = reply.get("errno")
+                raise OSError(e if isinstance(e, int) else 0,
+                              str(reply.get("strerror") or "cannot start"))
+        raise OSError(errno.EAGAIN, "the command spawner keeps dying")
+
+    def _wait_reply(self) -> dict[str, Any] | None:
+        deadline = time.monotonic() + REPLY_WAIT
+        while time.monotonic() < deadline:
+            try:
+                return self._replies.get(timeout=CHECK_EVERY)
+            except queue.Empty:
+                if self._stopped():
+                    return None
+        return None
