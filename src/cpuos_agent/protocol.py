@@ -10,7 +10,15 @@ Bulk data (stdout/stderr chunks, file chunks) travels in the payload, never as
 base64.
 
 The same framing is used between the daemon and the SDK for streamed exec
-output (``application/x-cpuos-frames``).
+output (``application/x-cpuos-frames``) and, when the client asks for it (``Accept``), for
+file reads: ``data`` frames (the bytes in the payload), then ``eof`` (``size``: the byte
+count) or ``error`` (``code``, ``message``, ``size``). A stream without its ``eof`` or
+``error`` was cut: the client reports an error, never a short file.
+
+Agent file reads: ``read`` is answered ``ok`` (``size``; ``exact``: exactly ``size``
+bytes follow, else the length is known at ``eof``), ``data``..., ``eof`` or ``err``; the
+host ends one early with ``kill`` on its id. ``list`` is answered ``ok`` with the entries
+as a JSON array in the payload (a header holds at most ``MAX_HEADER`` bytes).
 
 This module is stdlib-only: it is imported inside every sandbox.
 """

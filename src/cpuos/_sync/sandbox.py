@@ -69,11 +69,17 @@ class _SyncHTTP:
         self._raise(r, r.content)
         return r.json()
 
-    def stream(self, method: str, path: str, **kw: Any) -> Iterator[bytes]:
+    def stream(self, method: str, path: str, meta: dict[str, str] | None = None,
+                     **kw: Any) -> Iterator[bytes]:
+        """The response body as it arrives; ``meta`` (if given) gets its content type
+        before the first chunk. A body cut short (its Content-Length or its chunked end
+        never reached) raises Unavailable."""
         try:
             with self.client.stream(method, path, **kw) as r:
                 if r.status_code >= 400:
                     self._raise(r, r.read())
+                if meta is not None:
+                    meta["content_type"] = r.headers.get("content-type", "")
                 for chunk in r.iter_raw():
                     yield chunk
         except httpx.TimeoutException as e:
@@ -116,9 +122,49 @@ class Files:
                                           content=chunks())
         return FileEntry.from_json(d)
 
+    def _chunks(self, path: str) -> Iterator[bytes]:
+        """The file's bytes as they arrive. A read that fails part-way (the sandbox could
+        not read on, its agent went away, the connection broke) raises a CpuosError: the
+        daemon ends the stream with an ``error`` frame (or without its ``eof``), never with
+        a body that merely looks short."""
+        meta: dict[str, str] = {}
+        dec = FrameDecoder()
+        got = 0
+        ended = False
+        try:
+            for chunk in self._sbx._http.stream(
+                    "GET", self._base, meta, params={"path": path},
+                    headers={"Accept": CONTENT_TYPE}):
+                if not meta.get("content_type", "").startswith(CONTENT_TYPE):
+                    yield chunk  # raw bytes (a daemon without framed reads)
+                    continue
+                for h, payload in dec.feed(chunk):
+                    if ended:
+                        raise ServerError(f"reading {path}: data after the end of the stream")
+                    t = h.get("t")
+                    if t == "data":
+                        got += len(payload)
+                        yield payload
+                    elif t == "eof":
+                        if h.get("size") != got:
+                            raise ServerError(f"reading {path}: {got} bytes received, the "
+                                              f"stream says {h.get('size')!r}")
+                        ended = True
+                    elif t == "error":
+                        raise error_from(None, h.get("code"),
+                                         f"reading {path} failed after {got} bytes: "
+                                         f"{h.get('message')}",
+                                         {"path": path, "received": got})
+        except ProtocolError as e:
+            raise ServerError(f"reading {path}: malformed stream: {e}") from None
+        if meta.get("content_type", "").startswith(CONTENT_TYPE) and not ended:
+            raise Unavailable(f"reading {path}: the stream ended after {got} bytes without "
+                              "its end", details={"path": path, "received": got})
+
     def read(self, path: str) -> bytes:
+        """The file's bytes. Raises (a CpuosError) if the read fails, also part-way."""
         parts = []
-        for chunk in self._sbx._http.stream("GET", self._base, params={"path": path}):
+        for chunk in self._chunks(path):
             parts.append(chunk)
         return b"".join(parts)
 
@@ -126,12 +172,17 @@ class Files:
         return (self.read(path)).decode(encoding)
 
     def download(self, path: str, local_path: str | Path) -> int:
-        """Stream a sandbox file to a local file; returns the byte count."""
+        """Stream a sandbox file to a local file; returns the byte count. A read that
+        fails part-way raises, and the partial local file is removed."""
         n = 0
-        with open(local_path, "wb") as f:
-            for chunk in self._sbx._http.stream("GET", self._base, params={"path": path}):
-                f.write(chunk)
-                n += len(chunk)
+        try:
+            with open(local_path, "wb") as f:
+                for chunk in self._chunks(path):
+                    f.write(chunk)
+                    n += len(chunk)
+        except BaseException:
+            Path(local_path).unlink(missing_ok=True)
+            raise
         return n
 
     def list(self, path: str = "/work") -> builtins.list[FileEntry]:

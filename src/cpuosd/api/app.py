@@ -36,6 +36,7 @@ from ..accounting.quotas import check_limits_body
 from ..errors import ApiError, invalid, not_found
 from ..events import EventBus, log_event
 from ..paths import ID_RE, check_path
+from .streams import file_response
 from ..procs import become_subreaper
 from ..lifecycle.manager import Manager
 from ..store import ACTIVE_STATES, SandboxRow, Store
@@ -366,11 +367,14 @@ def create_app(cfg: Config | None = None) -> FastAPI:
         return await mgr(request).write_file(lv, check_path(path), request.stream())
 
     @app.get("/sandboxes/{sid}/files",
-             responses={200: {"content": {"application/octet-stream": {}}}})
+             responses={200: {"content": {"application/octet-stream": {}, P.CONTENT_TYPE: {}},
+                              "description": "the file's bytes (Content-Length when its size "
+                              "is exact; a failure mid-way cuts the response short), or with "
+                              f"Accept: {P.CONTENT_TYPE} frames: data..., then eof or error"}})
     async def get_file(sid: str, path: PathQ, request: Request, ws: Ws) -> StreamingResponse:
         lv = await mgr(request).ready(ws, sid, "files")
         body = await mgr(request).read_file(lv, check_path(path))
-        return StreamingResponse(body, media_type="application/octet-stream")
+        return file_response(body, request.headers.get("accept", ""))
 
     @app.delete("/sandboxes/{sid}/files")
     async def remove_file(sid: str, path: PathQ, request: Request, ws: Ws) -> dict[str, Any]:

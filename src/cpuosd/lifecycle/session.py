@@ -25,6 +25,93 @@ log = logging.getLogger("cpuosd.lifecycle")
 
 ENTRY_TYPES = {"file", "dir", "symlink", "other"}
 MAX_ENTRIES = 10000
+MAX_FILE = 1 << 50  # a declared size beyond this is not believed
+READ_IDLE = 60.0  # s: a file read with no data from the agent for this long fails
+
+
+class StreamCut(Exception):
+    """A file stream failed after its response began: the response must end without its
+    proper end (cpuosd.api.streams)."""
+
+
+class FileStream:
+    """A file being read from a sandbox, in one of the two forms the API sends (the
+    frames themselves are cpuos_agent.protocol's):
+
+    * ``framed()`` (``application/x-cpuos-frames``, for clients that ask for it, e.g. the
+      SDK): ``data`` frames (raw bytes), then ``eof`` (with ``size``, the byte count) or
+      ``error`` (``code``, ``message``): a failure after the headers is a frame.
+    * ``raw()``: the bytes. ``length`` is set when the agent declared an exact size (the
+      response gets a Content-Length); on a failure ``raw()`` raises ``StreamCut`` and the
+      response is cut short: its declared length, or the chunked encoding's last chunk,
+      is never reached, which every HTTP client reports as an error.
+
+    Nothing the agent sends is trusted: it may not send more than it declared, nor end
+    with less."""
+
+    def __init__(self, mgr: Manager, lv: Live, st: Any, path: str, length: int | None
+                 ) -> None:
+        self.mgr, self.lv, self.st, self.path, self.length = mgr, lv, st, path, length
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        n = 0
+        done = False
+        try:
+            while True:
+                h, payload = await self.st.get(READ_IDLE)
+                if h["t"] == "data":
+                    n += len(payload)
+                    if self.length is not None and n > self.length:
+                        raise ApiError("internal", f"sandbox agent sent more of {self.path} "
+                                       f"than the {self.length} bytes it declared")
+                    yield payload
+                elif h["t"] == "eof":
+                    if self.length is not None and n != self.length:
+                        raise ApiError("internal", f"{self.path}: {n} bytes of the "
+                                       f"{self.length} declared")
+                    done = True
+                    return
+                else:
+                    raise_for_agent_error(h)
+                    raise ApiError("internal", f"unexpected agent frame {h['t']!r}")
+        except TimeoutError:
+            raise ApiError("timeout", f"sandbox agent sent nothing of {self.path} for "
+                           f"{READ_IDLE:.0f}s") from None
+        except AgentGone:
+            row = self.mgr.store.get_sandbox(self.lv.row.id)
+            why = f"sandbox is {row.state} ({row.reason})" if row and row.state != "running" \
+                else "sandbox agent disconnected"
+            raise ApiError("unavailable", f"reading {self.path}: {why}") from None
+        finally:
+            self.st.close()
+            if not done:  # the agent stops reading (a client that left, a failure)
+                with contextlib.suppress(Exception):
+                    self.mgr._spawn(self.lv.chan.send({"t": "kill", "id": self.st.id,
+                                                       "reason": "cancelled"}))
+
+    async def framed(self) -> AsyncIterator[bytes]:
+        n = 0
+        try:
+            async for chunk in self._chunks():
+                n += len(chunk)
+                yield P.encode({"t": "data"}, chunk)
+        except ApiError as e:
+            log.info("read of %s in %s failed after %d bytes: %s", self.path,
+                     self.lv.row.id, n, e.message)
+            yield P.encode({"t": "error", "code": e.code, "message": e.message, "size": n})
+            return
+        yield P.encode({"t": "eof", "size": n})
+
+    async def raw(self) -> AsyncIterator[bytes]:
+        n = 0
+        try:
+            async for chunk in self._chunks():
+                n += len(chunk)
+                yield chunk
+        except ApiError as e:
+            log.info("read of %s in %s failed after %d bytes (response cut): %s", self.path,
+                     self.lv.row.id, n, e.message)
+            raise StreamCut(e.message) from None
 
 
 class Session:
@@ -139,34 +226,25 @@ class Session:
         finally:
             st.close()
 
-    async def read_file(self: Manager, lv: Live, path: str) -> AsyncIterator[bytes]:
+    async def read_file(self: Manager, lv: Live, path: str) -> FileStream:
+        """Open a file for reading: errors up to here are proper HTTP errors; what happens
+        after (the body is on its way) is the FileStream's to report."""
         st = lv.chan.open()
         try:
             await st.send({"t": "read", "path": path})
             h, _ = await st.get(30.0)
             raise_for_agent_error(h)
+            if h.get("t") != "ok":
+                raise ApiError("internal", f"unexpected agent answer {h.get('t')!r}")
         except TimeoutError:
             st.close()
             raise ApiError("timeout", f"sandbox agent did not open {path}") from None
         except BaseException:
             st.close()
             raise
-
-        async def gen() -> AsyncIterator[bytes]:
-            try:
-                while True:
-                    h, payload = await st.get(60.0)
-                    if h["t"] == "data":
-                        yield payload
-                    elif h["t"] == "eof":
-                        return
-                    else:
-                        raise_for_agent_error(h)
-                        raise ApiError("internal", f"unexpected agent frame {h['t']!r}")
-            finally:
-                st.close()
-
-        return gen()
+        size = h.get("size")
+        exact = h.get("exact") is True and isinstance(size, int) and 0 < size <= MAX_FILE
+        return FileStream(self, lv, st, path, size if exact else None)
 
     async def file_call(self: Manager, lv: Live, op: str, path: str, **extra: Any) -> Any:
         h, payload = await lv.chan.call_full({"t": op, "path": path, **extra})
