@@ -330,24 +330,29 @@ class RawRunsc:
     def global_flags(self) -> list[str]:
         return [runsc().path, "--root", str(self.root), f"--platform={runsc().platform}"]
 
-    def sandbox_flags(self) -> list[str]:
+    def sandbox_flags(self, network: bool = False) -> list[str]:
         """The daemon's backend flags (GVisorBackend): --overlay2=root:memory, so that a
-        checkpoint carries the writable layer."""
-        return [*self.global_flags(), "--network=none", "--host-uds=open",
-                "--overlay2=root:memory", *runsc().gofer_flags()]
+        checkpoint carries the writable layer; ``network``: gVisor's netstack
+        (``--network=sandbox``) in the network namespace the bundle names, as the daemon
+        runs a sandbox that has one."""
+        return [*self.global_flags(), "--network=sandbox" if network else "--network=none",
+                "--host-uds=open", "--overlay2=root:memory", *runsc().gofer_flags()]
 
     def new_id(self, what: str) -> str:
         self.n += 1
         return f"bench-{what}-{os.getpid()}-{self.n}"
 
     def bundle(self, cid: str, args: list[str] | None = None,
-               agent_dir: Path | None = None, hostname: str = "sandbox") -> Path:
+               agent_dir: Path | None = None, hostname: str = "sandbox",
+               netns: str | None = None) -> Path:
         """A fresh sandbox dir for cid (bundle, sock dir, runsc log) with oci_spec's config;
         ``args`` replaces the agent as PID 1, run as the sandbox user (as the agent runs
-        commands). Returns the sandbox dir."""
+        commands); ``netns``: the path of a network namespace to run in (then run it with
+        ``network=True``). Returns the sandbox dir."""
         sdir = self.tmp / cid
         spec = SandboxSpec(id=cid, rootfs=self.rootfs, dir=sdir,
-                           agent_dir=agent_dir or self.agent_dir, hostname=hostname, **self.size)
+                           agent_dir=agent_dir or self.agent_dir, hostname=hostname,
+                           netns=netns, **self.size)
         for d in (sdir / "bundle", spec.sock_dir):
             d.mkdir(parents=True, exist_ok=True)
         os.chmod(spec.sock_dir, 0o755)
@@ -380,8 +385,8 @@ class RawRunsc:
             log = (sdir / "runsc.log").read_bytes()[-800:].decode(errors="replace")
             raise RuntimeError(f"raw runsc {what} failed (rc={rc}): {log}")
 
-    def run_detached(self, cid: str, sdir: Path) -> None:
-        rc = PROCS.run_logged([*self.sandbox_flags(), "run", "--detach", "--bundle",
+    def run_detached(self, cid: str, sdir: Path, network: bool = False) -> None:
+        rc = PROCS.run_logged([*self.sandbox_flags(network), "run", "--detach", "--bundle",
                                str(sdir / "bundle"), cid], sdir / "runsc.log")
         self._check(rc, "run --detach", sdir)
 
@@ -462,6 +467,7 @@ class Context:
         self._env: dict[str, str] = {}
         self._sbx: Sandbox | None = None
         self._raw: RawRunsc | None = None
+        self._deferred: list[tuple[str, Callable[[], None]]] = []
 
     def pick(self, full: T, quick: T, smoke: T) -> T:
         """The size for this run's mode (smoke: tiny, proves the case runs)."""
@@ -479,16 +485,30 @@ class Context:
         if self._daemon is not None and self._env == env:
             return self._daemon
         self.stop_daemon()
+        d = self._start_daemon(env)
+        self._daemon, self._env = d, dict(env)
+        return d
+
+    def _start_daemon(self, env: dict[str, str]) -> Daemon:
         d = new_daemon(**env)
         # snapshots under this daemon's home even if CPUOS_SNAPSHOTS_DIR is set around us
         # (cpuosd.testing runs it with CPUOS_BACKEND=gvisor: the floors are runsc's)
         d.extra_env["CPUOS_SNAPSHOTS_DIR"] = str(d.home / "snapshots")
         self.daemons.append(d)
         d.start()
-        self._daemon, self._env = d, dict(env)
         console.print(f"daemon {d.url}, home {d.home}, "
                       + ", ".join(f"{k}={v}" for k, v in env.items()))
         return d
+
+    def extra_daemon(self, env: dict[str, str]) -> Daemon:
+        """A second cpuosd beside the current one, for a case that alternates two
+        configurations sample by sample; torn down by ``drop_daemon`` or at close."""
+        return self._start_daemon(env)
+
+    def drop_daemon(self, d: Daemon, failed: bool = False) -> None:
+        """Tear down a daemon from ``extra_daemon`` (what it left goes to the report)."""
+        if d.home.exists():
+            self.daemon_left[str(d.home)] = d.teardown(failed)
 
     def sandbox(self) -> Sandbox:
         """One long-lived sandbox on the current daemon, shared by the cases that run on it
@@ -499,6 +519,31 @@ class Context:
             self._sbx = Sandbox.create(template="python", timeout="60m",
                                        **self._daemon.sdk_kwargs())
         return self._sbx
+
+    def defer(self, what: str, fn: Callable[[], None]) -> None:
+        """Undo something a case made outside the daemons and the raw root (a network
+        namespace, a fake internet): ``fn`` runs at ``close`` (last deferred first, after
+        the daemons and raw containers are gone), even after a failure or Ctrl-C, unless
+        the case has run it already with ``undo``. ``fn`` must be idempotent."""
+        self._deferred.append((what, fn))
+
+    def undo(self, what: str | None = None) -> None:
+        """Run the deferred cleanups now (last first): the one named ``what``, or all. Each
+        is forgotten only once it has run, so an interrupted one runs again at close."""
+        for item in reversed(list(self._deferred)):
+            if what is None or item[0] == what:
+                item[1]()
+                self._deferred.remove(item)
+
+    def _undo_all(self) -> list[str]:
+        failed = []
+        for item in reversed(list(self._deferred)):
+            try:
+                item[1]()
+            except Exception as e:
+                failed.append(f"{item[0]}: {e!r}")
+            self._deferred.remove(item)
+        return failed
 
     def stop_daemon(self, failed: bool = False) -> None:
         d, sbx, self._daemon, self._sbx = self._daemon, self._sbx, None, None
@@ -519,6 +564,7 @@ class Context:
         for d in self.daemons:
             if d.home.exists():
                 self.daemon_left[str(d.home)] = d.teardown(failed)
+        undo_failed = self._undo_all()
         shutil.rmtree(self.tmp, ignore_errors=True)
         ours = [d.home for d in self.daemons] + ([self._raw.tmp] if self._raw else [])
         deadline = time.time() + 10  # sandbox/gofer processes exit shortly after delete
@@ -529,8 +575,14 @@ class Context:
                           f"daemons {self.daemon_left}[/]")
         if stray:
             console.print(f"[red]runsc processes of this run still alive: {stray}[/]")
-        return {"raw_containers_left": raw_left, "daemon_containers_left": self.daemon_left,
-                "stray_runsc_processes": stray}
+        if undo_failed:
+            console.print(f"[red]cleanup failed: {undo_failed}[/]")
+        out: dict[str, Any] = {"raw_containers_left": raw_left,
+                               "daemon_containers_left": self.daemon_left,
+                               "stray_runsc_processes": stray}
+        if undo_failed:
+            out["cleanup_failed"] = undo_failed
+        return out
 
 
 def report(R: dict[str, Any], cases: Sequence[Case]) -> list[Row]:

@@ -58,7 +58,16 @@ CASES = {
                     ["microVM spawn → QMP ready (jailed, -S), p50",
                      "microVM clone → agent ready, p50",
                      "microVM per-VM memory beyond guest RAM, p50"]),
+    "network": Case("network", "network", "10. network: HTTP download of", [],
+                    ["network download, mode on, median", "network download, allowlist, median",
+                     "new connection + response, allowlist, p50",
+                     "new connection + response, mode on, p50",
+                     "create from snapshot → first exec, network on, p50"]),
 }
+# (sample lists, the key of their N) of the network case's parts
+NETWORK = {"download": (["ours_on_MBps", "ours_allow_MBps", "floor_MBps"], "runs"),
+           "connect": (["ours_allow_s", "ours_on_s", "floor_s"], "n"),
+           "create": (["ours_net_s", "ours_net_create_s", "ours_off_s", "ours_off_create_s"], "n")}
 HEAP = 100 << 20  # the heap holder's bytes (pause, size)
 
 
@@ -100,6 +109,16 @@ def check_figures(module: str, data: dict[str, Any]) -> None:
             assert all(v > 0 for v in data[name].values()), data[name]
         for k in ("du_apparent", "floor_du_apparent"):
             assert data["heap"][k] > data["idle"][k] + HEAP * 9 // 10, k
+    if module == "network":
+        for part, (keys, n) in NETWORK.items():
+            for k in keys:
+                xs = data[part][k]
+                assert len(xs) == data[part][n] and all(x > 0 for x in xs), (part, k, xs)
+        assert data["download"]["bytes"] > 0
+        # the sandboxes had the modes asked for, and a plain create got the daemon's default
+        assert [m["mode"] for m in data["modes"]] == ["on", "allowlist"], data["modes"]
+        assert data["create"]["default_network"]["mode"] == "on"
+        assert data["network_left"] == []
     if module == "microvm":
         assert set(data["probe"]) == {"ok", "reason", "seconds"}
         assert data["gvisor"]["ours_create_s"] and data["gvisor"]["floor_restore_s"]
@@ -107,7 +126,8 @@ def check_figures(module: str, data: dict[str, Any]) -> None:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("module", list(CASES))
+@pytest.mark.parametrize("module", [  # the network case builds network namespaces
+    pytest.param(m, marks=pytest.mark.net) if m == "network" else m for m in CASES])
 def test_case_smoke(module: str) -> None:
     """bench/cases/<module>.py --smoke by itself: its own daemon, its table, its summary
     rows and samples, and nothing left behind."""
