@@ -58,9 +58,10 @@ class Agent:
             conn = Conn(transport.connect())
             quiesced = False
             try:
+                # uid: the one it acts as (the commands'); ruid 0 in root mode (privs.py)
                 conn.send({"t": "hello", "version": P.PROTOCOL_VERSION, "pid": os.getpid(),
-                           "uid": os.getuid(), "transport": transport.kind,
-                           "key": self.key})
+                           "uid": os.geteuid(), "ruid": os.getuid(),
+                           "transport": transport.kind, "key": self.key})
                 self._serve(conn)
             except Quiesce:
                 quiesced = True

@@ -32,6 +32,16 @@ KILL_WAIT = 0.005
 GC_INTERVAL = 1.0
 
 
+class Cgroup:
+    """One exec's cgroup: its path, and its ``cgroup.procs`` open for writing (opened once,
+    with privilege; a write through it needs none)."""
+
+    __slots__ = ("fd", "path")
+
+    def __init__(self, path: str, fd: int) -> None:
+        self.path, self.fd = path, fd
+
+
 class Cgroups:
     def __init__(self, root: str, kind: str) -> None:
         self.root = root
@@ -40,6 +50,10 @@ class Cgroups:
         self._lock = threading.Lock()
         self._leftover: set[str] = set()  # released while processes were still in them
         self._gc_at = 0.0
+        self._spare: Cgroup | None = None
+        with privileged():
+            self._home = os.open(os.path.join(root, "cgroup.procs"),
+                                 os.O_WRONLY | os.O_CLOEXEC)
 
     @classmethod
     def setup(cls, root: str = CGROUP_DIR) -> Cgroups | None:
@@ -64,23 +78,48 @@ class Cgroups:
             # gVisor makes the root 0555, and root here has no DAC override: make it
             # writable by its owner (root) only
             os.chmod(root, 0o755)
+            return cls(root, kind)
         except OSError:
-            pass
-        return cls(root, kind)
+            return None
 
     # ---- one exec's cgroup ------------------------------------------------------------
-    def create(self) -> str:
+    def take(self) -> Cgroup:
+        """A new, empty cgroup for an exec (the spare one ``refill`` made, if any)."""
+        with self._lock:
+            cg, self._spare = self._spare, None
+        return cg if cg is not None else self._make()
+
+    def refill(self) -> None:
+        """Make the next exec's cgroup ahead of time (off its critical path)."""
+        with self._lock:
+            if self._spare is not None:
+                return
+        cg = self._make()
+        with self._lock:
+            if self._spare is None:
+                self._spare = cg
+                return
+        self.release(cg)  # another exec made one meanwhile
+
+    def _make(self) -> Cgroup:
         self._gc()
         path = os.path.join(self.root, f"x{next(self._n)}")
         with privileged():
             os.mkdir(path, 0o755)
-        return path
+            try:
+                fd = os.open(os.path.join(path, "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC)
+            except OSError:
+                os.rmdir(path)
+                raise
+        return Cgroup(path, fd)
 
-    def enter(self, path: str, pid: int) -> None:
-        """Move process pid (all its threads) into the cgroup at path."""
-        with privileged():
-            with open(os.path.join(path, "cgroup.procs"), "w") as f:
-                f.write(str(pid))
+    def enter(self, cg: Cgroup, pid: int) -> None:
+        """Move process pid (all its threads) into cg."""
+        os.write(cg.fd, str(pid).encode())
+
+    def leave(self, pid: int) -> None:
+        """Move process pid back to the root of the tree (where the agent is)."""
+        os.write(self._home, str(pid).encode())
 
     def procs(self, path: str) -> list[int]:
         try:
@@ -89,9 +128,10 @@ class Cgroups:
         except (OSError, ValueError):
             return []
 
-    def kill(self, path: str) -> None:
+    def kill(self, cg: Cgroup) -> None:
         """SIGKILL every process in the cgroup, also those forked meanwhile, until none is
         left (or KILL_ROUNDS passed)."""
+        path = cg.path
         if self.kind == "v2":
             try:
                 with privileged():
@@ -124,12 +164,16 @@ class Cgroups:
                 _signal(p, signal.SIGKILL)
             time.sleep(KILL_WAIT)
 
-    def release(self, path: str) -> None:
+    def release(self, cg: Cgroup) -> None:
         """The exec is over: remove its cgroup, or keep it while processes it left running
         (background jobs) are still in there."""
-        if not self._rmdir(path):
+        try:
+            os.close(cg.fd)
+        except OSError:
+            pass
+        if not self._rmdir(cg.path):
             with self._lock:
-                self._leftover.add(path)
+                self._leftover.add(cg.path)
 
     def _rmdir(self, path: str) -> bool:
         try:

@@ -25,6 +25,7 @@ from .transport import Closed
 
 if TYPE_CHECKING:
     from .agent import Agent
+    from .cgroups import Cgroup
 
 EXEC_MARK = "CPUOS_EXEC_ID"
 
@@ -70,7 +71,7 @@ class Exec:
     def __init__(self, agent: Agent, conn: Conn, sid: int, h: P.Header) -> None:
         self.agent, self.conn, self.sid, self.h = agent, conn, sid, h
         self.pid: int | None = None
-        self.cgroup: str | None = None
+        self.cgroup: Cgroup | None = None
         self.killed_reason: str | None = None
         self.done_ev = threading.Event()
         self.status_box: list[int] = []
@@ -113,6 +114,11 @@ class Exec:
             self._kill_now()
         if self._stdin_w is not None:
             threading.Thread(target=self._stdin_pump, daemon=True).start()
+        if self.agent.cgroups is not None:
+            try:
+                self.agent.cgroups.refill()  # the next exec's, while this one runs
+            except OSError:
+                pass
         self._run()
 
     def _spawn(self) -> dict[str, str] | None:
@@ -128,7 +134,7 @@ class Exec:
         cgroups = self.agent.cgroups
         if cgroups is not None:
             try:
-                self.cgroup = cgroups.create()
+                self.cgroup = cgroups.take()
             except OSError:
                 self.cgroup = None  # tracked by the process-tree scan instead
         out_r, out_w = os.pipe2(os.O_CLOEXEC)

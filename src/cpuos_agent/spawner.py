@@ -25,7 +25,7 @@ import ctypes
 import errno
 import json
 import os
-import queue
+import select
 import signal
 import socket
 import subprocess
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from . import privs
 
 if TYPE_CHECKING:
-    from .cgroups import Cgroups
+    from .cgroups import Cgroup, Cgroups
     from .reaper import Reaper
 
 MAX_REQUEST = 1 << 18  # an exec request's argv and env (the frame header is at most 64 KiB)
@@ -82,9 +82,10 @@ def _recv(sock: socket.socket, size: int, nfds: int = 0
 
 
 # ---- the spawner process ----------------------------------------------------------------
-def _spawner_main(sock: socket.socket, uid: int) -> None:
-    """The spawner's life (never returns). It owns nothing secret and holds no capability;
-    it ends when the agent's end of the socket closes."""
+def _spawner_main(req: socket.socket, events: socket.socket, uid: int) -> None:
+    """The spawner's life (never returns): requests on ``req`` (each answered there), exit
+    statuses of what it started on ``events``. It owns nothing secret and holds no
+    capability; it ends when the agent's end of ``req`` closes."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
@@ -93,11 +94,12 @@ def _spawner_main(sock: socket.socket, uid: int) -> None:
         null = os.open("/dev/null", os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(null, fd)
-        os.closerange(3, sock.fileno())
-        os.closerange(sock.fileno() + 1, 1 << 16)
+        keep = sorted((req.fileno(), events.fileno()))
+        os.closerange(3, keep[0])
+        os.closerange(keep[0] + 1, keep[1])
+        os.closerange(keep[1] + 1, 1 << 16)
     except BaseException:
         os._exit(71)
-    lock = threading.Lock()
     kids = threading.Semaphore(0)
 
     def reap() -> None:
@@ -109,25 +111,24 @@ def _spawner_main(sock: socket.socket, uid: int) -> None:
                 continue
             except InterruptedError:
                 continue
-            with lock:
-                try:
-                    _send(sock, {"exit": pid, "status": status})
-                except OSError:
-                    os._exit(0)
+            try:
+                _send(events, {"exit": pid, "status": status})
+            except OSError:
+                os._exit(0)
 
     threading.Thread(target=reap, daemon=True).start()
     while True:
         try:
-            req, fds = _recv(sock, MAX_REQUEST, 3)
+            msg, fds = _recv(req, MAX_REQUEST, 3)
         except (OSError, ValueError):
             os._exit(0)
-        if req is None:
+        if msg is None:
             os._exit(0)
         reply: dict[str, Any]
         try:
             if len(fds) != 3:
                 raise ValueError("three fds expected")
-            pid = popen(req["argvs"], req["cwd"], req["env"], (fds[0], fds[1], fds[2]))
+            pid = popen(msg["argvs"], msg["cwd"], msg["env"], (fds[0], fds[1], fds[2]))
             reply = {"pid": pid}
             kids.release()
         except OSError as e:
@@ -137,11 +138,10 @@ def _spawner_main(sock: socket.socket, uid: int) -> None:
         finally:
             for fd in fds:
                 os.close(fd)
-        with lock:
-            try:
-                _send(sock, reply)
-            except OSError:
-                os._exit(0)
+        try:
+            _send(req, reply)
+        except OSError:
+            os._exit(0)
 
 
 # ---- the agent's side -------------------------------------------------------------------
@@ -151,27 +151,30 @@ class Spawner:
     def __init__(self, uid: int = privs.SANDBOX_UID) -> None:
         self.uid = uid
         self.pid = 0
-        self.sock: socket.socket | None = None
+        self.sock: socket.socket | None = None  # requests and their answers
         self.reaper: Reaper | None = None
         self.cgroups: Cgroups | None = None
         self.restarts = 0
         self._lock = threading.Lock()  # one spawn at a time (the spawner moves cgroups)
-        self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._events: socket.socket | None = None
         self._gone = threading.Event()
 
     def fork(self) -> None:
         """Start a spawner process (at start: before any thread and before the key is
         read; later: to replace one)."""
         a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        ea, eb = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         pid = os.fork()
         if pid == 0:
             a.close()
-            _spawner_main(b, self.uid)
+            ea.close()
+            _spawner_main(b, eb, self.uid)
             os._exit(0)
         b.close()
-        a.set_inheritable(False)
-        self.sock, self.pid = a, pid
-        self._replies = queue.Queue()
+        eb.close()
+        for x in (a, ea):
+            x.set_inheritable(False)
+        self.sock, self._events, self.pid = a, ea, pid
         self._gone = threading.Event()
         if self.reaper is not None:
             self._start_reader()
@@ -183,28 +186,26 @@ class Spawner:
             self._start_reader()
 
     def _start_reader(self) -> None:
-        threading.Thread(target=self._read, args=(self.sock, self._replies, self._gone),
+        threading.Thread(target=self._read, args=(self._events, self._gone),
                          name="spawner", daemon=True).start()
 
-    def _read(self, sock: socket.socket | None, replies: queue.Queue[dict[str, Any] | None],
-              gone: threading.Event) -> None:
+    def _read(self, events: socket.socket | None, gone: threading.Event) -> None:
+        """Exit statuses as the spawner reports them; its end closing: it is gone."""
         try:
-            while sock is not None:
-                msg, fds = _recv(sock, MAX_REPLY)
+            while events is not None:
+                msg, fds = _recv(events, MAX_REPLY)
                 for fd in fds:
                     os.close(fd)
                 if msg is None:
                     break
                 pid, status = msg.get("exit"), msg.get("status")
-                if isinstance(pid, int) and isinstance(status, int):
-                    if self.reaper is not None:
-                        self.reaper.deliver(pid, status)
-                else:
-                    replies.put(msg)
+                if isinstance(pid, int) and isinstance(status, int) and self.reaper:
+                    self.reaper.deliver(pid, status)
         except (OSError, ValueError):
             pass
         gone.set()
-        replies.put(None)
+        if events is not None:
+            events.close()
         if self.reaper is not None:
             # what it started is now the agent's to reap (reparented to PID 1); statuses it
             # reaped but never reported are settled as killed
@@ -227,10 +228,6 @@ class Spawner:
             except OSError:
                 pass
         if self.sock is not None:
-            try:
-                self.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             self.sock.close()
             self.sock = None
 
@@ -251,7 +248,7 @@ class Spawner:
             self._lock.release()
 
     def spawn(self, argvs: list[list[str]], cwd: str, env: dict[str, str],
-              fds: tuple[int, int, int], cgroup: str | None) -> int:
+              fds: tuple[int, int, int], cgroup: Cgroup | None) -> int:
         """Start a command through the spawner (in cgroup, if given); its pid. Raises
         OSError: the command could not be started, or the spawner was stopped or killed
         before it answered (it is replaced; the command is not retried: it may have
@@ -261,22 +258,23 @@ class Spawner:
             for _ in range(3):
                 if self.sock is None or self._gone.is_set() or self._stopped():
                     self._replace()
-                assert self.sock is not None
+                sock = self.sock
+                assert sock is not None
                 moved = False
                 try:
                     if cgroup is not None and self.cgroups is not None:
                         self.cgroups.enter(cgroup, self.pid)
                         moved = True
                     try:
-                        _send(self.sock, req, fds)
+                        _send(sock, req, fds)
                     except OSError:
                         self._gone.set()  # it was gone before it got the request
                         continue
-                    reply = self._wait_reply()
+                    reply = self._wait_reply(sock)
                 finally:
                     if moved and self.cgroups is not None:
                         try:
-                            self.cgroups.enter(self.cgroups.root, self.pid)
+                            self.cgroups.leave(self.pid)
                         except OSError:
                             pass
                 if reply is None:
@@ -291,12 +289,21 @@ class Spawner:
                               str(reply.get("strerror") or "cannot start"))
         raise OSError(errno.EAGAIN, "the command spawner keeps dying")
 
-    def _wait_reply(self) -> dict[str, Any] | None:
+    def _wait_reply(self, sock: socket.socket) -> dict[str, Any] | None:
+        """The spawner's answer, read here (no thread in between); None if it died, was
+        stopped, or did not answer within REPLY_WAIT."""
         deadline = time.monotonic() + REPLY_WAIT
+        poll = select.poll()
+        poll.register(sock, select.POLLIN)
         while time.monotonic() < deadline:
-            try:
-                return self._replies.get(timeout=CHECK_EVERY)
-            except queue.Empty:
-                if self._stopped():
+            if poll.poll(CHECK_EVERY * 1000):
+                try:
+                    msg, fds = _recv(sock, MAX_REPLY)
+                except (OSError, ValueError):
                     return None
+                for fd in fds:
+                    os.close(fd)
+                return msg
+            if self._stopped():
+                return None
         return None

@@ -142,13 +142,16 @@ def test_timeout_kills_double_forked_setsid_env_cleared_loop(sbx: Sandbox) -> No
 
 
 # ---- 8: a read failing part-way ------------------------------------------------------------
-# A 64 MiB file that is cut to nothing as soon as anyone reads from it (inotify IN_ACCESS):
-# the agent has declared its size and sent its first chunks when the rest disappears.
+# A 1 GiB file (a real first block, the rest a hole: it costs no memory) that is cut to
+# nothing as soon as anyone reads from it (inotify IN_ACCESS): the agent has declared its
+# size and sent its first chunks when the rest disappears.
+SIZE = 1 << 30
 SHRINK = r"""
 import ctypes, os, sys
 path = sys.argv[1]
 with open(path, "wb") as f:
-    f.write(b"x" * (64 << 20))
+    f.write(b"x" * 4096)
+    f.truncate(1 << 30)
 libc = ctypes.CDLL(None, use_errno=True)
 fd = libc.inotify_init1(0)
 assert libc.inotify_add_watch(fd, path.encode(), 0x1) >= 0   # IN_ACCESS
@@ -170,7 +173,7 @@ def test_read_failing_midstream_raises(daemon: Daemon, sbx: Sandbox) -> None:
     with pytest.raises(ServerError) as e:
         sbx.files.read("/tmp/big")
     assert "shrank" in e.value.message
-    assert 0 < e.value.details["received"] < 64 << 20
+    assert 0 < e.value.details["received"] < SIZE
 
     # a client that asks for plain bytes: a declared length never reached
     _arm(sbx, "/tmp/big2")
