@@ -59,9 +59,12 @@ class Agent:
             quiesced = False
             try:
                 # uid: the one it acts as (the commands'); ruid 0 in root mode (privs.py)
+                # tracking: how an exec's processes are found for a timeout or a kill
                 conn.send({"t": "hello", "version": P.PROTOCOL_VERSION, "pid": os.getpid(),
                            "uid": os.geteuid(), "ruid": os.getuid(),
-                           "transport": transport.kind, "key": self.key})
+                           "transport": transport.kind, "key": self.key,
+                           "tracking": f"cgroup-{self.cgroups.kind}" if self.cgroups
+                           else "tree-scan"})
                 self._serve(conn)
             except Quiesce:
                 quiesced = True

@@ -160,6 +160,12 @@ class AgentChannel:
             return
         self._drop_connection()  # the agent itself (it has the key) reconnected
         self.generation += 1
+        if self.hello is None and h.get("tracking") == "tree-scan":
+            # an agent without its cgroup tree (not started as root: e.g. a microVM guest
+            # built before root mode): a process that double-forks, calls setsid and clears
+            # its environment escapes an exec's timeout
+            log.warning("agent channel %s: the agent tracks execs by a process-tree scan, "
+                        "not a cgroup (ruid %r)", self.sock_path, h.get("ruid"))
         self.hello = h
         self._writer = writer
         self._connected.set()
