@@ -15,7 +15,7 @@ if [ "$(id -u)" -ne 0 ]; then
   exit 2
 fi
 
-need_pkgs=(runsc mmdebstrap iproute2 python3 python3-venv python3-pip ca-certificates procps
+need_pkgs=(runsc mmdebstrap iproute2 nftables python3 python3-venv python3-pip ca-certificates procps
            qemu-system-x86 busybox-static cpio lz4 e2fsprogs zstd xz-utils)
 missing=()
 for p in "${need_pkgs[@]}"; do

@@ -34,6 +34,12 @@ class Config:
     reaper_interval: float = 0.5
     default_vcpus: int = 2
     default_memory_mib: int = 2048
+    # per-sandbox networking (cpuosd.network): on where nftables is installed, unless 0
+    network: bool = field(default_factory=lambda: os.environ.get("CPUOS_NETWORK", "1") != "0")
+    # the egress policy of a sandbox that names none: off | on | allowlist (the package
+    # registries: cpuosd.network.policy.DEFAULT_ALLOW)
+    default_network: str = field(
+        default_factory=lambda: os.environ.get("CPUOS_DEFAULT_NETWORK", "allowlist"))
     # tasks a sandbox's commands may have (processes and threads; a fork past it: EAGAIN)
     default_pids: int = field(default_factory=lambda: _int("CPUOS_DEFAULT_PIDS", 512))
     # microVM backend: kvm, or tcg (emulated: tests and debugging only; no probe)

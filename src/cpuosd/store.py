@@ -50,7 +50,17 @@ MIGRATIONS = [
     """
     ALTER TABLE workspaces ADD COLUMN limits TEXT NOT NULL DEFAULT '{}';
     """,
+    """
+    CREATE TABLE connections (
+        n INTEGER PRIMARY KEY AUTOINCREMENT, sandbox_id TEXT NOT NULL, time REAL NOT NULL,
+        proto TEXT NOT NULL, dst TEXT, port INTEGER, name TEXT, verdict TEXT NOT NULL,
+        rule TEXT, bytes_out INTEGER, bytes_in INTEGER, extra TEXT NOT NULL DEFAULT '{}'
+    );
+    CREATE INDEX connections_sbx ON connections(sandbox_id, n);
+    """,
 ]
+# what is kept of one sandbox's connection record (the oldest go first)
+MAX_CONNECTIONS = 10_000
 
 # States with something on the host (a runsc sandbox, a snapshot, or both in flux).
 LIVE_STATES = ("creating", "running", "pausing", "paused", "resuming", "killing", "pooled")
@@ -194,6 +204,32 @@ class Store:
         fields["ended_at"] = time.time()
         cols = ", ".join(f"{k}=?" for k in fields)
         self._exec(f"UPDATE execs SET {cols} WHERE id=?", (*fields.values(), eid))
+
+    def add_connection(self, sandbox_id: str, rec: dict[str, Any]) -> None:
+        cols = ("time", "proto", "dst", "port", "name", "verdict", "rule", "bytes_out",
+                "bytes_in")
+        extra = {k: v for k, v in rec.items() if k not in cols}
+        cur = self._exec(
+            f"INSERT INTO connections (sandbox_id, {', '.join(cols)}, extra) "
+            f"VALUES (?, {', '.join('?' * len(cols))}, ?)",
+            (sandbox_id, *(rec.get(c) for c in cols), json.dumps(extra, default=str)))
+        n = cur.lastrowid or 0
+        if n % 500 == 0:  # now and then: keep each sandbox's newest MAX_CONNECTIONS
+            self._exec("DELETE FROM connections WHERE sandbox_id=? AND n <= (SELECT n FROM "
+                       "connections WHERE sandbox_id=? ORDER BY n DESC LIMIT 1 OFFSET ?)",
+                       (sandbox_id, sandbox_id, MAX_CONNECTIONS))
+
+    def list_connections(self, sandbox_id: str, limit: int = 100, after: int = 0
+                         ) -> list[dict[str, Any]]:
+        rows = self._exec("SELECT * FROM connections WHERE sandbox_id=? AND n>? ORDER BY n "
+                          "DESC LIMIT ?", (sandbox_id, after, limit)).fetchall()
+        out = []
+        for r in rows:
+            d = dict(r)
+            d.update(json.loads(d.pop("extra") or "{}"))
+            d.pop("sandbox_id", None)
+            out.append({k: v for k, v in d.items() if v is not None})
+        return out
 
     def list_execs(self, sandbox_id: str, limit: int = 100) -> list[dict[str, Any]]:
         rows = self._exec("SELECT * FROM execs WHERE sandbox_id=? ORDER BY started_at DESC "

@@ -86,7 +86,8 @@ class Daemon:
 
     def start(self) -> None:
         env = {**os.environ, "CPUOS_HOME": str(self.home), "CPUOS_TEMPLATES_DIR": str(TEMPLATES),
-               "CPUOS_PORT": str(self.port), "CPUOS_BACKEND": "gvisor", **self.extra_env}
+               "CPUOS_PORT": str(self.port), "CPUOS_BACKEND": "gvisor",
+               **self.net_env, **self.extra_env}
         env.pop("CPUOS_API_KEY", None)
         env.pop("CPUOS_API_URL", None)
         with open(self.log, "ab") as logf:
@@ -103,6 +104,37 @@ class Daemon:
                 pass
             time.sleep(0.05)
         raise RuntimeError("cpuosd did not come up")
+
+    @property
+    def net_env(self) -> dict[str, str]:
+        """Each test daemon owns its network names and addresses (daemons share the host),
+        and its sandboxes have no way out unless a test gives them one (its own fake
+        internet, CPUOS_UPLINK_NETNS): the network safety rule."""
+        k = self.port % 6400
+        return {"CPUOS_NET_ID": f"t{k:03x}"[-4:], "CPUOS_DEFAULT_NETWORK": "off",
+                "CPUOS_NET_POOL": f"10.{100 + k // 64}.{(k % 64) * 4}.0/22",
+                "CPUOS_NETNS_POOL": "1", "CPUOS_NFLOG_GROUP": str(1000 + k)}
+
+    def network_leftovers(self) -> list[str]:
+        """This daemon's namespaces, interfaces and nftables table still on the host."""
+        tag = self.net_env["CPUOS_NET_ID"]
+        out = [f"netns {n}" for n in os.listdir("/var/run/netns")
+               if n.startswith(f"cpuos-{tag}-n")] if os.path.isdir("/var/run/netns") else []
+        links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+        out += [f"link {x}" for line in links.splitlines()
+                if (x := line.split(":")[1].strip().split("@")[0]).startswith(f"cv{tag}n")]
+        if subprocess.run(["nft", "list", "table", "inet", f"cpuos_{tag}"],
+                          capture_output=True).returncode == 0:
+            out.append(f"nft table cpuos_{tag}")
+        return out
+
+    def remove_network_leftovers(self) -> None:
+        """What a daemon killed with SIGKILL (and not restarted) leaves of its network."""
+        for item in self.network_leftovers():
+            kind, name = item.split(" ", 1)
+            argv = {"netns": ["ip", "netns", "del", name], "link": ["ip", "link", "del", name],
+                    "nft": ["nft", "delete", "table", "inet", name.split()[-1]]}[kind]
+            subprocess.run(argv, capture_output=True)
 
     @property
     def runsc(self) -> str:
@@ -188,6 +220,7 @@ class Daemon:
         left += [f"mount {m}" for m in mounts_under(self.home)]
         for m in reversed(mounts_under(self.home)):
             subprocess.run(["umount", "--lazy", m], capture_output=True)
+        self.remove_network_leftovers()
         if failed and self.log.exists():
             ARTIFACTS.mkdir(parents=True, exist_ok=True)
             shutil.copy(self.log, ARTIFACTS / f"cpuosd-{self.home.name}.log")

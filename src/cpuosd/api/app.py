@@ -13,6 +13,7 @@ import binascii
 import logging
 import os
 import re
+import shutil
 import time
 from dataclasses import asdict
 from collections.abc import AsyncIterator
@@ -34,12 +35,16 @@ from ..backends.microvm.selection import BackendUnavailable, select_backend
 from ..config import Config
 from ..accounting.quotas import check_limits_body
 from ..errors import ApiError, invalid, not_found
-from ..events import EventBus, log_event
+from ..events import EventBus, SandboxEvent, log_event
+from ..backends.base import Backend
+from ..network.backend import Networked
+from ..network.policy import Policy
+from ..network.service import Network
 from ..paths import ID_RE, check_path
 from .streams import file_response
 from ..procs import become_subreaper
 from ..lifecycle.manager import Manager
-from ..store import ACTIVE_STATES, SandboxRow, Store
+from ..store import ACTIVE_STATES, LIVE_STATES, SandboxRow, Store
 
 log = logging.getLogger("cpuosd.api")
 VERSION = "0.1.0"
@@ -74,6 +79,13 @@ class CreateSandbox(BaseModel):
     vcpus: int = Field(2, ge=1, le=64)
     memory_mib: int = Field(2048, ge=128, le=262144)
     on_timeout: Literal["kill", "pause"] = "kill"
+    network: str | dict[str, Any] | None = Field(None, description=(
+        "egress policy: off | on | allowlist | {\"allow\": [\"pypi.org\", "
+        "\"*.github.com\"]} (default: the daemon's CPUOS_DEFAULT_NETWORK)"))
+    secrets: dict[str, Any] | None = Field(None, description=(
+        "{NAME: {\"value\": \"...\", \"hosts\": [\"api.example.com\"]}}: NAME in the "
+        "sandbox is a placeholder; the egress proxy puts the value in the headers of "
+        "requests to those hosts only"))
 
     @field_validator("template")
     @classmethod
@@ -91,6 +103,11 @@ class CreateSandbox(BaseModel):
     @classmethod
     def _env(cls, v: dict[str, str]) -> dict[str, str]:
         return _check_env(v)
+
+
+class SetNetwork(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    network: str | dict[str, Any]
 
 
 class SetTimeout(BaseModel):
@@ -180,10 +197,56 @@ def sandbox_json(row: SandboxRow) -> dict[str, Any]:
         "timeout_remaining": max(0.0, row.deadline - now)
         if row.deadline and row.state == "running" else None,
         "vcpus": row.spec.get("vcpus"), "memory_mib": row.spec.get("memory_mib"),
-        "pids": row.spec.get("pids"),
+        "pids": row.spec.get("pids"), "network": row.spec.get("network"),
         "metadata": row.metadata, "on_timeout": row.on_timeout, "paused_at": row.paused_at,
         "snapshot_bytes": row.snapshot_bytes,
     }
+
+
+async def start_network(cfg: Config, backend: Backend, store: Store, events: EventBus
+                        ) -> Network | None:
+    """The daemon's network (per-sandbox namespaces, nftables, resolver, egress proxy) where
+    it can run: the gVisor backend, nft installed, CPUOS_NETWORK not 0."""
+    if not cfg.network:
+        log.info("network: off (CPUOS_NETWORK=0): sandboxes have no network")
+        return None
+    if backend.capabilities.name != "gvisor":
+        log.warning("network: not yet for the %s backend: its sandboxes have no network",
+                    backend.capabilities.name)
+        return None
+    if shutil.which("nft") is None:
+        log.warning("network: nft is not installed (apt-get install nftables): sandboxes "
+                    "have no network")
+        return None
+
+    def sink(sid: str, rec: dict[str, Any]) -> None:
+        store.add_connection(sid, rec)
+        row = store.get_sandbox(sid)
+        events.emit(SandboxEvent("connection", sid, row.workspace_id if row else "", None,
+                                 fields=rec))
+
+    net = Network(sink, cfg.home / "secrets")
+
+    def forget_secrets(ev: SandboxEvent) -> None:
+        # a sandbox's secrets and CA go when it ends, unless a fork of it still uses them
+        if ev.kind not in ("killed", "error"):
+            return
+        row = store.get_sandbox(ev.sandbox)
+        pol = (row.spec.get("network") or {}) if row else {}
+        mine = {s.get("placeholder") for s in (pol.get("secrets") or {}).values()}
+        mine.add(pol.get("ca"))
+        mine.discard(None)
+        if not mine:
+            return
+        for other in store.list_sandboxes(None, LIVE_STATES):
+            op = other.spec.get("network") or {}
+            mine -= {s.get("placeholder") for s in (op.get("secrets") or {}).values()}
+            mine.discard(op.get("ca"))
+        net.secrets.forget([str(x) for x in mine])
+
+    events.subscribe(forget_secrets)
+    await net.start()
+    return net
 
 
 def create_app(cfg: Config | None = None) -> FastAPI:
@@ -207,15 +270,20 @@ def create_app(cfg: Config | None = None) -> FastAPI:
         bootstrap(cfg, store)
         events = EventBus()
         events.subscribe(log_event)
+        network = await start_network(cfg, backend, store, events)
+        if network is not None:
+            backend = Networked(backend, network, cfg.sandboxes_dir)
         mgr = Manager(cfg, store, backend, events)
         await mgr.startup()
-        app.state.store, app.state.mgr = store, mgr
+        app.state.store, app.state.mgr, app.state.network = store, mgr, network
         app.state.builds = TemplateBuilds(cfg)
         try:
             yield
         finally:
             await app.state.builds.shutdown()
             await mgr.shutdown()
+            if network is not None:
+                await network.close()
             store.close()
 
     app = FastAPI(title="cpuos", version=VERSION, lifespan=lifespan)
@@ -290,9 +358,45 @@ def create_app(cfg: Config | None = None) -> FastAPI:
         cfg_ = mgr(request).cfg
         if float(body.timeout) > cfg_.max_timeout:
             raise invalid(f"timeout may be at most {cfg_.max_timeout:.0f}s", field="timeout")
+        network = None if body.network is None else Policy.parse(body.network).to_json()
+        env = dict(body.env)
+        if body.secrets:
+            net: Network | None = request.app.state.network
+            if net is None:
+                raise invalid("secrets need the daemon's network, which is off here",
+                              field="secrets")
+            placeholders, view, ca = net.secrets.add(body.secrets)
+            clash = sorted(set(placeholders) & set(env))
+            if clash:
+                net.secrets.forget([*(v["placeholder"] for v in view.values()), ca])
+                raise invalid(f"{clash[0]} is both a secret and an environment variable",
+                              field="secrets")
+            env.update(placeholders)
+            pol = Policy.stored(network) if network else Policy.parse(
+                mgr(request).cfg.default_network)
+            pol.secrets, pol.ca = view, ca
+            network = pol.to_json()
         row = await mgr(request).create(ws, body.template, float(body.timeout), body.metadata,
-                                        body.env, body.vcpus, body.memory_mib, body.on_timeout)
+                                        env, body.vcpus, body.memory_mib, body.on_timeout,
+                                        network=network)
         return sandbox_json(row)
+
+    @app.post("/sandboxes/{sid}/network")
+    async def set_network(sid: str, body: SetNetwork, request: Request, ws: Ws
+                          ) -> dict[str, Any]:
+        """A new egress policy; a running sandbox's new connections follow it at once."""
+        policy = Policy.parse(body.network).to_json()
+        return sandbox_json(await mgr(request).set_network(ws, sid, policy))
+
+    @app.get("/sandboxes/{sid}/connections")
+    async def connections(sid: str, request: Request, ws: Ws,
+                          limit: int = Query(100, ge=1, le=1000),
+                          after: int = Query(0, ge=0, description="only records after this n")
+                          ) -> dict[str, Any]:
+        """Every outbound attempt of the sandbox, newest first: time, proto, dst, port, name,
+        verdict (allowed | denied | error), rule, bytes each way."""
+        mgr(request).get(ws, sid)
+        return {"connections": request.app.state.store.list_connections(sid, limit, after)}
 
     @app.post("/sandboxes/{sid}/pause")
     async def pause(sid: str, request: Request, ws: Ws) -> dict[str, Any]:

@@ -6,7 +6,7 @@ import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 
 @dataclass
@@ -20,6 +20,10 @@ class SandboxSpec:
     # tasks (processes and threads) the sandbox's commands may have; None: no limit (a
     # sandbox paused before limits existed resumes as it was checkpointed)
     pids: int | None = None
+    # the egress policy (cpuosd.network.policy.Policy as JSON), and the network namespace
+    # the network wrapper made for the sandbox (None: no network at all)
+    network: dict[str, Any] | None = None
+    netns: str | None = None
     hostname: str = "sandbox"
     env: dict[str, str] = field(default_factory=dict)
     # the Manager's boot of a template, to be checkpointed and cloned (a backend may lay

@@ -90,7 +90,8 @@ def oci_spec(spec: SandboxSpec) -> dict[str, Any]:
              "options": ["rbind", "rw"]},
         ],
         "linux": {
-            "namespaces": [{"type": t} for t in ("pid", "ipc", "uts", "mount")],
+            "namespaces": [{"type": t} for t in ("pid", "ipc", "uts", "mount")]
+            + ([{"type": "network", "path": spec.netns}] if spec.netns else []),
             "resources": {
                 "memory": {"limit": spec.memory_mib << 20},
                 "cpu": {"quota": 100000 * spec.vcpus, "period": 100000},
@@ -148,12 +149,14 @@ class GVisorBackend:
         (bundle / "config.json").write_text(json.dumps(oci_spec(spec), indent=1))
         return bundle
 
-    def _sandbox_flags(self) -> list[str]:
+    def _sandbox_flags(self, spec: SandboxSpec) -> list[str]:
         # The writable layer lives in sandbox memory so that a checkpoint carries it.
         # --gofer-network-namespace=new: each gofer in an empty netns of its own (runsc's
-        # default, one shared netns bind-mounted at <root>/null-netns, is never unmounted)
-        return [*self._global_flags(), "--network=none", "--host-uds=open",
-                "--overlay2=root:memory", *self.info.gofer_flags()]
+        # default, one shared netns bind-mounted at <root>/null-netns, is never unmounted).
+        # With a network namespace (cpuosd.network): gVisor's own netstack in it.
+        net = "--network=sandbox" if spec.netns else "--network=none"
+        return [*self._global_flags(), net, "--host-uds=open", "--overlay2=root:memory",
+                *self.info.gofer_flags()]
 
     async def _run_detached(self, spec: SandboxSpec, *args: str, timeout: float
                             ) -> tuple[int, bytes, bytes]:
@@ -161,7 +164,7 @@ class GVisorBackend:
         code inside reaches through /proc/1/fd), is /dev/null, never a host file a sandbox
         could grow; runsc's own messages go to runsc.log (--log)."""
         log_path = spec.dir / "runsc.log"
-        flags = [*self._sandbox_flags(), f"--log={log_path}"]
+        flags = [*self._sandbox_flags(spec), f"--log={log_path}"]
         try:
             return await procs.run([*flags, *args], timeout=timeout, log_path=log_path,
                                    null_stdio=True)

@@ -32,6 +32,7 @@ from ..events import EventBus, SandboxEvent
 from ..paths import check_id
 from ..store import LIVE_STATES, SandboxRow, Store
 from ..accounting.quotas import Admission
+from ..network.policy import Policy
 from ..templates.builder import template_info
 from . import states
 from .common import (KILL_LOCK_WAIT, KILL_RETRY_INTERVAL, KILL_TIMEOUT, RECONNECT_GRACE, Live,
@@ -101,11 +102,42 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
     def _lock(self, sid: str) -> asyncio.Lock:
         return self._locks.setdefault(sid, asyncio.Lock())
 
+    @property
+    def default_network(self) -> dict[str, Any]:
+        return Policy.parse(self.cfg.default_network).to_json()
+
+    async def _apply_network(self, lv: Live) -> None:
+        """The sandbox's policy to its backend (a backend without networking ignores it)."""
+        setter = getattr(self.backend, "set_network", None)
+        if setter is not None and lv.spec.network is not None:
+            await setter(lv.row.id, lv.spec.network)
+
+    async def set_network(self, workspace_id: str, sid: str, network: dict[str, Any]
+                          ) -> SandboxRow:
+        """A new egress policy: new connections of a running sandbox follow it at once; a
+        paused one resumes with it."""
+        async with self._lock(sid):
+            row = self.get(workspace_id, sid)
+            states.check("network", sid, row.state, row.reason)
+            old = row.spec.get("network") or {}
+            if old.get("secrets"):  # a request changes mode and allowlist, not secrets
+                network = {**network, "secrets": old["secrets"], "ca": old.get("ca")}
+            row.spec["network"] = network
+            self.store.update_sandbox(sid, spec=row.spec)
+            lv = self.live.get(sid)
+            if lv is not None:
+                lv.row.spec["network"] = network
+                lv.spec.network = network
+                await self._apply_network(lv)
+            self.events.emit(SandboxEvent("network", sid, row.workspace_id, row.state,
+                                          fields={"network": network}))
+        return self.get(workspace_id, sid)
+
     def _spec(self, row: SandboxRow) -> SandboxSpec:
         s = row.spec
         return SandboxSpec(id=row.id, rootfs=Path(s["rootfs"]), dir=self.cfg.sandboxes_dir / row.id,
                            agent_dir=self.agent_dir, vcpus=s["vcpus"], memory_mib=s["memory_mib"],
-                           pids=s.get("pids"),
+                           pids=s.get("pids"), network=s.get("network"),
                            hostname=s.get("hostname", "sandbox"), env=s.get("env", {}))
 
     async def startup(self) -> None:
@@ -142,7 +174,8 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
 
     def _new_row(self, workspace_id: str, template: str, info: dict[str, Any], timeout: float,
                  metadata: dict[str, str], env: dict[str, str], vcpus: int, memory_mib: int,
-                 state: str = "creating", on_timeout: str = "kill") -> SandboxRow:
+                 state: str = "creating", on_timeout: str = "kill",
+                 network: dict[str, Any] | None = None) -> SandboxRow:
         sid = "sbx-" + "".join(secrets.choice("abcdefghijklmnopqrstuvwxyz0123456789")
                                for _ in range(12))
         now = _now()
@@ -154,7 +187,8 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
                   "memory_mib": memory_mib, "pids": self.cfg.default_pids,
                   "hostname": "sandbox", "env": env,
                   "timeout": timeout, "machine_id": secrets.token_hex(16),
-                  "template_env": info.get("env") or {}, "workdir": info.get("workdir")},
+                  "template_env": info.get("env") or {}, "workdir": info.get("workdir"),
+                  "network": network or self.default_network},
             metadata=metadata, on_timeout=on_timeout,
         )
         self.store.insert_sandbox(row)
@@ -245,7 +279,9 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
 
     async def create(self, workspace_id: str, template: str, timeout: float,
                      metadata: dict[str, str], env: dict[str, str], vcpus: int,
-                     memory_mib: int, on_timeout: str = "kill") -> SandboxRow:
+                     memory_mib: int, on_timeout: str = "kill",
+                     network: dict[str, Any] | None = None) -> SandboxRow:
+        network = network or self.default_network
         info = template_info(self.cfg.templates_dir, template)
         if info is None:
             raise ApiError("not_found", f"template {template!r} is not built; run "
@@ -262,14 +298,21 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
             self._spawn(self._fill_pool(template))
             row = lv.row
             row.workspace_id, row.metadata, row.on_timeout = workspace_id, metadata, on_timeout
-            row.spec = {**row.spec, "env": env, "timeout": timeout}
+            row.spec = {**row.spec, "env": env, "timeout": timeout, "network": network}
             lv.spec.env = env
+            if lv.spec.network != network:  # pooled with the default policy
+                lv.spec.network = network
+                try:
+                    await self._apply_network(lv)
+                except BaseException:
+                    await self.kill(row.id, reason="network setup failed")
+                    raise
             self._mark_running(row, timeout)
             return row
         # the row first: a create waiting for its template's snapshot is listed (creating)
         # and can be deleted
         row = self._new_row(workspace_id, template, info, timeout, metadata, env, vcpus,
-                            memory_mib, on_timeout=on_timeout)
+                            memory_mib, on_timeout=on_timeout, network=network)
         async with self._lock(row.id):
             self._inflight[row.id] = asyncio.current_task()
             try:

@@ -62,6 +62,7 @@ class Templates:
                          spec={"rootfs": info["rootfs"], "vcpus": self.cfg.default_vcpus,
                                "memory_mib": self.cfg.default_memory_mib,
                                "pids": self.cfg.default_pids,
+                               "network": {"mode": "off", "allow": []},
                                "hostname": "sandbox", "env": {},
                                "machine_id": secrets.token_hex(16),
                                "template_env": info.get("env") or {},

@@ -148,6 +148,7 @@ class Snapshots:
                                       row.spec.get("env", {}), row.spec["vcpus"],
                                       row.spec["memory_mib"], on_timeout=row.on_timeout)
                     c.spec["pids"] = row.spec.get("pids")  # rlimits must match at restore
+                    c.spec["network"] = row.spec.get("network")
                     self.store.update_sandbox(c.id, spec=c.spec)
                     try:
                         await self._boot(c, image)

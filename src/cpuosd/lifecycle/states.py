@@ -41,6 +41,7 @@ OPS: dict[str, frozenset[str]] = {
     "resume": frozenset({"paused", "running"}),  # resuming a running sandbox: a no-op
     "fork": frozenset({"running"}),
     "set_timeout": frozenset({"running", "paused"}),
+    "network": frozenset({"running", "paused"}),
     "info": frozenset(STATES),
     "delete": frozenset(STATES),
 }

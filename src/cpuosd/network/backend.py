@@ -1,0 +1,137 @@
+"""Networking attached to the backend contract: ``Networked`` wraps a backend so that every
+sandbox it starts or restores gets a network namespace of its own (attached to the daemon's
+Network with the sandbox's policy, ``spec.network``) and loses it when it stops, is
+checkpointed or killed. The lifecycle calls the same five methods as before.
+
+Each sandbox's attachment is written to ``<sandbox dir>/net.json`` (namespace index and
+policy) so that a restarted daemon adopts the namespaces of the sandboxes still running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from ..backends.base import Backend, Capabilities, SandboxSpec
+from .policy import Policy
+from .service import Network
+
+log = logging.getLogger("cpuosd.network")
+
+
+class Networked:
+    def __init__(self, inner: Backend, net: Network, sandboxes_dir: Path) -> None:
+        self.inner = inner
+        self.net = net
+        self.sandboxes_dir = sandboxes_dir
+        self.capabilities: Capabilities = dataclasses.replace(inner.capabilities,
+                                                              network=True)
+        # an image made with a network namespace restores only into one
+        self.image_kind = f"{inner.image_kind}-net"
+        self._adopted = False
+        self._specs: dict[str, SandboxSpec] = {}  # of attached sandboxes (their CA's place)
+
+    def runtime(self) -> dict[str, str]:
+        return {**self.inner.runtime(), "network": "per-sandbox netns",
+                "uplink": self.net.uplink.netns or "host"}
+
+    def _state(self, sid: str) -> Path:
+        return self.sandboxes_dir / sid / "net.json"
+
+    async def _attach(self, spec: SandboxSpec) -> None:
+        policy = Policy.stored(spec.network)
+        if policy.ca:
+            self._place_ca(spec, policy.ca)
+        slot = await self.net.attach(spec.id, policy)
+        self._specs[spec.id] = spec
+        spec.netns = slot.netns_path
+        spec.dir.mkdir(parents=True, exist_ok=True)
+        self._state(spec.id).write_text(json.dumps({"index": slot.index,
+                                                    "policy": policy.to_json()}))
+
+    def _place_ca(self, spec: SandboxSpec, ca_id: str) -> None:
+        """The sandbox's CA, and the template's CA bundle with it, where the sandbox reads
+        them (/run/cpuos, read-only to its commands): what its TLS clients trust."""
+        pem = self.net.secrets.ca_cert_pem(ca_id)
+        if pem is None:
+            log.warning("sandbox %s: its CA %s is gone; its secrets will not work", spec.id,
+                        ca_id)
+            return
+        spec.sock_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            system = (spec.rootfs / "etc/ssl/certs/ca-certificates.crt").read_text()
+        except OSError:
+            system = ""
+        for name, text in (("ca.pem", pem), ("ca-bundle.pem", system.rstrip() + "\n" + pem)):
+            p = spec.sock_dir / name
+            p.write_text(text)
+            p.chmod(0o444)
+
+    async def start(self, spec: SandboxSpec) -> None:
+        await self._attach(spec)
+        try:
+            await self.inner.start(spec)
+        except BaseException:
+            await self.net.detach(spec.id)
+            raise
+
+    async def restore(self, spec: SandboxSpec, image_dir: Path) -> None:
+        await self._attach(spec)
+        try:
+            await self.inner.restore(spec, image_dir)
+        except BaseException:
+            await self.net.detach(spec.id)
+            raise
+
+    async def checkpoint(self, sandbox_id: str, image_dir: Path) -> None:
+        try:
+            await self.inner.checkpoint(sandbox_id, image_dir)
+        finally:  # the sandbox has stopped either way; a restore gets a new namespace
+            self._specs.pop(sandbox_id, None)
+            await self.net.detach(sandbox_id)
+
+    async def kill(self, sandbox_id: str) -> None:
+        try:
+            await self.inner.kill(sandbox_id)
+        finally:
+            self._specs.pop(sandbox_id, None)
+            await self.net.detach(sandbox_id)
+
+    async def running(self) -> dict[str, str]:
+        live = await self.inner.running()
+        if not self._adopted:  # the first call, at start-up: adopt, then sweep
+            self._adopted = True
+            for sid in live:
+                if sid in self.net.by_sid:
+                    continue
+                with contextlib.suppress(OSError, ValueError, KeyError):
+                    st = json.loads(self._state(sid).read_text())
+                    if await self.net.adopt(sid, int(st["index"]),
+                                            Policy.stored(st.get("policy"))):
+                        log.info("network of %s adopted (namespace %d)", sid, st["index"])
+            gone = await self.net.remove_strays()
+            if gone:
+                log.info("removed %d network namespace(s) no sandbox holds", gone)
+        return live
+
+    async def set_network(self, sandbox_id: str, policy: dict[str, Any]) -> None:
+        """A running sandbox's policy changes: new connections follow it."""
+        p = Policy.stored(policy)
+        spec = self._specs.get(sandbox_id)
+        if p.ca and spec is not None:  # e.g. a pooled sandbox handed out with secrets
+            self._place_ca(spec, p.ca)
+        await self.net.update(sandbox_id, p)
+        a = self.net.by_sid.get(sandbox_id)
+        if a is not None:
+            self._state(sandbox_id).write_text(json.dumps({"index": a.slot.index,
+                                                           "policy": p.to_json()}))
+
+    def memory_usage(self, sandbox_id: str) -> int | None:
+        return self.inner.memory_usage(sandbox_id)
+
+    async def close(self) -> None:
+        await self.inner.close()

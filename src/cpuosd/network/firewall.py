@@ -1,0 +1,166 @@
+"""The daemon's one nftables table, ``inet cpuos`` (``cpuos_<tag>`` with CPUOS_NET_ID),
+written as nftables JSON (``nft -j``).
+
+A sandbox's traffic reaches exactly two sockets on the host, and only when its mode lets it
+out: the egress proxy (every TCP connection, redirected, whatever its destination) and the
+DNS resolver (UDP 53, redirected). Everything else from a sandbox interface (``cv<tag>n*``) is
+refused and logged to NFLOG group ``LOG_GROUP`` (recorded by the daemon): forwarding
+anywhere, any other port or address of the host (its API, its other services), IPv6, and
+packets whose source address is not the interface's own (spoofing). The table is rebuilt
+at start and removed at shutdown; per-sandbox state lives in two sets:
+``egress`` (interfaces whose mode is ``on`` or ``allowlist``) and ``src`` (interface .
+its address).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from .. import procs
+
+log = logging.getLogger("cpuosd.network")
+
+FAMILY = "inet"
+LOG_GROUP = 7
+
+
+class FirewallError(RuntimeError):
+    pass
+
+
+def _m(left: dict[str, Any], right: Any, op: str = "==") -> dict[str, Any]:
+    return {"match": {"op": op, "left": left, "right": right}}
+
+
+def _meta(key: str) -> dict[str, Any]:
+    return {"meta": {"key": key}}
+
+
+def _payload(proto: str, fieldname: str) -> dict[str, Any]:
+    return {"payload": {"protocol": proto, "field": fieldname}}
+
+
+class Names:
+    """The table and interface pattern of one daemon (see netns.net_id)."""
+
+    def __init__(self, tag: str = "", log_group: int | None = None) -> None:
+        self.table = f"cpuos_{tag}" if tag else "cpuos"
+        self.ifaces = f"cv{tag}n*"
+        self.log_group = LOG_GROUP if log_group is None else log_group
+
+
+def _tbl(n: Names, **kw: Any) -> dict[str, Any]:
+    return {"family": FAMILY, "table": n.table, **kw}
+
+
+def _log(n: Names, prefix: str) -> dict[str, Any]:
+    return {"log": {"group": n.log_group, "prefix": prefix}}
+
+
+def ruleset(n: Names, proxy_port: int, dns_port: int) -> list[dict[str, Any]]:
+    """The whole table, as commands for ``nft -j -f -`` (it replaces an old one)."""
+    from_sbx = _m(_meta("iifname"), n.ifaces)
+    reject = {"reject": {"type": "icmpx", "expr": "admin-prohibited"}}
+    chains = {
+        # first, before conntrack: no IPv6, no spoofed source
+        "guard": ({"type": "filter", "hook": "prerouting", "prio": -300, "policy": "accept"}, [
+            # (the netstack's neighbour discovery and MLD: dropped, not worth a record)
+            [from_sbx, _m(_meta("l4proto"), "ipv6-icmp"), {"drop": None}],
+            [from_sbx, _m(_meta("nfproto"), "ipv6"), _log(n, "cpuos v6 "), {"drop": None}],
+            [from_sbx, _m({"concat": [_meta("iifname"), _payload("ip", "saddr")]}, "@src",
+                          "!="), _log(n, "cpuos spoof "), {"drop": None}],
+        ]),
+        # a sandbox allowed out: TCP to the proxy, DNS to the resolver (both on the host)
+        "steer": ({"type": "nat", "hook": "prerouting", "prio": -100, "policy": "accept"}, [
+            [_m(_meta("iifname"), "@egress"), _m(_meta("l4proto"), "tcp"),
+             {"redirect": {"port": proxy_port}}],
+            [_m(_meta("iifname"), "@egress"), _m(_payload("udp", "dport"), 53),
+             {"redirect": {"port": dns_port}}],
+        ]),
+        # what would be routed on (the host may not forward at all): refused and logged
+        # here, before the routing decision, unless it was redirected to the proxy/resolver
+        "route": ({"type": "filter", "hook": "prerouting", "prio": 0, "policy": "accept"}, [
+            [from_sbx, _m({"ct": {"key": "status"}}, "dnat", "in"), {"accept": None}],
+            [from_sbx, _m({"fib": {"result": "type", "flags": ["daddr"]}}, "local", "!="),
+             _log(n, "cpuos fwd "), {"drop": None}],
+        ]),
+        "in": ({"type": "filter", "hook": "input", "prio": 0, "policy": "accept"}, [
+            [from_sbx, _m({"ct": {"key": "state"}}, ["established", "related"], "in"),
+             {"accept": None}],
+            [from_sbx, _m({"ct": {"key": "status"}}, "dnat", "in"),
+             _m(_payload("tcp", "dport"), proxy_port), {"accept": None}],
+            [from_sbx, _m({"ct": {"key": "status"}}, "dnat", "in"),
+             _m(_payload("udp", "dport"), dns_port), {"accept": None}],
+            [from_sbx, _log(n, "cpuos in "), reject],
+            # the proxy and resolver serve sandboxes only
+            [_m(_payload("tcp", "dport"), proxy_port), {"drop": None}],
+            [_m(_payload("udp", "dport"), dns_port), {"drop": None}],
+        ]),
+        "fwd": ({"type": "filter", "hook": "forward", "prio": 0, "policy": "accept"}, [
+            [from_sbx, _log(n, "cpuos fwd "), reject],
+            [_m(_meta("oifname"), n.ifaces), {"drop": None}],
+        ]),
+    }
+    cmds: list[dict[str, Any]] = [
+        {"add": {"table": {"family": FAMILY, "name": n.table}}},
+        {"delete": {"table": {"family": FAMILY, "name": n.table}}},
+        {"add": {"table": {"family": FAMILY, "name": n.table}}},
+        {"add": {"set": _tbl(n, name="egress", type="ifname")}},
+        {"add": {"set": _tbl(n, name="src", type=["ifname", "ipv4_addr"])}},
+    ]
+    for name, (base, rules) in chains.items():
+        cmds.append({"add": {"chain": _tbl(n, name=name, **base)}})
+        for expr in rules:
+            cmds.append({"add": {"rule": _tbl(n, chain=name, expr=expr)}})
+    return cmds
+
+
+def _nft(cmds: list[dict[str, Any]]) -> None:
+    rc, _, err = procs.run_sync(["nft", "-j", "-f", "-"],
+                                input=json.dumps({"nftables": cmds}).encode(), timeout=30)
+    if rc != 0:
+        raise FirewallError(f"nft failed (exit {rc}): {err.decode(errors='replace')[-600:]}")
+
+
+def install(n: Names, proxy_port: int, dns_port: int) -> None:
+    _nft(ruleset(n, proxy_port, dns_port))
+
+
+def remove(n: Names) -> None:
+    _nft([{"add": {"table": {"family": FAMILY, "name": n.table}}},
+          {"delete": {"table": {"family": FAMILY, "name": n.table}}}])
+
+
+def _elem(n: Names, verb: str, name: str, elem: Any) -> dict[str, Any]:
+    return {verb: {"element": _tbl(n, name=name, elem=[elem])}}
+
+
+def add_interface(n: Names, host_if: str, address: str, egress: bool) -> None:
+    cmds = [_elem(n, "add", "src", {"concat": [host_if, address]})]
+    if egress:
+        cmds.append(_elem(n, "add", "egress", host_if))
+    _nft(cmds)
+
+
+def set_egress(n: Names, host_if: str, egress: bool) -> None:
+    # add, then delete only when asked: "delete" of an absent element fails
+    cmds = [_elem(n, "add", "egress", host_if)]
+    if not egress:
+        cmds.append(_elem(n, "delete", "egress", host_if))
+    _nft(cmds)
+
+
+def remove_interface(n: Names, host_if: str, address: str) -> None:
+    try:
+        _nft([_elem(n, "add", "src", {"concat": [host_if, address]}),
+              _elem(n, "delete", "src", {"concat": [host_if, address]}),
+              _elem(n, "add", "egress", host_if), _elem(n, "delete", "egress", host_if)])
+    except FirewallError as e:  # the table may be gone already (shutdown)
+        log.debug("removing %s from the firewall: %s", host_if, e)
+
+
+def table_exists(n: Names) -> bool:
+    rc, _, _ = procs.run_sync(["nft", "list", "table", FAMILY, n.table], timeout=30)
+    return rc == 0

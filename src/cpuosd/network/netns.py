@@ -1,0 +1,200 @@
+"""Per-sandbox network namespaces: ``cpuos-n<index>`` holding ``eth0`` (the sandbox's end of a
+veth pair, 10.213.x.y/30 from the daemon's pool), its host end ``cvn<index>`` in the daemon's
+namespace as the gateway. Made with pyroute2; a few are made ahead of time (``NetnsPool``)
+so a create does not wait for them (about 50 ms each here). A namespace is used by one
+sandbox once and then deleted: runsc's netstack takes the interface's addresses and routes
+into the sandbox, so a used namespace is never clean again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import os
+import re
+from dataclasses import dataclass
+
+from pyroute2 import IPRoute, netns
+
+log = logging.getLogger("cpuosd.network")
+
+NETNS_DIR = "/var/run/netns"
+
+
+def net_id() -> str:
+    """This daemon's tag in the names it gives (``CPUOS_NET_ID``, up to 4 of [a-z0-9];
+    empty by default): daemons sharing a host (tests) each own their namespaces,
+    interfaces and nftables table."""
+    v = os.environ.get("CPUOS_NET_ID", "")
+    if not re.fullmatch(r"[a-z0-9]{0,4}", v):
+        raise ValueError(f"CPUOS_NET_ID={v!r}: up to 4 of [a-z0-9]")
+    return v
+
+
+def netns_prefix(tag: str) -> str:
+    return f"cpuos-{tag}-n" if tag else "cpuos-n"
+
+
+def host_if_prefix(tag: str) -> str:
+    return f"cv{tag}n"
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One /30 of the pool: index i -> host end .1+4i, sandbox end .2+4i."""
+
+    index: int
+    gateway: str
+    address: str
+    tag: str = ""
+
+    @property
+    def netns(self) -> str:
+        return f"{netns_prefix(self.tag)}{self.index}"
+
+    @property
+    def netns_path(self) -> str:
+        return f"{NETNS_DIR}/{self.netns}"
+
+    @property
+    def host_if(self) -> str:
+        return f"{host_if_prefix(self.tag)}{self.index}"
+
+
+class AddressPool:
+    """The daemon's address pool (``CPUOS_NET_POOL``, default 10.213.0.0/16): /30 slots,
+    reserved synchronously."""
+
+    def __init__(self, cidr: str | None = None, tag: str = "") -> None:
+        self.tag = tag
+        self.net = ipaddress.IPv4Network(cidr or os.environ.get("CPUOS_NET_POOL")
+                                         or "10.213.0.0/16")
+        self.size = self.net.num_addresses // 4
+        self.used: set[int] = set()
+        self._next = 0
+
+    def slot(self, index: int) -> Slot:
+        base = int(self.net.network_address) + 4 * index
+        return Slot(index, str(ipaddress.IPv4Address(base + 1)),
+                    str(ipaddress.IPv4Address(base + 2)), self.tag)
+
+    def reserve(self) -> Slot:
+        for _ in range(self.size):
+            i = self._next
+            self._next = (self._next + 1) % self.size
+            if i not in self.used:
+                self.used.add(i)
+                return self.slot(i)
+        raise RuntimeError(f"the address pool {self.net} is exhausted")
+
+    def release(self, index: int) -> None:
+        self.used.discard(index)
+
+    def index_of(self, address: str) -> int | None:
+        try:
+            ip = ipaddress.IPv4Address(address)
+        except ValueError:
+            return None
+        if ip not in self.net:
+            return None
+        off = int(ip) - int(self.net.network_address)
+        return off // 4 if off % 4 == 2 else None
+
+
+def create(slot: Slot) -> None:
+    """The namespace, the veth pair and their addresses; the sandbox end's default route
+    goes to the host end. Blocking (run it in a thread)."""
+    netns.create(slot.netns)
+    try:
+        with IPRoute() as ipr:
+            ipr.link("add", ifname=slot.host_if, kind="veth",
+                     peer={"ifname": "eth0", "net_ns_fd": slot.netns})
+            idx = ipr.link_lookup(ifname=slot.host_if)[0]
+            ipr.addr("add", index=idx, address=slot.gateway, prefixlen=30)
+            ipr.link("set", index=idx, state="up")
+        with IPRoute(netns=slot.netns) as ns:
+            i = ns.link_lookup(ifname="eth0")[0]
+            ns.addr("add", index=i, address=slot.address, prefixlen=30)
+            ns.link("set", index=i, state="up")
+            ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
+            ns.route("add", dst="0.0.0.0/0", gateway=slot.gateway)
+    except BaseException:
+        destroy(slot)
+        raise
+
+
+def destroy(slot: Slot) -> None:
+    """Remove the namespace and the host end (idempotent). Blocking."""
+    with contextlib.suppress(Exception), IPRoute() as ipr:
+        idx = ipr.link_lookup(ifname=slot.host_if)
+        if idx:
+            ipr.link("del", index=idx[0])
+    with contextlib.suppress(FileNotFoundError, OSError):
+        netns.remove(slot.netns)
+
+
+def existing(tag: str) -> list[int]:
+    """Indexes of our namespaces on the host (after a restart)."""
+    try:
+        names = os.listdir(NETNS_DIR)
+    except FileNotFoundError:
+        return []
+    name_re = re.compile(rf"^{re.escape(netns_prefix(tag))}(\d+)$")
+    return sorted(int(m.group(1)) for n in names if (m := name_re.fullmatch(n)))
+
+
+class NetnsPool:
+    """Namespaces made ahead of time (``CPUOS_NETNS_POOL``, default 4), refilled in the
+    background; ``take`` makes one on the spot when the pool is empty."""
+
+    def __init__(self, addresses: AddressPool, size: int | None = None) -> None:
+        self.addresses = addresses
+        self.size = int(os.environ.get("CPUOS_NETNS_POOL") or 4) if size is None else size
+        self.ready: list[Slot] = []
+        self._filling: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
+        self._closing = False
+
+    async def take(self) -> Slot:
+        if self.ready:
+            slot = self.ready.pop()
+        else:
+            slot = await self._make()
+        self.refill()
+        return slot
+
+    async def _make(self) -> Slot:
+        slot = self.addresses.reserve()
+        try:
+            await asyncio.to_thread(create, slot)
+        except BaseException:
+            self.addresses.release(slot.index)
+            raise
+        return slot
+
+    def refill(self) -> None:
+        if not self._closing and (self._filling is None or self._filling.done()):
+            self._filling = asyncio.get_running_loop().create_task(self._fill())
+
+    async def _fill(self) -> None:
+        async with self._lock:
+            while len(self.ready) < self.size and not self._closing:
+                try:
+                    self.ready.append(await self._make())
+                except Exception:
+                    log.exception("making a spare network namespace failed")
+                    return
+
+    async def close(self) -> None:
+        # not cancelled: a namespace being made in a thread would be made after all, and
+        # never removed; the fill stops after the one under way (about 50 ms)
+        self._closing = True
+        if self._filling is not None:
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(asyncio.shield(self._filling), 30)
+        for slot in self.ready:
+            await asyncio.to_thread(destroy, slot)
+            self.addresses.release(slot.index)
+        self.ready.clear()

@@ -1,0 +1,219 @@
+"""The daemon's network: address pool, namespaces, the nftables table, the resolver and the
+egress proxy, and the record of every outbound attempt. The backend wrapper
+(network.backend) attaches a sandbox here when it starts or restores and detaches it when it
+stops; the lifecycle never branches on networking.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from dataclasses import dataclass
+from typing import Any
+
+from pyroute2 import IPRoute
+
+from . import firewall
+from . import netns as ns
+from .dns import Resolver, Upstream
+from .secrets import SecretStore
+from .nflog import Dropped, NflogReader
+from .policy import Policy
+from .proxy import CHUNK, EgressProxy
+from .uplink import Uplink
+
+log = logging.getLogger("cpuosd.network")
+
+# (sandbox id, the record's fields) -> stored and published by the daemon
+RecordSink = Callable[[str, dict[str, Any]], None]
+
+
+@dataclass
+class Attached:
+    sid: str
+    slot: ns.Slot
+    policy: Policy
+
+
+class Network:
+    def __init__(self, sink: RecordSink, secrets_dir: Path) -> None:
+        self.tag = ns.net_id()
+        group = os.environ.get("CPUOS_NFLOG_GROUP")
+        self.names = firewall.Names(self.tag, int(group) if group else None)
+        self.nflog = NflogReader(self.names.log_group)
+        self._nflog_task: asyncio.Task[None] | None = None
+        self._drops: dict[tuple[str, str, str, int | None], list[float]] = {}
+        self.addresses = ns.AddressPool(tag=self.tag)
+        self.pool = ns.NetnsPool(self.addresses)
+        self.uplink = Uplink()
+        self.upstream = Upstream(self.uplink)
+        self.sink = sink
+        self.secrets = SecretStore(secrets_dir)
+        self.by_sid: dict[str, Attached] = {}
+        self.by_addr: dict[str, Attached] = {}
+        self.proxy = EgressProxy(self.uplink, self.upstream, self.lookup, self.record,
+                                 self.is_host_address, self.secrets)
+        self._host_addrs: set[str] = set()
+        self._host_addrs_at = 0.0
+        self._server: asyncio.Server | None = None
+        self._dns: asyncio.BaseTransport | None = None
+        self.proxy_port = int(os.environ.get("CPUOS_EGRESS_PORT") or 0)
+        self.dns_port = int(os.environ.get("CPUOS_DNS_PORT") or 0)
+
+    # -- start and stop ------------------------------------------------------------------
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self.proxy.handle, host="0.0.0.0",
+                                                  port=self.proxy_port, limit=CHUNK,
+                                                  reuse_address=True)
+        self.proxy_port = self._server.sockets[0].getsockname()[1]
+        loop = asyncio.get_running_loop()
+        transport, _ = await loop.create_datagram_endpoint(
+            lambda: Resolver(self.upstream, self.lookup, self.record),
+            local_addr=("0.0.0.0", self.dns_port))
+        self._dns = transport
+        self.dns_port = transport.get_extra_info("sockname")[1]
+        await asyncio.to_thread(self.nflog.open)
+        self._nflog_task = loop.create_task(self.nflog.run(self._dropped))
+        await asyncio.to_thread(firewall.install, self.names, self.proxy_port, self.dns_port)
+        log.info("network: table %s, egress proxy :%d, resolver :%d, upstream DNS %s:%d%s",
+                 self.names.table, self.proxy_port, self.dns_port, *self.upstream.server,
+                 f", uplink netns {self.uplink.netns}" if self.uplink.netns else "")
+        self.pool.refill()
+
+    async def close(self) -> None:
+        """The daemon stops: the proxy and resolver stop, spare namespaces go, the table
+        goes; namespaces of live sandboxes stay (a restarted daemon adopts them)."""
+        if self._server is not None:
+            self._server.close()
+        for t in list(self.proxy.conns):
+            t.cancel()
+        if self._dns is not None:
+            self._dns.close()
+        await self.pool.close()
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(firewall.remove, self.names)
+        self.nflog.close()
+        if self._nflog_task is not None:
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(self._nflog_task, 5)
+        self.uplink.close()
+
+    def is_host_address(self, address: str) -> bool:
+        """One of the daemon's own namespace's addresses (refreshed every 10 s)."""
+        now = time.monotonic()
+        if now - self._host_addrs_at > 10:
+            self._host_addrs_at = now
+            try:
+                with IPRoute() as ipr:
+                    self._host_addrs = {str(a.get_attr("IFA_ADDRESS")) for a in ipr.get_addr()}
+            except Exception:
+                log.exception("listing the host's addresses failed")
+        return address in self._host_addrs
+
+    # -- sandboxes -----------------------------------------------------------------------
+    def lookup(self, address: str) -> tuple[str, Policy] | None:
+        a = self.by_addr.get(address)
+        return (a.sid, a.policy) if a is not None else None
+
+    async def attach(self, sid: str, policy: Policy) -> ns.Slot:
+        slot = await self.pool.take()
+        try:
+            await asyncio.to_thread(firewall.add_interface, self.names, slot.host_if,
+                                    slot.address, policy.mode != "off")
+        except BaseException:
+            await asyncio.to_thread(ns.destroy, slot)
+            self.addresses.release(slot.index)
+            raise
+        self._register(Attached(sid, slot, policy))
+        return slot
+
+    async def adopt(self, sid: str, index: int, policy: Policy) -> bool:
+        """A live sandbox's namespace after a daemon restart: back into the table."""
+        slot = self.addresses.slot(index)
+        if not os.path.exists(slot.netns_path):
+            return False
+        self.addresses.used.add(index)
+        await asyncio.to_thread(firewall.add_interface, self.names, slot.host_if,
+                                slot.address, policy.mode != "off")
+        self._register(Attached(sid, slot, policy))
+        return True
+
+    def _register(self, a: Attached) -> None:
+        self.by_sid[a.sid] = a
+        self.by_addr[a.slot.address] = a
+
+    async def detach(self, sid: str) -> None:
+        a = self.by_sid.pop(sid, None)
+        if a is None:
+            return
+        self.by_addr.pop(a.slot.address, None)
+        await asyncio.to_thread(firewall.remove_interface, self.names, a.slot.host_if,
+                                a.slot.address)
+        await asyncio.to_thread(ns.destroy, a.slot)
+        self.addresses.release(a.slot.index)
+
+    async def update(self, sid: str, policy: Policy) -> None:
+        a = self.by_sid.get(sid)
+        if a is None:
+            return
+        if (a.policy.mode == "off") != (policy.mode == "off"):
+            await asyncio.to_thread(firewall.set_egress, self.names, a.slot.host_if,
+                                    policy.mode != "off")
+        a.policy = policy
+
+    async def remove_strays(self) -> int:
+        """Namespaces of ours that no sandbox holds (a daemon that died before it could
+        remove them); after reconcile has adopted the live ones."""
+        held = {a.slot.index for a in self.by_sid.values()} | {
+            s.index for s in self.pool.ready}
+        n = 0
+        for index in ns.existing(self.tag):
+            if index not in held:
+                await asyncio.to_thread(ns.destroy, self.addresses.slot(index))
+                n += 1
+        return n
+
+    def _dropped(self, d: Dropped) -> None:
+        """A packet the firewall refused (NFLOG): recorded against the sandbox whose
+        interface it came in on; repeats of one (sandbox, protocol, destination, port)
+        within a second are counted into the next record, not each written."""
+        a = None
+        pre = ns.host_if_prefix(self.tag)
+        if d.indev_name and d.indev_name.startswith(pre) and d.indev_name[len(pre):].isdigit():
+            slot = self.addresses.slot(int(d.indev_name[len(pre):]))
+            a = self.by_addr.get(slot.address)
+        if a is None:
+            a = self.by_addr.get(d.src)
+        if a is None:
+            return
+        key = (a.sid, d.protocol, d.dst, d.dport)
+        now = time.monotonic()
+        st = self._drops.get(key)
+        if st is not None and now - st[0] < 1.0:
+            st[1] += 1
+            return
+        repeats = int(st[1]) if st else 0
+        if len(self._drops) > 4096:
+            self._drops.clear()
+        self._drops[key] = [now, 0]
+        why = {"cpuos in": "refused by the firewall (only the proxy and resolver serve "
+                          "sandboxes)", "cpuos fwd": "refused by the firewall (no routing)",
+               "cpuos v6": "IPv6 is not routed", "cpuos spoof": "spoofed source address"}
+        rec: dict[str, Any] = {"proto": d.protocol, "dst": d.dst, "port": d.dport,
+                               "verdict": "denied",
+                               "rule": why.get(d.prefix.strip(), d.prefix.strip())}
+        if repeats:
+            rec["repeats_before"] = repeats
+        self.record(a.sid, **rec)
+
+    def record(self, sid: str, **fields: Any) -> None:
+        fields.setdefault("time", time.time())
+        try:
+            self.sink(sid, fields)
+        except Exception:
+            log.exception("recording a connection of %s failed", sid)

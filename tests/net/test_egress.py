@@ -1,0 +1,378 @@
+"""Issue 12: per-sandbox egress policy, attacked from inside real sandboxes.
+
+The daemon's uplink leads into a fake internet (cpuosd.fakenet: a namespace of this test's,
+with no route off the machine); every server and every listener in a denied range lives
+there and logs what reaches it, so each test checks the servers' side too. No packet of
+these tests leaves the namespaces they made (the network safety rule).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from cpuos import Sandbox
+from cpuosd.fakenet import DENIED_LISTENERS, SMTP, WEB, FakeInternet
+from cpuosd.testing import Daemon, e2e_unavailable, new_daemon, wait_until
+
+pytestmark = [pytest.mark.e2e, pytest.mark.net]
+
+
+@pytest.fixture(scope="module")
+def inet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeInternet]:
+    why = e2e_unavailable()
+    if why:
+        pytest.skip(why)
+    f = FakeInternet(tmp_path_factory.mktemp("inet")).start()
+    yield f
+    f.stop()
+
+
+@pytest.fixture(scope="module")
+def netd(inet: FakeInternet) -> Iterator[Daemon]:
+    d = new_daemon(CPUOS_POOL_SIZE="1", **inet.env())
+    d.start()
+    yield d
+    with d.client() as c:  # every sandbox killed: then a clean stop
+        for sb in c.get("/sandboxes").json()["sandboxes"]:
+            c.delete(f"/sandboxes/{sb['id']}")
+    d.stop()
+    # the daemon's network is gone with it: namespaces, interfaces, its nftables table
+    assert not d.network_leftovers()
+    assert not d.teardown(False)
+
+
+def _netns() -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def _links() -> list[str]:
+    out = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    return [line.split(":")[1].strip().split("@")[0] for line in out.splitlines()]
+
+
+def create(d: Daemon, network: Any) -> Sandbox:
+    with d.client() as c:
+        r = c.post("/sandboxes", json={"template": "python", "timeout": "10m",
+                                       "network": network})
+        assert r.status_code == 201, r.text
+        sid = r.json()["id"]
+    return Sandbox.connect(sid, **d.sdk_kwargs())
+
+
+def set_network(d: Daemon, sid: str, network: Any) -> dict[str, Any]:
+    with d.client() as c:
+        r = c.post(f"/sandboxes/{sid}/network", json={"network": network})
+        assert r.status_code == 200, r.text
+        out: dict[str, Any] = r.json()
+        return out
+
+
+def records(d: Daemon, sid: str) -> list[dict[str, Any]]:
+    with d.client() as c:
+        out: list[dict[str, Any]] = c.get(f"/sandboxes/{sid}/connections",
+                                          params={"limit": 1000}).json()["connections"]
+        return out
+
+
+def curl(s: Sandbox, url: str, *extra: str) -> tuple[bool, str]:
+    r = s.exec(["curl", "-sS", "-m", "5", "-o", "/dev/stdout", *extra, url], timeout="1m")
+    return r.exit_code == 0, r.stdout + r.stderr
+
+
+def denied_listeners_untouched(inet: FakeInternet) -> None:
+    bad = [e for e in inet.seen() if e["listener"] != "dns" and (
+        any(e["listener"].startswith(h) or e["listener"].startswith(f"udp {h}")
+            for h in DENIED_LISTENERS) or e["listener"].startswith(SMTP))]
+    assert not bad, f"a denied listener saw a connection: {bad}"
+
+
+UDP = ("import socket\n"
+       "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+       "for port in (53, 123):\n"
+       "    try: s.sendto(b'hello', ('10.9.9.9', port))\n"
+       "    except OSError as e: print('udp', e)\n")
+SMTP_TRY = ("import socket, sys\n"
+            "ok = []\n"
+            "for host in (sys.argv[1], 'mail.test'):\n"
+            "    for port in (25, 465, 587, 2525):\n"
+            "        try:\n"
+            "            c = socket.create_connection((host, port), timeout=5)\n"
+            "            c.sendall(b'EHLO x\\r\\n'); got = c.recv(100); c.close()\n"
+            "            if got: ok.append((host, port))\n"
+            "        except OSError: pass\n"
+            "print('SMTP-REACHED' if ok else 'SMTP-BLOCKED', ok)\n")
+DENIED_URLS = [
+    "http://10.9.9.9/", "http://169.254.169.254/latest/meta-data/", "http://2852039166/",
+    "http://0xA9FEA9FE/", "http://0251.0376.0251.0376/", "http://[::ffff:169.254.169.254]/",
+    "http://[64:ff9b::a9fe:a9fe]/", "http://[fd00:ec2::254]/", "http://100.64.1.1/",
+    "http://evil.test/", "http://meta.test/", "http://169.254.169.254.nip.test/",
+]
+
+
+def test_on_reaches_the_internet_and_never_the_deny_sets(netd: Daemon,
+                                                         inet: FakeInternet) -> None:
+    s = create(netd, "on")
+    try:
+        ok, out = curl(s, f"http://{WEB}/")
+        assert ok and '"hello": true' in out, out
+        ok, out = curl(s, "http://allowed.test/")
+        assert ok and "allowed.test" in out, out
+        for url in DENIED_URLS:
+            ok, out = curl(s, url)
+            assert not ok, f"{url} got through: {out}"
+        # a redirect from an allowed host to the metadata address is a new connection
+        ok, out = curl(s, "http://redirect.test/redirect", "-L")
+        assert not ok and "meta-data" not in out
+        r = s.exec(["python3", "-c", SMTP_TRY, SMTP], timeout="2m")
+        assert "SMTP-BLOCKED" in r.stdout, r.stdout + r.stderr
+        s.exec(["python3", "-c", UDP])
+        denied_listeners_untouched(inet)
+        recs = records(netd, s.id)
+        by = {(r.get("dst"), r.get("port"), r["verdict"]) for r in recs if r["proto"] == "tcp"}
+        for dst in ("10.9.9.9", "169.254.169.254", "100.64.1.1"):
+            assert (dst, 80, "denied") in by, (dst, by)
+        assert (WEB, 80, "allowed") in by
+        assert any(r["proto"] == "tcp" and r.get("port") == 25 and r["verdict"] == "denied"
+                   and "mail" in r.get("rule", "") for r in recs)
+        wait_until(lambda: any(r["proto"] == "udp" and r.get("dst") == "10.9.9.9"
+                               and r.get("port") == 123 and r["verdict"] == "denied"
+                               for r in records(netd, s.id)), "the UDP attempt recorded", 30)
+        recs = records(netd, s.id)
+        assert any(r["proto"] == "dns" and r.get("name") == "evil.test"
+                   and r["verdict"] == "denied" for r in recs)
+        allowed = [r for r in recs if r["verdict"] == "allowed" and r["proto"] == "tcp"]
+        assert all(r["bytes_in"] > 0 and r["bytes_out"] > 0 for r in allowed), allowed
+    finally:
+        s.kill()
+
+
+def test_allowlist_reaches_allowed_names_only(netd: Daemon, inet: FakeInternet) -> None:
+    s = create(netd, {"allow": ["allowed.test", "redirect.test", "rebind.test", "*.nip.test"]})
+    try:
+        ok, out = curl(s, "http://allowed.test/")
+        assert ok and '"hello": true' in out, out
+        ok, _ = curl(s, "http://other.test/")  # not allowed: no answer from the resolver
+        assert not ok
+        before = len([e for e in inet.seen() if "other.test" in e.get("data", "")])
+        ok, _ = curl(s, "http://other.test/", "--resolve", f"other.test:80:{WEB}")
+        assert not ok  # the proxy refuses the name, whatever address the sandbox chose
+        assert len([e for e in inet.seen() if "Host: other.test" in e.get("data", "")]) \
+            == before == 0
+        ok, _ = curl(s, f"http://{WEB}/")  # an address is no name
+        assert not ok
+        ok, _ = curl(s, "http://169.254.169.254.nip.test/", "--resolve",
+                     f"169.254.169.254.nip.test:80:{WEB}")
+        assert not ok  # the proxy resolves the name itself: the metadata address
+        for _ in range(6):  # rebinding: the answer alternates between WEB and 10.9.9.9
+            curl(s, "http://rebind.test/", "--resolve", f"rebind.test:80:{WEB}")
+        ok, out = curl(s, "http://redirect.test/redirect", "-L")
+        assert not ok and "meta-data" not in out
+        tls = ("import socket, ssl, sys\n"
+               "ctx = ssl.create_default_context()\n"
+               "for name in ('allowed.test', 'other.test'):\n"
+               "    c = socket.create_connection((sys.argv[1], 443), timeout=5)\n"
+               "    try: ctx.wrap_socket(c, server_hostname=name)\n"
+               "    except OSError as e: print(name, type(e).__name__)\n")
+        s.exec(["python3", "-c", tls, WEB], timeout="1m")
+        denied_listeners_untouched(inet)
+        recs = records(netd, s.id)
+        tcp = [r for r in recs if r["proto"] == "tcp"]
+        assert any(r.get("name") == "allowed.test" and r["verdict"] == "allowed" for r in tcp)
+        assert any(r.get("name") == "other.test" and r["verdict"] == "denied"
+                   and r["rule"] == "not in the allowlist" for r in tcp)
+        assert any(r.get("name") == "rebind.test" and r["verdict"] == "denied"
+                   and "10.9.9.9" in r["rule"] for r in tcp)
+        assert any(r.get("name") == "allowed.test" and r.get("port") == 443
+                   and r["verdict"] == "allowed" for r in tcp)  # by TLS SNI
+        assert any(r.get("name") == "other.test" and r.get("port") == 443
+                   and r["verdict"] == "denied" for r in tcp)
+        sni = [e for e in inet.seen() if e["listener"] == f"{WEB}:443"]
+        assert len(sni) == 1 and "allowed.test" in sni[0]["data"]
+    finally:
+        s.kill()
+
+
+def test_off_then_update_applies_to_new_connections(netd: Daemon) -> None:
+    s = create(netd, "off")
+    try:
+        assert not curl(s, f"http://{WEB}/")[0]
+        assert s.exec("getent hosts allowed.test").exit_code != 0
+        info = set_network(netd, s.id, "on")
+        assert info["network"]["mode"] == "on"
+        assert curl(s, f"http://{WEB}/")[0]
+        set_network(netd, s.id, {"allow": ["allowed.test"]})
+        assert curl(s, "http://allowed.test/")[0]
+        assert not curl(s, f"http://{WEB}/")[0]
+        set_network(netd, s.id, "off")
+        assert not curl(s, "http://allowed.test/")[0]
+        assert any(r["verdict"] == "denied" for r in records(netd, s.id))
+    finally:
+        s.kill()
+
+
+def test_daemon_and_host_are_out_of_reach(netd: Daemon) -> None:
+    s = create(netd, "on")
+    try:
+        gw = s.exec("ip route 2>/dev/null | awk '/default/ {print $3}'; "
+                    "awk 'NR>1 && $2==\"00000000\" {print $3}' /proc/net/route").stdout.split()
+        targets = [f"http://127.0.0.1:{netd.port}/health", f"http://192.0.2.2:{netd.port}/health"]
+        targets += [f"http://{g}:{netd.port}/health" for g in gw if g.count(".") == 3]
+        for url in targets:
+            ok, out = curl(s, url)
+            assert not ok or '"ok"' not in out, f"{url} reached the daemon: {out}"
+        # the commands' uid cannot reconfigure the sandbox's network
+        r = s.exec(["python3", "-c",
+                    "import fcntl, socket, struct\n"
+                    "s = socket.socket()\n"
+                    "try:\n"
+                    "    fcntl.ioctl(s, 0x8916, struct.pack('16sH14s', b'eth0', 2, b''))\n"
+                    "    print('CHANGED')\n"
+                    "except OSError as e: print('refused', e.errno)\n"])  # SIOCSIFADDR
+        assert "refused" in r.stdout, r.stdout + r.stderr
+    finally:
+        s.kill()
+
+
+def test_network_survives_pause_resume_and_fork(netd: Daemon) -> None:
+    s = create(netd, "on")
+    clones: list[Sandbox] = []
+    try:
+        assert curl(s, f"http://{WEB}/")[0]
+        s.pause()
+        s = Sandbox.resume(s.id, **netd.sdk_kwargs())
+        wait_until(lambda: curl(s, f"http://{WEB}/")[0], "the network back after resume", 60)
+        clones = s.fork()
+        for c in clones:
+            wait_until(lambda c=c: curl(c, f"http://{WEB}/")[0], "a clone's network", 60)  # type: ignore[misc]
+            assert any(r["verdict"] == "allowed" for r in records(netd, c.id))
+        assert curl(s, f"http://{WEB}/")[0]
+    finally:
+        for c in clones:
+            c.kill()
+        s.kill()
+
+
+def test_create_kill_cycles_leave_nothing(netd: Daemon) -> None:
+    tag = netd.net_env["CPUOS_NET_ID"]
+    before_ns = {n for n in _netns() if n.startswith(f"cpuos-{tag}-")}
+    for _ in range(10):
+        s = create(netd, "on")
+        s.kill()
+    # what is left is the spares (CPUOS_NETNS_POOL=1) and the pooled sandbox's
+    wait_until(lambda: len({n for n in _netns() if n.startswith(f"cpuos-{tag}-")}) <= 2,
+               "namespaces of killed sandboxes removed", 60)
+    out = subprocess.run(["nft", "-j", "list", "set", "inet", f"cpuos_{tag}", "src"],
+                         capture_output=True, text=True).stdout
+    elems = json.loads(out)["nftables"][1]["set"].get("elem", [])
+    assert len(elems) <= 1, elems  # the pooled sandbox's interface at most
+    assert len(before_ns) <= 2
+
+
+def test_policy_input_is_checked(netd: Daemon) -> None:
+    with netd.client() as c:
+        for bad in ("sideways", {"allow": ["bad name!"]}, {"mode": "on", "nope": 1},
+                    {"allow": "pypi.org"}):
+            r = c.post("/sandboxes", json={"template": "python", "network": bad})
+            assert r.status_code == 422, (bad, r.text)
+            assert r.json()["error"]["details"]["field"] == "network"
+
+
+
+
+SECRET_PREFIX = "sk-real-value-"
+SECRET = SECRET_PREFIX + "7" * 24
+# every process's environment and command line, and the files under /run /tmp /etc /home
+# /work: the SHA-256 of each window that starts like the value (its prefix, given as argv[1],
+# is no secret) and is as long (argv[2]); the value itself is never handed in
+SCAN = r"""
+import hashlib, os, sys
+prefix, n = sys.argv[1].encode(), int(sys.argv[2])
+def look(data, where):
+    i = data.find(prefix)
+    while i >= 0:
+        print(hashlib.sha256(data[i:i + n]).hexdigest(), where)
+        i = data.find(prefix, i + 1)
+for pid in os.listdir("/proc"):
+    if pid.isdigit():
+        for f in ("environ", "cmdline"):
+            try:
+                look(open(f"/proc/{pid}/{f}", "rb").read(), f"/proc/{pid}/{f}")
+            except OSError:
+                pass
+for top in ("/run", "/tmp", "/etc", "/home", "/work"):
+    for d, _, files in os.walk(top):
+        for name in files:
+            try:
+                look(open(os.path.join(d, name), "rb").read(), os.path.join(d, name))
+            except OSError:
+                pass
+print("scanned")
+"""
+
+
+def test_secret_never_enters_the_sandbox(netd: Daemon, inet: FakeInternet) -> None:
+    with netd.client() as c:
+        r = c.post("/sandboxes", json={
+            "template": "python", "timeout": "10m", "network": {"allow": ["other.test"]},
+            "secrets": {"API_KEY": {"value": SECRET, "hosts": ["allowed.test"]}}})
+        assert r.status_code == 201, r.text
+        assert SECRET not in r.text
+        sid = r.json()["id"]
+        assert SECRET not in c.get(f"/sandboxes/{sid}").text
+    s = Sandbox.connect(sid, **netd.sdk_kwargs())
+    try:
+        placeholder = s.exec("printf %s \"$API_KEY\"").stdout
+        assert placeholder.startswith("cpuos-secret-") and SECRET not in placeholder
+        # nowhere inside: environment, /proc, files
+        found = s.exec(["python3", "-c", SCAN, SECRET_PREFIX, str(len(SECRET))])
+        assert found.stdout.strip().endswith("scanned"), found.stderr
+        assert hashlib.sha256(SECRET.encode()).hexdigest() not in found.stdout, found.stdout
+        hdr = "Authorization: Bearer $API_KEY"
+
+        # the fake internet's CA, for the sandbox's own TLS to a host it is not MITM'd for
+        s.files.write("/tmp/inet-ca.pem", inet.ca_path.read_bytes())
+
+        def sent(url: str, *extra: str) -> list[str]:
+            """Request url with the header (the answer is not kept: the servers echo
+            headers, which would hand the value back in); what the server got."""
+            n = len(inet.seen())
+            r = s.exec(f"curl -sS -m 10 -o /dev/null -H \"{hdr}\" {' '.join(extra)} {url}")
+            assert r.exit_code == 0, r.stderr
+            return [e["data"] for e in inet.seen()[n:] if "Authorization" in e.get("data", "")]
+
+        # HTTPS to the secret's host: TLS ends at the proxy (the sandbox trusts its own CA),
+        # the header goes on to the server with the real value
+        got = sent("https://allowed.test:8443/bytes/10")
+        assert got and SECRET in got[0] and "Host: allowed.test" in got[0]
+        got = sent("http://allowed.test/bytes/10")  # plain HTTP: replaced too
+        assert got and SECRET in got[0]
+        for url, extra in (("http://other.test/bytes/10", ""),
+                           ("https://other.test:8443/bytes/10", "--cacert /tmp/inet-ca.pem")):
+            got = sent(url, extra)  # any other host gets the placeholder
+            assert got and SECRET not in got[0] and placeholder in got[0], (url, got)
+        recs = records(netd, sid)
+        assert SECRET not in json.dumps(recs)
+        assert any(r.get("name") == "allowed.test" and r.get("secrets") == 1 for r in recs)
+        # a snapshot holds the placeholder only
+        s.pause()
+        snap = netd.snapshots_dir / sid
+        for f in snap.rglob("*"):
+            if f.is_file():
+                raw = f.read_bytes()
+                i = raw.find(SECRET.encode())
+                assert i < 0, (f, raw[max(0, i - 600):i + 200])
+        s = Sandbox.resume(sid, **netd.sdk_kwargs())
+        got = sent("https://allowed.test:8443/bytes/10")
+        assert got and SECRET in got[0]
+    finally:
+        s.kill()
+    assert SECRET not in netd.log.read_text()
+    secrets_dir = netd.home / "secrets"
+    wait_until(lambda: not list(secrets_dir.glob("*.json")), "the secret removed at the end", 30)
