@@ -19,6 +19,7 @@ REPLACEMENTS = {
     "AsyncSandbox": "Sandbox",
     "AsyncFiles": "Files",
     "AsyncTemplates": "Templates",
+    "AsyncNetwork": "SandboxNetwork",
     "_AsyncHTTP": "_SyncHTTP",
     "AsyncClient": "Client",
     "aiter_raw": "iter_raw",

@@ -6,7 +6,7 @@
     run = sbx.exec("python /work/main.py", timeout="2m", on_stdout=print)
 """
 
-from ._async.sandbox import AsyncFiles, AsyncSandbox
+from ._async.sandbox import AsyncFiles, AsyncNetwork, AsyncSandbox
 from ._async.templates import AsyncTemplates
 from ._durations import parse_duration
 from ._errors import (
@@ -23,14 +23,14 @@ from ._errors import (
     Unavailable,
 )
 from ._models import ExecResult, FileEntry, SandboxInfo, TemplateInfo
-from ._sync.sandbox import Files, Sandbox
+from ._sync.sandbox import Files, Sandbox, SandboxNetwork
 from ._sync.templates import Templates
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AsyncFiles", "AsyncSandbox", "AsyncTemplates", "AuthError", "Conflict", "CpuosError",
-    "ExecResult", "FileEntry", "Files", "InvalidArgument", "LimitExceeded", "NoSpace",
-    "NotFound", "PermissionDenied", "Sandbox", "SandboxInfo", "ServerError", "TemplateInfo",
-    "Templates", "Timeout", "Unavailable", "parse_duration",
+    "AsyncFiles", "AsyncNetwork", "AsyncSandbox", "AsyncTemplates", "AuthError", "Conflict",
+    "CpuosError", "ExecResult", "FileEntry", "Files", "InvalidArgument", "LimitExceeded",
+    "NoSpace", "NotFound", "PermissionDenied", "Sandbox", "SandboxInfo", "SandboxNetwork",
+    "ServerError", "TemplateInfo", "Templates", "Timeout", "Unavailable", "parse_duration",
 ]

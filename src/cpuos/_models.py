@@ -106,6 +106,8 @@ class SandboxInfo:
     on_timeout: str = "kill"
     paused_at: float | None = None
     snapshot_bytes: int | None = None
+    pids: int | None = None
+    network: dict[str, Any] | None = None  # the egress policy (mode, allow)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> SandboxInfo:

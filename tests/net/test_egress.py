@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from cpuos import Sandbox
+from cpuos import InvalidArgument, Sandbox
 from cpuosd.fakenet import DENIED_LISTENERS, SMTP, WEB, FakeInternet
 from cpuosd.testing import Daemon, e2e_unavailable, new_daemon, wait_until
 
@@ -64,14 +64,6 @@ def create(d: Daemon, network: Any) -> Sandbox:
         assert r.status_code == 201, r.text
         sid = r.json()["id"]
     return Sandbox.connect(sid, **d.sdk_kwargs())
-
-
-def set_network(d: Daemon, sid: str, network: Any) -> dict[str, Any]:
-    with d.client() as c:
-        r = c.post(f"/sandboxes/{sid}/network", json={"network": network})
-        assert r.status_code == 200, r.text
-        out: dict[str, Any] = r.json()
-        return out
 
 
 def records(d: Daemon, sid: str) -> list[dict[str, Any]]:
@@ -200,19 +192,25 @@ def test_allowlist_reaches_allowed_names_only(netd: Daemon, inet: FakeInternet) 
 
 
 def test_off_then_update_applies_to_new_connections(netd: Daemon) -> None:
-    s = create(netd, "off")
+    """Through the SDK: Sandbox.create(network=...), sbx.network.update/.connections."""
+    s = Sandbox.create(template="python", network="off", **netd.sdk_kwargs())
     try:
+        assert s.network.policy == {"mode": "off", "allow": []}
         assert not curl(s, f"http://{WEB}/")[0]
         assert s.exec("getent hosts allowed.test").exit_code != 0
-        info = set_network(netd, s.id, "on")
-        assert info["network"]["mode"] == "on"
+        assert (s.network.update("on") or {})["mode"] == "on"
         assert curl(s, f"http://{WEB}/")[0]
-        set_network(netd, s.id, {"allow": ["allowed.test"]})
+        s.network.update({"allow": ["allowed.test"]})
         assert curl(s, "http://allowed.test/")[0]
         assert not curl(s, f"http://{WEB}/")[0]
-        set_network(netd, s.id, "off")
+        s.network.update("off")
         assert not curl(s, "http://allowed.test/")[0]
-        assert any(r["verdict"] == "denied" for r in records(netd, s.id))
+        assert s.info().network == {"mode": "off", "allow": []}
+        recs = s.network.connections(limit=1000)
+        assert any(r["verdict"] == "denied" for r in recs)
+        assert any(r["verdict"] == "allowed" and r.get("name") == "allowed.test" for r in recs)
+        with pytest.raises(InvalidArgument):
+            s.network.update("sideways")
     finally:
         s.kill()
 

@@ -211,6 +211,36 @@ class Files:
         return FileEntry.from_json(d)
 
 
+Network = str | dict[str, Any]  # "off" | "on" | "allowlist" | {"allow": [names]}
+
+
+class SandboxNetwork:
+    """``sbx.network``: the sandbox's egress policy and the record of its connections."""
+
+    def __init__(self, sbx: Sandbox) -> None:
+        self._sbx = sbx
+
+    @property
+    def policy(self) -> dict[str, Any] | None:
+        """The policy as of the last answer about the sandbox (``sbx.info()`` refreshes)."""
+        return self._sbx._info.network
+
+    def update(self, network: Network) -> dict[str, Any] | None:
+        """A new policy; the sandbox's new connections follow it at once."""
+        d = self._sbx._http.request("POST", f"/sandboxes/{self._sbx.id}/network",
+                                          json={"network": network})
+        self._sbx._info = SandboxInfo.from_json(d)
+        return self._sbx._info.network
+
+    def connections(self, limit: int = 100) -> list[dict[str, Any]]:
+        """Outbound attempts, newest first: time, proto, dst, port, name, verdict (allowed,
+        denied, error), rule, bytes_out/bytes_in."""
+        d = self._sbx._http.request("GET", f"/sandboxes/{self._sbx.id}/connections",
+                                          params={"limit": limit})
+        out: list[dict[str, Any]] = d["connections"]
+        return out
+
+
 class Sandbox:
     """A disposable, isolated Linux machine.
 
@@ -223,16 +253,21 @@ class Sandbox:
         self._info = info
         self._http = http
         self.files = Files(self)
+        self.network = SandboxNetwork(self)
 
     # ---- construction -----------------------------------------------------------------
     @classmethod
     def create(cls, template: str = "python", timeout: str | float = "5m", *,
                      metadata: dict[str, str] | None = None, env: dict[str, str] | None = None,
                      vcpus: int | None = None, memory_mib: int | None = None,
-                     on_timeout: str = "kill",
+                     on_timeout: str = "kill", network: Network | None = None,
+                     secrets: dict[str, dict[str, Any]] | None = None,
                      api_url: str | None = None, api_key: str | None = None) -> Sandbox:
         """A new sandbox. ``on_timeout="pause"`` pauses it at its deadline instead of
-        killing it."""
+        killing it. ``network``: ``"off"``, ``"on"``, ``"allowlist"`` or ``{"allow":
+        ["pypi.org", "*.github.com"]}`` (default: the daemon's). ``secrets``: ``{"NAME":
+        {"value": "...", "hosts": ["api.example.com"]}}``: NAME inside is a placeholder,
+        the value goes only into request headers to those hosts."""
         body: dict[str, Any] = {"template": template, "timeout": timeout,
                                 "metadata": metadata or {}, "env": env or {},
                                 "on_timeout": on_timeout}
@@ -240,6 +275,10 @@ class Sandbox:
             body["vcpus"] = vcpus
         if memory_mib is not None:
             body["memory_mib"] = memory_mib
+        if network is not None:
+            body["network"] = network
+        if secrets:
+            body["secrets"] = secrets
         return cls._open(api_url, api_key, "POST", "/sandboxes", json=body)
 
     @classmethod
