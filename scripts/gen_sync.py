@@ -20,6 +20,7 @@ REPLACEMENTS = {
     "AsyncFiles": "Files",
     "AsyncTemplates": "Templates",
     "AsyncNetwork": "SandboxNetwork",
+    "AsyncPorts": "Ports",
     "_AsyncHTTP": "_SyncHTTP",
     "AsyncClient": "Client",
     "aiter_raw": "iter_raw",

@@ -21,6 +21,8 @@ class Config:
     home: Path = field(default_factory=lambda: Path(os.environ.get("CPUOS_HOME", DEFAULT_HOME)))
     host: str = field(default_factory=lambda: os.environ.get("CPUOS_HOST", DEFAULT_HOST))
     port: int = field(default_factory=lambda: _int("CPUOS_PORT", DEFAULT_PORT))
+    # the preview proxy's port (cpuosd.proxy.preview); -1: the API's port + 1, 0: any free
+    preview_port: int = field(default_factory=lambda: _int("CPUOS_PREVIEW_PORT", -1))
     # gvisor | microvm | auto: auto picks microvm only where the KVM boot probe passes
     # (cpuosd.backends.microvm.selection); microvm refuses to start where it fails.
     backend: str = field(default_factory=lambda: os.environ.get("CPUOS_BACKEND", "auto"))

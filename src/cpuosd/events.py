@@ -43,7 +43,13 @@ class EventBus:
                 log.exception("event subscriber %r failed on %s", fn, ev)
 
 
+# events that are not state transitions (recorded elsewhere: connections, port activity)
+NOT_TRANSITIONS = frozenset({"connection", "port", "network"})
+
+
 def log_event(ev: SandboxEvent) -> None:
     """The first subscriber: one structured log line per transition."""
+    if ev.kind in NOT_TRANSITIONS:
+        return
     log.info("sandbox %s: %s -> %s%s", ev.sandbox, ev.previous, ev.kind,
              f" ({ev.fields['reason']})" if ev.fields.get("reason") else "")

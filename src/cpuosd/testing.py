@@ -113,7 +113,8 @@ class Daemon:
         k = self.port % 6400
         return {"CPUOS_NET_ID": f"t{k:03x}"[-4:], "CPUOS_DEFAULT_NETWORK": "off",
                 "CPUOS_NET_POOL": f"10.{100 + k // 64}.{(k % 64) * 4}.0/22",
-                "CPUOS_NETNS_POOL": "1", "CPUOS_NFLOG_GROUP": str(1000 + k)}
+                "CPUOS_NETNS_POOL": "1", "CPUOS_NFLOG_GROUP": str(1000 + k),
+                "CPUOS_PREVIEW_PORT": "0"}
 
     def network_leftovers(self) -> list[str]:
         """This daemon's namespaces, interfaces and nftables table still on the host."""

@@ -240,6 +240,39 @@ class AsyncNetwork:
         return out
 
 
+class AsyncPorts:
+    """``sbx.ports``: preview URLs for servers inside the sandbox (the daemon's preview
+    proxy; a request to a paused sandbox resumes it)."""
+
+    def __init__(self, sbx: AsyncSandbox) -> None:
+        self._sbx = sbx
+
+    async def expose(self, port: int, *, public: bool | None = None) -> str:
+        """The URL at which ``port`` inside is served: with its token in the query (a
+        browser gets a cookie on first use; programs may send ``X-Cpuos-Token``), or
+        without one for a ``public`` port."""
+        p = await self.info(port, public=public)
+        return str(p["url"]) if p["public"] else f"{p['url']}?cpuos_token={p['token']}"
+
+    async def info(self, port: int, *, public: bool | None = None) -> dict[str, Any]:
+        """Expose ``port`` (``public`` None keeps what it was): {port, url, host_url,
+        token, public}."""
+        body: dict[str, Any] = {"port": port}
+        if public is not None:
+            body["public"] = public
+        d: dict[str, Any] = await self._sbx._http.request(
+            "POST", f"/sandboxes/{self._sbx.id}/ports", json=body)
+        return d
+
+    async def list(self) -> builtins.list[dict[str, Any]]:
+        d = await self._sbx._http.request("GET", f"/sandboxes/{self._sbx.id}/ports")
+        out: builtins.list[dict[str, Any]] = d["ports"]
+        return out
+
+    async def unexpose(self, port: int) -> None:
+        await self._sbx._http.request("DELETE", f"/sandboxes/{self._sbx.id}/ports/{port}")
+
+
 class AsyncSandbox:
     """A disposable, isolated Linux machine.
 
@@ -253,6 +286,7 @@ class AsyncSandbox:
         self._http = http
         self.files = AsyncFiles(self)
         self.network = AsyncNetwork(self)
+        self.ports = AsyncPorts(self)
 
     # ---- construction -----------------------------------------------------------------
     @classmethod
@@ -340,6 +374,12 @@ class AsyncSandbox:
     async def info(self) -> SandboxInfo:
         self._info = SandboxInfo.from_json(await self._http.request("GET", f"/sandboxes/{self.id}"))
         return self._info
+
+    async def get_host(self, port: int) -> str:
+        """The host-form preview URL of ``port`` (``http://<port>-<id>.localhost:...``),
+        exposing it if needed; send its token as ``X-Cpuos-Token`` or ``?cpuos_token=``."""
+        p = await self.ports.info(port)
+        return str(p["host_url"])
 
     async def set_timeout(self, timeout: str | float) -> SandboxInfo:
         """Kill the sandbox ``timeout`` from now (extends or shortens its life)."""

@@ -241,6 +241,39 @@ class SandboxNetwork:
         return out
 
 
+class Ports:
+    """``sbx.ports``: preview URLs for servers inside the sandbox (the daemon's preview
+    proxy; a request to a paused sandbox resumes it)."""
+
+    def __init__(self, sbx: Sandbox) -> None:
+        self._sbx = sbx
+
+    def expose(self, port: int, *, public: bool | None = None) -> str:
+        """The URL at which ``port`` inside is served: with its token in the query (a
+        browser gets a cookie on first use; programs may send ``X-Cpuos-Token``), or
+        without one for a ``public`` port."""
+        p = self.info(port, public=public)
+        return str(p["url"]) if p["public"] else f"{p['url']}?cpuos_token={p['token']}"
+
+    def info(self, port: int, *, public: bool | None = None) -> dict[str, Any]:
+        """Expose ``port`` (``public`` None keeps what it was): {port, url, host_url,
+        token, public}."""
+        body: dict[str, Any] = {"port": port}
+        if public is not None:
+            body["public"] = public
+        d: dict[str, Any] = self._sbx._http.request(
+            "POST", f"/sandboxes/{self._sbx.id}/ports", json=body)
+        return d
+
+    def list(self) -> builtins.list[dict[str, Any]]:
+        d = self._sbx._http.request("GET", f"/sandboxes/{self._sbx.id}/ports")
+        out: builtins.list[dict[str, Any]] = d["ports"]
+        return out
+
+    def unexpose(self, port: int) -> None:
+        self._sbx._http.request("DELETE", f"/sandboxes/{self._sbx.id}/ports/{port}")
+
+
 class Sandbox:
     """A disposable, isolated Linux machine.
 
@@ -254,6 +287,7 @@ class Sandbox:
         self._http = http
         self.files = Files(self)
         self.network = SandboxNetwork(self)
+        self.ports = Ports(self)
 
     # ---- construction -----------------------------------------------------------------
     @classmethod
@@ -341,6 +375,12 @@ class Sandbox:
     def info(self) -> SandboxInfo:
         self._info = SandboxInfo.from_json(self._http.request("GET", f"/sandboxes/{self.id}"))
         return self._info
+
+    def get_host(self, port: int) -> str:
+        """The host-form preview URL of ``port`` (``http://<port>-<id>.localhost:...``),
+        exposing it if needed; send its token as ``X-Cpuos-Token`` or ``?cpuos_token=``."""
+        p = self.ports.info(port)
+        return str(p["host_url"])
 
     def set_timeout(self, timeout: str | float) -> SandboxInfo:
         """Kill the sandbox ``timeout`` from now (extends or shortens its life)."""

@@ -81,8 +81,11 @@ files_app = typer.Typer(cls=_Group, no_args_is_help=True,
                         help="Read and write files inside a sandbox.")
 template_app = typer.Typer(cls=_Group, no_args_is_help=True,
                            help="Build and list sandbox templates (root filesystems).")
+port_app = typer.Typer(cls=_Group, no_args_is_help=True,
+                       help="Preview URLs for servers inside a sandbox.")
 app.add_typer(files_app, name="files")
 app.add_typer(template_app, name="template")
+app.add_typer(port_app, name="port")
 
 ApiUrl = Annotated[str | None, typer.Option(
     "--api-url", envvar="CPUOS_API_URL", show_envvar=True,
@@ -501,6 +504,51 @@ def files_rm(
     """Remove a file or directory in the sandbox."""
     with _connect(sandbox_id, api_url, api_key, resume=True) as sbx:
         sbx.files.remove(path)
+
+
+# ---- ports ----------------------------------------------------------------------------------
+PortArg = Annotated[int, typer.Argument(help="The port a server listens on inside.")]
+
+
+@port_app.command("expose")
+def port_expose(
+    sandbox_id: SandboxId, port: PortArg,
+    public: Annotated[bool, typer.Option("--public", help="No token needed.")] = False,
+    api_url: ApiUrl = None, api_key: ApiKey = None, json_: JsonOut = False,
+) -> None:
+    """Expose a port: prints its preview URL (with its token, unless --public)."""
+    with _connect(sandbox_id, api_url, api_key) as sbx:
+        info = sbx.ports.info(port, public=public or None)
+    if json_:
+        _print_json(info)
+        return
+    url = info["url"] if info["public"] else f"{info['url']}?cpuos_token={info['token']}"
+    typer.echo(url)
+
+
+@port_app.command("ls")
+def port_ls(sandbox_id: SandboxId, api_url: ApiUrl = None, api_key: ApiKey = None,
+            json_: JsonOut = False) -> None:
+    """The exposed ports of a sandbox and their URLs."""
+    with _connect(sandbox_id, api_url, api_key) as sbx:
+        items = sbx.ports.list()
+    if json_:
+        _print_json(items)
+        return
+    t = Table(box=None, header_style="bold", pad_edge=False)
+    for col in ("PORT", "PUBLIC", "URL"):
+        t.add_column(col, no_wrap=True)
+    for i in items:
+        t.add_row(str(i["port"]), "yes" if i["public"] else "no", str(i["url"]))
+    _out().print(t)
+
+
+@port_app.command("rm")
+def port_rm(sandbox_id: SandboxId, port: PortArg, api_url: ApiUrl = None,
+            api_key: ApiKey = None) -> None:
+    """Unexpose a port: its URLs stop working."""
+    with _connect(sandbox_id, api_url, api_key) as sbx:
+        sbx.ports.unexpose(port)
 
 
 # ---- templates ----------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from cpuos_agent.protocol import parse_duration
 
 from .auth import Guard, Ws, require_admin
 from .templates import TemplateBuilds, router as templates_router
+from ..proxy.preview import Preview
 from ..backends.microvm.selection import BackendUnavailable, select_backend
 from ..config import Config
 from ..accounting.quotas import check_limits_body
@@ -82,6 +83,8 @@ class CreateSandbox(BaseModel):
     network: str | dict[str, Any] | None = Field(None, description=(
         "egress policy: off | on | allowlist | {\"allow\": [\"pypi.org\", "
         "\"*.github.com\"]} (default: the daemon's CPUOS_DEFAULT_NETWORK)"))
+    wake_on_request: bool = Field(True, description="a request to an exposed port of the "
+                                  "paused sandbox resumes it")
     secrets: dict[str, Any] | None = Field(None, description=(
         "{NAME: {\"value\": \"...\", \"hosts\": [\"api.example.com\"]}}: NAME in the "
         "sandbox is a placeholder; the egress proxy puts the value in the headers of "
@@ -103,6 +106,13 @@ class CreateSandbox(BaseModel):
     @classmethod
     def _env(cls, v: dict[str, str]) -> dict[str, str]:
         return _check_env(v)
+
+
+class ExposePort(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    port: int = Field(ge=1, le=65535)
+    public: bool | None = Field(None, description="no token needed (default: as it was, "
+                                "else false)")
 
 
 class SetNetwork(BaseModel):
@@ -277,9 +287,14 @@ def create_app(cfg: Config | None = None) -> FastAPI:
         await mgr.startup()
         app.state.store, app.state.mgr, app.state.network = store, mgr, network
         app.state.builds = TemplateBuilds(cfg)
+        preview = Preview(mgr, network, cfg.port + 1 if cfg.preview_port < 0
+                          else cfg.preview_port, cfg.host)
+        await preview.start()
+        app.state.preview = preview
         try:
             yield
         finally:
+            await preview.close()
             await app.state.builds.shutdown()
             await mgr.shutdown()
             if network is not None:
@@ -379,6 +394,9 @@ def create_app(cfg: Config | None = None) -> FastAPI:
         row = await mgr(request).create(ws, body.template, float(body.timeout), body.metadata,
                                         env, body.vcpus, body.memory_mib, body.on_timeout,
                                         network=network)
+        if not body.wake_on_request:
+            row.spec["wake_on_request"] = False
+            request.app.state.store.update_sandbox(row.id, spec=row.spec)
         return sandbox_json(row)
 
     @app.post("/sandboxes/{sid}/network")
@@ -387,6 +405,28 @@ def create_app(cfg: Config | None = None) -> FastAPI:
         """A new egress policy; a running sandbox's new connections follow it at once."""
         policy = Policy.parse(body.network).to_json()
         return sandbox_json(await mgr(request).set_network(ws, sid, policy))
+
+    def previews(request: Request) -> Preview:
+        pv: Preview = request.app.state.preview
+        if request.app.state.network is None:
+            raise ApiError("conflict", "previews need the sandbox network, which is off here "
+                           "(the gVisor backend with CPUOS_NETWORK on)")
+        return pv
+
+    @app.post("/sandboxes/{sid}/ports", status_code=201)
+    async def expose(sid: str, body: ExposePort, request: Request, ws: Ws) -> dict[str, Any]:
+        """A preview URL for a server on ``port`` inside the sandbox: its token-protected
+        URLs (path and host forms), or open to anyone with ``public``."""
+        return await previews(request).expose(ws, sid, body.port, body.public)
+
+    @app.get("/sandboxes/{sid}/ports")
+    async def ports(sid: str, request: Request, ws: Ws) -> dict[str, Any]:
+        return {"ports": previews(request).list(ws, sid)}
+
+    @app.delete("/sandboxes/{sid}/ports/{port}")
+    async def unexpose(sid: str, port: int, request: Request, ws: Ws) -> dict[str, Any]:
+        await previews(request).unexpose(ws, sid, port)
+        return {"unexposed": port}
 
     @app.get("/sandboxes/{sid}/connections")
     async def connections(sid: str, request: Request, ws: Ws,

@@ -1,0 +1,1 @@
+"""The preview proxy: live URLs for servers inside sandboxes."""
