@@ -315,6 +315,8 @@ class RawRunsc:
         self.agent_dir.mkdir()
         self.n = 0
         self.size: dict[str, Any] = {}  # SandboxSpec's defaults until match()
+        self.networked = False  # the daemon's sandboxes have a network namespace (match())
+        self.namespaces: list[str] = []
 
     def match(self, d: Daemon, sid: str) -> None:
         """From now on, give the raw containers the size the daemon gave its sandbox sid
@@ -326,6 +328,7 @@ class RawRunsc:
             info = r.json()
         known = {f.name for f in dataclasses.fields(SandboxSpec)}
         self.size = {k: info[k] for k in self.SIZE if k in known and info.get(k) is not None}
+        self.networked = info.get("network") is not None
 
     def global_flags(self) -> list[str]:
         return [runsc().path, "--root", str(self.root), f"--platform={runsc().platform}"]
@@ -390,11 +393,38 @@ class RawRunsc:
                                str(sdir / "bundle"), cid], sdir / "runsc.log")
         self._check(rc, "run --detach", sdir)
 
-    def restore(self, cid: str, sdir: Path, image: Path) -> None:
-        rc = PROCS.run_logged([*self.sandbox_flags(), "restore", "--detach",
+    def restore(self, cid: str, sdir: Path, image: Path, network: bool = False) -> None:
+        rc = PROCS.run_logged([*self.sandbox_flags(network), "restore", "--detach",
                                f"--image-path={image}", "--bundle", str(sdir / "bundle"), cid],
                               sdir / "runsc.log")
         self._check(rc, "restore --detach", sdir)
+
+    def netns(self) -> str:
+        """A network namespace like the daemon gives a sandbox (made ahead, as the daemon's
+        are: not timed), with an addressed interface and a default route but no peer (a
+        veth pair with both ends inside: the floor sends nothing). Returns its path; removed in
+        cleanup."""
+        self.n += 1
+        name = f"cpuos-bench-{os.getpid()}-{self.n}"
+        self.namespaces.append(name)
+        for argv in (["ip", "netns", "add", name],
+                     ["ip", "-n", name, "link", "add", "eth0", "type", "veth", "peer", "name",
+                      "peer0"],
+                     ["ip", "-n", name, "link", "set", "peer0", "up"],
+                     ["ip", "-n", name, "addr", "add", "10.254.255.2/30", "dev", "eth0"],
+                     ["ip", "-n", name, "link", "set", "eth0", "up"],
+                     ["ip", "-n", name, "link", "set", "lo", "up"],
+                     ["ip", "-n", name, "route", "add", "default", "via", "10.254.255.1"]):
+            rc, _, err = PROCS.run(argv, timeout=30)
+            if rc != 0:
+                raise RuntimeError(f"{' '.join(argv)}: {err.decode(errors='replace')}")
+        return f"/var/run/netns/{name}"
+
+    def drop_netns(self, path: str) -> None:
+        name = path.rsplit("/", 1)[-1]
+        PROCS.run(["ip", "netns", "del", name], timeout=30)
+        if name in self.namespaces:
+            self.namespaces.remove(name)
 
     def checkpoint(self, cid: str, sdir: Path, image: Path) -> None:
         image.mkdir(parents=True, exist_ok=True)
@@ -426,6 +456,9 @@ class RawRunsc:
                 left = [c["id"] for c in json.loads(out or b"null") or []]
             for cid in left:
                 PROCS.run([*self.global_flags(), "delete", "--force", cid], timeout=60)
+        for name in list(self.namespaces):
+            PROCS.run(["ip", "netns", "del", name], timeout=30)
+        self.namespaces.clear()
         shutil.rmtree(self.tmp, ignore_errors=True)
         return left
 
