@@ -6,6 +6,8 @@ unreachable, and a request to a paused sandbox resuming it."""
 from __future__ import annotations
 
 import base64
+import hashlib
+import os
 import concurrent.futures
 import json
 import socket
@@ -98,8 +100,10 @@ def test_token_path_and_host_forms(pd: Daemon, web: Sandbox) -> None:
     tok = {"X-Cpuos-Token": token}
     wait_until(lambda: get(url + "headers", headers=tok).status_code == 200,
                "the server inside to answer", 60)
-    assert get(url + "headers").status_code == 401
-    assert get(url + "headers", headers={"X-Cpuos-Token": "nope"}).status_code == 401
+    r = get(url + "headers")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"
+    r = get(url + "headers", headers={"X-Cpuos-Token": "nope"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "permission_denied"
     assert get(url + "headers?cpuos_token=nope").status_code == 403
     # the token once in the query: a redirect that sets a cookie for this path
     r = get(url + "headers?cpuos_token=" + token + "&x=1")
@@ -166,10 +170,10 @@ def test_request_wakes_a_paused_sandbox(pd: Daemon, web: Sandbox) -> None:
                "the server inside", 60)
     web.pause()
     assert web.info().state == "paused"
-    with concurrent.futures.ThreadPoolExecutor(5) as ex:
+    with concurrent.futures.ThreadPoolExecutor(20) as ex:
         codes = list(ex.map(lambda _: get(p["url"] + "headers", headers=tok).status_code,
-                            range(5)))
-    assert codes == [200] * 5
+                            range(20)))
+    assert codes == [200] * 20
     with pd.client() as c:
         assert c.get(f"/sandboxes/{web.id}").json()["state"] == "running"
 
@@ -194,3 +198,86 @@ def test_sdk_and_cli(pd: Daemon, web: Sandbox) -> None:
     assert CliRunner().invoke(cli.app, ["port", "rm", web.id, "8080", *api]).exit_code == 0
     web.ports.unexpose(3000)
     assert web.ports.list() == []
+
+
+def test_big_download_websocket_order_and_other_tokens(pd: Daemon, web: Sandbox) -> None:
+    """A 100 MiB download arrives whole; 1000 WebSocket-channel messages round-trip in
+    order; another sandbox's token opens nothing here."""
+    p = expose(pd, web.id, 3000)
+    tok = {"X-Cpuos-Token": p["token"]}
+    web.exec("head -c 104857600 /dev/urandom > /work/big.bin")
+    want = web.exec("sha256sum /work/big.bin").stdout.split()[0]
+    other = Sandbox.create(template="python", timeout="5m", **pd.sdk_kwargs())
+    try:
+        other_token = expose(pd, other.id, 3000)["token"]
+        wait_until(lambda: get(p["url"] + "headers", headers=tok).status_code == 200,
+                   "the server inside", 60)
+        r = get(p["url"] + "headers", headers={"X-Cpuos-Token": other_token})
+        assert r.status_code == 403
+    finally:
+        other.kill()
+    web.exec("cd /work && nohup python3 -m http.server 3001 >/dev/null 2>&1 &")
+    p2 = expose(pd, web.id, 3001)
+    h = hashlib.sha256()
+    wait_until(lambda: get(p2["url"], headers={"X-Cpuos-Token": p2["token"]}).status_code
+               == 200, "http.server inside", 60)
+    with httpx.stream("GET", p2["url"] + "big.bin", timeout=120,
+                      headers={"X-Cpuos-Token": p2["token"]}) as s:
+        assert s.status_code == 200
+        for chunk in s.iter_bytes():
+            h.update(chunk)
+    assert h.hexdigest() == want
+    u = urlsplit(p["url"])
+    key = base64.b64encode(b"0123456789abcdef").decode()
+    with socket.create_connection((u.hostname or "", u.port or 80), timeout=30) as c:
+        c.sendall((f"GET {u.path}ws HTTP/1.1\r\nHost: {u.netloc}\r\nUpgrade: websocket\r\n"
+                   f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
+                   f"X-Cpuos-Token: {p['token']}\r\n\r\n").encode())
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            buf += c.recv(4096)
+        buf = buf.split(b"\r\n\r\n", 1)[1]
+        msgs = [f"message {i:04d};".encode() for i in range(1000)]
+        for m in msgs:
+            c.sendall(m)
+        want_all = b"".join(msgs)
+        while len(buf) < len(want_all):
+            b = c.recv(65536)
+            assert b
+            buf += b
+        assert buf == want_all
+
+
+def test_bad_input_and_no_leaks(pd: Daemon, web: Sandbox) -> None:
+    with pd.client() as c:
+        for bad in (0, 65536, "x", None):
+            r = c.post(f"/sandboxes/{web.id}/ports", json={"port": bad})
+            assert r.status_code == 422, (bad, r.text)
+        key = c.post("/workspaces", json={"name": "ports-other"}).json()["key"]
+        r = c.post(f"/sandboxes/{web.id}/ports", json={"port": 3000},
+                   headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 404
+    p = expose(pd, web.id, 3000)
+    base = p["url"].split("/sandboxes/")[0]
+    r = get(base + "/", headers={"Host": "nosuch.localhost"})
+    assert r.status_code == 404 and "error" in r.json()
+    r = get(base + "/", headers={"Host": "3000-sbx-000000000000.localhost"})
+    assert r.status_code == 404
+    assert get(base + "/sandboxes/sbx-000000000000/ports/3000/").status_code == 404
+    tok = {"X-Cpuos-Token": p["token"]}
+    wait_until(lambda: get(p["url"] + "headers", headers=tok).status_code == 200,
+               "the server inside", 60)
+    assert pd.proc is not None
+    pid = pd.proc.pid
+
+    def fds() -> int:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+
+    before = fds()
+    u = urlsplit(p["url"])
+    for _ in range(200):  # a client that goes away in the middle of a request body
+        with socket.create_connection((u.hostname or "", u.port or 80), timeout=10) as c:
+            c.sendall((f"POST {u.path}headers HTTP/1.1\r\nHost: {u.netloc}\r\n"
+                       f"X-Cpuos-Token: {p['token']}\r\nContent-Length: 100000\r\n\r\n"
+                       "partial").encode())
+    wait_until(lambda: fds() <= before + 5, "the proxy's connections closed", 60)

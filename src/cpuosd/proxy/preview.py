@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import os
 import re
@@ -196,9 +197,11 @@ class Preview:
                     ("Set-Cookie", f"{cookie_name(port)}={token}; Path={scope}; HttpOnly; "
                                    "SameSite=Lax")])
             offered = hdr.get(b"x-cpuos-token", b"").decode("latin-1") or cookie or ""
-            if not hmac.compare_digest(offered.encode(), token.encode()):
+            if not offered:
                 return await _reply(writer, 401, "this preview needs its token "
                                     "(?cpuos_token=..., or the X-Cpuos-Token header)")
+            if not hmac.compare_digest(offered.encode(), token.encode()):
+                return await _reply(writer, 403, "wrong preview token")
         elif given is not None:
             query = urlencode([(k, v) for k, v in q if k != "cpuos_token"])
         addr = await self._running_address(row.id, row.workspace_id, row.state, row.spec)
@@ -273,13 +276,21 @@ def _drop_cookie(raw: bytes, name: str) -> bytes:
     return "; ".join(keep).encode("latin-1")
 
 
+CODES = {400: "invalid_argument", 401: "unauthorized", 403: "permission_denied",
+         404: "not_found", 431: "invalid_argument", 502: "unavailable", 503: "unavailable"}
+
+
 async def _reply(writer: asyncio.StreamWriter, status: int, msg: str,
                  extra: list[tuple[str, str]] | None = None) -> None:
-    body = msg.encode() + (b"\n" if msg else b"")
+    """An answer of the proxy's own: errors as the API's JSON error body."""
+    body = b""
+    if status >= 400:
+        body = json.dumps({"error": {"code": CODES.get(status, "internal"), "message": msg,
+                                     "details": {}}}).encode()
     reason = {303: "See Other", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden",
               404: "Not Found", 431: "Request Header Fields Too Large", 502: "Bad Gateway",
               503: "Service Unavailable"}.get(status, "")
-    head = [f"HTTP/1.1 {status} {reason}", "Content-Type: text/plain; charset=utf-8",
+    head = [f"HTTP/1.1 {status} {reason}", "Content-Type: application/json",
             f"Content-Length: {len(body)}", "Connection: close",
             *(f"{k}: {v}" for k, v in (extra or []))]
     writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body)
