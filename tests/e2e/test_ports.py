@@ -276,8 +276,8 @@ def test_bad_input_and_no_leaks(pd: Daemon, web: Sandbox) -> None:
     before = fds()
     u = urlsplit(p["url"])
     for _ in range(200):  # a client that goes away in the middle of a request body
-        with socket.create_connection((u.hostname or "", u.port or 80), timeout=10) as c:
-            c.sendall((f"POST {u.path}headers HTTP/1.1\r\nHost: {u.netloc}\r\n"
+        with socket.create_connection((u.hostname or "", u.port or 80), timeout=10) as conn:
+            conn.sendall((f"POST {u.path}headers HTTP/1.1\r\nHost: {u.netloc}\r\n"
                        f"X-Cpuos-Token: {p['token']}\r\nContent-Length: 100000\r\n\r\n"
                        "partial").encode())
     wait_until(lambda: fds() <= before + 5, "the proxy's connections closed", 60)
