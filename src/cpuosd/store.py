@@ -58,6 +58,9 @@ MIGRATIONS = [
     );
     CREATE INDEX connections_sbx ON connections(sandbox_id, n);
     """,
+    """
+    ALTER TABLE workspaces ADD COLUMN settings TEXT NOT NULL DEFAULT '{}';
+    """,
 ]
 # what is kept of one sandbox's connection record (the oldest go first)
 MAX_CONNECTIONS = 10_000
@@ -135,11 +138,15 @@ class Store:
         return wid
 
     def workspace(self, wid: str) -> dict[str, Any] | None:
-        r = self._exec("SELECT id, name, created_at, limits FROM workspaces WHERE id=?",
-                       (wid,)).fetchone()
+        r = self._exec("SELECT id, name, created_at, limits, settings FROM workspaces "
+                       "WHERE id=?", (wid,)).fetchone()
         if r is None:
             return None
-        return {"id": r[0], "name": r[1], "created_at": r[2], "limits": json.loads(r[3])}
+        return {"id": r[0], "name": r[1], "created_at": r[2], "limits": json.loads(r[3]),
+                "settings": json.loads(r[4])}
+
+    def set_workspace_settings(self, wid: str, settings: dict[str, Any]) -> None:
+        self._exec("UPDATE workspaces SET settings=? WHERE id=?", (json.dumps(settings), wid))
 
     def set_workspace_limits(self, wid: str, limits: dict[str, int]) -> None:
         self._exec("UPDATE workspaces SET limits=? WHERE id=?", (json.dumps(limits), wid))

@@ -14,6 +14,7 @@ import subprocess
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 
 from cpuos import InvalidArgument, Sandbox
@@ -374,3 +375,25 @@ def test_secret_never_enters_the_sandbox(netd: Daemon, inet: FakeInternet) -> No
     assert SECRET not in netd.log.read_text()
     secrets_dir = netd.home / "secrets"
     wait_until(lambda: not list(secrets_dir.glob("*.json")), "the secret removed at the end", 30)
+
+
+def test_workspace_default_policy(netd: Daemon) -> None:
+    with netd.client() as c:
+        w = c.post("/workspaces", json={"name": "net-default"}).json()
+        r = c.put(f"/workspaces/{w['id']}/settings",
+                  json={"default_network": {"allow": ["allowed.test"]}})
+        assert r.status_code == 200, r.text
+        assert c.put(f"/workspaces/{w['id']}/settings",
+                     json={"default_network": "sideways"}).status_code == 422
+    with httpx.Client(base_url=netd.url, headers={"Authorization": f"Bearer {w['key']}"},
+                      timeout=60) as u:
+        assert u.put(f"/workspaces/{w['id']}/settings",
+                     json={"default_network": "on"}).status_code == 403  # admin only
+        r = u.post("/sandboxes", json={"template": "python"})
+        assert r.status_code == 201, r.text
+        assert r.json()["network"] == {"mode": "allowlist", "allow": ["allowed.test"]}
+        sid = r.json()["id"]
+        r = u.post("/sandboxes", json={"template": "python", "network": "off"})
+        assert r.json()["network"]["mode"] == "off"
+        for s in (sid, r.json()["id"]):
+            u.delete(f"/sandboxes/{s}")

@@ -115,6 +115,11 @@ class ExposePort(BaseModel):
                                 "else false)")
 
 
+class WorkspaceSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    default_network: str | dict[str, Any] | None
+
+
 class SetNetwork(BaseModel):
     model_config = ConfigDict(extra="forbid")
     network: str | dict[str, Any]
@@ -362,6 +367,25 @@ def create_app(cfg: Config | None = None) -> FastAPI:
         store.set_workspace_limits(wid, check_limits_body(body.limits))
         return {"id": wid, "limits": asdict(mgr(request).admission.limits(wid))}
 
+    @app.put("/workspaces/{wid}/settings")
+    async def set_settings(wid: str, body: WorkspaceSettings, request: Request, ws: Ws
+                           ) -> dict[str, Any]:
+        """A workspace's defaults (admin): ``default_network``, the egress policy of its
+        sandboxes that name none (off | on | allowlist | {"allow": [...]}); null: the
+        daemon's (CPUOS_DEFAULT_NETWORK)."""
+        require_admin(request, ws)
+        store: Store = request.app.state.store
+        w = store.workspace(wid)
+        if w is None:
+            raise not_found("workspace", wid)
+        settings = dict(w["settings"])
+        if body.default_network is None:
+            settings.pop("default_network", None)
+        else:
+            settings["default_network"] = Policy.parse(body.default_network).to_json()
+        store.set_workspace_settings(wid, settings)
+        return {"id": wid, "settings": settings}
+
     @app.get("/workspace")
     async def my_workspace(request: Request, ws: Ws) -> dict[str, Any]:
         """The caller's workspace: its maxima, what its sandboxes hold, the host's room."""
@@ -373,7 +397,11 @@ def create_app(cfg: Config | None = None) -> FastAPI:
         cfg_ = mgr(request).cfg
         if float(body.timeout) > cfg_.max_timeout:
             raise invalid(f"timeout may be at most {cfg_.max_timeout:.0f}s", field="timeout")
-        network = None if body.network is None else Policy.parse(body.network).to_json()
+        if body.network is not None:
+            network: dict[str, Any] | None = Policy.parse(body.network).to_json()
+        else:  # the workspace's default, else the daemon's
+            w = request.app.state.store.workspace(ws) or {}
+            network = (w.get("settings") or {}).get("default_network")
         env = dict(body.env)
         if body.secrets:
             net: Network | None = request.app.state.network
