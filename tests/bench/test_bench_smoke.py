@@ -63,11 +63,18 @@ CASES = {
                      "new connection + response, allowlist, p50",
                      "new connection + response, mode on, p50",
                      "create from snapshot → first exec, network on, p50"]),
+    "ports": Case("ports", "ports", "11. ports: HTTP download of", [],
+                  ["preview download, median", "preview GET, new connection, p50",
+                   "preview GET, keep-alive, p50", "wake on request → response, p50"]),
 }
 # (sample lists, the key of their N) of the network case's parts
 NETWORK = {"download": (["ours_on_MBps", "ours_allow_MBps", "floor_MBps"], "runs"),
            "connect": (["ours_allow_s", "ours_on_s", "floor_s"], "n"),
            "create": (["ours_net_s", "ours_net_create_s", "ours_off_s", "ours_off_create_s"], "n")}
+# ... and of the ports case's
+PORTS = {"download": (["ours_MBps", "floor_MBps"], "runs"),
+         "latency": (["ours_new_s", "floor_new_s", "ours_keepalive_s", "floor_keepalive_s"], "n"),
+         "wake": (["ours_wake_s", "floor_resume_s", "floor_resume_request_s"], "n")}
 HEAP = 100 << 20  # the heap holder's bytes (pause, size)
 
 
@@ -109,6 +116,12 @@ def check_figures(module: str, data: dict[str, Any]) -> None:
             assert all(v > 0 for v in data[name].values()), data[name]
         for k in ("du_apparent", "floor_du_apparent"):
             assert data["heap"][k] > data["idle"][k] + HEAP * 9 // 10, k
+    if module == "ports":
+        for part, (keys, n) in PORTS.items():
+            for k in keys:
+                xs = data[part][k]
+                assert len(xs) == data[part][n] and all(x > 0 for x in xs), (part, k, xs)
+        assert data["download"]["bytes"] > 0 and data["address"].startswith("10.")
     if module == "network":
         for part, (keys, n) in NETWORK.items():
             for k in keys:
@@ -127,7 +140,7 @@ def check_figures(module: str, data: dict[str, Any]) -> None:
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("module", [  # the network case builds network namespaces
-    pytest.param(m, marks=pytest.mark.net) if m == "network" else m for m in CASES])
+    pytest.param(m, marks=pytest.mark.net) if m in ("network", "ports") else m for m in CASES])
 def test_case_smoke(module: str) -> None:
     """bench/cases/<module>.py --smoke by itself: its own daemon, its table, its summary
     rows and samples, and nothing left behind."""
