@@ -27,6 +27,7 @@ from collections.abc import Callable
 from .dns import Upstream
 from .secrets import HeaderRewriter, SecretStore
 from .policy import Policy, denied_address, denied_port
+from ..proxy.preview import quickack
 from .uplink import Uplink
 
 log = logging.getLogger("cpuosd.network")
@@ -398,6 +399,8 @@ class EgressProxy:
                     await w.drain()
                 while True:
                     chunk = await r.read(CHUNK)
+                    if i == 0:  # from the sandbox: ACK at once (see preview.quickack)
+                        quickack(cw)
                     if not chunk:
                         break
                     if sniff and i == 0 and counts[0] == 0 and "name" not in rec:

@@ -28,6 +28,7 @@ import logging
 import os
 import re
 import secrets
+import socket
 import time
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlencode
@@ -298,12 +299,25 @@ async def _reply(writer: asyncio.StreamWriter, status: int, msg: str,
         await writer.drain()
 
 
+def quickack(w: asyncio.StreamWriter) -> None:
+    """ACK at once on this socket (Linux clears TCP_QUICKACK after a while: set it after
+    each read): a sandbox's server that writes a response's head and body separately would
+    otherwise wait for our delayed ACK (gVisor's netstack holds the second write, Nagle)."""
+    sock = w.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
+
+
 async def _relay(cr: asyncio.StreamReader, cw: asyncio.StreamWriter,
                  ur: asyncio.StreamReader, uw: asyncio.StreamWriter) -> None:
-    async def pump(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+    async def pump(r: asyncio.StreamReader, w: asyncio.StreamWriter,
+                   ack: asyncio.StreamWriter | None = None) -> None:
         try:
             while True:
                 chunk = await r.read(CHUNK)
+                if ack is not None:
+                    quickack(ack)
                 if not chunk:
                     break
                 w.write(chunk)
@@ -317,7 +331,7 @@ async def _relay(cr: asyncio.StreamReader, cw: asyncio.StreamWriter,
 
     to_server = asyncio.ensure_future(pump(cr, uw))
     try:
-        await pump(ur, cw)  # the server's side ending ends the exchange
+        await pump(ur, cw, ack=uw)  # the server's side ending ends the exchange
     finally:
         to_server.cancel()
         uw.close()
