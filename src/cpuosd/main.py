@@ -28,6 +28,17 @@ def serve(host: str | None = None, port: int | None = None, home: str | None = N
               file=sys.stderr)
         raise SystemExit(2)
     logs.setup(path=log_file)  # JSON lines, rate-limited, rotated with CPUOS_LOG_FILE
+    # descriptors: every sandbox's proxied connections, agent channels, runsc pipes
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = max(soft, 1 << 20 if hard == resource.RLIM_INFINITY else hard, 65536)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, max(want, hard)
+                                                    if hard != resource.RLIM_INFINITY
+                                                    else hard))
+    except (ValueError, OSError):
+        pass
     uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning",
                 log_config=None, access_log=False, timeout_graceful_shutdown=5)
 

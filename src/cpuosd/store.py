@@ -228,8 +228,10 @@ class Store:
 
     def list_connections(self, sandbox_id: str, limit: int = 100, after: int = 0
                          ) -> list[dict[str, Any]]:
-        rows = self._exec("SELECT * FROM connections WHERE sandbox_id=? AND n>? ORDER BY n "
-                          "DESC LIMIT ?", (sandbox_id, after, limit)).fetchall()
+        # newest first; with ``after``, the next ones in order (paging forward)
+        order = "ASC" if after else "DESC"
+        rows = self._exec(f"SELECT * FROM connections WHERE sandbox_id=? AND n>? ORDER BY n "
+                          f"{order} LIMIT ?", (sandbox_id, after, limit)).fetchall()
         out = []
         for r in rows:
             d = dict(r)

@@ -39,13 +39,15 @@ def netd(inet: FakeInternet) -> Iterator[Daemon]:
     d = new_daemon(CPUOS_POOL_SIZE="1", **inet.env())
     d.start()
     yield d
-    with d.client() as c:  # every sandbox killed: then a clean stop
-        for sb in c.get("/sandboxes").json()["sandboxes"]:
-            c.delete(f"/sandboxes/{sb['id']}")
-    d.stop()
-    # the daemon's network is gone with it: namespaces, interfaces, its nftables table
-    assert not d.network_leftovers()
-    assert not d.teardown(False)
+    try:
+        with d.client() as c:  # every sandbox killed: then a clean stop
+            for sb in c.get("/sandboxes").json()["sandboxes"]:
+                c.delete(f"/sandboxes/{sb['id']}")
+        d.stop()
+        # the daemon's network is gone with it: namespaces, interfaces, its nftables table
+        assert not d.network_leftovers()
+    finally:
+        assert not d.teardown(False)
 
 
 def _netns() -> list[str]:
@@ -167,6 +169,15 @@ def test_allowlist_reaches_allowed_names_only(netd: Daemon, inet: FakeInternet) 
             curl(s, "http://rebind.test/", "--resolve", f"rebind.test:80:{WEB}")
         ok, out = curl(s, "http://redirect.test/redirect", "-L")
         assert not ok and "meta-data" not in out
+        # one approved name per connection: a second request for another host on it is cut
+        pipelined = ("import socket, sys\n"
+                     "c = socket.create_connection(('allowed.test', 80), timeout=5)\n"
+                     "a = b'GET /bytes/1 HTTP/1.1\\r\\nHost: allowed.test\\r\\n\\r\\n'\n"
+                     "b = b'GET /x HTTP/1.1\\r\\nHost: cdn-neighbour.test\\r\\n\\r\\n'\n"
+                     "c.sendall(a + b)\n"
+                     "try:\n    print(c.recv(65536))\nexcept OSError as e: print(e)\n")
+        s.exec(["python3", "-c", pipelined], timeout="1m")
+        assert not [e for e in inet.seen() if "cdn-neighbour" in e.get("data", "")]
         tls = ("import socket, ssl, sys\n"
                "ctx = ssl.create_default_context()\n"
                "for name in ('allowed.test', 'other.test'):\n"
@@ -350,8 +361,22 @@ def test_secret_never_enters_the_sandbox(netd: Daemon, inet: FakeInternet) -> No
         # the header goes on to the server with the real value
         got = sent("https://allowed.test:8443/bytes/10")
         assert got and SECRET in got[0] and "Host: allowed.test" in got[0]
-        got = sent("http://allowed.test/bytes/10")  # plain HTTP: replaced too
-        assert got and SECRET in got[0]
+        # plain HTTP, even to the secret's host, gets the placeholder: the sandbox chooses
+        # where a plaintext connection goes (an address of its own with Host: allowed.test)
+        got = sent("http://allowed.test/bytes/10")
+        assert got and SECRET not in got[0] and placeholder in got[0]
+        got = sent(f"http://{WEB}/bytes/10", "-H 'Host: allowed.test'")
+        assert got and SECRET not in got[0]
+        # only credential headers carry it: not the request line, not Origin
+        n = len(inet.seen())
+        s.exec("curl -sS -m 10 -o /dev/null -H \"Origin: https://$API_KEY\" "
+               "https://allowed.test:8443/bytes/10/$API_KEY")
+        seen_now = [e["data"] for e in inet.seen()[n:]]
+        assert seen_now and all(SECRET not in d for d in seen_now), seen_now
+        # an answer that echoes the value back reaches the sandbox as the placeholder
+        echo = s.exec(f"curl -sS -m 10 -H \"{hdr}\" https://allowed.test:8443/echo")
+        assert echo.exit_code == 0 and "Bearer cpuos-secret-" in echo.stdout
+        assert SECRET not in echo.stdout
         for url, extra in (("http://other.test/bytes/10", ""),
                            ("https://other.test:8443/bytes/10", "--cacert /tmp/inet-ca.pem")):
             got = sent(url, extra)  # any other host gets the placeholder

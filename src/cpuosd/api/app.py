@@ -419,9 +419,18 @@ def create_app(cfg: Config | None = None) -> FastAPI:
                 mgr(request).cfg.default_network)
             pol.secrets, pol.ca = view, ca
             network = pol.to_json()
-        row = await mgr(request).create(ws, body.template, float(body.timeout), body.metadata,
-                                        env, body.vcpus, body.memory_mib, body.on_timeout,
-                                        network=network)
+        try:
+            row = await mgr(request).create(ws, body.template, float(body.timeout),
+                                            body.metadata, env, body.vcpus, body.memory_mib,
+                                            body.on_timeout, network=network)
+        except BaseException:
+            # refused before a row existed (admission, template): no event will clean up
+            netpol: dict[str, Any] = network or {}
+            made = [s.get("placeholder") for s in (netpol.get("secrets") or {}).values()]
+            if body.secrets and request.app.state.network is not None:
+                request.app.state.network.secrets.forget(
+                    [str(x) for x in [*made, netpol.get("ca")] if x])
+            raise
         if not body.wake_on_request:
             row.spec["wake_on_request"] = False
             request.app.state.store.update_sandbox(row.id, spec=row.spec)

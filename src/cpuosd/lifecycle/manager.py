@@ -122,13 +122,17 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
             old = row.spec.get("network") or {}
             if old.get("secrets"):  # a request changes mode and allowlist, not secrets
                 network = {**network, "secrets": old["secrets"], "ca": old.get("ca")}
+            lv = self.live.get(sid)
+            if lv is not None:  # applied first: the record never says more than is so
+                lv.spec.network = network
+                try:
+                    await self._apply_network(lv)
+                except BaseException:
+                    lv.spec.network = old or None
+                    raise
+                lv.row.spec["network"] = network
             row.spec["network"] = network
             self.store.update_sandbox(sid, spec=row.spec)
-            lv = self.live.get(sid)
-            if lv is not None:
-                lv.row.spec["network"] = network
-                lv.spec.network = network
-                await self._apply_network(lv)
             self.events.emit(SandboxEvent("network", sid, row.workspace_id, row.state,
                                           fields={"network": network}))
         return self.get(workspace_id, sid)
@@ -301,6 +305,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
             row.spec = {**row.spec, "env": env, "timeout": timeout, "network": network}
             lv.spec.env = env
             if lv.spec.network != network:  # pooled with the default policy
+                self.store.update_sandbox(row.id, spec=row.spec)  # (its secrets: on record)
                 lv.spec.network = network
                 try:
                     await self._apply_network(lv)

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -67,9 +68,12 @@ class Networked:
         except OSError:
             system = ""
         for name, text in (("ca.pem", pem), ("ca-bundle.pem", system.rstrip() + "\n" + pem)):
-            p = spec.sock_dir / name
-            p.write_text(text)
-            p.chmod(0o444)
+            # the directory is the sandbox's /run/cpuos: never follow what may be there
+            tmp = spec.sock_dir / f".{name}.{os.getpid()}.tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o444)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, spec.sock_dir / name)
 
     async def start(self, spec: SandboxSpec) -> None:
         await self._attach(spec)

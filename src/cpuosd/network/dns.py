@@ -28,6 +28,7 @@ from .uplink import Uplink
 
 log = logging.getLogger("cpuosd.network")
 MAX_QUERY = 4096
+PER_SANDBOX = 32  # queries of one sandbox in flight
 UPSTREAM_TIMEOUT = 3.0
 
 
@@ -83,20 +84,30 @@ class Resolver(asyncio.DatagramProtocol):
         self.upstream, self.lookup, self.record = upstream, lookup, record
         self.transport: Any = None  # uvloop's UDP transport is no DatagramTransport
         self.inflight = 0
+        self.per_sandbox: dict[str, int] = {}
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
 
     def datagram_received(self, data: bytes, addr: tuple[str | Any, int]) -> None:
         who = self.lookup(str(addr[0]))
-        if who is None or len(data) > MAX_QUERY or self.inflight > 256:
+        if who is None or len(data) > MAX_QUERY or self.inflight > 1024:
             return  # not a sandbox (or a flood): no answer
+        sid = who[0]
+        if self.per_sandbox.get(sid, 0) >= PER_SANDBOX:
+            return  # one sandbox may not take everyone's resolver
         self.inflight += 1
+        self.per_sandbox[sid] = self.per_sandbox.get(sid, 0) + 1
         task = asyncio.get_running_loop().create_task(self._answer(data, addr, *who))
-        task.add_done_callback(lambda _: self._done())
+        task.add_done_callback(lambda _: self._done(sid))
 
-    def _done(self) -> None:
+    def _done(self, sid: str) -> None:
         self.inflight -= 1
+        left = self.per_sandbox.get(sid, 1) - 1
+        if left > 0:
+            self.per_sandbox[sid] = left
+        else:
+            self.per_sandbox.pop(sid, None)
 
     async def _answer(self, data: bytes, addr: tuple[str | Any, int], sid: str,
                       policy: Policy) -> None:
@@ -104,6 +115,8 @@ class Resolver(asyncio.DatagramProtocol):
             q = DNSRecord.parse(data)
         except Exception:
             return
+        if q.header.opcode != 0 or len(q.questions) != 1 or q.header.qr:
+            return  # one plain question (no updates, no smuggled extra questions)
         name = str(q.q.qname).rstrip(".").lower()
         qtype = QTYPE.get(q.q.qtype, str(q.q.qtype))
         reply = q.reply()
@@ -114,8 +127,12 @@ class Resolver(asyncio.DatagramProtocol):
                         else f"network {policy.mode}", qtype=qtype)
             self._send(reply.pack(), addr)
             return
+        # a query of our own making carries the question on, and nothing else of theirs
+        fresh = DNSRecord.question(name or ".", qtype if isinstance(qtype, str) else "A")
+        fresh.header.id = q.header.id
+        fresh.header.rd = q.header.rd
         try:
-            answer = DNSRecord.parse(await self.upstream.ask(data))
+            answer = DNSRecord.parse(await self.upstream.ask(fresh.pack()))
         except Exception as e:
             reply.header.rcode = RCODE.SERVFAIL
             self.record(sid, proto="dns", name=name, port=53, verdict="error",

@@ -167,12 +167,23 @@ class NetnsPool:
 
     async def _make(self) -> Slot:
         slot = self.addresses.reserve()
+        made = asyncio.ensure_future(asyncio.to_thread(create, slot))
         try:
-            await asyncio.to_thread(create, slot)
+            await asyncio.shield(made)
+        except asyncio.CancelledError:
+            # the thread goes on: what it makes is removed once it is done
+            made.add_done_callback(lambda _: asyncio.ensure_future(self._undo(slot)))
+            raise
         except BaseException:
             self.addresses.release(slot.index)
             raise
         return slot
+
+    async def _undo(self, slot: Slot) -> None:
+        try:
+            await asyncio.to_thread(destroy, slot)
+        finally:
+            self.addresses.release(slot.index)
 
     def refill(self) -> None:
         if not self._closing and (self._filling is None or self._filling.done()):

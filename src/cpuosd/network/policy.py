@@ -23,7 +23,8 @@ Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 DENY_V4 = ("0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16",
            "172.16.0.0/12", "192.0.0.0/24", "192.168.0.0/16", "198.18.0.0/15", "224.0.0.0/4",
-           "240.0.0.0/4", "255.255.255.255/32")
+           "240.0.0.0/4", "255.255.255.255/32",
+           "168.63.129.16/32")  # (Azure's wireserver and DNS: a metadata service too)
 DENY_V6 = ("::/128", "::1/128", "::ffff:0:0/96", "64:ff9b::/96", "64:ff9b:1::/48", "2002::/16",
            "fc00::/7", "fe80::/10", "ff00::/8", "100::/64", "2001:db8::/32")
 DENY_PORTS = frozenset({25, 465, 587, 2525})
@@ -51,7 +52,11 @@ def operator_cidrs() -> list[Network]:
 
 
 def deny_networks() -> list[Network]:
-    return [*_networks(DENY_V4), *_networks(DENY_V6), *operator_cidrs()]
+    """The deny sets, the operator's additions, and the sandboxes' own address pool (one
+    sandbox never reaches another)."""
+    pool = os.environ.get("CPUOS_NET_POOL") or "10.213.0.0/16"
+    return [*_networks(DENY_V4), *_networks(DENY_V6), *operator_cidrs(),
+            *_networks([pool])]
 
 
 def deny_ports() -> frozenset[int]:
@@ -108,8 +113,8 @@ class Policy:
     @classmethod
     def stored(cls, d: dict[str, Any] | None) -> Policy:
         """A policy the daemon wrote (secrets and CA included)."""
-        if not d:
-            return cls.parse(None)
+        if not d:  # (a sandbox from before networking existed: no way out)
+            return cls(mode="off")
         p = cls.parse({k: v for k, v in d.items() if k in ("mode", "allow")})
         secrets = d.get("secrets")
         if isinstance(secrets, dict):

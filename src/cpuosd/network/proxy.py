@@ -25,7 +25,7 @@ import struct
 from collections.abc import Callable
 
 from .dns import Upstream
-from .secrets import HeaderRewriter, SecretStore
+from .secrets import HeaderRewriter, NotHttp, Scrubber, SecretStore
 from .policy import Policy, denied_address, denied_port
 from ..proxy.preview import quickack
 from .uplink import Uplink
@@ -117,7 +117,8 @@ def _authority(a: str) -> tuple[str | None, int | None]:
         port = rest[1:] if rest.startswith(":") else ""
     else:
         host, _, port = a.partition(":")
-    return (host.lower() or None), (int(port) if port.isdigit() else None)
+    p = int(port) if port.isdigit() and len(port) <= 5 else None
+    return (host.lower() or None), (p if p is not None and 0 < p < 65536 else None)
 
 
 def reset(sock: socket.socket) -> None:
@@ -142,7 +143,9 @@ class EgressProxy:
         self.host_address = host_address
         self.secrets = secrets
         self.conns: set[asyncio.Task[None]] = set()
+        self.by_sid: dict[str, set[asyncio.Task[None]]] = {}
         self.open_count: dict[str, int] = {}
+        self._upstream_tls: ssl.SSLContext | None = None
 
     def _denied(self, addr: str) -> str | None:
         """The deny sets, and the daemon's own host: its API and services are not for
@@ -164,6 +167,11 @@ class EgressProxy:
             self.conns.discard(task)
             writer.close()
 
+    def close_sandbox(self, sid: str) -> None:
+        """The sandbox stopped: its connections end now (they would outlive it)."""
+        for t in list(self.by_sid.pop(sid, ())):
+            t.cancel()
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         who = self.lookup(str(peer[0])) if peer else None
@@ -179,9 +187,17 @@ class EgressProxy:
             reset(sock)
             return
         self.open_count[sid] = self.open_count.get(sid, 0) + 1
+        task = asyncio.current_task()
+        assert task is not None
+        self.by_sid.setdefault(sid, set()).add(task)
         try:
             await self._serve(sid, policy, reader, writer, sock, dst, port, rec)
+        except (NotHttp, ValueError, OSError, ssl.SSLError, TimeoutError) as e:
+            # every attempt is on record, also one that failed half-way
+            self.record(sid, verdict="error", rule=f"{type(e).__name__}: {str(e)[:200]}",
+                        **rec)
         finally:
+            self.by_sid.get(sid, set()).discard(task)
             left = self.open_count.get(sid, 1) - 1
             if left > 0:
                 self.open_count[sid] = left
@@ -223,19 +239,34 @@ class EgressProxy:
                 head = head[head.find(b"\r\n\r\n") + 4:]
             if not head:
                 head = await reader.read(MAX_HELLO)
-        subs = self._substitutions(policy, name)
-        if subs and head[:1] == b"\x16" and policy.ca and self.secrets is not None:
+        # secrets only into TLS we end and re-open to the name itself, verified: never on
+        # plaintext (the sandbox chooses where a plaintext connection goes)
+        subs = self._substitutions(policy, name) if head[:1] == b"\x16" else {}
+        guard = self._host_guard(policy, name)
+        if subs and policy.ca and self.secrets is not None:
             rec["secrets"] = len(subs)
-            sent, got = await self._mitm(reader, writer, head, up, str(name), policy.ca, subs)
+            sent, got = await self._mitm(reader, writer, head, up, str(name), policy.ca, subs,
+                                         guard)
             self.record(sid, verdict="allowed", bytes_out=sent, bytes_in=got, **rec)
             return
         ur, uw = await asyncio.open_connection(sock=up, limit=CHUNK)
-        if subs:
-            rec["secrets"] = len(subs)
+        # allowlist, plaintext HTTP: every request on the connection names the approved host
+        check = (HeaderRewriter({}, guard).feed
+                 if guard is not None and head[:1] != b"\x16" and not connect_req else None)
         sent, got = await self._relay(reader, writer, ur, uw, head,
-                                      sniff=policy.mode == "on", rec=rec,
-                                      rewrite=HeaderRewriter(subs).feed if subs else None)
+                                      sniff=policy.mode == "on", rec=rec, rewrite=check)
         self.record(sid, verdict="allowed", bytes_out=sent, bytes_in=got, **rec)
+
+    @staticmethod
+    def _host_guard(policy: Policy, name: str | None) -> Callable[[str | None], None] | None:
+        """In allowlist mode: a check that a request's Host is the approved name."""
+        if policy.mode != "allowlist" or not name:
+            return None
+
+        def check(host: str | None) -> None:
+            if host is not None and host != name:
+                raise NotHttp(f"a request for {host!r} on a connection to {name!r}")
+        return check
 
     def _substitutions(self, policy: Policy, name: str | None) -> dict[bytes, bytes]:
         """placeholder -> value for the secrets meant for this host (values read now, from
@@ -251,12 +282,13 @@ class EgressProxy:
 
     async def _mitm(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                     head: bytes, up: socket.socket, name: str, ca: str,
-                    subs: dict[bytes, bytes]) -> tuple[int, int]:
+                    subs: dict[bytes, bytes], guard: Callable[[str | None], None] | None
+                    ) -> tuple[int, int]:
         """TLS for a host a secret is meant for: terminated here with a certificate from the
         sandbox's CA, the placeholders replaced in the request headers, and sent on over a
         verified TLS connection of our own."""
         assert self.secrets is not None
-        ctx = self.secrets.server_context(ca, name)
+        ctx = await asyncio.to_thread(self.secrets.server_context, ca, name)
         if ctx is None:
             up.close()
             return 0, 0
@@ -279,11 +311,15 @@ class EgressProxy:
                     inc.write(data)
         if out.pending:
             writer.write(out.read())
-        uctx = ssl.create_default_context(cafile=os.environ.get("CPUOS_UPSTREAM_CA_FILE"))
-        uctx.set_alpn_protocols(["http/1.1"])
-        ur, uw = await asyncio.open_connection(sock=up, ssl=uctx, server_hostname=name,
-                                               limit=CHUNK)
-        rewrite = HeaderRewriter(subs)
+        if self._upstream_tls is None:
+            self._upstream_tls = ssl.create_default_context(
+                cafile=os.environ.get("CPUOS_UPSTREAM_CA_FILE"))
+            self._upstream_tls.set_alpn_protocols(["http/1.1"])
+        async with asyncio.timeout(NAME_WAIT):
+            ur, uw = await asyncio.open_connection(sock=up, ssl=self._upstream_tls,
+                                                   server_hostname=name, limit=CHUNK)
+        rewrite = HeaderRewriter(subs, guard)
+        scrub = Scrubber(subs)
         counts = [0, 0]
 
         async def to_server() -> None:
@@ -304,7 +340,7 @@ class EgressProxy:
                     counts[0] += len(data)
                     uw.write(rewrite.feed(data))
                     await uw.drain()
-            except (ssl.SSLError, ConnectionError, OSError):
+            except (ssl.SSLError, ConnectionError, OSError, NotHttp):
                 pass
             finally:
                 uw.close()
@@ -316,9 +352,14 @@ class EgressProxy:
                     if not data:
                         break
                     counts[1] += len(data)
-                    tls.write(data)
+                    clean = scrub.feed(data)  # a value echoed back is the placeholder again
+                    if clean:
+                        tls.write(clean)
                     writer.write(out.read())
                     await writer.drain()
+                rest = scrub.flush()
+                if rest:
+                    tls.write(rest)
                 with contextlib.suppress(ssl.SSLError):
                     tls.unwrap()
                 writer.write(out.read())
@@ -410,6 +451,10 @@ class EgressProxy:
                     await w.drain()
             except (ConnectionError, OSError):
                 pass
+            except NotHttp as e:  # allowlist: a request for another host; the rest is cut
+                rec["rule"] = f"connection ended: {e}"
+                cw.transport.abort()
+                uw.transport.abort()
             finally:
                 with contextlib.suppress(Exception):
                     if w.can_write_eof():

@@ -95,8 +95,9 @@ class Network:
         if self._dns is not None:
             self._dns.close()
         await self.pool.close()
-        with contextlib.suppress(Exception):
-            await asyncio.to_thread(firewall.remove, self.names)
+        if not self.by_sid:  # (sandboxes still running stay filtered until the next start,
+            with contextlib.suppress(Exception):  # which rebuilds the table in one go)
+                await asyncio.to_thread(firewall.remove, self.names)
         self.nflog.close()
         if self._nflog_task is not None:
             with contextlib.suppress(BaseException):
@@ -152,10 +153,17 @@ class Network:
         if a is None:
             return
         self.by_addr.pop(a.slot.address, None)
-        await asyncio.to_thread(firewall.remove_interface, self.names, a.slot.host_if,
-                                a.slot.address)
-        await asyncio.to_thread(ns.destroy, a.slot)
-        self.addresses.release(a.slot.index)
+        self.proxy.close_sandbox(sid)
+        # to the end even if our caller is cancelled: half a teardown leaks a namespace
+        await asyncio.shield(self._teardown(a.slot))
+
+    async def _teardown(self, slot: ns.Slot) -> None:
+        try:
+            await asyncio.to_thread(firewall.remove_interface, self.names, slot.host_if,
+                                    slot.address)
+            await asyncio.to_thread(ns.destroy, slot)
+        finally:
+            self.addresses.release(slot.index)
 
     async def update(self, sid: str, policy: Policy) -> None:
         a = self.by_sid.get(sid)
@@ -169,8 +177,8 @@ class Network:
     async def remove_strays(self) -> int:
         """Namespaces of ours that no sandbox holds (a daemon that died before it could
         remove them); after reconcile has adopted the live ones."""
-        held = {a.slot.index for a in self.by_sid.values()} | {
-            s.index for s in self.pool.ready}
+        held = ({a.slot.index for a in self.by_sid.values()}
+                | {s.index for s in self.pool.ready} | set(self.addresses.used))
         n = 0
         for index in ns.existing(self.tag):
             if index not in held:
