@@ -1,7 +1,9 @@
 """Per-sandbox network namespaces: ``cpuos-n<index>`` holding ``eth0`` (the sandbox's end of a
 veth pair, 10.213.x.y/30 from the daemon's pool), its host end ``cvn<index>`` in the daemon's
-namespace as the gateway. Made with pyroute2; a few are made ahead of time (``NetnsPool``)
-so a create does not wait for them (about 50 ms each here). A namespace is used by one
+namespace as the gateway. Made with `ip` (through cpuosd.procs: pyroute2 forks helper
+children for namespaces, which the reaper of adopted orphans would take); a few are made
+ahead of time (``NetnsPool``) so a create does not wait for them (about 10 ms each here,
+20 ms to remove). A namespace is used by one
 sandbox once and then deleted: runsc's netstack takes the interface's addresses and routes
 into the sandbox, so a used namespace is never clean again.
 """
@@ -16,7 +18,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from pyroute2 import IPRoute, netns
+from .. import procs
 
 log = logging.getLogger("cpuosd.network")
 
@@ -103,23 +105,26 @@ class AddressPool:
         return off // 4 if off % 4 == 2 else None
 
 
+def _ip(*argv: str, batch: str | None = None, check: bool = True) -> None:
+    """``ip`` through cpuosd.procs (pyroute2's namespace helpers fork children of their
+    own, which the daemon's reaper of adopted orphans would collect from under them)."""
+    rc, _, err = procs.run_sync(["ip", *argv, *(["-batch", "-"] if batch else [])],
+                                input=batch.encode() if batch else None, timeout=30)
+    if rc != 0 and check:
+        raise RuntimeError(f"ip {' '.join(argv)}: {err.decode(errors='replace').strip()}")
+
+
 def create(slot: Slot) -> None:
     """The namespace, the veth pair and their addresses; the sandbox end's default route
     goes to the host end. Blocking (run it in a thread)."""
-    netns.create(slot.netns)
+    _ip("netns", "add", slot.netns)
     try:
-        with IPRoute() as ipr:
-            ipr.link("add", ifname=slot.host_if, kind="veth",
-                     peer={"ifname": "eth0", "net_ns_fd": slot.netns})
-            idx = ipr.link_lookup(ifname=slot.host_if)[0]
-            ipr.addr("add", index=idx, address=slot.gateway, prefixlen=30)
-            ipr.link("set", index=idx, state="up")
-        with IPRoute(netns=slot.netns) as ns:
-            i = ns.link_lookup(ifname="eth0")[0]
-            ns.addr("add", index=i, address=slot.address, prefixlen=30)
-            ns.link("set", index=i, state="up")
-            ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
-            ns.route("add", dst="0.0.0.0/0", gateway=slot.gateway)
+        _ip(batch=f"link add {slot.host_if} type veth peer name eth0 netns {slot.netns}\n"
+                  f"addr add {slot.gateway}/30 dev {slot.host_if}\n"
+                  f"link set {slot.host_if} up\n")
+        _ip("-n", slot.netns, batch=f"addr add {slot.address}/30 dev eth0\n"
+                                    "link set eth0 up\nlink set lo up\n"
+                                    f"route add default via {slot.gateway}\n")
     except BaseException:
         destroy(slot)
         raise
@@ -127,12 +132,9 @@ def create(slot: Slot) -> None:
 
 def destroy(slot: Slot) -> None:
     """Remove the namespace and the host end (idempotent). Blocking."""
-    with contextlib.suppress(Exception), IPRoute() as ipr:
-        idx = ipr.link_lookup(ifname=slot.host_if)
-        if idx:
-            ipr.link("del", index=idx[0])
-    with contextlib.suppress(FileNotFoundError, OSError):
-        netns.remove(slot.netns)
+    _ip("link", "del", slot.host_if, check=False)
+    if os.path.exists(slot.netns_path):
+        _ip("netns", "del", slot.netns, check=False)
 
 
 def existing(tag: str) -> list[int]:
