@@ -213,18 +213,27 @@ class Store:
         self._exec(f"UPDATE execs SET {cols} WHERE id=?", (*fields.values(), eid))
 
     def add_connection(self, sandbox_id: str, rec: dict[str, Any]) -> None:
+        self.add_connections([(sandbox_id, rec)])
+
+    def add_connections(self, batch: list[tuple[str, dict[str, Any]]]) -> None:
+        """Connection records, in one transaction."""
         cols = ("time", "proto", "dst", "port", "name", "verdict", "rule", "bytes_out",
                 "bytes_in")
-        extra = {k: v for k, v in rec.items() if k not in cols}
-        cur = self._exec(
-            f"INSERT INTO connections (sandbox_id, {', '.join(cols)}, extra) "
-            f"VALUES (?, {', '.join('?' * len(cols))}, ?)",
-            (sandbox_id, *(rec.get(c) for c in cols), json.dumps(extra, default=str)))
-        n = cur.lastrowid or 0
-        if n % 500 == 0:  # now and then: keep each sandbox's newest MAX_CONNECTIONS
-            self._exec("DELETE FROM connections WHERE sandbox_id=? AND n <= (SELECT n FROM "
-                       "connections WHERE sandbox_id=? ORDER BY n DESC LIMIT 1 OFFSET ?)",
-                       (sandbox_id, sandbox_id, MAX_CONNECTIONS))
+        rows = [(sid, *(rec.get(c) for c in cols),
+                 json.dumps({k: v for k, v in rec.items() if k not in cols}, default=str))
+                for sid, rec in batch]
+        with self._lock:
+            before = self._db.execute("SELECT COALESCE(MAX(n), 0) FROM connections"
+                                      ).fetchone()[0]
+            with self._db:
+                self._db.executemany(
+                    f"INSERT INTO connections (sandbox_id, {', '.join(cols)}, extra) "
+                    f"VALUES (?, {', '.join('?' * len(cols))}, ?)", rows)
+        if (before + len(rows)) // 500 != before // 500:  # now and then: keep each
+            for sid in {s for s, _ in batch}:  # sandbox's newest MAX_CONNECTIONS
+                self._exec("DELETE FROM connections WHERE sandbox_id=? AND n <= (SELECT n "
+                           "FROM connections WHERE sandbox_id=? ORDER BY n DESC LIMIT 1 "
+                           "OFFSET ?)", (sid, sid, MAX_CONNECTIONS))
 
     def list_connections(self, sandbox_id: str, limit: int = 100, after: int = 0
                          ) -> list[dict[str, Any]]:

@@ -40,7 +40,7 @@ from ..events import EventBus, SandboxEvent, log_event
 from ..backends.base import Backend
 from ..network.backend import Networked
 from ..network.policy import Policy
-from ..network.service import Network
+from ..network.service import Network, RecordWriter
 from ..paths import ID_RE, check_path
 from .streams import file_response
 from ..procs import become_subreaper
@@ -234,13 +234,9 @@ async def start_network(cfg: Config, backend: Backend, store: Store, events: Eve
                     "have no network")
         return None
 
-    def sink(sid: str, rec: dict[str, Any]) -> None:
-        store.add_connection(sid, rec)
-        row = store.get_sandbox(sid)
-        events.emit(SandboxEvent("connection", sid, row.workspace_id if row else "", None,
-                                 fields=rec))
-
-    net = Network(sink, cfg.home / "secrets")
+    records = RecordWriter(store, events)
+    net = Network(records.put, cfg.home / "secrets")
+    net.records = records
 
     def forget_secrets(ev: SandboxEvent) -> None:
         # a sandbox's secrets and CA go when it ends, unless a fork of it still uses them
@@ -473,6 +469,9 @@ def create_app(cfg: Config | None = None) -> FastAPI:
         """Every outbound attempt of the sandbox, newest first: time, proto, dst, port, name,
         verdict (allowed | denied | error), rule, bytes each way."""
         mgr(request).get(ws, sid)
+        net: Network | None = request.app.state.network
+        if net is not None and net.records is not None:
+            await net.records.flush()  # what happened up to now is on record
         return {"connections": request.app.state.store.list_connections(sid, limit, after)}
 
     @app.post("/sandboxes/{sid}/pause")
