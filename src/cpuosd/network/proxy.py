@@ -238,7 +238,8 @@ class EgressProxy:
             if len(head) > 0 and head.find(b"\r\n\r\n") >= 0:
                 head = head[head.find(b"\r\n\r\n") + 4:]
             if not head:
-                head = await reader.read(MAX_HELLO)
+                async with asyncio.timeout(NAME_WAIT):
+                    head = await reader.read(MAX_HELLO)
         # secrets only into TLS we end and re-open to the name itself, verified: never on
         # plaintext (the sandbox chooses where a plaintext connection goes)
         subs = self._substitutions(policy, name) if head[:1] == b"\x16" else {}
