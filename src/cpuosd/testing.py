@@ -272,6 +272,9 @@ class FakeBackend:
     def memory_usage(self, sandbox_id: str) -> int | None:
         return None
 
+    def stats(self, sandbox_id: str) -> dict[str, int | float]:
+        return {}
+
     async def close(self) -> None:
         pass
 

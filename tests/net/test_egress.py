@@ -214,6 +214,8 @@ def test_off_then_update_applies_to_new_connections(netd: Daemon) -> None:
         assert curl(s, f"http://{WEB}/")[0]
         s.network.update({"allow": ["allowed.test"]})
         assert curl(s, "http://allowed.test/")[0]
+        m = s.metrics()  # the sandbox's link counted both ways
+        assert m["net_tx_bytes"] > 0 and m["net_rx_bytes"] > 0, m
         assert not curl(s, f"http://{WEB}/")[0]
         s.network.update("off")
         assert not curl(s, "http://allowed.test/")[0]

@@ -376,6 +376,13 @@ class Sandbox:
         self._info = SandboxInfo.from_json(self._http.request("GET", f"/sandboxes/{self.id}"))
         return self._info
 
+    def metrics(self) -> dict[str, Any]:
+        """What the host measures of the sandbox now: cpu_seconds, cpu_percent_avg,
+        memory_bytes, memory_limit_bytes, pids, pids_limit, net_tx_bytes, net_rx_bytes (those
+        its backend can)."""
+        d: dict[str, Any] = self._http.request("GET", f"/sandboxes/{self.id}/metrics")
+        return d
+
     def get_host(self, port: int) -> str:
         """The host-form preview URL of ``port`` (``http://<port>-<id>.localhost:...``),
         exposing it if needed; send its token as ``X-Cpuos-Token`` or ``?cpuos_token=``."""

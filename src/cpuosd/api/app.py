@@ -461,6 +461,26 @@ def create_app(cfg: Config | None = None) -> FastAPI:
         await previews(request).unexpose(ws, sid, port)
         return {"unexposed": port}
 
+    @app.get("/sandboxes/{sid}/metrics")
+    async def metrics(sid: str, request: Request, ws: Ws) -> dict[str, Any]:
+        """What the host measures of a running sandbox now: CPU seconds (and the average
+        CPU % since it started), memory used and its limit, tasks and their limit, bytes
+        on its network link. A paused sandbox has only its snapshot's size."""
+        m = mgr(request)
+        row = m.get(ws, sid)
+        out: dict[str, Any] = {"id": sid, "state": row.state, "time": time.time(),
+                               "vcpus": row.spec.get("vcpus"),
+                               "memory_limit_bytes": (row.spec.get("memory_mib") or 0) << 20,
+                               "pids_limit": row.spec.get("pids")}
+        if row.state == "paused":
+            out["snapshot_bytes"] = row.snapshot_bytes
+        elif row.state == "running":
+            out.update(await asyncio.to_thread(m.backend.stats, sid))
+            if "cpu_seconds" in out and row.started_at:
+                up = max(1e-3, time.time() - row.started_at)
+                out["cpu_percent_avg"] = round(100 * out["cpu_seconds"] / up, 2)
+        return out
+
     @app.get("/sandboxes/{sid}/connections")
     async def connections(sid: str, request: Request, ws: Ws,
                           limit: int = Query(100, ge=1, le=1000),

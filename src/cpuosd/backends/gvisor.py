@@ -234,6 +234,43 @@ class GVisorBackend:
             libc = ctypes.CDLL(None, use_errno=True)
             libc.umount2(str(null).encode(), 2)  # MNT_DETACH
 
+    def stats(self, sandbox_id: str) -> dict[str, int | float]:
+        """From the sandbox's cgroups (v1 here; v2 names too)."""
+        out: dict[str, int | float] = {}
+        v1, v2 = Path("/sys/fs/cgroup"), Path(f"/sys/fs/cgroup/cpuos/{sandbox_id}")
+
+        def num(*paths: Path) -> int | None:
+            for p in paths:
+                try:
+                    text = p.read_text().split()[0]
+                except (OSError, IndexError):
+                    continue
+                if text.isdigit():
+                    return int(text)
+            return None
+
+        ns = num(v1 / f"cpuacct/cpuos/{sandbox_id}/cpuacct.usage")
+        if ns is not None:
+            out["cpu_seconds"] = ns / 1e9
+        else:
+            try:
+                for line in (v2 / "cpu.stat").read_text().splitlines():
+                    k, _, v = line.partition(" ")
+                    if k == "usage_usec" and v.strip().isdigit():
+                        out["cpu_seconds"] = int(v) / 1e6
+            except OSError:
+                pass
+        for key, names in (
+                ("memory_bytes", (v1 / f"memory/cpuos/{sandbox_id}/memory.usage_in_bytes",
+                                  v2 / "memory.current")),
+                ("memory_limit_bytes", (v1 / f"memory/cpuos/{sandbox_id}/memory.limit_in_bytes",
+                                        v2 / "memory.max")),
+                ("pids", (v1 / f"pids/cpuos/{sandbox_id}/pids.current", v2 / "pids.current"))):
+            got = num(*names)
+            if got is not None:
+                out[key] = got
+        return out
+
     def memory_usage(self, sandbox_id: str) -> int | None:
         """Bytes the sandbox's cgroup holds (an upper bound of its checkpoint image)."""
         for p in (Path(f"/sys/fs/cgroup/memory/cpuos/{sandbox_id}/memory.usage_in_bytes"),

@@ -137,5 +137,19 @@ class Networked:
     def memory_usage(self, sandbox_id: str) -> int | None:
         return self.inner.memory_usage(sandbox_id)
 
+    def stats(self, sandbox_id: str) -> dict[str, int | float]:
+        """The inner backend's, and the bytes on the sandbox's link (the host end's
+        counters: what it receives, the sandbox sent)."""
+        out = self.inner.stats(sandbox_id)
+        a = self.net.by_sid.get(sandbox_id)
+        if a is not None:
+            base = Path("/sys/class/net") / a.slot.host_if / "statistics"
+            try:
+                out["net_tx_bytes"] = int((base / "rx_bytes").read_text())
+                out["net_rx_bytes"] = int((base / "tx_bytes").read_text())
+            except (OSError, ValueError):
+                pass
+        return out
+
     async def close(self) -> None:
         await self.inner.close()

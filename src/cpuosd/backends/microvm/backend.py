@@ -673,6 +673,12 @@ class MicroVMBackend:
         finally:
             await q.close()
 
+    def stats(self, sandbox_id: str) -> dict[str, int | float]:
+        """The VM's memory as the host sees it (its jail cgroup); the guest's CPU and
+        process figures are not measured from outside."""
+        m = self.memory_usage(sandbox_id)
+        return {} if m is None else {"memory_bytes": m}
+
     def memory_usage(self, sandbox_id: str) -> int | None:
         """Bytes charged to the VM's jail cgroup (QEMU and its guest's RAM), or None."""
         try:
