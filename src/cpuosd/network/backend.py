@@ -96,14 +96,14 @@ class Networked:
             await self.inner.checkpoint(sandbox_id, image_dir)
         finally:  # the sandbox has stopped either way; a restore gets a new namespace
             self._specs.pop(sandbox_id, None)
-            await self.net.detach(sandbox_id)
+            self.net.detach_later(sandbox_id)
 
     async def kill(self, sandbox_id: str) -> None:
         try:
             await self.inner.kill(sandbox_id)
         finally:
             self._specs.pop(sandbox_id, None)
-            await self.net.detach(sandbox_id)
+            self.net.detach_later(sandbox_id)
 
     async def running(self) -> dict[str, str]:
         live = await self.inner.running()

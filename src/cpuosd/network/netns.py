@@ -16,13 +16,25 @@ import ipaddress
 import logging
 import os
 import re
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from .. import procs
+
+T = TypeVar("T")
 
 log = logging.getLogger("cpuosd.network")
 
 NETNS_DIR = "/var/run/netns"
+# threads of the network's own for its blocking work (nft, ip): the default executor is
+# shared with the daemon's reaper, which many concurrent kills keep busy
+EXECUTOR = ThreadPoolExecutor(max_workers=4, thread_name_prefix="net")
+
+
+async def in_thread(fn: Callable[..., T], *args: Any) -> T:
+    return await asyncio.get_running_loop().run_in_executor(EXECUTOR, fn, *args)
 
 
 def net_id() -> str:
@@ -169,7 +181,7 @@ class NetnsPool:
 
     async def _make(self) -> Slot:
         slot = self.addresses.reserve()
-        made = asyncio.ensure_future(asyncio.to_thread(create, slot))
+        made = asyncio.ensure_future(in_thread(create, slot))
         try:
             await asyncio.shield(made)
         except asyncio.CancelledError:
@@ -183,7 +195,7 @@ class NetnsPool:
 
     async def _undo(self, slot: Slot) -> None:
         try:
-            await asyncio.to_thread(destroy, slot)
+            await in_thread(destroy, slot)
         finally:
             self.addresses.release(slot.index)
 
@@ -208,6 +220,6 @@ class NetnsPool:
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(asyncio.shield(self._filling), 30)
         for slot in self.ready:
-            await asyncio.to_thread(destroy, slot)
+            await in_thread(destroy, slot)
             self.addresses.release(slot.index)
         self.ready.clear()

@@ -104,6 +104,7 @@ class Network:
         self.records: RecordWriter | None = None  # (set by the daemon: flushed on reads)
         self.secrets = SecretStore(secrets_dir)
         self.by_sid: dict[str, Attached] = {}
+        self._detaching: set[asyncio.Task[None]] = set()
         self.by_addr: dict[str, Attached] = {}
         self.proxy = EgressProxy(self.uplink, self.upstream, self.lookup, self.record,
                                  self.is_host_address, self.secrets)
@@ -128,7 +129,7 @@ class Network:
         self.dns_port = transport.get_extra_info("sockname")[1]
         await asyncio.to_thread(self.nflog.open)
         self._nflog_task = loop.create_task(self.nflog.run(self._dropped))
-        await asyncio.to_thread(firewall.install, self.names, self.proxy_port, self.dns_port)
+        await ns.in_thread(firewall.install, self.names, self.proxy_port, self.dns_port)
         log.info("network: table %s, egress proxy :%d, resolver :%d, upstream DNS %s:%d%s",
                  self.names.table, self.proxy_port, self.dns_port, *self.upstream.server,
                  f", uplink netns {self.uplink.netns}" if self.uplink.netns else "")
@@ -143,10 +144,12 @@ class Network:
             t.cancel()
         if self._dns is not None:
             self._dns.close()
+        if self._detaching:
+            await asyncio.wait(list(self._detaching), timeout=30)
         await self.pool.close()
         if not self.by_sid:  # (sandboxes still running stay filtered until the next start,
             with contextlib.suppress(Exception):  # which rebuilds the table in one go)
-                await asyncio.to_thread(firewall.remove, self.names)
+                await ns.in_thread(firewall.remove, self.names)
         self.nflog.close()
         if self._nflog_task is not None:
             with contextlib.suppress(BaseException):
@@ -175,10 +178,10 @@ class Network:
     async def attach(self, sid: str, policy: Policy) -> ns.Slot:
         slot = await self.pool.take()
         try:
-            await asyncio.to_thread(firewall.add_interface, self.names, slot.host_if,
+            await ns.in_thread(firewall.add_interface, self.names, slot.host_if,
                                     slot.address, policy.mode != "off")
         except BaseException:
-            await asyncio.to_thread(ns.destroy, slot)
+            await ns.in_thread(ns.destroy, slot)
             self.addresses.release(slot.index)
             raise
         self._register(Attached(sid, slot, policy))
@@ -190,7 +193,7 @@ class Network:
         if not os.path.exists(slot.netns_path):
             return False
         self.addresses.used.add(index)
-        await asyncio.to_thread(firewall.add_interface, self.names, slot.host_if,
+        await ns.in_thread(firewall.add_interface, self.names, slot.host_if,
                                 slot.address, policy.mode != "off")
         self._register(Attached(sid, slot, policy))
         return True
@@ -198,6 +201,20 @@ class Network:
     def _register(self, a: Attached) -> None:
         self.by_sid[a.sid] = a
         self.by_addr[a.slot.address] = a
+
+    def detach_later(self, sid: str) -> None:
+        """Detach now (the sandbox is out of the proxy's and resolver's tables, its
+        connections end), remove its namespace in the background: a kill's bound covers the
+        sandbox, not the namespace's removal, which contends for the kernel's rtnl lock with
+        every other. (A restore right after attaches a new namespace meanwhile.)"""
+        a = self.by_sid.pop(sid, None)
+        if a is None:
+            return
+        self.by_addr.pop(a.slot.address, None)
+        self.proxy.close_sandbox(sid)
+        t = asyncio.get_running_loop().create_task(self._teardown(a.slot))
+        self._detaching.add(t)
+        t.add_done_callback(self._detaching.discard)
 
     async def detach(self, sid: str) -> None:
         a = self.by_sid.pop(sid, None)
@@ -210,9 +227,9 @@ class Network:
 
     async def _teardown(self, slot: ns.Slot) -> None:
         try:
-            await asyncio.to_thread(firewall.remove_interface, self.names, slot.host_if,
+            await ns.in_thread(firewall.remove_interface, self.names, slot.host_if,
                                     slot.address)
-            await asyncio.to_thread(ns.destroy, slot)
+            await ns.in_thread(ns.destroy, slot)
         finally:
             self.addresses.release(slot.index)
 
@@ -221,7 +238,7 @@ class Network:
         if a is None:
             return
         if (a.policy.mode == "off") != (policy.mode == "off"):
-            await asyncio.to_thread(firewall.set_egress, self.names, a.slot.host_if,
+            await ns.in_thread(firewall.set_egress, self.names, a.slot.host_if,
                                     policy.mode != "off")
         a.policy = policy
 
@@ -233,7 +250,7 @@ class Network:
         n = 0
         for index in ns.existing(self.tag):
             if index not in held:
-                await asyncio.to_thread(ns.destroy, self.addresses.slot(index))
+                await ns.in_thread(ns.destroy, self.addresses.slot(index))
                 n += 1
         return n
 
