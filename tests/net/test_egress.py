@@ -50,16 +50,6 @@ def netd(inet: FakeInternet) -> Iterator[Daemon]:
         assert not d.teardown(False)
 
 
-def _netns() -> list[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return [line.split()[0] for line in out.splitlines() if line.strip()]
-
-
-def _links() -> list[str]:
-    out = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
-    return [line.split(":")[1].strip().split("@")[0] for line in out.splitlines()]
-
-
 def create(d: Daemon, network: Any) -> Sandbox:
     with d.client() as c:
         r = c.post("/sandboxes", json={"template": "python", "timeout": "10m",
@@ -285,7 +275,8 @@ def test_create_kill_cycles_leave_nothing(netd: Daemon) -> None:
 
     # what is left (namespaces are removed in the background after a kill): the spare
     # (CPUOS_NETNS_POOL=1) and the pooled sandbox's, and at most its interface in the table
-    wait_until(lambda: len({n for n in _netns() if n.startswith(f"cpuos-{tag}-")}) <= 2
+    wait_until(lambda: len([x for x in netd.network_leftovers() if x.startswith("netns ")])
+               <= 2
                and len(src_elements()) <= 1, "namespaces and rules of killed sandboxes "
                "removed", 60)
 

@@ -40,6 +40,7 @@ from ..events import EventBus, SandboxEvent, log_event
 from ..backends.base import Backend
 from ..network.backend import Networked
 from ..network.policy import Policy
+from ..network.secrets import stored_names
 from ..network.service import Network, RecordWriter
 from ..paths import ID_RE, check_path
 from .streams import file_response
@@ -243,17 +244,12 @@ async def start_network(cfg: Config, backend: Backend, store: Store, events: Eve
         if ev.kind not in ("killed", "error"):
             return
         row = store.get_sandbox(ev.sandbox)
-        pol = (row.spec.get("network") or {}) if row else {}
-        mine = {s.get("placeholder") for s in (pol.get("secrets") or {}).values()}
-        mine.add(pol.get("ca"))
-        mine.discard(None)
+        mine = stored_names(row.spec.get("network") if row else None)
         if not mine:
             return
         for other in store.list_sandboxes(None, LIVE_STATES):
-            op = other.spec.get("network") or {}
-            mine -= {s.get("placeholder") for s in (op.get("secrets") or {}).values()}
-            mine.discard(op.get("ca"))
-        net.secrets.forget([str(x) for x in mine])
+            mine -= stored_names(other.spec.get("network"))
+        net.secrets.forget(sorted(mine))
 
     events.subscribe(forget_secrets)
     await net.start()
@@ -421,11 +417,8 @@ def create_app(cfg: Config | None = None) -> FastAPI:
                                             body.on_timeout, network=network)
         except BaseException:
             # refused before a row existed (admission, template): no event will clean up
-            netpol: dict[str, Any] = network or {}
-            made = [s.get("placeholder") for s in (netpol.get("secrets") or {}).values()]
             if body.secrets and request.app.state.network is not None:
-                request.app.state.network.secrets.forget(
-                    [str(x) for x in [*made, netpol.get("ca")] if x])
+                request.app.state.network.secrets.forget(sorted(stored_names(network)))
             raise
         if not body.wake_on_request:
             row.spec["wake_on_request"] = False

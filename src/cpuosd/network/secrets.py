@@ -41,6 +41,16 @@ SANDBOX_CA_DIR = "/run/cpuos"
 CA_ENV = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO", "PIP_CERT")
 
 
+def stored_names(policy: dict[str, Any] | None) -> set[str]:
+    """What a stored policy keeps in the secret store: its placeholders and its CA."""
+    p = policy or {}
+    out = {str(s.get("placeholder")) for s in (p.get("secrets") or {}).values()
+           if isinstance(s, dict) and s.get("placeholder")}
+    if p.get("ca"):
+        out.add(str(p["ca"]))
+    return out
+
+
 class SecretStore:
     def __init__(self, root: Path) -> None:
         self.root = root
