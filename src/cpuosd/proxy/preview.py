@@ -236,6 +236,18 @@ class Preview:
         if form == "path" and not upgrade:
             out.append(b"Connection: close")  # the next request has its prefix to remove
         uw.write(b"\r\n".join(out) + b"\r\n\r\n")
+        if form == "path" and not upgrade:
+            # one request per connection: the client is told so, or it would send its next
+            # request down a connection the sandbox's server is closing
+            try:
+                async with asyncio.timeout(HEAD_TIMEOUT):
+                    rhead = await ur.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError):
+                uw.close()
+                return await _reply(writer, 502, f"no answer from port {port} in {sid}")
+            lines = [line for line in rhead[:-4].split(b"\r\n")
+                     if not line.lower().startswith(b"connection:")]
+            writer.write(b"\r\n".join([*lines, b"Connection: close"]) + b"\r\n\r\n")
         await _relay(reader, writer, ur, uw)
 
     async def _running_address(self, sid: str, ws: str, state: str, spec: dict[str, Any]
