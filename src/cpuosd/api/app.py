@@ -44,6 +44,7 @@ from ..network.secrets import stored_names
 from ..network.service import Network, RecordWriter
 from ..paths import ID_RE, check_path
 from .streams import file_response
+from .schemas import document
 from ..procs import become_subreaper
 from ..lifecycle.manager import Manager
 from ..store import ACTIVE_STATES, LIVE_STATES, SandboxRow, Store
@@ -301,6 +302,7 @@ def create_app(cfg: Config | None = None) -> FastAPI:
     app = FastAPI(title="cpuos", version=VERSION, lifespan=lifespan)
     app.add_middleware(Guard)  # the key is checked before any body is read
     app.include_router(templates_router)
+    document(app)  # the answers' schemas in /openapi.json (sdk/js's types)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, e: ApiError) -> JSONResponse:

@@ -1,0 +1,188 @@
+"""What the API answers, described for its OpenAPI document (``/openapi.json``), from which
+the TypeScript SDK's types are generated (sdk/js). The routes build their answers as dicts;
+these models only document them (tests/unit/test_api_schemas.py checks the real answers
+against them), so a route's answer is never filtered or re-validated on its way out.
+
+The exec stream's and framed file reads' frame headers are here too: they travel inside
+``application/x-cpuos-frames`` bodies (cpuos_agent.protocol), which OpenAPI cannot
+describe, so they are listed as components of their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from pydantic import BaseModel, Field
+
+
+class Sandbox(BaseModel):
+    id: str
+    template: str
+    state: str = Field(description="creating | running | pausing | paused | resuming | "
+                       "killing | killed | error | pooled")
+    reason: str | None
+    backend: str
+    created_at: float
+    started_at: float | None
+    ended_at: float | None
+    deadline: float | None
+    timeout_remaining: float | None
+    vcpus: int | None
+    memory_mib: int | None
+    pids: int | None
+    network: dict[str, Any] | None = Field(description="the egress policy (mode, allow)")
+    metadata: dict[str, str]
+    on_timeout: Literal["kill", "pause"]
+    paused_at: float | None
+    snapshot_bytes: int | None
+
+
+class SandboxList(BaseModel):
+    sandboxes: list[Sandbox]
+
+
+class FileEntry(BaseModel):
+    name: str
+    path: str
+    type: Literal["file", "dir", "symlink", "other"]
+    size: int
+    mode: int
+    mtime: float
+    target: str | None = None
+
+
+class FileList(BaseModel):
+    entries: list[FileEntry]
+
+
+class Removed(BaseModel):
+    removed: str
+
+
+class Port(BaseModel):
+    port: int
+    public: bool
+    token: str | None
+    created_at: float | None
+    url: str = Field(description="path form: <preview>/sandboxes/<id>/ports/<port>/")
+    host_url: str = Field(description="host form: http://<port>-<id>.<domain>:<port>/")
+
+
+class PortList(BaseModel):
+    ports: list[Port]
+
+
+class Unexposed(BaseModel):
+    unexposed: int
+
+
+class ErrorDetail(BaseModel):
+    code: str = Field(description="one of cpuos_agent.protocol.ERROR_CODES")
+    message: str
+    details: dict[str, Any]
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+# ---- frame headers (application/x-cpuos-frames) --------------------------------------
+class ExecStartedFrame(BaseModel):
+    t: Literal["started"]
+    exec_id: str
+
+
+class ExecOutFrame(BaseModel):
+    """The payload is the raw bytes the command wrote to ``fd``."""
+
+    t: Literal["out"]
+    fd: Literal[1, 2]
+
+
+class ExecExitFrame(BaseModel):
+    t: Literal["exit"]
+    exit_code: int = Field(description="-1..255; 128 + n for a signal n")
+    signal: int | None
+    timed_out: bool
+    killed: bool
+    duration: float
+
+
+class StreamErrorFrame(BaseModel):
+    """Ends an exec stream or a framed file read that failed after its response began."""
+
+    t: Literal["error"]
+    code: str
+    message: str
+    size: int | None = Field(None, description="file reads: the bytes sent before it")
+
+
+class FileDataFrame(BaseModel):
+    """The payload is the next bytes of the file."""
+
+    t: Literal["data"]
+
+
+class FileEofFrame(BaseModel):
+    t: Literal["eof"]
+    size: int = Field(description="the bytes sent in all")
+
+
+FRAMES: tuple[type[BaseModel], ...] = (ExecStartedFrame, ExecOutFrame, ExecExitFrame,
+                                       StreamErrorFrame, FileDataFrame, FileEofFrame)
+
+# (method, path) -> the model of its 200/201 answer
+ANSWERS: dict[tuple[str, str], type[BaseModel]] = {
+    ("post", "/sandboxes"): Sandbox,
+    ("get", "/sandboxes"): SandboxList,
+    ("get", "/sandboxes/{sid}"): Sandbox,
+    ("delete", "/sandboxes/{sid}"): Sandbox,
+    ("post", "/sandboxes/{sid}/pause"): Sandbox,
+    ("post", "/sandboxes/{sid}/resume"): Sandbox,
+    ("post", "/sandboxes/{sid}/timeout"): Sandbox,
+    ("post", "/sandboxes/{sid}/network"): Sandbox,
+    ("post", "/sandboxes/{sid}/fork"): SandboxList,
+    ("put", "/sandboxes/{sid}/files"): FileEntry,
+    ("delete", "/sandboxes/{sid}/files"): Removed,
+    ("get", "/sandboxes/{sid}/files/list"): FileList,
+    ("get", "/sandboxes/{sid}/files/stat"): FileEntry,
+    ("post", "/sandboxes/{sid}/files/mkdir"): FileEntry,
+    ("post", "/sandboxes/{sid}/ports"): Port,
+    ("get", "/sandboxes/{sid}/ports"): PortList,
+    ("delete", "/sandboxes/{sid}/ports/{port}"): Unexposed,
+}
+
+
+def document(app: FastAPI) -> None:
+    """Add the answers' and frames' schemas to the app's OpenAPI document."""
+    base: Callable[[], dict[str, Any]] = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        doc = base()
+        from pydantic.json_schema import models_json_schema
+
+        models: list[type[BaseModel]] = [*ANSWERS.values(), *FRAMES, ErrorBody]
+        _, top = models_json_schema([(m, "serialization") for m in models],
+                                    ref_template="#/components/schemas/{model}")
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        schemas.update(top.get("$defs", {}))
+        for (method, path), model in ANSWERS.items():
+            op = doc.get("paths", {}).get(path, {}).get(method)
+            if op is None:
+                continue
+            for status, resp in op.get("responses", {}).items():
+                if status.startswith("2"):
+                    resp["content"] = {"application/json": {"schema": {
+                        "$ref": f"#/components/schemas/{model.__name__}"}}}
+            op["responses"].setdefault("default", {
+                "description": "an error",
+                "content": {"application/json": {"schema": {
+                    "$ref": "#/components/schemas/ErrorBody"}}}})
+        app.openapi_schema = doc
+        return doc
+
+    app.openapi = openapi  # type: ignore[method-assign]
