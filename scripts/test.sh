@@ -27,4 +27,22 @@ if [ $rc -eq 5 ]; then
   echo "pytest collected no tests for: ${args[*]}" >&2
   exit 1
 fi
-exit $rc
+
+# the TypeScript SDK: its generated types' staleness check, unit tests, npm pack, and its
+# end-to-end tests against a real daemon (sdk/js/test/daemon.py, through .venv)
+echo "==> TypeScript SDK (sdk/js): npm ci && npm test"
+js_rc=0
+node_major=$(node -p 'process.versions.node.split(".")[0]' 2>/dev/null || echo 0)
+if [ "$node_major" -ge 20 ] && command -v npm >/dev/null; then
+  (cd sdk/js && npm ci --no-audit --no-fund && CPUOS_PYTHON="$PWD/../../.venv/bin/python" npm test) \
+    || js_rc=$?
+elif [ "${CI:-}" = "true" ]; then
+  echo "error: the TypeScript SDK's tests need node >= 20 and npm (found node major" \
+       "'$node_major'); in CI they must run" >&2
+  js_rc=1
+else
+  echo "skipped: the TypeScript SDK's tests (sdk/js) need node >= 20 and npm (found node" \
+       "major '$node_major')" >&2
+fi
+[ $rc -ne 0 ] && exit $rc
+exit $js_rc

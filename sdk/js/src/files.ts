@@ -1,0 +1,113 @@
+/** `sbx.files`: files inside the sandbox. Relative paths are relative to /work. */
+import { CpuosError, errorFrom, InvalidArgument, ServerError, Unavailable } from "./errors.js";
+import { CONTENT_TYPE, FrameDecoder, ProtocolError } from "./frames.js";
+import type { HttpClient } from "./http.js";
+import { iterate } from "./http.js";
+import type { FileEntry, FileList } from "./models.js";
+import { concat } from "./output.js";
+
+export interface CallOptions {
+  /** Cancels the call (the promise rejects with the signal's reason). */
+  signal?: AbortSignal;
+}
+
+export class Files {
+  /** @internal */
+  constructor(private readonly http: HttpClient, private readonly sandboxId: string) {}
+
+  private get base(): string {
+    return `/sandboxes/${encodeURIComponent(this.sandboxId)}/files`;
+  }
+
+  /** Create or replace a file (parents are created); atomic inside the sandbox. A string is
+   * written as UTF-8. */
+  async write(path: string, data: string | Uint8Array, opts: CallOptions = {}):
+      Promise<FileEntry> {
+    let body: Uint8Array;
+    if (typeof data === "string") body = new TextEncoder().encode(data);
+    else if (data instanceof Uint8Array) body = data;
+    else throw new InvalidArgument("data must be a string or a Uint8Array");
+    return this.http.request<FileEntry>("PUT", this.base, { query: { path }, body, ...opts });
+  }
+
+  /** The file's bytes. Rejects (a CpuosError) if the read fails, also part-way: the daemon
+   * ends a failed read with an `error` frame, or the stream lacks its `eof`. */
+  async read(path: string, opts: CallOptions = {}): Promise<Uint8Array> {
+    const what = `reading ${path}`;
+    const res = await this.http.open("GET", this.base, {
+      query: { path }, headers: { Accept: CONTENT_TYPE }, signal: opts.signal,
+    });
+    const parts: Uint8Array[] = [];
+    if (!String(res.headers["content-type"] ?? "").startsWith(CONTENT_TYPE)) {
+      for await (const chunk of iterate(res, what, opts.signal)) parts.push(chunk);
+      return concat(parts);  // raw bytes (a daemon without framed reads)
+    }
+    const dec = new FrameDecoder();
+    let got = 0;
+    let ended = false;
+    try {
+      for await (const chunk of iterate(res, what, opts.signal)) {
+        for (const { header: h, payload } of dec.feed(chunk)) {
+          if (ended) throw new ServerError(`${what}: data after the end of the stream`);
+          if (h.t === "data") {
+            got += payload.length;
+            parts.push(payload);
+          } else if (h.t === "eof") {
+            if (h.size !== got) {
+              throw new ServerError(`${what}: ${got} bytes received, the stream says ` +
+                                    `${JSON.stringify(h.size)}`);
+            }
+            ended = true;
+          } else if (h.t === "error") {
+            throw errorFrom(undefined, typeof h.code === "string" ? h.code : undefined,
+                            `${what} failed after ${got} bytes: ${String(h.message)}`,
+                            { path, received: got });
+          }
+        }
+      }
+    } catch (e) {
+      res.destroy();
+      if (e instanceof ProtocolError) throw new ServerError(`${what}: malformed stream: ${e.message}`);
+      throw e;
+    }
+    if (!ended) {
+      throw new Unavailable(`${what}: the stream ended after ${got} bytes without its end`,
+                            { details: { path, received: got } });
+    }
+    return concat(parts);
+  }
+
+  /** The file as text (UTF-8 by default). */
+  async readText(path: string, opts: CallOptions & { encoding?: string } = {}): Promise<string> {
+    return new TextDecoder(opts.encoding ?? "utf-8").decode(await this.read(path, opts));
+  }
+
+  async list(path = "/work", opts: CallOptions = {}): Promise<FileEntry[]> {
+    const d = await this.http.request<FileList>("GET", this.base + "/list",
+                                                { query: { path }, ...opts });
+    return d.entries;
+  }
+
+  async stat(path: string, opts: CallOptions = {}): Promise<FileEntry> {
+    return this.http.request<FileEntry>("GET", this.base + "/stat", { query: { path }, ...opts });
+  }
+
+  async exists(path: string, opts: CallOptions = {}): Promise<boolean> {
+    try {
+      await this.stat(path, opts);
+    } catch (e) {
+      if (e instanceof CpuosError && e.code === "not_found") return false;
+      throw e;
+    }
+    return true;
+  }
+
+  /** Remove a file, or a directory with everything in it. */
+  async remove(path: string, opts: CallOptions = {}): Promise<void> {
+    await this.http.request("DELETE", this.base, { query: { path }, ...opts });
+  }
+
+  async mkdir(path: string, opts: CallOptions = {}): Promise<FileEntry> {
+    return this.http.request<FileEntry>("POST", this.base + "/mkdir", { query: { path }, ...opts });
+  }
+}

@@ -1,0 +1,243 @@
+/** `Sandbox`: a disposable, isolated Linux machine. Mirrors the Python SDK's AsyncSandbox. */
+import type { ConnectionOptions } from "./config.js";
+import { parseDuration, type Duration } from "./durations.js";
+import { CpuosError, InvalidArgument } from "./errors.js";
+import { ExecStreamReader, type ExecResult, type OutputCallback } from "./exec.js";
+import { Files } from "./files.js";
+import { CONTENT_TYPE } from "./frames.js";
+import { HttpClient, iterate } from "./http.js";
+import type { CreateSandboxBody, ExecBody, NetworkPolicy, SandboxInfo, SandboxList }
+  from "./models.js";
+import { Ports } from "./ports.js";
+
+export interface CreateOptions extends ConnectionOptions {
+  /** Default "python". */
+  template?: string;
+  /** Its wall-clock life: "15m", "1h", or seconds; default "5m". */
+  timeout?: Duration;
+  metadata?: Record<string, string>;
+  env?: Record<string, string>;
+  vcpus?: number;
+  memoryMib?: number;
+  /** "pause" pauses it at its deadline instead of killing it. */
+  onTimeout?: "kill" | "pause";
+  /** "off" | "on" | "allowlist" | { allow: ["pypi.org", "*.github.com"] } (default: the
+   * daemon's). */
+  network?: NetworkPolicy;
+  /** { NAME: { value, hosts: ["api.example.com"] } }: NAME inside is a placeholder; the value
+   * goes only into request headers to those hosts. */
+  secrets?: Record<string, { value: string; hosts: string[] }>;
+  /** A request to an exposed port of the paused sandbox resumes it (default true). */
+  wakeOnRequest?: boolean;
+  signal?: AbortSignal;
+}
+
+export interface ExecOptions {
+  /** Kills the command's whole process tree after this long (exit 137, `timedOut`). */
+  timeout?: Duration;
+  env?: Record<string, string>;
+  /** Default: the template's workdir (/work). */
+  cwd?: string;
+  stdin?: string | Uint8Array;
+  /** Each line of stdout, without its newline (or, with `lines: false`, text as it comes). */
+  onStdout?: OutputCallback;
+  onStderr?: OutputCallback;
+  /** false: callbacks get the output as it arrives, not split into lines. Default true. */
+  lines?: boolean;
+  /** Bytes of each stream kept in the result (head and tail); default 16 MiB. */
+  maxOutput?: number;
+  /** Aborting it ends the exec: the command is killed inside, the promise rejects with the
+   * signal's reason. */
+  signal?: AbortSignal;
+}
+
+function seconds(value: Duration | undefined, what: string): number | undefined {
+  if (value === undefined) return undefined;
+  try {
+    return parseDuration(value, what);
+  } catch (e) {
+    throw new InvalidArgument((e as Error).message);
+  }
+}
+
+export class Sandbox {
+  readonly id: string;
+  readonly files: Files;
+  readonly ports: Ports;
+  readonly network: Network;
+  /** @internal */
+  _info: SandboxInfo;
+  /** @internal */
+  readonly _http: HttpClient;
+
+  /** @internal use Sandbox.create / connect / resume */
+  constructor(info: SandboxInfo, http: HttpClient) {
+    this.id = info.id;
+    this._info = info;
+    this._http = http;
+    this.files = new Files(http, info.id);
+    this.ports = new Ports(http, info.id);
+    this.network = new Network(this);
+  }
+
+  private get path(): string {
+    return `/sandboxes/${encodeURIComponent(this.id)}`;
+  }
+
+  // ---- construction ------------------------------------------------------------------
+  /** A new sandbox. */
+  static async create(opts: CreateOptions = {}): Promise<Sandbox> {
+    const http = new HttpClient(opts);
+    const body: CreateSandboxBody = {
+      template: opts.template ?? "python", timeout: opts.timeout ?? "5m",
+      metadata: opts.metadata ?? {}, env: opts.env ?? {}, on_timeout: opts.onTimeout ?? "kill",
+    };
+    if (opts.vcpus !== undefined) body.vcpus = opts.vcpus;
+    if (opts.memoryMib !== undefined) body.memory_mib = opts.memoryMib;
+    if (opts.network !== undefined) body.network = opts.network;
+    if (opts.secrets !== undefined) body.secrets = opts.secrets;
+    if (opts.wakeOnRequest !== undefined) body.wake_on_request = opts.wakeOnRequest;
+    const info = await http.request<SandboxInfo>("POST", "/sandboxes",
+                                                 { json: body, signal: opts.signal });
+    return new Sandbox(info, http);
+  }
+
+  /** Attach to an existing sandbox; a paused one is resumed unless `autoResume` is false. */
+  static async connect(id: string, opts: ConnectionOptions & { autoResume?: boolean } = {}):
+      Promise<Sandbox> {
+    const http = new HttpClient(opts);
+    const sbx = new Sandbox(
+      await http.request<SandboxInfo>("GET", `/sandboxes/${encodeURIComponent(id)}`), http);
+    if ((opts.autoResume ?? true) && sbx._info.state === "paused") {
+      sbx._info = await http.request<SandboxInfo>("POST", `${sbx.path}/resume`);
+    }
+    return sbx;
+  }
+
+  /** Restore a paused sandbox: its processes, memory and files as they were. */
+  static async resume(id: string, opts: ConnectionOptions = {}): Promise<Sandbox> {
+    const http = new HttpClient(opts);
+    return new Sandbox(
+      await http.request<SandboxInfo>("POST", `/sandboxes/${encodeURIComponent(id)}/resume`),
+      http);
+  }
+
+  /** This key's sandboxes: the live ones, or with `all` the ended ones too. */
+  static async list(opts: ConnectionOptions & { all?: boolean } = {}): Promise<SandboxInfo[]> {
+    const http = new HttpClient(opts);
+    const d = await http.request<SandboxList>("GET", "/sandboxes",
+                                              { query: { all: opts.all ?? false } });
+    return d.sandboxes;
+  }
+
+  // ---- lifecycle ---------------------------------------------------------------------
+  /** The sandbox as the daemon sees it now. */
+  async info(): Promise<SandboxInfo> {
+    this._info = await this._http.request<SandboxInfo>("GET", this.path);
+    return this._info;
+  }
+
+  /** What the host measures of the sandbox now: cpu_seconds, cpu_percent_avg, memory_bytes,
+   * memory_limit_bytes, pids, pids_limit, net_tx_bytes, net_rx_bytes (those it can). */
+  async metrics(): Promise<Record<string, unknown>> {
+    return this._http.request<Record<string, unknown>>("GET", `${this.path}/metrics`);
+  }
+
+  /** The host-form preview URL of `port`, exposing it if needed. */
+  async getHost(port: number): Promise<string> {
+    return (await this.ports.info(port)).host_url;
+  }
+
+  /** Kill the sandbox `timeout` from now (extends or shortens its life). */
+  async setTimeout(timeout: Duration): Promise<SandboxInfo> {
+    this._info = await this._http.request<SandboxInfo>("POST", `${this.path}/timeout`,
+                                                       { json: { timeout } });
+    return this._info;
+  }
+
+  /** Checkpoint the sandbox to disk and stop it (CPU and memory are freed); returns its id
+   * for `Sandbox.resume(id)`. */
+  async pause(): Promise<string> {
+    this._info = await this._http.request<SandboxInfo>("POST", `${this.path}/pause`);
+    return this.id;
+  }
+
+  /** `n` new sandboxes with this one's memory, processes and files. */
+  async fork(n = 1): Promise<Sandbox[]> {
+    const d = await this._http.request<SandboxList>("POST", `${this.path}/fork`,
+                                                    { json: { n } });
+    return d.sandboxes.map((x) => new Sandbox(x, this._http));
+  }
+
+  /** Kill the sandbox (one that is already gone is no error). */
+  async kill(): Promise<void> {
+    try {
+      await this._http.request("DELETE", this.path);
+    } catch (e) {
+      if (!(e instanceof CpuosError && e.code === "not_found")) throw e;
+    }
+  }
+
+  /** `await using sbx = await Sandbox.create()` kills it at the end of the block. */
+  async [Symbol.asyncDispose](): Promise<void> {
+    await this.kill();
+  }
+
+  // ---- exec --------------------------------------------------------------------------
+  /**
+   * Run `cmd` (a shell line for bash, or an argv array) and wait for it.
+   *
+   * Output streams to `onStdout` / `onStderr` as it arrives, a line at a time (UTF-8,
+   * invalid bytes replaced); the result keeps raw bytes, at most `maxOutput` per stream. A
+   * timeout kills the command's whole process tree and sets `timedOut` (exit code 137).
+   */
+  async exec(cmd: string | string[], opts: ExecOptions = {}): Promise<ExecResult> {
+    const body: ExecBody = { cmd, env: opts.env ?? {}, cwd: opts.cwd ?? null,
+                             timeout: seconds(opts.timeout, "timeout") ?? null };
+    if (typeof opts.stdin === "string") body.stdin = opts.stdin;
+    else if (opts.stdin !== undefined) body.stdin_b64 = Buffer.from(opts.stdin).toString("base64");
+    const reader = new ExecStreamReader(opts);
+    const signal = opts.signal;
+    const res = await this._http.open("POST", `${this.path}/exec`, {
+      json: body, headers: { Accept: CONTENT_TYPE }, signal,
+    });
+    try {
+      for await (const chunk of iterate(res, "exec", signal)) await reader.feed(chunk);
+      signal?.throwIfAborted();
+    } catch (e) {
+      res.destroy();  // the daemon sees the client leave and kills the command
+      throw e;
+    }
+    return reader.finish();
+  }
+
+  toString(): string {
+    return `Sandbox(${this.id}, template=${this._info.template})`;
+  }
+}
+
+/** `sbx.network`: the sandbox's egress policy and the record of its connections. */
+export class Network {
+  /** @internal */
+  constructor(private readonly sbx: Sandbox) {}
+
+  /** The policy as of the last answer about the sandbox (`sbx.info()` refreshes). */
+  get policy(): SandboxInfo["network"] {
+    return this.sbx._info.network;
+  }
+
+  /** A new policy; the sandbox's new connections follow it at once. */
+  async update(network: NetworkPolicy): Promise<SandboxInfo["network"]> {
+    this.sbx._info = await this.sbx._http.request<SandboxInfo>(
+      "POST", `/sandboxes/${encodeURIComponent(this.sbx.id)}/network`, { json: { network } });
+    return this.sbx._info.network;
+  }
+
+  /** Outbound attempts, newest first: time, proto, dst, port, name, verdict, rule, bytes. */
+  async connections(opts: { limit?: number } = {}): Promise<Record<string, unknown>[]> {
+    const d = await this.sbx._http.request<{ connections: Record<string, unknown>[] }>(
+      "GET", `/sandboxes/${encodeURIComponent(this.sbx.id)}/connections`,
+      { query: { limit: opts.limit ?? 100 } });
+    return d.connections;
+  }
+}

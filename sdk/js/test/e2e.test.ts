@@ -1,0 +1,208 @@
+/** End-to-end: the SDK against a real daemon (test/daemon.py: real cpuosd, real runsc). */
+import assert from "node:assert/strict";
+import { execFile } from "node:child_process";
+import { createHash, randomBytes } from "node:crypto";
+import { readFileSync } from "node:fs";
+import { resolve } from "node:path";
+import { after, before, describe, it } from "node:test";
+import { promisify } from "node:util";
+import {
+  AuthError, Conflict, CpuosError, InvalidArgument, NotFound, Sandbox,
+} from "@cpuos/sdk";
+import { REPO_DIR, SDK_DIR, startDaemon, waitUntil, type TestDaemon } from "./helpers.js";
+
+const started = await startDaemon();
+const skip = "skip" in started ? started.skip : false;
+const daemon = started as TestDaemon;
+const T = { timeout: 180_000 };
+
+describe("e2e", { skip }, () => {
+  let conn: { apiUrl: string; apiKey: string };
+  let sbx: Sandbox;
+  let failed = false;
+
+  before(async () => {
+    conn = { apiUrl: daemon.url, apiKey: daemon.key };
+    sbx = await Sandbox.create({ template: "python", timeout: "10m", ...conn });
+  });
+
+  after(async () => {
+    try {
+      await sbx?.kill();
+    } finally {
+      await daemon.stop(failed);
+    }
+  });
+
+  const test = (name: string, fn: () => Promise<void>) =>
+    it(name, T, async () => {
+      try {
+        await fn();
+      } catch (e) {
+        failed = true;
+        throw e;
+      }
+    });
+
+  test("the README snippet, verbatim, with an analysis.py that prints and saves a chart",
+       async () => {
+    const src = readFileSync(resolve(SDK_DIR, "test", "snippet.ts"), "utf8").split("\n")
+      .filter((l) => !l.startsWith("//") && !l.endsWith("// test:") && l.trim());
+    for (const readme of [resolve(SDK_DIR, "README.md"), resolve(REPO_DIR, "README.md")]) {
+      const text = readFileSync(readme, "utf8");
+      const block = /```ts\n([\s\S]*?)```/.exec(text)?.[1]?.trim().split("\n");
+      assert.deepEqual(src, block, `test/snippet.ts is not the snippet in ${readme}`);
+    }
+
+    const { stdout } = await promisify(execFile)(
+      process.execPath, [resolve(SDK_DIR, "build", "snippet.js")],
+      { env: { ...process.env, CPUOS_API_URL: daemon.url, CPUOS_API_KEY: daemon.key },
+        timeout: 170_000 });
+    const lines = stdout.trim().split("\n");
+    const out = JSON.parse(lines.pop()!) as { id: string; exitCode: number; stderr: string;
+                                              chartBytes: number; chartHead: string };
+    assert.equal(out.exitCode, 0, out.stderr);
+    assert.deepEqual(lines, [...Array(10).keys()].map((x) => `${x} squared is ${x * x}`)
+      .concat(["saved /work/chart.png"]));
+    assert.equal(out.chartHead, "89504e470d0a1a0a");  // a PNG
+    assert.ok(out.chartBytes > 1000, `chart of ${out.chartBytes} bytes`);
+
+    const paused = await Sandbox.connect(out.id, { autoResume: false, ...conn });
+    assert.equal((await paused.info()).state, "paused");
+    const back = await Sandbox.resume(out.id, conn);
+    try {
+      assert.equal((await back.info()).state, "running");
+      const chart = await back.files.read("/work/chart.png");
+      assert.equal(chart.length, out.chartBytes);
+    } finally {
+      await back.kill();
+    }
+  });
+
+  test("stdout and stderr: in order, apart, line by line or as chunks", async () => {
+    const cmd = "for i in $(seq 1 300); do echo out$i; echo err$i >&2; done; printf tail";
+    const out: string[] = [];
+    const err: string[] = [];
+    const run = await sbx.exec(cmd, { onStdout: (l) => { out.push(l); },
+                                      onStderr: async (l) => { err.push(l); } });
+    const n = [...Array(300).keys()].map((i) => i + 1);
+    assert.deepEqual(out, [...n.map((i) => `out${i}`), "tail"]);
+    assert.deepEqual(err, n.map((i) => `err${i}`));
+    assert.equal(run.stdout, n.map((i) => `out${i}\n`).join("") + "tail");
+    assert.equal(run.stderr, n.map((i) => `err${i}\n`).join(""));
+    assert.ok(run.ok);
+
+    const chunks: string[] = [];
+    const raw = await sbx.exec(["python3", "-c", "import sys\nfor i in range(50): " +
+      "sys.stdout.write('x' * 1000 + '\\n'); sys.stdout.flush()"],
+      { lines: false, onStdout: (c) => { chunks.push(c); } });
+    assert.equal(chunks.join(""), raw.stdout);
+    assert.equal(raw.stdout.length, 50 * 1001);
+  });
+
+  test("exit codes 0, 1 and 137 (SIGKILL)", async () => {
+    assert.equal((await sbx.exec("true")).exitCode, 0);
+    const one = await sbx.exec("echo nope >&2; exit 1");
+    assert.equal(one.exitCode, 1);
+    assert.equal(one.stderr, "nope\n");
+    assert.ok(!one.ok);
+    const killed = await sbx.exec("kill -9 $$");
+    assert.equal(killed.exitCode, 137);
+    assert.equal(killed.timedOut, false);
+  });
+
+  test("env, cwd and stdin reach the command", async () => {
+    const r = await sbx.exec("echo $GREETING; pwd; cat", {
+      env: { GREETING: "hello" }, cwd: "/tmp", stdin: new TextEncoder().encode("from stdin") });
+    assert.equal(r.stdout, "hello\n/tmp\nfrom stdin");
+  });
+
+  test("an exec timeout kills the command: exit 137, timedOut, sandbox usable", async () => {
+    const r = await sbx.exec("echo started; sleep 60; echo never", { timeout: "1s" });
+    assert.equal(r.timedOut, true);
+    assert.equal(r.exitCode, 137);
+    assert.equal(r.stdout, "started\n");
+    assert.equal((await sbx.exec("echo alive")).stdout, "alive\n");
+    await assert.rejects(sbx.exec("true", { timeout: "soon" }), InvalidArgument);
+  });
+
+  test("AbortSignal: aborting a long exec kills the command inside", async () => {
+    const ac = new AbortController();
+    let pid = "";
+    const p = sbx.exec("echo $$; exec sleep 612", {
+      signal: ac.signal,
+      onStdout: async (line) => {
+        pid = line.trim();
+        // the command is alive (so the check below could fail), then we leave
+        assert.equal((await sbx.exec(`kill -0 ${pid}`)).exitCode, 0);
+        ac.abort();
+      },
+    });
+    await assert.rejects(p, (e: Error) => e.name === "AbortError");
+    assert.match(pid, /^\d+$/);
+    await waitUntil(async () => (await sbx.exec(`kill -0 ${pid}`)).exitCode !== 0,
+                    `sleep (pid ${pid}) to be killed inside the sandbox`);
+    const ps = await sbx.exec("ps -eo args");
+    assert.ok(!ps.stdout.includes("sleep 612"), ps.stdout);
+    await assert.rejects(sbx.exec("true", { signal: AbortSignal.abort() }),
+                         (e: Error) => e.name === "AbortError");
+  });
+
+  test("files: a 10 MiB round trip by sha256, strings, list, exists, remove", async () => {
+    const data = new Uint8Array(randomBytes(10 << 20));
+    const sha = createHash("sha256").update(data).digest("hex");
+    const entry = await sbx.files.write("/work/big.bin", data);
+    assert.equal(entry.size, 10 << 20);
+    const inside = await sbx.exec("sha256sum /work/big.bin");
+    assert.equal(inside.stdout.split(" ")[0], sha);
+    const back = await sbx.files.read("/work/big.bin");
+    assert.equal(back.length, data.length);
+    assert.equal(createHash("sha256").update(back).digest("hex"), sha);
+
+    await sbx.files.write("notes/hello.txt", "héllo\n");  // relative: under /work
+    assert.equal(await sbx.files.readText("/work/notes/hello.txt"), "héllo\n");
+    const names = (await sbx.files.list("/work")).map((e) => `${e.name}:${e.type}`);
+    assert.ok(names.includes("big.bin:file") && names.includes("notes:dir"), String(names));
+    assert.equal(await sbx.files.exists("/work/notes/hello.txt"), true);
+    await sbx.files.remove("/work/notes");
+    assert.equal(await sbx.files.exists("/work/notes/hello.txt"), false);
+    await assert.rejects(sbx.files.read("/work/nope"), NotFound);
+  });
+
+  test("bad input maps to the error classes: 404, 401, 409, 422", async () => {
+    await assert.rejects(Sandbox.connect("sbx-doesnotexist", conn), (e: CpuosError) =>
+      e instanceof NotFound && e.status === 404 && e.code === "not_found");
+    await assert.rejects(Sandbox.list({ apiUrl: daemon.url, apiKey: "wrong" }),
+                         (e: CpuosError) => e instanceof AuthError && e.status === 401);
+    await assert.rejects(Sandbox.create({ template: "No Such_Template!", ...conn }),
+                         (e: CpuosError) => e instanceof InvalidArgument && e.status === 422);
+    await assert.rejects(sbx.files.list("/work/big.bin"), (e: CpuosError) =>
+      e instanceof Conflict && e.status === 409 && e.code === "not_a_directory");
+    const gone = await Sandbox.create({ template: "python", timeout: "2m", ...conn });
+    await gone.kill();
+    await assert.rejects(gone.exec("true"), (e: CpuosError) =>
+      e instanceof Conflict && e.status === 409);
+    await gone.kill();  // already killed: no error
+  });
+
+  test("setTimeout, list, fork, ports.expose", async () => {
+    const before = (await sbx.info()).deadline!;
+    const info = await sbx.setTimeout("20m");
+    assert.ok(info.deadline! > before + 60, `${info.deadline} vs ${before}`);
+    assert.ok((await Sandbox.list(conn)).some((s) => s.id === sbx.id));
+
+    await sbx.files.write("/work/forked.txt", "from the parent");
+    const [child] = await sbx.fork(1);
+    try {
+      assert.ok(child && child.id !== sbx.id);
+      assert.equal(await child.files.readText("/work/forked.txt"), "from the parent");
+      assert.equal((await child.exec("echo child")).stdout, "child\n");
+    } finally {
+      await child?.kill();
+    }
+
+    const url = await sbx.ports.expose(8000);
+    assert.match(url, new RegExp(`/sandboxes/${sbx.id}/ports/8000/\\?cpuos_token=\\w+`));
+    assert.deepEqual((await sbx.ports.list()).map((p) => p.port), [8000]);
+  });
+});
