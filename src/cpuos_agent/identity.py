@@ -5,8 +5,10 @@ Stdlib only: it runs inside every sandbox."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
+import ipaddress
 import os
 import re
 import socket
@@ -88,6 +90,13 @@ def apply_identity(h: P.Header) -> list[str]:
                 pass
             finally:
                 os.close(fd)
+    net = h.get("net")
+    if isinstance(net, dict):
+        try:
+            if apply_net(net):
+                applied.append("net")
+        except (OSError, ValueError):
+            pass
     now = h.get("time")
     if isinstance(now, (int, float)) and abs(time.time() - now) > CLOCK_SLACK:
         try:
@@ -97,6 +106,95 @@ def apply_identity(h: P.Header) -> list[str]:
         except (OSError, OverflowError):
             pass
     return applied
+
+
+# linux/sockios.h, linux/if.h, linux/route.h
+SIOCADDRT, SIOCGIFFLAGS, SIOCSIFFLAGS = 0x890B, 0x8913, 0x8914
+SIOCGIFADDR, SIOCSIFADDR, SIOCSIFNETMASK = 0x8915, 0x8916, 0x891C
+IFF_UP = 0x1
+RTF_UP, RTF_GATEWAY = 0x1, 0x2
+
+
+def _sockaddr(ip: str) -> bytes:
+    return struct.pack("=HH4s8x", socket.AF_INET, 0, socket.inet_aton(ip))
+
+
+def _ifreq(name: str, data: bytes = b"") -> bytes:
+    return struct.pack("16s24s", name.encode(), data)
+
+
+def _flags(s: socket.socket, name: str, up: bool | None = None) -> int:
+    got = fcntl.ioctl(s, SIOCGIFFLAGS, _ifreq(name))
+    flags: int = struct.unpack_from("H", got, 16)[0]
+    if up is not None and bool(flags & IFF_UP) != up:
+        flags = flags | IFF_UP if up else flags & ~IFF_UP
+        fcntl.ioctl(s, SIOCSIFFLAGS, _ifreq(name, struct.pack("H", flags)))
+    return flags
+
+
+def _address(s: socket.socket, name: str) -> str | None:
+    try:
+        got = fcntl.ioctl(s, SIOCGIFADDR, _ifreq(name))
+    except OSError:
+        return None  # none yet (EADDRNOTAVAIL)
+    return socket.inet_ntoa(got[20:24])
+
+
+def _default_via(gateway: str) -> bool:
+    """A default route through gateway in the main table (/proc/net/route)."""
+    want = f"{struct.unpack('=I', socket.inet_aton(gateway))[0]:08X}"  # as the kernel prints
+    try:
+        with open("/proc/net/route") as f:
+            rows = [line.split() for line in f.read().splitlines()[1:]]
+    except OSError:
+        return False
+    return any(len(r) > 2 and r[1] == "00000000" and r[2] == want for r in rows)
+
+
+def guest_interface() -> str | None:
+    """The guest's one network interface (a microVM's virtio-net), or None."""
+    try:
+        names = sorted(n for n in os.listdir("/sys/class/net") if n != "lo")
+    except OSError:
+        return None
+    return "eth0" if "eth0" in names else (names[0] if names else None)
+
+
+def apply_net(net: P.Header) -> bool:
+    """A microVM's interface takes the address the host gave this sandbox (each clone and
+    every restore has a namespace and an address of its own: the snapshot's is stale); the
+    loopback comes up. Down and up flushes the old routes and neighbours (the gateway has
+    a new MAC). Returns whether anything changed. Needs CAP_NET_ADMIN (the microVM's /init
+    keeps it for the agent); the host's firewall, not this, decides what gets out."""
+    iface = ipaddress.IPv4Interface(f"{net.get('address')}/{int(net.get('prefix', 30))}")
+    gateway = ipaddress.IPv4Address(str(net.get("gateway")))
+    if gateway not in iface.network or gateway == iface.ip or iface.network.prefixlen < 8:
+        raise ValueError("gateway outside the interface's network")
+    name = guest_interface()
+    if name is None:
+        return False
+    changed = False
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s, privileged():
+        if not _flags(s, "lo") & IFF_UP:
+            _flags(s, "lo", up=True)
+            changed = True
+        addr, gw = str(iface.ip), str(gateway)
+        if _address(s, name) == addr and _flags(s, name) & IFF_UP and _default_via(gw):
+            return changed
+        with contextlib.suppress(OSError):  # no IPv6 (the host drops it anyway)
+            with open(f"/proc/sys/net/ipv6/conf/{name}/disable_ipv6", "w") as f:
+                f.write("1")
+        _flags(s, name, up=False)
+        fcntl.ioctl(s, SIOCSIFADDR, _ifreq(name, _sockaddr(addr)))
+        fcntl.ioctl(s, SIOCSIFNETMASK, _ifreq(name, _sockaddr(str(iface.netmask))))
+        _flags(s, name, up=True)
+        rt = struct.pack("@L16s16s16sHhLPhPLLH6x", 0, _sockaddr("0.0.0.0"), _sockaddr(gw),
+                         _sockaddr("0.0.0.0"), RTF_UP | RTF_GATEWAY, 0, 0, 0, 0, 0, 0, 0, 0)
+        try:
+            fcntl.ioctl(s, SIOCADDRT, rt)
+        except FileExistsError:
+            pass
+    return True
 
 
 def read_key(path: str = P.KEY_PATH) -> str:

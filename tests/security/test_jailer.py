@@ -301,6 +301,27 @@ def test_netns_is_joined(base: Path, jail_id: str, tmp_path: Path) -> None:
         holder.wait()
 
 
+def test_new_netns_holds_only_its_tap(base: Path, jail_id: str) -> None:
+    """--new-netns: an empty namespace of the VMM's own (not the host's), where --tap made
+    one persistent tap; the tap goes with the namespace when the VMM ends."""
+    r = run_jailed(jail_id, base, "sh", "-c",
+                   "/busybox readlink /proc/$$/ns/net; /busybox cat /proc/net/dev",
+                   mount_proc=True, new_netns=True, tap="tap0")
+    assert r.returncode == 0, r.stderr
+    ns, *dev = r.stdout.splitlines()
+    assert ns.startswith("net:") and ns != host_ns("net")
+    assert sorted(line.split(":")[0].strip() for line in dev[2:]) == ["lo", "tap0"]
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert " tap0:" not in links  # not in the host's namespace, before or after
+
+
+def test_netns_and_new_netns_are_refused_together(base: Path) -> None:
+    sid = f"jt-bad-{os.getpid()}-{next(_ids)}"
+    r = cli(*common(base, sid), "--netns=/proc/self/ns/net", "--new-netns", "--", "true")
+    assert r.returncode == 2 and "exclude each other" in r.stderr, r.stderr
+    assert not (base / "busybox" / sid).exists()
+
+
 def test_cleanup_kills_and_removes_everything(base: Path, jail_id: str) -> None:
     p = subprocess.Popen(argv(jail_id, base, "sleep", "60"), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE)
@@ -462,6 +483,8 @@ def test_bad_chroot_base_is_refused(tmp_path: Path, kind: str) -> None:
     (["--bind", "/etc:/x/../../y:ro"], "'..'"),
     (["--bind", "/nonexistent:/x:ro"], "bind source"),
     (["--netns", "/nonexistent/netns"], "network namespace"),
+    (["--tap", "../tap"], "bad tap name"),
+    (["--tap", "t" * 16], "bad tap name"),
     (["--cgroup", "../../x=1"], "bad cgroup file"),
     (["--rlimit", "bogus=1"], "unknown rlimit"),
     (["--devices", "kvm,sda"], "unknown device"),

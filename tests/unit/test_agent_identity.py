@@ -3,6 +3,8 @@ The system calls are replaced: the test must not rename this host or set its clo
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import socket
 import time
@@ -59,3 +61,44 @@ def test_malformed_identity_is_ignored(calls: dict[str, Any], bad: dict[str, Any
     assert A.apply_identity({"t": "identity", **bad}) == []
     assert "hostname" not in calls and "clock" not in calls
     assert not Path(A.MACHINE_ID_PATH).exists()
+
+
+@pytest.mark.parametrize("net", [
+    {"address": "10.0.0.2", "gateway": "10.0.1.1", "prefix": 30},  # gateway outside
+    {"address": "10.0.0.2", "gateway": "10.0.0.2", "prefix": 30},  # gateway is the address
+    {"address": "10.0.0.2", "gateway": "10.0.0.1", "prefix": 4},
+    {"address": "fd00::2", "gateway": "fd00::1", "prefix": 64},
+    {"address": "10.0.0.2; reboot", "gateway": "10.0.0.1"}, {"address": 7},
+])
+def test_malformed_network_is_ignored(calls: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+                                      net: dict[str, Any]) -> None:
+    monkeypatch.setattr(fcntl, "ioctl", lambda *a: pytest.fail("an ioctl was made"))
+    assert A.apply_identity({"t": "identity", "net": net}) == []
+
+
+def test_network_is_applied(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interface goes down (old routes and neighbours go), takes the address and
+    netmask, comes up, and gets the default route; the loopback comes up. (The ioctls are
+    recorded, not made: this host's interfaces stay as they are.)"""
+    made: list[tuple[int, bytes]] = []
+
+    def ioctl(_s: Any, req: int, arg: bytes) -> bytes:
+        made.append((req, arg))
+        if req == A.SIOCGIFADDR:
+            raise OSError(99, "no address")
+        return arg[:16] + b"\0" * 24 if req == A.SIOCGIFFLAGS else arg
+
+    monkeypatch.setattr(fcntl, "ioctl", ioctl)
+    monkeypatch.setattr(A, "guest_interface", lambda: "eth9")
+    monkeypatch.setattr(A, "privileged", contextlib.nullcontext)
+    applied = A.apply_identity({"net": {"address": "10.213.0.6", "gateway": "10.213.0.5",
+                                        "prefix": 30}})
+    assert applied == ["net"]
+    sets = [(r, a) for r, a in made if r in (A.SIOCSIFFLAGS, A.SIOCSIFADDR,
+                                             A.SIOCSIFNETMASK, A.SIOCADDRT)]
+    assert [r for r, _ in sets] == [A.SIOCSIFFLAGS, A.SIOCSIFADDR, A.SIOCSIFNETMASK,
+                                    A.SIOCSIFFLAGS, A.SIOCADDRT]
+    assert sets[0][1].startswith(b"lo\0")  # the loopback up (it was down)
+    assert socket.inet_aton("10.213.0.6") in sets[1][1]
+    assert socket.inet_aton("255.255.255.252") in sets[2][1]
+    assert socket.inet_aton("10.213.0.5") in sets[4][1]

@@ -223,11 +223,11 @@ def sandbox_json(row: SandboxRow) -> dict[str, Any]:
 async def start_network(cfg: Config, backend: Backend, store: Store, events: EventBus
                         ) -> Network | None:
     """The daemon's network (per-sandbox namespaces, nftables, resolver, egress proxy) where
-    it can run: the gVisor backend, nft installed, CPUOS_NETWORK not 0."""
+    it can run: the gVisor or microVM backend, nft installed, CPUOS_NETWORK not 0."""
     if not cfg.network:
         log.info("network: off (CPUOS_NETWORK=0): sandboxes have no network")
         return None
-    if backend.capabilities.name != "gvisor":
+    if backend.capabilities.name not in ("gvisor", "microvm"):
         log.warning("network: not yet for the %s backend: its sandboxes have no network",
                     backend.capabilities.name)
         return None

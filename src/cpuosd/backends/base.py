@@ -24,6 +24,11 @@ class SandboxSpec:
     # the network wrapper made for the sandbox (None: no network at all)
     network: dict[str, Any] | None = None
     netns: str | None = None
+    # the sandbox's address and gateway in that namespace (a /prefix): a guest that sets
+    # its own interface (Capabilities.guest_net) is told them after every boot and restore
+    address: str | None = None
+    gateway: str | None = None
+    prefix: int = 30
     hostname: str = "sandbox"
     env: dict[str, str] = field(default_factory=dict)
     # the Manager's boot of a template, to be checkpointed and cloned (a backend may lay
@@ -50,6 +55,9 @@ class Capabilities:
     # the agent's channel is a socket code inside could knock on: the agent proves itself
     # with a per-sandbox key (cpuos_agent.protocol.KEY_PATH)
     agent_key: bool = False
+    # the guest configures its own network interface (a VM's kernel): the agent is given
+    # the sandbox's address at every boot and restore (spec.address)
+    guest_net: bool = False
 
 
 class Backend(Protocol):

@@ -264,11 +264,16 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
 
     async def _identity(self, lv: Live) -> None:
         """New for every boot, restore and clone: hostname (the sandbox id), machine-id,
-        randomness for the guest's RNG and the time (cpuos_agent.agent.apply_identity)."""
-        h = await lv.chan.call({"t": "identity", "hostname": lv.row.id,
-                                "machine_id": lv.row.spec["machine_id"],
-                                "seed": secrets.token_hex(64), "time": time.time()},
-                               timeout=30)
+        randomness for the guest's RNG, the time and, for a VM, its network address
+        (cpuos_agent.agent.apply_identity)."""
+        msg: dict[str, Any] = {"t": "identity", "hostname": lv.row.id,
+                               "machine_id": lv.row.spec["machine_id"],
+                               "seed": secrets.token_hex(64), "time": time.time()}
+        if self.backend.capabilities.guest_net and lv.spec.address and lv.spec.gateway:
+            # a VM's interface: every restore and clone has an address of its own
+            msg["net"] = {"address": lv.spec.address, "gateway": lv.spec.gateway,
+                          "prefix": lv.spec.prefix}
+        h = await lv.chan.call(msg, timeout=30)
         raise_for_agent_error(h)
         log.debug("identity of %s: %s", lv.row.id, h.get("applied"))
 

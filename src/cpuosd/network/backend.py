@@ -50,6 +50,7 @@ class Networked:
         slot = await self.net.attach(spec.id, policy)
         self._specs[spec.id] = spec
         spec.netns = slot.netns_path
+        spec.address, spec.gateway, spec.prefix = slot.address, slot.gateway, 30
         spec.dir.mkdir(parents=True, exist_ok=True)
         self._state(spec.id).write_text(json.dumps({"index": slot.index,
                                                     "policy": policy.to_json()}))

@@ -72,7 +72,7 @@ from typing import Any
 from ... import procs
 from ...errors import ApiError
 from ..base import Capabilities, SandboxSpec
-from . import jailer, kernel, ram
+from . import jailer, kernel, ram, tap
 from .qemu import QMP, Accel, QMPFailure, VMConfig, kernel_cmdline, qemu_argv, support_files
 
 log = logging.getLogger("cpuosd.microvm")
@@ -89,7 +89,7 @@ JAIL_ROOT_IMG = "/disk/root.ext4"
 JAIL_OVERLAY_IMG = "/disk/overlay.ext4"
 JAIL_AGENT_DIR = "/agent"
 JAIL_QMP = "/run/qmp.sock"
-MACHINE_VERSION = 1  # bump when the VM's devices (and so its migration state) change
+MACHINE_VERSION = 2  # bump when the VM's devices (and so its migration state) change
 STATE = "checkpoint.img"  # the migration stream (the Manager checks for this name)
 SANDBOX_FILE = "sandbox"  # in a jail dir: the sandbox a standby VM was handed to
 RECORD_FILE = "vm.json"  # in a jail dir (outside the chroot): what a restarted daemon needs
@@ -124,7 +124,7 @@ JAIL_TIMEOUT = 60.0
 
 
 class MicroVMBackend:
-    capabilities = Capabilities(name="microvm", checkpoint=True, network=False)
+    capabilities = Capabilities(name="microvm", checkpoint=True, network=False, guest_net=True)
 
     def __init__(self, home: Path, *, qemu: str = QEMU_BIN, accel: Accel = "kvm",
                  uid_base: int = UID_BASE, uid_count: int = UID_COUNT,
@@ -277,7 +277,7 @@ class MicroVMBackend:
             serial_log="/run/console.log" if self.console_log else None,
             vcpus=spec.vcpus, memory_mib=spec.memory_mib, rootfs_image=JAIL_ROOT_IMG,
             overlay_image=JAIL_OVERLAY_IMG, agent_socket=f"{JAIL_AGENT_DIR}/{spec.sock_path.name}",
-            accel=self.accel, incoming=incoming, qemu=self.qemu)
+            accel=self.accel, incoming=incoming, qemu=self.qemu, tap=tap.TAP)
 
     def jailed_argv(self, spec: SandboxSpec, uid: int, vm: VMConfig, rootfs_image: Path,
                     overlay: Path, jail_id: str | None = None, ram_fd: int | None = None
@@ -300,7 +300,8 @@ class MicroVMBackend:
                                          pids=PIDS_MAX),
             cgroup_version=version,
             rlimits={"nofile": 4096, "fsize": self.overlay_mib << 20, "core": 0},
-            devices=("kvm", "null", "zero", "urandom"), python=self.python,
+            devices=("kvm", "tun", "null", "zero", "urandom"), new_netns=True, tap=tap.TAP,
+            python=self.python,
             keep_fds=() if ram_fd is None else (ram_fd,), mount_proc=ram_fd is not None,
             detach=True)
 
@@ -353,6 +354,16 @@ class MicroVMBackend:
         connect.result()
         return q
 
+    async def _link(self, rec: VM, spec: SandboxSpec) -> None:
+        """The VM's tap into the sandbox's network namespace (tap.py), if it has one."""
+        if spec.netns is None:
+            return
+        try:
+            pid = int(rec.paths.pid_file.read_text())
+            await asyncio.to_thread(tap.attach, spec.netns, pid)
+        except (OSError, ValueError, tap.TapError) as e:
+            raise QMPFailure(f"its network link: {e}") from None
+
     @staticmethod
     async def _until_dead(rec: VM) -> None:
         try:
@@ -394,8 +405,9 @@ class MicroVMBackend:
             raise
         rec.ram_fd = ram_fd
         try:
-            q = await self._qmp(rec)
+            q = await self._qmp(rec)  # (QMP answers once QEMU has opened its tap)
             try:
+                await self._link(rec, spec)
                 status = await q.query_status()
             finally:
                 await q.close()
@@ -541,6 +553,7 @@ class MicroVMBackend:
         try:
             q = await self._qmp(rec)
             try:
+                await self._link(rec, spec)
                 await self._incoming(q, image_dir, tr is not None)
             finally:
                 await q.close()
@@ -662,6 +675,7 @@ class MicroVMBackend:
         self.vms[spec.id] = sb
         q, sb.qmp = sb.qmp, None
         try:
+            await self._link(sb, spec)
             if spec.adopt is not None:
                 await spec.adopt(conn)
             else:

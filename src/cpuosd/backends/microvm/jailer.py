@@ -4,7 +4,8 @@ Run as root::
 
     python -m cpuosd.backends.microvm.jailer --id ID --exec-file /usr/bin/qemu-system-x86_64 \\
         --uid 300001 --gid 300001 --chroot-base /var/lib/cpuos/microvm/jail \\
-        [--file SRC[:DST]]... [--bind SRC:DST[:ro|rw]]... [--netns /run/netns/x] \\
+        [--file SRC[:DST]]... [--bind SRC:DST[:ro|rw]]... [--netns /run/netns/x | --new-netns] \\
+        [--tap tap0] \\
         [--cgroup memory.limit_in_bytes=...]... [--rlimit nofile=N] [--rlimit fsize=N] \\
         -- VMM-ARGS...
 
@@ -21,7 +22,11 @@ In order, it:
    devices) the VMM binary to ``/<exec-name>`` and each ``--file`` into it;
 4. creates the cgroup ``<parent>/<id>`` (v1: under each controller's hierarchy; v2:
    in the unified one), writes the limits, and joins it;
-5. sets rlimits (nofile, fsize, ...), joins the network namespace given by path;
+5. sets rlimits (nofile, fsize, ...), joins the network namespace given by path (or, with
+   ``--new-netns``, makes an empty one of its own: nothing named on the host, it goes when
+   the VMM does); with ``--tap NAME`` makes a persistent tap device there owned by the
+   sandbox uid/gid, which the VMM opens by name (the daemon may move it into the
+   sandbox's namespace later: its open file keeps working);
 6. unshares the pid namespace and forks: the child is PID 1 of its own pid namespace.
    The child unshares mount (+ IPC, UTS) namespaces, makes every mount private, does
    the ``--bind`` mounts, ``pivot_root``\\ s into the chroot (old root detached), remounts
@@ -50,6 +55,7 @@ import argparse
 import contextlib
 import ctypes
 import errno
+import fcntl
 import os
 import platform
 import re
@@ -58,6 +64,7 @@ import select
 import shutil
 import signal
 import stat
+import struct
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -89,6 +96,15 @@ DEVICES: dict[str, tuple[str, int, int, bool]] = {
     "urandom": ("/dev/urandom", 1, 9, False),
 }
 DEFAULT_DEVICES = ("kvm", "tun", "null", "zero", "urandom")
+TAP_RE = re.compile(r"[a-z][a-z0-9]{0,14}")
+# linux/if_tun.h
+TUNSETIFF = 0x400454CA
+TUNSETPERSIST = 0x400454CB
+TUNSETOWNER = 0x400454CC
+TUNSETGROUP = 0x400454CE
+IFF_TAP = 0x0002
+IFF_NO_PI = 0x1000
+IFF_VNET_HDR = 0x4000
 
 # linux/sched.h, linux/mount.h, linux/prctl.h
 CLONE_NEWNS = 0x00020000
@@ -153,6 +169,8 @@ class JailConfig:
     files: list[tuple[str, str]] = field(default_factory=list)  # (host src, jail dst)
     binds: list[tuple[str, str, bool]] = field(default_factory=list)  # (src, dst, read-only)
     netns: Path | None = None
+    new_netns: bool = False  # an empty network namespace of its own (not with netns)
+    tap: str | None = None  # a persistent tap, owned by uid/gid, in the VMM's namespace
     cgroups: list[tuple[str, str]] = field(default_factory=list)  # (file, value)
     cgroup_version: int | None = None  # None: detect
     parent_cgroup: str = DEFAULT_PARENT_CGROUP
@@ -529,6 +547,20 @@ def _drop_privileges(uid: int, gid: int, last_cap: int, pdeathsig: bool = True) 
         raise JailError("privileges were not dropped")
 
 
+def make_tap(name: str, uid: int, gid: int) -> None:
+    """A persistent tap ``name`` in the current network namespace that only uid/gid may
+    attach to (no capability needed for them; the VMM has none)."""
+    fd = os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH", name.encode(),
+                                               IFF_TAP | IFF_NO_PI | IFF_VNET_HDR))
+        fcntl.ioctl(fd, TUNSETOWNER, uid)
+        fcntl.ioctl(fd, TUNSETGROUP, gid)
+        fcntl.ioctl(fd, TUNSETPERSIST, 1)
+    finally:
+        os.close(fd)
+
+
 def _make_devices(cfg: JailConfig) -> None:
     _mount("tmpfs", "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=755,size=64k,nr_inodes=64")
     for name in cfg.devices:
@@ -603,6 +635,10 @@ def prepare(cfg: JailConfig) -> JailPaths:
     for fname, _ in cfg.cgroups:
         if not re.fullmatch(r"[a-z]+\.[a-z_.]+", fname):
             raise JailError(f"bad cgroup file {fname!r}")
+    if cfg.netns is not None and cfg.new_netns:
+        raise JailError("--netns and --new-netns exclude each other")
+    if cfg.tap is not None and not TAP_RE.fullmatch(cfg.tap):
+        raise JailError(f"bad tap name {cfg.tap[:40]!r}: must match {TAP_RE.pattern}")
     if cfg.netns is not None and not os.path.exists(cfg.netns):
         raise JailError(f"network namespace {str(cfg.netns)!r} does not exist")
     try:
@@ -656,6 +692,10 @@ def run(cfg: JailConfig) -> int:
                 _check(_libc.setns(fd, CLONE_NEWNET), f"joining network namespace {cfg.netns}")
             finally:
                 os.close(fd)
+        elif cfg.new_netns:
+            _check(_libc.unshare(CLONE_NEWNET), "unshare(net)")
+        if cfg.tap is not None:
+            make_tap(cfg.tap, cfg.uid, cfg.gid)
         _check(_libc.unshare(CLONE_NEWPID), "unshare(pid)")
     except BaseException:
         with contextlib.suppress(JailError, OSError):
@@ -769,6 +809,10 @@ OPTIONS: tuple[Opt, ...] = (
     Opt("binds", "--bind", "many", _bind,
         lambda b: f"{b[0]}:{b[1]}:{'ro' if b[2] else 'rw'}", "SRC:DST[:ro|rw]"),
     Opt("netns", "--netns", "one", Path),
+    Opt("new_netns", "--new-netns", "flag",
+        help="an empty network namespace of the VMM's own (instead of --netns)"),
+    Opt("tap", "--tap", "one",
+        help="make a persistent tap NAME owned by --uid/--gid in the VMM's namespace"),
     Opt("cgroup_version", "--cgroup-version", "one", _cgroup_version),
     Opt("cgroups", "--cgroup", "many", _kv, lambda kv: f"{kv[0]}={kv[1]}", "FILE=VALUE"),
     Opt("rlimits", "--rlimit", "pairs", _rlimit, lambda kv: f"{kv[0]}={kv[1]}", "NAME=VALUE"),
@@ -811,7 +855,8 @@ def jailer_argv(*, sandbox_id: str, exec_file: Path | str, uid: int, gid: int,
                 chroot_base: Path | str, args: Sequence[str],
                 files: Iterable[str | tuple[str, str]] = (),
                 binds: Iterable[tuple[str, str, bool]] = (),
-                netns: Path | str | None = None, cgroups: Iterable[tuple[str, str]] = (),
+                netns: Path | str | None = None, new_netns: bool = False,
+                tap: str | None = None, cgroups: Iterable[tuple[str, str]] = (),
                 cgroup_version: int | None = None,
                 parent_cgroup: str = DEFAULT_PARENT_CGROUP,
                 rlimits: dict[str, int] | None = None,
@@ -827,6 +872,7 @@ def jailer_argv(*, sandbox_id: str, exec_file: Path | str, uid: int, gid: int,
         chroot_base=Path(chroot_base), args=list(args),
         files=[(f, f) if isinstance(f, str) else (f[0], f[1]) for f in files],
         binds=list(binds), netns=Path(netns) if netns is not None else None,
+        new_netns=new_netns, tap=tap,
         cgroups=list(cgroups), cgroup_version=cgroup_version, parent_cgroup=parent_cgroup,
         rlimits={**DEFAULT_RLIMITS, **(rlimits or {})},
         devices=tuple(devices) if devices is not None else DEFAULT_DEVICES,

@@ -412,8 +412,9 @@ say "CPUOS-INIT-AGENT $port"
 # the agent starts as root and keeps real uid 0 (commands, which run as @UID@, can neither
 # signal nor trace it), takes @UID@ as its effective uid itself (cpuos_agent.privs) and
 # keeps only these capabilities: CAP_SYS_ADMIN (hostname, RNG reseed, its exec cgroups),
-# CAP_SYS_TIME (the clock after a restore), CAP_SETUID/CAP_SETGID (dropping to @UID@)
-caps="-all,+sys_admin,+sys_time,+setuid,+setgid"
+# CAP_SYS_TIME (the clock after a restore), CAP_SETUID/CAP_SETGID (dropping to @UID@),
+# CAP_NET_ADMIN (the interface's address: each clone and restore has its own)
+caps="-all,+sys_admin,+sys_time,+setuid,+setgid,+net_admin"
 drop=""
 [ -x /mnt/root/usr/bin/setpriv ] && \
   drop="/usr/bin/setpriv --no-new-privs --inh-caps=-all --bounding-set=$caps --"
