@@ -53,6 +53,9 @@ def inet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeInternet]:
     art = kernel.current_artifacts(CACHE)
     if art is None or not art.exist():
         pytest.skip(f"guest artifacts not built in {CACHE} (scripts/build-microvm-kernel.sh)")
+    if not kernel.built_from_this_init(art):
+        pytest.skip(f"guest artifacts in {CACHE} are of an older /init "
+                    "(scripts/build-microvm-kernel.sh rebuilds them)")
     f = FakeInternet(tmp_path_factory.mktemp("inet")).start()
     yield f
     f.stop()

@@ -155,6 +155,7 @@ class MicroVMBackend:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._image_locks: dict[str, asyncio.Lock] = {}
         self._support: list[tuple[str, str]] | None = None
+        self._init_checked = False
         for d in (self.jail_base, self.images, self.standby_dir):
             d.mkdir(parents=True, exist_ok=True)
         self.jail_base = jailer.check_chroot_base(self.jail_base.resolve())
@@ -169,6 +170,12 @@ class MicroVMBackend:
         if art is None or not art.exist():
             raise ApiError("unavailable", f"microVM guest kernel not built in {self.dir} "
                            "(scripts/build-microvm-kernel.sh)")
+        if not self._init_checked:
+            self._init_checked = True
+            if not kernel.built_from_this_init(art):
+                log.warning("the guest initramfs %s is of an older /init: guests may lack "
+                            "what the daemon asks of them (their network address); rebuild "
+                            "it with scripts/build-microvm-kernel.sh", art.initrd)
         return art
 
     async def _once(self, key: str, path: Path, build: Any) -> Path:

@@ -71,6 +71,15 @@ class Artifacts:
         return Path(self.vmlinux).is_file() and Path(self.initrd).is_file()
 
 
+def built_from_this_init(art: Artifacts) -> bool:
+    """Whether art's initramfs carries this version's /init (an older build's agent may
+    lack what the daemon now asks of it, e.g. setting the guest's address)."""
+    try:
+        return init_script() in Path(art.initrd).read_bytes()
+    except OSError:
+        return False
+
+
 def current_artifacts(cache: Path | None = None) -> Artifacts | None:
     p = (cache or cache_dir()) / "kernel" / "current.json"
     try:
