@@ -21,6 +21,7 @@ REPLACEMENTS = {
     "AsyncTemplates": "Templates",
     "AsyncNetwork": "SandboxNetwork",
     "AsyncPorts": "Ports",
+    "AsyncAudit": "Audit",
     "_AsyncHTTP": "_SyncHTTP",
     "AsyncClient": "Client",
     "aiter_raw": "iter_raw",

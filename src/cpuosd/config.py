@@ -54,6 +54,10 @@ class Config:
     # Boot each template once, checkpoint it, and create sandboxes by restoring that.
     template_snapshots: bool = field(
         default_factory=lambda: os.environ.get("CPUOS_TEMPLATE_SNAPSHOTS", "1") != "0")
+    # the audit trail's runtime monitoring (gVisor: every execve and file opened for writing
+    # inside, from gVisor's trace points; cpuosd.accounting.trace), unless 0
+    audit_runtime: bool = field(
+        default_factory=lambda: os.environ.get("CPUOS_AUDIT_RUNTIME", "1") != "0")
     # Free space a pause needs beyond the sandbox's memory (its image is at most that big).
     snapshot_margin: int = 64 << 20
 

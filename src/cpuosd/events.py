@@ -43,8 +43,10 @@ class EventBus:
                 log.exception("event subscriber %r failed on %s", fn, ev)
 
 
-# events that are not state transitions (recorded elsewhere: connections, port activity)
-NOT_TRANSITIONS = frozenset({"connection", "port", "network"})
+# events that are not state transitions (connections, port activity, API commands and file
+# writes, limit hits: the audit trail records them)
+NOT_TRANSITIONS = frozenset({"connection", "port", "network", "command", "file_write", "limit",
+                             "oom"})
 
 
 def log_event(ev: SandboxEvent) -> None:

@@ -43,6 +43,31 @@ def serve(host: str | None = None, port: int | None = None, home: str | None = N
                 log_config=None, access_log=False, timeout_graceful_shutdown=5)
 
 
+def audit_verify(argv: list[str]) -> int:
+    """``cpuosd audit verify [--home DIR] [--json]``: the host-side check of the audit chain,
+    from the database and key on disk (the daemon need not run)."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    from .accounting.audit import verify_file
+
+    ap = argparse.ArgumentParser(prog="cpuosd audit verify")
+    ap.add_argument("--home", help="state directory (default $CPUOS_HOME or /var/lib/cpuos)")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    out = verify_file(Path(a.home) if a.home else Config().home)
+    if a.json:
+        print(json.dumps(out, indent=2))
+    else:
+        for p in out["problems"]:
+            print(f"seq {p['seq']}: {p['problem']}"
+                  + (f" (sandbox {p['sandbox']})" if p.get("sandbox") else ""))
+        print(f"{'ok' if out['ok'] else 'BROKEN'}: {out['rows']} rows checked, "
+              f"{out['problem_count']} problem(s); head seq {out['head']['seq']}")
+    return 0 if out["ok"] else 1
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
@@ -51,6 +76,8 @@ def main(argv: list[str] | None = None) -> None:
         from .templates.admin import main as template_main
 
         raise SystemExit(template_main(argv[1:]))
+    if argv[:2] == ["audit", "verify"]:
+        raise SystemExit(audit_verify(argv[2:]))
     ap = argparse.ArgumentParser(prog="cpuosd", description="the cpuos daemon "
                                  "(`cpuosd template --help`: template administration)")
     ap.add_argument("--host")

@@ -18,6 +18,7 @@ from cpuos_agent.protocol import CONTENT_TYPE, FrameDecoder, ProtocolError
 from .._config import resolve, tls_context
 from .._durations import parse_duration
 from .._errors import CpuosError, InvalidArgument, ServerError, Timeout, Unavailable, error_from
+from .audit import AsyncAudit
 from .._models import DEFAULT_MAX_OUTPUT, ExecResult, FileEntry, OutputBuffer, SandboxInfo
 
 OutputCallback = Callable[[str], Any]
@@ -287,6 +288,7 @@ class AsyncSandbox:
         self.files = AsyncFiles(self)
         self.network = AsyncNetwork(self)
         self.ports = AsyncPorts(self)
+        self.audit = AsyncAudit(self)
 
     # ---- construction -----------------------------------------------------------------
     @classmethod

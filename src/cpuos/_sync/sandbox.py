@@ -19,6 +19,7 @@ from cpuos_agent.protocol import CONTENT_TYPE, FrameDecoder, ProtocolError
 from .._config import resolve, tls_context
 from .._durations import parse_duration
 from .._errors import CpuosError, InvalidArgument, ServerError, Timeout, Unavailable, error_from
+from .audit import Audit
 from .._models import DEFAULT_MAX_OUTPUT, ExecResult, FileEntry, OutputBuffer, SandboxInfo
 
 OutputCallback = Callable[[str], Any]
@@ -288,6 +289,7 @@ class Sandbox:
         self.files = Files(self)
         self.network = SandboxNetwork(self)
         self.ports = Ports(self)
+        self.audit = Audit(self)
 
     # ---- construction -----------------------------------------------------------------
     @classmethod

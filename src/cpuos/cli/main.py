@@ -34,6 +34,7 @@ from .._errors import CpuosError, InvalidArgument
 from .._models import SandboxInfo, TemplateInfo
 from .._sync.sandbox import Sandbox
 from .._sync.templates import Templates
+from . import audit as _audit
 
 
 class CliError(Exception):
@@ -659,6 +660,9 @@ def template_rm(
         d = t.remove(name, force=force)
     _err().print(f"removed template {name} ({d.get('paths')} path(s), "
                  f"{d.get('snapshot_images')} snapshot image(s))", style="dim", markup=False)
+
+
+_audit.register(app)
 
 
 def main() -> None:

@@ -31,6 +31,8 @@ from cpuos_agent.protocol import parse_duration
 
 from .auth import Guard, Ws, require_admin
 from .templates import TemplateBuilds, router as templates_router
+from .audit import router as audit_router, start_audit
+from ..accounting.trace import Traced
 from ..proxy.preview import Preview
 from ..backends.microvm.selection import BackendUnavailable, select_backend
 from ..config import Config
@@ -278,12 +280,16 @@ def create_app(cfg: Config | None = None) -> FastAPI:
         bootstrap(cfg, store)
         events = EventBus()
         events.subscribe(log_event)
+        audit = start_audit(cfg, events, store)
+        if cfg.audit_runtime and backend.capabilities.name == "gvisor":
+            backend = Traced(backend, audit, cfg.sandboxes_dir)
         network = await start_network(cfg, backend, store, events)
         if network is not None:
             backend = Networked(backend, network, cfg.sandboxes_dir)
         mgr = Manager(cfg, store, backend, events)
         await mgr.startup()
         app.state.store, app.state.mgr, app.state.network = store, mgr, network
+        app.state.audit = audit
         app.state.builds = TemplateBuilds(cfg)
         preview = Preview(mgr, network, cfg.port + 1 if cfg.preview_port < 0
                           else cfg.preview_port, cfg.host)
@@ -297,11 +303,13 @@ def create_app(cfg: Config | None = None) -> FastAPI:
             await mgr.shutdown()
             if network is not None:
                 await network.close()
+            await asyncio.to_thread(audit.close)
             store.close()
 
     app = FastAPI(title="cpuos", version=VERSION, lifespan=lifespan)
     app.add_middleware(Guard)  # the key is checked before any body is read
     app.include_router(templates_router)
+    app.include_router(audit_router)
     document(app)  # the answers' schemas in /openapi.json (sdk/js's types)
 
     @app.exception_handler(ApiError)

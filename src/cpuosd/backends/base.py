@@ -37,6 +37,8 @@ class SandboxSpec:
     # hands an agent connection the backend already holds (a standby microVM's) to the
     # daemon's channel, as if it had been accepted on sock_path
     adopt: Callable[[socket.socket], Awaitable[None]] | None = None
+    # gVisor: runsc's --pod-init-config (a runtime-monitoring session: cpuosd.accounting.trace)
+    trace_config: Path | None = None
 
     @property
     def sock_dir(self) -> Path:

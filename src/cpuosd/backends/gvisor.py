@@ -155,8 +155,9 @@ class GVisorBackend:
         # default, one shared netns bind-mounted at <root>/null-netns, is never unmounted).
         # With a network namespace (cpuosd.network): gVisor's own netstack in it.
         net = "--network=sandbox" if spec.netns else "--network=none"
+        trace = [f"--pod-init-config={spec.trace_config}"] if spec.trace_config else []
         return [*self._global_flags(), net, "--host-uds=open", "--overlay2=root:memory",
-                *self.info.gofer_flags()]
+                *trace, *self.info.gofer_flags()]
 
     async def _run_detached(self, spec: SandboxSpec, *args: str, timeout: float
                             ) -> tuple[int, bytes, bytes]:

@@ -4,6 +4,7 @@ rebuilt before it reaches a client."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import secrets
@@ -15,6 +16,7 @@ from cpuos_agent import protocol as P
 
 from ..agentconn import AgentGone, raise_for_agent_error
 from ..errors import ApiError
+from ..events import SandboxEvent
 from .common import (Live, _base_env)
 
 if TYPE_CHECKING:
@@ -147,10 +149,13 @@ class Session:
             raise
         self.store.insert_exec(eid, lv.row.id, ["/bin/bash", "-c", cmd] if isinstance(cmd, str)
                                else cmd)
-        return self._exec_frames(lv, st, eid, timeout)
+        # for the audit trail: what ran, where, with which variables (names, never values)
+        what = {"exec_id": eid, **({"shell": cmd} if isinstance(cmd, str) else {"argv": cmd}),
+                "cwd": cwd, "env": sorted(env), "source": "api"}
+        return self._exec_frames(lv, st, eid, timeout, what)
 
-    async def _exec_frames(self: Manager, lv: Live, st: Any, eid: str, timeout: float | None
-                           ) -> AsyncIterator[bytes]:
+    async def _exec_frames(self: Manager, lv: Live, st: Any, eid: str, timeout: float | None,
+                           what: dict[str, Any] | None = None) -> AsyncIterator[bytes]:
         t0 = time.monotonic()
         counts = {1: 0, 2: 0}
         done = False
@@ -201,13 +206,25 @@ class Session:
                 eid, exit_code=result.get("exit_code"), signal=result.get("signal"),
                 timed_out=int(bool(result.get("timed_out"))), error=result.get("message"),
                 stdout_bytes=counts[1], stderr_bytes=counts[2])
+            self.events.emit(SandboxEvent("command", lv.row.id, lv.row.workspace_id, None,
+                                          fields={**(what or {"exec_id": eid}),
+                                                  "exit_code": result.get("exit_code"),
+                                                  "signal": result.get("signal"),
+                                                  "timed_out": bool(result.get("timed_out")),
+                                                  "error": result.get("message"),
+                                                  "duration": round(time.monotonic() - t0, 6),
+                                                  "stdout_bytes": counts[1],
+                                                  "stderr_bytes": counts[2]}))
 
     async def write_file(self: Manager, lv: Live, path: str, body: AsyncIterator[bytes]
                          ) -> dict[str, Any]:
         st = lv.chan.open()
+        digest, size, error = hashlib.sha256(), 0, "cancelled"  # (the audit's: on the stream)
         try:
             await st.send({"t": "write", "path": path})
             async for chunk in body:
+                digest.update(chunk)
+                size += len(chunk)
                 for i in range(0, len(chunk), P.CHUNK):
                     if not st.queue.empty():  # the agent refused early (e.g. permission)
                         h, _ = await st.get()
@@ -216,15 +233,24 @@ class Session:
             await st.send({"t": "eof"})
             h, _ = await st.get(120.0)
             raise_for_agent_error(h)
+            error = ""
             return _clean_stat(h.get("stat"), path)
         except TimeoutError:
+            error = "timeout"
             raise ApiError("timeout", f"sandbox agent did not finish writing {path}") from None
-        except BaseException:
+        except BaseException as e:
+            if isinstance(e, ApiError):
+                error = e.message
             with contextlib.suppress(Exception):
                 self._spawn(lv.chan.send({"t": "eof", "id": st.id, "abort": True}))
             raise
         finally:
             st.close()
+            self.events.emit(SandboxEvent("file_write", lv.row.id, lv.row.workspace_id, None,
+                                          fields={"path": path, "size": size,
+                                                  "sha256": digest.hexdigest(),
+                                                  "ok": not error, "source": "api",
+                                                  **({"error": error} if error else {})}))
 
     async def read_file(self: Manager, lv: Live, path: str) -> FileStream:
         """Open a file for reading: errors up to here are proper HTTP errors; what happens

@@ -1,0 +1,438 @@
+"""The audit trail: append-only rows in the daemon's SQLite, in one hash chain.
+
+A row is (seq, time, workspace, sandbox, kind, detail JSON, prev_hash, hash) with
+``kind`` one of KINDS. ``hash`` is an HMAC-SHA256, under a key only the daemon holds
+(``$CPUOS_HOME/audit.key``, 0600), of the previous row's hash and this row's fields: a row
+edited, inserted or deleted in the database breaks the chain at that row, and whoever
+edits the database without the key cannot forge a new chain. The newest row's (seq, hash)
+is also written to ``$CPUOS_HOME/audit.head`` after each batch, so that deleting the newest
+rows is found too (``verify`` compares; keep a copy of the head elsewhere for more).
+
+Producers never wait: ``record`` puts the row on a bounded queue (per sandbox at most
+``MAX_PENDING_PER_SANDBOX`` rows waiting, all together ``MAX_PENDING``); beyond that rows are
+counted, and a ``dropped`` row with the count is written once the writer catches up. One
+writer thread computes the chain and writes batches in one transaction on a connection of
+its own (the lifecycle's Store is not held while it writes).
+
+Rows come from the lifecycle's event bus (``on_event``: lifecycle changes, API commands and
+file writes, connections, ports, limits) and from gVisor's runtime monitoring
+(cpuosd.accounting.trace: commands and file writes made inside, recorded outside it).
+
+Retention (``CPUOS_AUDIT_RETENTION``, a duration, e.g. ``30d``; default: keep all): older
+rows are deleted from the front of the chain; the last deleted row's (seq, hash) is kept as
+the chain's anchor (itself under the key), so a verified chain still starts where retention
+says it does.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import os
+import secrets
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..events import NOT_TRANSITIONS, SandboxEvent
+
+log = logging.getLogger("cpuosd.audit")
+
+KINDS = ("command", "file_write", "connection", "lifecycle", "limit", "port", "dropped")
+GENESIS = "0" * 64
+MAX_PENDING = 100_000
+MAX_PENDING_PER_SANDBOX = 20_000
+BATCH = 2_000
+MAX_DETAIL = 16_384  # bytes of a row's detail JSON (longer strings are cut)
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS audit (
+    seq INTEGER PRIMARY KEY, time REAL NOT NULL, workspace TEXT NOT NULL,
+    sandbox TEXT NOT NULL, kind TEXT NOT NULL, detail TEXT NOT NULL,
+    prev_hash TEXT NOT NULL, hash TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS audit_sbx ON audit(sandbox, seq);
+CREATE INDEX IF NOT EXISTS audit_time ON audit(time);
+CREATE TABLE IF NOT EXISTS audit_anchor (
+    id INTEGER PRIMARY KEY CHECK (id = 1), seq INTEGER NOT NULL, hash TEXT NOT NULL,
+    mac TEXT NOT NULL
+);
+"""
+COLS = "seq, time, workspace, sandbox, kind, detail, prev_hash, hash"
+
+
+def retention_seconds() -> float | None:
+    from cpuos_agent.protocol import parse_duration
+
+    v = os.environ.get("CPUOS_AUDIT_RETENTION")
+    if not v or v in ("0", "forever"):
+        return None
+    return parse_duration(v, "CPUOS_AUDIT_RETENTION")
+
+
+def load_key(path: Path) -> bytes:
+    """The chain's key: made once (0600), kept beside the database."""
+    try:
+        return bytes.fromhex(path.read_text().strip())
+    except FileNotFoundError:
+        pass
+    key = secrets.token_bytes(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key.hex() + "\n")
+    return key
+
+
+def _cut(v: Any, room: int = 4096) -> Any:
+    if isinstance(v, str):
+        return v if len(v) <= room else v[:room] + f"...[{len(v) - room} more]"
+    if isinstance(v, list):
+        return [_cut(x, room) for x in v[:256]] + ([f"...[{len(v) - 256} more]"]
+                                                   if len(v) > 256 else [])
+    if isinstance(v, dict):
+        return {str(k)[:128]: _cut(x, room) for k, x in list(v.items())[:128]}
+    if v is None or isinstance(v, (bool, int, float)):
+        return v
+    return _cut(str(v), room)
+
+
+def encode_detail(detail: dict[str, Any]) -> str:
+    text = json.dumps(_cut(detail), sort_keys=True, separators=(",", ":"), default=str)
+    if len(text) > MAX_DETAIL:
+        text = json.dumps(_cut(detail, 256), sort_keys=True, separators=(",", ":"), default=str)
+    if len(text) > MAX_DETAIL:
+        text = json.dumps({"truncated": True, "bytes": len(text)})
+    return text
+
+
+def row_hash(key: bytes, prev: str, seq: int, t: float, ws: str, sbx: str, kind: str,
+             detail: str) -> str:
+    msg = "\x1f".join((prev, str(seq), repr(float(t)), ws, sbx, kind, detail)).encode()
+    return hmac.new(key, msg, hashlib.sha256).hexdigest()
+
+
+def _anchor_mac(key: bytes, seq: int, h: str) -> str:
+    return hmac.new(key, f"anchor\x1f{seq}\x1f{h}".encode(), hashlib.sha256).hexdigest()
+
+
+@dataclass
+class Pending:
+    time: float
+    workspace: str
+    sandbox: str
+    kind: str
+    detail: dict[str, Any]
+
+
+class AuditLog:
+    def __init__(self, db_path: Path, key_path: Path, head_path: Path | None = None,
+                 retention: float | None = None,
+                 workspace_lookup: Callable[[str], str | None] | None = None) -> None:
+        self.db_path, self.head_path = db_path, head_path
+        # a sandbox's workspace before its first event names it (from the daemon's Store)
+        self.workspace_lookup = workspace_lookup
+        self.key = load_key(key_path)
+        self.retention = retention
+        self._db = sqlite3.connect(str(db_path), check_same_thread=False, isolation_level=None,
+                                   timeout=30)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(SCHEMA)
+        self._dblock = threading.Lock()  # the connection: the writer's, readers'
+        self._cv = threading.Condition()
+        self._queue: collections.deque[Pending] = collections.deque()
+        self._per_sbx: collections.Counter[str] = collections.Counter()
+        self._dropped: dict[tuple[str, str], int] = {}  # (workspace, sandbox) -> count
+        self._enqueued = 0  # tickets: rows put (or dropped) so far
+        self._written = 0  # ... and handled by the writer
+        self._closed = False
+        self._ws: dict[str, str] = {}  # sandbox -> workspace (from its lifecycle events)
+        r = self._db.execute("SELECT seq, hash FROM audit ORDER BY seq DESC LIMIT 1").fetchone()
+        if r is None:
+            a = self._db.execute("SELECT seq, hash FROM audit_anchor").fetchone()
+            r = a if a is not None else (0, GENESIS)
+        self._seq, self._head = int(r[0]), str(r[1])
+        self._last_prune = 0.0
+        self._thread = threading.Thread(target=self._writer, name="audit-writer", daemon=True)
+        self._thread.start()
+
+    # ---- producers ----------------------------------------------------------------------
+    def workspace_of(self, sandbox: str) -> str:
+        ws = self._ws.get(sandbox)
+        if ws is None:
+            ws = (self.workspace_lookup(sandbox) if self.workspace_lookup else None) or ""
+            if len(self._ws) > 100_000:
+                self._ws.clear()
+            self._ws[sandbox] = ws
+        return ws
+
+    def record(self, sandbox: str, kind: str, detail: dict[str, Any],
+               workspace: str | None = None, t: float | None = None) -> bool:
+        """Queue a row (from any thread); False: dropped (counted), the queue being full."""
+        ws = workspace if workspace is not None else self.workspace_of(sandbox)
+        with self._cv:
+            if self._closed:
+                return False
+            if (len(self._queue) >= MAX_PENDING
+                    or self._per_sbx[sandbox] >= MAX_PENDING_PER_SANDBOX):
+                k = (ws, sandbox)
+                self._dropped[k] = self._dropped.get(k, 0) + 1
+                return False
+            self._queue.append(Pending(time.time() if t is None else t, ws, sandbox, kind,
+                                       detail))
+            self._per_sbx[sandbox] += 1
+            self._enqueued += 1
+            if len(self._queue) == 1:
+                self._cv.notify_all()
+        return True
+
+    def note_dropped(self, sandbox: str, count: int, source: str) -> None:
+        """Points lost before they reached us (gVisor's sink counts them): a row saying so."""
+        if count > 0:
+            self.record(sandbox, "dropped", {"count": count, "source": source})
+
+    def on_event(self, ev: SandboxEvent) -> None:
+        """The event bus subscriber."""
+        if ev.workspace:
+            self._ws[ev.sandbox] = ev.workspace
+        if ev.kind in ("command", "file_write", "limit", "port", "connection"):
+            self.record(ev.sandbox, ev.kind, dict(ev.fields), ev.workspace, ev.time)
+        elif ev.kind == "oom":
+            self.record(ev.sandbox, "limit", {"limit": "memory", **ev.fields}, ev.workspace,
+                        ev.time)
+        elif ev.kind == "network":
+            pol = dict(ev.fields.get("network") or {})
+            pol.pop("secrets", None)  # names and hosts only, never values
+            pol.pop("ca", None)
+            self.record(ev.sandbox, "lifecycle", {"event": "network", "network": pol},
+                        ev.workspace, ev.time)
+        elif ev.kind not in NOT_TRANSITIONS:
+            if ev.kind == "pooled" or (ev.previous == "pooled" and ev.kind == "killed"):
+                return  # the warm pool's own sandboxes: no one's yet
+            self.record(ev.sandbox, "lifecycle", {"from": ev.previous, "to": ev.kind,
+                                                  **ev.fields}, ev.workspace, ev.time)
+        if ev.kind in ("killed", "error"):
+            self._ws.pop(ev.sandbox, None)
+
+    # ---- the writer ---------------------------------------------------------------------
+    def _writer(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._dropped and not self._closed:
+                    self._cv.wait(1.0)
+                    if self.retention is not None and time.time() - self._last_prune > 60:
+                        break
+                if self._closed and not self._queue and not self._dropped:
+                    return
+                batch = [self._queue.popleft() for _ in range(min(BATCH, len(self._queue)))]
+                for p in batch:
+                    self._per_sbx[p.sandbox] -= 1
+                    if self._per_sbx[p.sandbox] <= 0:
+                        del self._per_sbx[p.sandbox]
+                drops, self._dropped = self._dropped, {}
+            for (ws, sbx), n in drops.items():
+                batch.append(Pending(time.time(), ws, sbx, "dropped",
+                                     {"count": n, "source": "audit queue full"}))
+            try:
+                if batch:
+                    self._write(batch)
+                if self.retention is not None and time.time() - self._last_prune > 60:
+                    self._last_prune = time.time()
+                    self.prune(time.time() - self.retention)
+            except Exception:
+                log.exception("audit: writing %d rows failed", len(batch))
+            with self._cv:
+                self._written += len(batch) - len(drops)
+                self._cv.notify_all()
+
+    def _write(self, batch: list[Pending]) -> None:
+        rows = []
+        seq, head = self._seq, self._head
+        for p in batch:
+            seq += 1
+            detail = encode_detail(p.detail)
+            h = row_hash(self.key, head, seq, p.time, p.workspace, p.sandbox, p.kind, detail)
+            rows.append((seq, p.time, p.workspace, p.sandbox, p.kind, detail, head, h))
+            head = h
+        with self._dblock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.executemany(f"INSERT INTO audit ({COLS}) VALUES (?,?,?,?,?,?,?,?)",
+                                     rows)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        self._seq, self._head = seq, head
+        if self.head_path is not None:
+            tmp = self.head_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"seq": seq, "hash": head}))
+            os.replace(tmp, self.head_path)
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait (a thread's wait: call it off the event loop) until every row queued before
+        the call is written."""
+        with self._cv:
+            target = self._enqueued
+            return self._cv.wait_for(lambda: self._written >= target or self._closed, timeout)
+
+    def close(self) -> None:
+        self.flush(10.0)
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(10.0)
+        with self._dblock:
+            self._db.close()
+
+    # ---- readers ------------------------------------------------------------------------
+    def query(self, sandbox: str | None = None, kinds: tuple[str, ...] = (),
+              since: float | None = None, until: float | None = None, after: int = 0,
+              limit: int = 1000, workspace: str | None = None) -> list[dict[str, Any]]:
+        sql = f"SELECT {COLS} FROM audit WHERE seq > ?"
+        args: list[Any] = [after]
+        for col, val in (("sandbox", sandbox), ("workspace", workspace)):
+            if val is not None:
+                sql += f" AND {col} = ?"
+                args.append(val)
+        if kinds:
+            sql += f" AND kind IN ({','.join('?' * len(kinds))})"
+            args.extend(kinds)
+        if since is not None:
+            sql += " AND time >= ?"
+            args.append(since)
+        if until is not None:
+            sql += " AND time < ?"
+            args.append(until)
+        sql += " ORDER BY seq LIMIT ?"
+        args.append(limit)
+        with self._dblock:
+            rows = self._db.execute(sql, args).fetchall()
+        return [row_json(r) for r in rows]
+
+    def iter_rows(self, after: int = 0, chunk: int = 5000) -> Iterator[tuple[Any, ...]]:
+        while True:
+            with self._dblock:
+                rows = self._db.execute(f"SELECT {COLS} FROM audit WHERE seq > ? ORDER BY seq "
+                                        "LIMIT ?", (after, chunk)).fetchall()
+            if not rows:
+                return
+            yield from rows
+            after = rows[-1][0]
+
+    def anchor(self) -> tuple[int, str, str] | None:
+        with self._dblock:
+            r = self._db.execute("SELECT seq, hash, mac FROM audit_anchor").fetchone()
+        return None if r is None else (int(r[0]), str(r[1]), str(r[2]))
+
+    def verify(self) -> dict[str, Any]:
+        """Walk the whole chain (a thread's work: call it off the event loop)."""
+        return verify_chain(self.iter_rows(), self.key, self.anchor(), self._head_file())
+
+    def _head_file(self) -> dict[str, Any] | None:
+        if self.head_path is None:
+            return None
+        try:
+            d = json.loads(self.head_path.read_text())
+            return d if isinstance(d, dict) else None
+        except (OSError, ValueError):
+            return None
+
+    def prune(self, before: float) -> int:
+        """Delete rows older than ``before`` from the front of the chain; the last one
+        deleted becomes the anchor."""
+        with self._dblock:
+            r = self._db.execute("SELECT seq, hash FROM audit WHERE time < ? ORDER BY seq DESC "
+                                 "LIMIT 1", (before,)).fetchone()
+            if r is None:
+                return 0
+            seq, h = int(r[0]), str(r[1])
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                n = self._db.execute("DELETE FROM audit WHERE seq <= ?", (seq,)).rowcount
+                self._db.execute("INSERT OR REPLACE INTO audit_anchor (id, seq, hash, mac) "
+                                 "VALUES (1, ?, ?, ?)", (seq, h, _anchor_mac(self.key, seq, h)))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        log.info("audit: %d rows older than retention removed (up to seq %d)", n, seq)
+        return int(n)
+
+
+def row_json(r: tuple[Any, ...]) -> dict[str, Any]:
+    try:
+        detail = json.loads(r[5])
+    except ValueError:
+        detail = {"unparsable": r[5][:200]}
+    return {"seq": r[0], "time": r[1], "workspace": r[2], "sandbox": r[3], "kind": r[4],
+            "detail": detail, "prev_hash": r[6], "hash": r[7]}
+
+
+def verify_chain(rows: Iterator[tuple[Any, ...]], key: bytes,
+                 anchor: tuple[int, str, str] | None, head: dict[str, Any] | None,
+                 max_problems: int = 100) -> dict[str, Any]:
+    """Check every row's hash and its link to the one before; the chain's start against the
+    anchor (or genesis) and its end against the head file. Problems name the seq and, where
+    the row is there, its sandbox."""
+    problems: list[dict[str, Any]] = []
+    n_problems = 0
+
+    def bad(seq: int, sandbox: str | None, what: str) -> None:
+        nonlocal n_problems
+        n_problems += 1
+        if len(problems) < max_problems:
+            problems.append({"seq": seq, "sandbox": sandbox, "problem": what})
+
+    if anchor is not None and not hmac.compare_digest(anchor[2],
+                                                      _anchor_mac(key, anchor[0], anchor[1])):
+        bad(anchor[0], None, "the retention anchor was altered")
+    prev_seq, prev_hash = (anchor[0], anchor[1]) if anchor else (0, GENESIS)
+    n = 0
+    for seq, t, ws, sbx, kind, detail, ph, h in rows:
+        n += 1
+        if seq != prev_seq + 1:
+            bad(prev_seq + 1, None, f"rows {prev_seq + 1}..{seq - 1} are missing")
+        if ph != prev_hash:
+            bad(seq, sbx, "its prev_hash is not the hash of the row before it")
+        if not hmac.compare_digest(str(h), row_hash(key, str(ph), int(seq), float(t), str(ws),
+                                                    str(sbx), str(kind), str(detail))):
+            bad(seq, sbx, "its content does not match its hash (edited)")
+        prev_seq, prev_hash = seq, h
+    if head is not None:
+        hs, hh = head.get("seq"), head.get("hash")
+        if isinstance(hs, int) and hs > prev_seq:
+            bad(prev_seq + 1, None, f"rows {prev_seq + 1}..{hs} (the newest) are missing")
+        elif isinstance(hs, int) and hs == prev_seq and hh != prev_hash:
+            bad(hs, None, "the newest row is not the one last written")
+    return {"ok": n_problems == 0, "rows": n, "problems": problems,
+            "problem_count": n_problems, "head": {"seq": prev_seq, "hash": prev_hash}}
+
+
+def verify_file(home: Path) -> dict[str, Any]:
+    """The host-side check, without the daemon: the database and key under ``home``."""
+    db = sqlite3.connect(f"file:{home / 'cpuos.db'}?mode=ro", uri=True)
+    with contextlib.closing(db):
+        key = bytes.fromhex((home / "audit.key").read_text().strip())
+        try:
+            a = db.execute("SELECT seq, hash, mac FROM audit_anchor").fetchone()
+        except sqlite3.OperationalError:
+            return {"ok": True, "rows": 0, "problems": [], "problem_count": 0,
+                    "head": {"seq": 0, "hash": GENESIS}}
+        head = None
+        with contextlib.suppress(OSError, ValueError):
+            head = json.loads((home / "audit.head").read_text())
+
+        def rows() -> Iterator[tuple[Any, ...]]:
+            yield from db.execute(f"SELECT {COLS} FROM audit ORDER BY seq")
+
+        return verify_chain(rows(), key, (int(a[0]), str(a[1]), str(a[2])) if a else None,
+                            head if isinstance(head, dict) else None)

@@ -1,0 +1,140 @@
+"""The audit trail over HTTP (cpuosd.accounting.audit): a sandbox's rows, filtered and paged
+(``GET /sandboxes/{id}/audit``), as JSON lines (``.../audit/export``), and the chain's check
+(``GET /audit/verify``). A sandbox of another workspace is a 404, as everywhere."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from datetime import datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import StreamingResponse
+
+from ..accounting.audit import KINDS, AuditLog, retention_seconds
+from ..config import Config
+from ..errors import invalid
+from ..events import EventBus
+from ..store import Store
+from .auth import Ws
+
+router = APIRouter()
+MAX_WAIT = 30.0
+
+KindQ = Annotated[list[str] | None, Query(description=f"only these kinds ({', '.join(KINDS)})")]
+TimeQ = Annotated[str | None, Query(description="seconds since the epoch or ISO 8601")]
+
+
+def start_audit(cfg: Config, events: EventBus, store: Store) -> AuditLog:
+    """The daemon's audit log, subscribed to its event bus."""
+
+    def workspace(sid: str) -> str | None:
+        row = store.get_sandbox(sid)
+        return row.workspace_id if row is not None and row.state != "pooled" else None
+
+    audit = AuditLog(cfg.db_path, cfg.home / "audit.key", cfg.home / "audit.head",
+                     retention_seconds(), workspace)
+    events.subscribe(audit.on_event)
+    return audit
+
+
+def _audit(request: Request) -> AuditLog:
+    a: AuditLog = request.app.state.audit
+    return a
+
+
+def _time(v: str | None, name: str) -> float | None:
+    if v is None or v == "":
+        return None
+    try:
+        return float(v)
+    except ValueError:
+        pass
+    try:
+        d = datetime.fromisoformat(v)
+    except ValueError:
+        raise invalid(f"{name} must be seconds since the epoch or an ISO 8601 time",
+                      field=name) from None
+    return d.timestamp()
+
+
+def _kinds(kind: list[str] | None) -> tuple[str, ...]:
+    out = []
+    for k in kind or ():
+        for part in k.split(","):
+            if part not in KINDS:
+                raise invalid(f"unknown kind {part[:40]!r} (known: {', '.join(KINDS)})",
+                              field="kind")
+            out.append(part)
+    return tuple(out)
+
+
+@router.get("/sandboxes/{sid}/audit")
+async def sandbox_audit(sid: str, request: Request, ws: Ws, kind: KindQ = None,
+                        since: TimeQ = None, until: TimeQ = None,
+                        after: int = Query(0, ge=0, description="only rows after this seq"),
+                        limit: int = Query(1000, ge=1, le=10000),
+                        wait: float = Query(0, ge=0, le=MAX_WAIT, description=(
+                            "with no rows yet, wait up to this many seconds for one "
+                            "(a follower's long poll)"))) -> dict[str, Any]:
+    """The sandbox's audit rows, oldest first: seq, time, kind, detail, prev_hash, hash.
+    Page with ``after`` (the last seq seen; ``next_after`` in the answer)."""
+    request.app.state.mgr.get(ws, sid)
+    audit, kinds = _audit(request), _kinds(kind)
+    t_since, t_until = _time(since, "since"), _time(until, "until")
+    deadline = time.monotonic() + wait
+    while True:
+        await asyncio.to_thread(audit.flush)  # what happened up to now is on record
+        rows = await asyncio.to_thread(audit.query, sid, kinds, t_since, t_until, after, limit)
+        if rows or time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+    return {"rows": rows, "next_after": rows[-1]["seq"] if rows else after}
+
+
+@router.get("/sandboxes/{sid}/audit/export",
+            responses={200: {"content": {"application/x-ndjson": {}},
+                             "description": "one audit row (JSON) per line"}})
+async def export_audit(sid: str, request: Request, ws: Ws, kind: KindQ = None,
+                       since: TimeQ = None, until: TimeQ = None,
+                       after: int = Query(0, ge=0)) -> StreamingResponse:
+    """Every row of the sandbox as JSON lines (streamed: no limit)."""
+    request.app.state.mgr.get(ws, sid)
+    audit, kinds = _audit(request), _kinds(kind)
+    t_since, t_until = _time(since, "since"), _time(until, "until")
+    await asyncio.to_thread(audit.flush)
+
+    async def lines() -> AsyncIterator[bytes]:
+        last = after
+        while True:
+            rows = await asyncio.to_thread(audit.query, sid, kinds, t_since, t_until, last,
+                                           5000)
+            if not rows:
+                return
+            yield "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows).encode()
+            last = rows[-1]["seq"]
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson",
+                             headers={"Cache-Control": "no-store"})
+
+
+@router.get("/audit/verify")
+async def verify(request: Request, ws: Ws) -> dict[str, Any]:
+    """Check the whole chain: every row's hash (an HMAC under the daemon's key) and its link
+    to the row before, the start against the retention anchor, the end against the head the
+    writer last recorded. Problems in other workspaces' rows are counted but not named."""
+    audit = _audit(request)
+    await asyncio.to_thread(audit.flush)
+    out = await asyncio.to_thread(audit.verify)
+    admin = ws == request.app.state.store.workspace_by_name("default")
+    if not admin:
+        mine = {r.id for r in request.app.state.store.list_sandboxes(ws, (
+            "creating", "running", "pausing", "paused", "resuming", "killing", "killed",
+            "error"))}
+        out["problems"] = [p if p.get("sandbox") in mine or p.get("sandbox") is None
+                           else {**p, "sandbox": "(another workspace)"}
+                           for p in out["problems"]]
+    return out
