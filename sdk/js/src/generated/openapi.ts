@@ -2,6 +2,28 @@
 // Do not edit: run `npm run gen:types` after changing the API.
 
 export interface paths {
+    "/audit/verify": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * Verify
+         * @description Check the whole chain: every row's hash (an HMAC under the daemon's key) and its link
+         *     to the row before, the start against the retention anchor, the end against the head the
+         *     writer last recorded. Problems in other workspaces' rows are counted but not named.
+         */
+        get: operations["verify_audit_verify_get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/health": {
         parameters: {
             query?: never;
@@ -50,6 +72,47 @@ export interface paths {
         post?: never;
         /** Kill */
         delete: operations["kill_sandboxes__sid__delete"];
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/sandboxes/{sid}/audit": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * Sandbox Audit
+         * @description The sandbox's audit rows, oldest first: seq, time, kind, detail, prev_hash, hash.
+         *     Page with ``after`` (the last seq seen; ``next_after`` in the answer).
+         */
+        get: operations["sandbox_audit_sandboxes__sid__audit_get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/sandboxes/{sid}/audit/export": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * Export Audit
+         * @description Every row of the sandbox as JSON lines (streamed: no limit).
+         */
+        get: operations["export_audit_sandboxes__sid__audit_export_get"];
+        put?: never;
+        post?: never;
+        delete?: never;
         options?: never;
         head?: never;
         patch?: never;
@@ -867,6 +930,28 @@ export interface components {
 }
 export type $defs = Record<string, never>;
 export interface operations {
+    verify_audit_verify_get: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": {
+                        [key: string]: unknown;
+                    };
+                };
+            };
+        };
+    };
     health_health_get: {
         parameters: {
             query?: never;
@@ -1047,6 +1132,91 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    sandbox_audit_sandboxes__sid__audit_get: {
+        parameters: {
+            query?: {
+                /** @description only rows after this seq */
+                after?: number;
+                /** @description only these kinds (command, file_write, connection, lifecycle, limit, port, dropped) */
+                kind?: string[] | null;
+                limit?: number;
+                /** @description seconds since the epoch or ISO 8601 */
+                since?: string | null;
+                /** @description seconds since the epoch or ISO 8601 */
+                until?: string | null;
+                /** @description with no rows yet, wait up to this many seconds for one (a follower's long poll) */
+                wait?: number;
+            };
+            header?: never;
+            path: {
+                sid: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": {
+                        [key: string]: unknown;
+                    };
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    export_audit_sandboxes__sid__audit_export_get: {
+        parameters: {
+            query?: {
+                after?: number;
+                /** @description only these kinds (command, file_write, connection, lifecycle, limit, port, dropped) */
+                kind?: string[] | null;
+                /** @description seconds since the epoch or ISO 8601 */
+                since?: string | null;
+                /** @description seconds since the epoch or ISO 8601 */
+                until?: string | null;
+            };
+            header?: never;
+            path: {
+                sid: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description one audit row (JSON) per line */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": unknown;
+                    "application/x-ndjson": unknown;
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
                 };
             };
         };
