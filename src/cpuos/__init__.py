@@ -7,6 +7,7 @@
 """
 
 from ._async.sandbox import AsyncFiles, AsyncNetwork, AsyncSandbox
+from ._async.commands import AsyncCommandHandle, AsyncCommands
 from ._async.templates import AsyncTemplates
 from ._durations import parse_duration
 from ._errors import (
@@ -22,15 +23,41 @@ from ._errors import (
     Timeout,
     Unavailable,
 )
-from ._models import ExecResult, FileEntry, SandboxInfo, TemplateInfo
+from ._models import CommandInfo, ExecResult, FileEntry, SandboxInfo, TemplateInfo
+from ._sync.commands import CommandHandle, Commands
 from ._sync.sandbox import Files, Sandbox, SandboxNetwork
 from ._sync.templates import Templates
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AsyncFiles", "AsyncNetwork", "AsyncSandbox", "AsyncTemplates", "AuthError", "Conflict",
-    "CpuosError", "ExecResult", "FileEntry", "Files", "InvalidArgument", "LimitExceeded",
-    "NoSpace", "NotFound", "PermissionDenied", "Sandbox", "SandboxInfo", "SandboxNetwork",
-    "ServerError", "TemplateInfo", "Templates", "Timeout", "Unavailable", "parse_duration",
+    "AsyncCommandHandle",
+    "AsyncCommands",
+    "AsyncFiles",
+    "AsyncNetwork",
+    "AsyncSandbox",
+    "AsyncTemplates",
+    "AuthError",
+    "CommandHandle",
+    "CommandInfo",
+    "Commands",
+    "Conflict",
+    "CpuosError",
+    "ExecResult",
+    "FileEntry",
+    "Files",
+    "InvalidArgument",
+    "LimitExceeded",
+    "NoSpace",
+    "NotFound",
+    "PermissionDenied",
+    "Sandbox",
+    "SandboxInfo",
+    "SandboxNetwork",
+    "ServerError",
+    "TemplateInfo",
+    "Templates",
+    "Timeout",
+    "Unavailable",
+    "parse_duration",
 ]

@@ -134,3 +134,29 @@ class TemplateInfo:
     def from_json(cls, d: dict[str, Any]) -> TemplateInfo:
         kw = {k: d[k] for k in cls.__dataclass_fields__ if k in d and d[k] is not None}
         return cls(**kw)
+
+
+@dataclass
+class CommandInfo:
+    """A background command (``sbx.commands.list()``): its pid inside the sandbox is its id;
+    its output is kept from ``out_start`` to ``out_end`` (offsets over stdout and stderr
+    together)."""
+
+    pid: int
+    cmd: str
+    running: bool
+    started_at: float | None = None
+    ended_at: float | None = None
+    out_start: int = 0
+    out_end: int = 0
+    buffer: int = 0
+    stdin: bool = False
+    exit_code: int | None = None
+    signal: int | None = None
+    timed_out: bool | None = None
+    killed: bool | None = None
+    duration: float | None = None
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> CommandInfo:
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})

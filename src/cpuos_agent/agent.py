@@ -16,6 +16,7 @@ import contextlib
 import errno
 import json
 import os
+import signal
 import stat as stat_mod
 import sys
 import threading
@@ -25,9 +26,10 @@ from typing import Any
 
 from . import privs
 from . import protocol as P
+from .bg import Background, Reader
 from .cgroups import Cgroups
 from .conn import Conn
-from .exec import Exec
+from .exec import MAX_BG_KEPT, Exec
 from .files import _errcode, _list, _remove, _stat, _unlink_quiet, create_beside, open_regular
 from .identity import apply_identity, drop_inheritable_caps, not_dumpable, read_key
 from .reaper import Reaper
@@ -50,6 +52,18 @@ class Agent:
             spawner.attach(self.reaper, cgroups)
         self.execs: dict[int, Exec] = {}
         self.writes: dict[int, tuple[int, str, str]] = {}
+        # background commands by pid (they outlive connections); on the current connection:
+        # the streams reading one's output, and those writing to one's stdin
+        self.bg: dict[int, Background] = {}
+        self.readers: dict[int, Reader] = {}
+        self.stdin_to: dict[int, Exec] = {}
+
+    def add_bg(self, bg: Background) -> None:
+        self.bg[bg.pid] = bg  # an ended one whose pid was reused is forgotten
+        ended = sorted((b.ended_at or 0.0, pid) for pid, b in self.bg.items()
+                       if b.result is not None)
+        for _, pid in ended[: max(0, len(ended) - MAX_BG_KEPT)]:
+            self.bg.pop(pid, None)
 
     # ---- connection lifecycle -------------------------------------------------------
     def serve_forever(self, transport: Transport | None = None) -> None:
@@ -73,7 +87,14 @@ class Agent:
             finally:
                 conn.shutdown()
                 for ex in list(self.execs.values()):
-                    ex.kill("disconnected")
+                    if not ex.background:
+                        ex.kill("disconnected")
+                for rd in list(self.readers.values()):
+                    rd.cancel()
+                self.readers.clear()
+                for ssid, ex in list(self.stdin_to.items()):
+                    ex.drop_stdin(ssid)
+                self.stdin_to.clear()
                 for fd, tmp, _ in self.writes.values():
                     os.close(fd)
                     _unlink_quiet(tmp)
@@ -116,15 +137,24 @@ class Agent:
         elif t == "exec":
             Exec(self, conn, sid, h).start()
         elif t == "stdin":
-            ex = self.execs.get(sid)
+            ex = self.execs.get(sid) or self.stdin_to.get(sid)
             if ex is not None:
-                ex.feed_stdin(payload if payload else None)
+                ack = h.get("ack") is True
+                ex.feed_stdin(conn, sid, payload, close=h.get("close") is True, ack=ack)
+                if ack:
+                    self.stdin_to.pop(sid, None)
         elif t == "kill":
             ex = self.execs.get(sid)
             if ex is not None:
                 ex.kill(str(h.get("reason") or "killed"))
+            elif sid in self.readers:
+                self.readers.pop(sid).cancel()
+            elif sid in self.stdin_to:
+                self.stdin_to.pop(sid).drop_stdin(sid)
             else:  # a file read the host gave up on: its sender stops
                 conn.close_stream(sid)
+        elif t.startswith("bg_"):
+            self._bg(conn, t, sid, h)
         elif t == "credit":
             conn.add_credit(sid, int(h.get("n", 0)))
         elif t == "write":
@@ -159,6 +189,60 @@ class Agent:
             conn.send({"t": "ok", "id": sid, "stat": _stat(h["path"])})
         else:
             conn.send({"t": "err", "id": sid, "code": P.E_INVALID, "message": f"unknown {t!r}"})
+
+    # ---- background commands --------------------------------------------------------
+    def _bg(self, conn: Conn, t: str, sid: int, h: P.Header) -> None:
+        if t == "bg_list":
+            infos = [b.info() for b in self.bg.values()]
+            conn.send({"t": "ok", "id": sid, "n": len(infos)},
+                      json.dumps(infos, separators=(",", ":")).encode())
+            return
+        pid = h.get("pid")
+        bg = self.bg.get(pid) if isinstance(pid, int) else None
+        if bg is None:
+            conn.send({"t": "err", "id": sid, "code": P.E_NOT_FOUND,
+                       "message": f"no background command with pid {pid!r}"})
+        elif t == "bg_info":
+            conn.send({"t": "ok", "id": sid, "info": bg.info()})
+        elif t == "bg_attach":
+            off = h.get("offset")
+            rd = Reader(bg, conn, sid, off if isinstance(off, int) else 0,
+                        h.get("follow") is True, self.readers)
+            threading.Thread(target=rd.run, name=f"bg-read-{sid}", daemon=True).start()
+        elif t == "bg_signal":
+            self._bg_signal(conn, sid, bg, h.get("signal"))
+        elif t == "bg_wait":
+            timeout = h.get("timeout")
+            limit = float(timeout) if isinstance(timeout, (int, float)) else 60.0
+            limit = min(max(limit, 0.0), 600.0)
+            self._in_thread(conn, sid, lambda: {"ended": bg.wait(limit), "info": bg.info()})
+        elif t == "bg_stdin":
+            ex = bg.ex
+            if not ex.stdin_open:
+                conn.send({"t": "err", "id": sid, "code": P.E_INVALID,
+                           "message": f"the stdin of {pid} is closed"})
+            else:
+                self.stdin_to[sid] = ex
+                conn.send({"t": "ok", "id": sid})
+        else:
+            conn.send({"t": "err", "id": sid, "code": P.E_INVALID, "message": f"unknown {t!r}"})
+
+    @staticmethod
+    def _bg_signal(conn: Conn, sid: int, bg: Background, sig: object) -> None:
+        if not isinstance(sig, int) or not 0 < sig < 65:
+            conn.send({"t": "err", "id": sid, "code": P.E_INVALID,
+                       "message": f"bad signal {sig!r}"})
+            return
+        if bg.result is None:  # not reaped, so the pid is still this command's
+            if sig == signal.SIGKILL:
+                bg.ex.kill("killed")  # its whole cgroup (or tree)
+            else:
+                try:
+                    os.killpg(bg.pid, sig)  # its process group (it leads one)
+                except OSError:
+                    with contextlib.suppress(OSError):
+                        os.kill(bg.pid, sig)
+        conn.send({"t": "ok", "id": sid, "running": bg.result is None})
 
     def _in_thread(self, conn: Conn, sid: int, fn: Callable[[], Any]) -> None:
         """Answer a request from a thread of its own (it may take long: a big tree)."""

@@ -5,6 +5,7 @@ Stdlib only: it runs inside every sandbox."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -16,6 +17,7 @@ import time
 from typing import TYPE_CHECKING
 
 from . import protocol as P
+from .bg import Background
 from .conn import Conn
 from .files import _errcode
 from .privs import root_mode
@@ -64,9 +66,23 @@ def _argv_for(h: P.Header) -> list[list[str]]:
     raise ValueError("exec needs 'shell' (a string) or 'argv' (a non-empty list of strings)")
 
 
+# background commands: how many may run at once, and how many ended ones are remembered
+MAX_BG_RUNNING = 64
+MAX_BG_KEPT = 64
+DEFAULT_BG_BUFFER = 1 << 20
+MAX_BG_BUFFER = 64 << 20
+
+
+StdinItem = tuple[Conn | None, int, bytes, bool, bool]  # (conn, stream, data, close, ack)
+
+
 class Exec:
     """One command: started in a thread of its own (starting may wait on the spawner),
-    registered at once (stdin and kill frames that arrive meanwhile are kept)."""
+    registered at once (stdin and kill frames that arrive meanwhile are kept).
+
+    A *background* command (``background`` in the request) is not the stream's: the
+    stream gets ``started`` (with the pid) and ends; the process outlives the connection,
+    its output goes to a ring (``bg.Background``) that readers attach to, by pid."""
 
     def __init__(self, agent: Agent, conn: Conn, sid: int, h: P.Header) -> None:
         self.agent, self.conn, self.sid, self.h = agent, conn, sid, h
@@ -75,9 +91,13 @@ class Exec:
         self.killed_reason: str | None = None
         self.done_ev = threading.Event()
         self.status_box: list[int] = []
-        self._stdin_buf: list[bytes | None] = []
+        self._stdin_buf: list[StdinItem] = []
         self._stdin_cv = threading.Condition()
         self._stdin_w: int | None = None
+        # requested and not yet spawned: what arrives is kept for when it is
+        self.stdin_open = bool(h.get("stdin"))
+        self.background = bool(h.get("background"))
+        self.bg: Background | None = None
         self._out: tuple[int, int] | None = None
         self._spawned_by = 0
 
@@ -87,6 +107,19 @@ class Exec:
         except ValueError as e:
             self.conn.send({"t": "err", "id": self.sid, "code": P.E_INVALID, "message": str(e)})
             return
+        if self.background:
+            running = sum(1 for b in self.agent.bg.values() if b.result is None)
+            if running >= MAX_BG_RUNNING:
+                self.conn.send({"t": "err", "id": self.sid, "code": P.E_LIMIT,
+                                "message": f"{running} background commands are running "
+                                f"(at most {MAX_BG_RUNNING})"})
+                return
+            cap = self.h.get("buffer")
+            cap = cap if isinstance(cap, int) and 0 < cap <= MAX_BG_BUFFER \
+                else DEFAULT_BG_BUFFER
+            shell = self.h.get("shell")
+            cmd = shell if isinstance(shell, str) else " ".join(self.argvs[0])
+            self.bg = Background(self, cmd, cap)
         self.agent.execs[self.sid] = self
         threading.Thread(target=self._main, name=f"exec-{self.sid}", daemon=True).start()
 
@@ -105,11 +138,21 @@ class Exec:
             except Closed:
                 pass
             return
-        try:
-            self.conn.open_stream(self.sid)
-            self.conn.send({"t": "started", "id": self.sid, "pid": self.pid})
-        except Closed:
-            self.kill("disconnected")
+        if self.bg is not None:
+            # the agent's now, not the stream's: a disconnect or quiesce leaves it running
+            self.agent.add_bg(self.bg)
+            self.agent.execs.pop(self.sid, None)
+            try:
+                self.conn.send({"t": "started", "id": self.sid, "pid": self.pid,
+                                "background": True})
+            except Closed:
+                pass
+        else:
+            try:
+                self.conn.open_stream(self.sid)
+                self.conn.send({"t": "started", "id": self.sid, "pid": self.pid})
+            except Closed:
+                self.kill("disconnected")
         if self.killed_reason is not None:  # a kill that came while it was starting
             self._kill_now()
         if self._stdin_w is not None:
@@ -164,6 +207,7 @@ class Exec:
             if self._stdin_w is not None:
                 os.close(self._stdin_w)
                 self._stdin_w = None
+                self.stdin_open = False
             return {"code": _errcode(e), "message":
                     f"cannot start {self.argvs[0][0]!r} in {cwd!r}: {e.strerror or e}"}
         finally:
@@ -176,30 +220,83 @@ class Exec:
         return None
 
     # stdin frames arrive on the reader thread; a pump thread writes them (a full pipe must
-    # never block the reader).
-    def feed_stdin(self, data: bytes | None) -> None:
+    # never block the reader). Flow control: after each write the pump gives the sending
+    # stream its bytes back (``stdin_credit``): the host keeps at most P.STDIN_WINDOW bytes
+    # in flight per stream, so what waits here is bounded by the host, and a slow reader
+    # inside slows the producer outside.
+    def feed_stdin(self, conn: Conn | None, sid: int, data: bytes, close: bool = False,
+                   ack: bool = False) -> None:
+        """Queue data for the command's stdin (from stream sid of conn); ``close``: then
+        close it; ``ack``: then answer the stream ``ok`` (``written``: bytes so far)."""
         with self._stdin_cv:
-            self._stdin_buf.append(data)
+            if not self.stdin_open:
+                pending = False
+            else:
+                self._stdin_buf.append((conn, sid, data, close, ack))
+                self._stdin_cv.notify()
+                pending = True
+        if not pending:
+            self._fail_stdin(conn, sid, "the command's stdin is closed" if self.pid
+                             else "the command was started without stdin", ack)
+
+    def drop_stdin(self, sid: int) -> None:
+        """A stream the host gave up on: what it queued and was not written is dropped."""
+        with self._stdin_cv:
+            self._stdin_buf = [it for it in self._stdin_buf if it[1] != sid]
+
+    def _stdin_end(self) -> None:
+        with self._stdin_cv:
+            self._stdin_buf.append((None, 0, b"", True, False))
             self._stdin_cv.notify()
 
     def _stdin_pump(self) -> None:
         fd = self._stdin_w
         assert fd is not None
+        written = 0
+        failed: str | None = None
         try:
             while True:
                 with self._stdin_cv:
                     while not self._stdin_buf:
                         self._stdin_cv.wait()
-                    data = self._stdin_buf.pop(0)
-                if data is None:
+                    conn, sid, data, close, ack = self._stdin_buf.pop(0)
+                if data:
+                    try:
+                        view = memoryview(data)
+                        while view:
+                            view = view[os.write(fd, view):]
+                    except OSError as e:
+                        failed = f"writing to the command's stdin: {e.strerror or e}"
+                        self._fail_stdin(conn, sid, failed, ack)
+                        return
+                    written += len(data)
+                    if conn is not None:
+                        with contextlib.suppress(Closed):
+                            conn.send({"t": "stdin_credit", "id": sid, "n": len(data)})
+                if ack and conn is not None:
+                    with contextlib.suppress(Closed):
+                        conn.send({"t": "ok", "id": sid, "written": written,
+                                   "closed": close})
+                if close:
                     return
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-        except OSError:
-            return
         finally:
+            with self._stdin_cv:
+                self.stdin_open = False
+                rest, self._stdin_buf = self._stdin_buf, []
             os.close(fd)
+            for conn, sid, _, _, ack in rest:
+                self._fail_stdin(conn, sid, failed or "the command's stdin is closed", ack)
+
+    @staticmethod
+    def _fail_stdin(conn: Conn | None, sid: int, message: str, ack: bool) -> None:
+        """Tell stream sid its stdin is gone (``stdin_closed``: its sender stops waiting for
+        credit); an ``ack`` it asked for is an error."""
+        if conn is None:
+            return
+        with contextlib.suppress(Closed):
+            conn.send({"t": "stdin_closed", "id": sid, "message": message})
+            if ack:
+                conn.send({"t": "err", "id": sid, "code": P.E_INVALID, "message": message})
 
     def kill(self, reason: str) -> None:
         if self.done_ev.is_set():
@@ -265,8 +362,11 @@ class Exec:
                         sel.unregister(fd)
                         open_fds -= 1
                         continue
-                    self.conn.send_data(self.sid, {"t": "out", "id": self.sid, "fd": key.data},
-                                        data)
+                    if self.bg is not None:
+                        self.bg.output(key.data, data)
+                    else:
+                        self.conn.send_data(self.sid, {"t": "out", "id": self.sid,
+                                                       "fd": key.data}, data)
             while not self.done_ev.wait(SPAWNER_CHECK):
                 if deadline is not None and time.monotonic() >= deadline:
                     self.kill("timeout")
@@ -277,21 +377,29 @@ class Exec:
             sig = -code if code < 0 else None
             # done before the host hears of it: a quiesce right after must not see it
             self.agent.execs.pop(self.sid, None)
-            self.conn.send({
-                "t": "exit", "id": self.sid,
+            result = {
                 "exit_code": 128 + sig if sig else code, "signal": sig,
                 "timed_out": self.killed_reason == "timeout",
                 "killed": self.killed_reason is not None,
                 "duration": time.monotonic() - self.started,
-            })
+            }
+            if self.bg is not None:
+                self.bg.finish(result)
+            else:
+                self.conn.send({"t": "exit", "id": self.sid, **result})
         except Closed:
             self.kill("disconnected")
         finally:
             sel.close()
             for fd in (out_r, err_r):
                 os.close(fd)
-            self.conn.close_stream(self.sid)
+            if self.bg is None:
+                self.conn.close_stream(self.sid)
+            elif self.bg.result is None:  # ended without a status (an error of ours)
+                self.bg.finish({"exit_code": -1, "signal": None, "timed_out": False,
+                                "killed": True, "duration": time.monotonic() - self.started})
             self.agent.execs.pop(self.sid, None)
-            self.feed_stdin(None)  # a pump still waiting for stdin ends
+            if self._stdin_w is not None:
+                self._stdin_end()  # a pump still waiting for stdin ends
             if self.cgroup is not None and self.agent.cgroups is not None:
                 self.agent.cgroups.release(self.cgroup)

@@ -31,7 +31,10 @@ import struct
 from typing import Any
 
 # 2: the hello carries the per-sandbox agent key (the host refuses other versions)
-PROTOCOL_VERSION = 2
+# 3: background commands (exec ``background``; bg_list, bg_attach, bg_signal, bg_wait,
+#    bg_stdin), stdin with flow control (``stdin`` frames carry ``close``/``ack``; the agent
+#    answers ``stdin_credit``)
+PROTOCOL_VERSION = 3
 # where the host leaves the agent its key before a cold boot; it removes the file once the
 # agent has said hello, before any command runs (the agent keeps the key in memory, which
 # no command can read: the agent is not dumpable)
@@ -44,6 +47,9 @@ MAX_PAYLOAD = 4 * 1024 * 1024
 CHUNK = 256 * 1024
 # Bytes of stream data the agent may send ahead of the host's credits (per stream).
 WINDOW = 8 * 1024 * 1024
+# Bytes of stdin the host may have sent to a command and not yet had back as
+# ``stdin_credit`` (written to the command's pipe), per stream.
+STDIN_WINDOW = 2 * 1024 * 1024
 
 _PREFIX = struct.Struct("!II")
 PREFIX_LEN = _PREFIX.size
@@ -152,7 +158,7 @@ ERROR_CODES: dict[str, tuple[int, str, bool]] = {
     "is_a_directory": (409, "Conflict", True),
     "not_a_directory": (409, "Conflict", True),
     "too_large": (413, "InvalidArgument", False),
-    "limit_exceeded": (429, "LimitExceeded", False),
+    "limit_exceeded": (429, "LimitExceeded", True),
     "no_space": (507, "NoSpace", True),
     "timeout": (504, "Timeout", False),
     "unavailable": (503, "Unavailable", False),
@@ -168,6 +174,7 @@ E_IS_DIR = "is_a_directory"
 E_NOT_DIR = "not_a_directory"
 E_NO_SPACE = "no_space"
 E_INTERNAL = "internal"
+E_LIMIT = "limit_exceeded"
 
 
 # Durations in requests: "15m", "2m30s", "1h", "90s", "250ms" or a number of seconds (the

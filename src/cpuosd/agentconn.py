@@ -34,6 +34,17 @@ DATA_TYPES = ("out", "data")
 # s a device agent (a microVM's: it cannot hang up itself) gets to see the host hang up after
 # a quiesce: whoever checkpoints one waits this long after disconnect()
 DEVICE_SETTLE = 0.1
+# s without a frame from an agent that has streams open before the host gives up on it: its
+# connection is dropped and every stream on it ends ``unavailable`` (a frozen or wedged
+# sandbox must not hang a client). The host pings it after a quarter of that.
+LIVENESS = float(os.environ.get("CPUOS_AGENT_LIVENESS") or 15.0)
+# s a stdin sender waits for the command to take bytes (credit) before it gives up
+STDIN_STALL = 60.0
+
+
+class StdinClosed(ApiError):
+    def __init__(self, message: str = "the command's stdin is closed") -> None:
+        super().__init__("invalid_argument", message)
 
 
 class AgentGone(ApiError):
@@ -49,6 +60,60 @@ class Stream:
         self._uncredited = 0
         self.queued = 0  # bytes received for this stream and not yet taken by its reader
         self.gen = chan.generation
+        # stdin: bytes sent and not yet written by the agent to the command's pipe
+        self.stdin_inflight = 0
+        self.stdin_closed: str | None = None
+        self.stdin_sent = 0
+        self._stdin_ev = asyncio.Event()
+        self.gone = False
+
+    def on_stdin(self, h: P.Header) -> None:
+        """A ``stdin_credit`` or ``stdin_closed`` from the agent (never queued)."""
+        if h["t"] == "stdin_credit":
+            n = h.get("n")
+            if isinstance(n, int) and n > 0:
+                self.stdin_inflight = max(0, self.stdin_inflight - n)
+        else:
+            msg = h.get("message")
+            self.stdin_closed = msg[:300] if isinstance(msg, str) and msg else "stdin closed"
+        self._stdin_ev.set()
+
+    async def send_stdin(self, data: bytes, *, close: bool = False, ack: bool = False,
+                         stall: float = STDIN_STALL) -> None:
+        """Bytes for the command's stdin, at most P.STDIN_WINDOW of them not yet written
+        inside: waits (at most ``stall`` s without progress) for the agent's credit.
+        Raises StdinClosed once the command's stdin is gone, AgentGone with the agent."""
+        view = memoryview(data)
+        while True:
+            chunk = bytes(view[: P.CHUNK])
+            view = view[len(chunk):]
+            while self.stdin_inflight and self.stdin_inflight + len(chunk) > P.STDIN_WINDOW:
+                if self.gone:
+                    raise AgentGone()
+                if self.stdin_closed:
+                    raise StdinClosed(self.stdin_closed)
+                self._stdin_ev.clear()
+                try:
+                    await asyncio.wait_for(self._stdin_ev.wait(), stall)
+                except TimeoutError:
+                    raise ApiError("timeout", f"the command took no stdin for {stall:.0f}s"
+                                   ) from None
+            if self.gone:
+                raise AgentGone()
+            if self.stdin_closed:
+                raise StdinClosed(self.stdin_closed)
+            last = not view
+            h: P.Header = {"t": "stdin"}
+            if last and close:
+                h["close"] = True
+            if last and ack:
+                h["ack"] = True
+            if chunk or len(h) > 1:
+                self.stdin_inflight += len(chunk)
+                self.stdin_sent += len(chunk)
+                await self.send(h, chunk)
+            if last:
+                return
 
     async def send(self, header: P.Header, payload: bytes = b"") -> None:
         header["id"] = self.id
@@ -60,7 +125,7 @@ class Stream:
         else:
             h, payload = await asyncio.wait_for(self.queue.get(), timeout)
         if h["t"] == "_gone":
-            raise AgentGone()
+            raise AgentGone(h.get("message") or "sandbox agent disconnected")
         self.queued -= len(payload) + 64
         if h["t"] in DATA_TYPES:
             self._uncredited += len(payload)
@@ -102,6 +167,8 @@ class AgentChannel:
         self._write_lock = asyncio.Lock()
         self.on_disconnect: list[Any] = []
         self._adopted: set[asyncio.Task[None]] = set()
+        self.last_rx = 0.0
+        self.liveness = LIVENESS
 
     async def listen(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -171,12 +238,18 @@ class AgentChannel:
         self._connected.set()
         self._reader_task = asyncio.current_task()
         gen = self.generation
+        self.last_rx = time.monotonic()
+        watch = asyncio.get_running_loop().create_task(self._watch(gen))
         try:
             while True:
                 hdr, payload = await self._read_frame(reader)
+                self.last_rx = time.monotonic()
                 sid = hdr.get("id")
                 st = self.streams.get(sid) if isinstance(sid, int) else None
-                if st is not None and st.gen == gen:
+                if st is not None and st.gen == gen and hdr["t"] in ("stdin_credit",
+                                                                     "stdin_closed"):
+                    st.on_stdin(hdr)
+                elif st is not None and st.gen == gen:
                     st.queued += len(payload) + 64
                     if st.queued > MAX_QUEUED:
                         # the agent ignored flow control: it may not grow our memory
@@ -188,9 +261,32 @@ class AgentChannel:
         except asyncio.CancelledError:
             pass
         finally:
+            watch.cancel()
             if self.generation == gen:
                 self._drop_connection()
             writer.close()
+
+    async def _watch(self, gen: int) -> None:
+        """Liveness: while streams are open, an agent silent for a quarter of ``liveness``
+        is pinged; one silent for all of it is dropped (its streams end unavailable)."""
+        tick = max(0.05, self.liveness / 4)
+        while self.generation == gen and self._writer is not None:
+            await asyncio.sleep(tick)
+            if self.generation != gen or not self.streams:
+                continue
+            idle = time.monotonic() - self.last_rx
+            if idle >= self.liveness:
+                log.warning("agent channel %s: no answer for %.1fs; dropping it",
+                            self.sock_path, idle)
+                w = self._writer
+                if w is not None:
+                    w.transport.abort()
+                self._drop_connection(f"the sandbox stopped answering (nothing for "
+                                      f"{idle:.0f}s)")
+                return
+            if idle >= tick:
+                with contextlib.suppress(AgentGone):
+                    await asyncio.wait_for(self.send({"t": "ping", "id": 0}), tick)
 
     def _check_hello(self, h: P.Header) -> None:
         if h["t"] != "hello":
@@ -222,14 +318,16 @@ class AgentChannel:
         raw = await reader.readexactly(hlen + plen)
         return P.parse_header(raw[:hlen]), raw[hlen:]
 
-    def _drop_connection(self) -> None:
+    def _drop_connection(self, why: str = "sandbox agent disconnected") -> None:
         had = self._writer is not None
         if self._writer is not None:
             self._writer.close()
         self._writer = None
         self._connected.clear()
         for st in list(self.streams.values()):
-            st.queue.put_nowait(({"t": "_gone"}, b""))
+            st.gone = True
+            st._stdin_ev.set()
+            st.queue.put_nowait(({"t": "_gone", "message": why}, b""))
         self.streams.clear()
         if had:
             for cb in self.on_disconnect:

@@ -9,7 +9,7 @@ import builtins
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal, overload
 
 import httpx
 
@@ -20,6 +20,7 @@ from .._durations import parse_duration
 from .._errors import CpuosError, InvalidArgument, ServerError, Timeout, Unavailable, error_from
 from .audit import AsyncAudit
 from .._models import DEFAULT_MAX_OUTPUT, ExecResult, FileEntry, OutputBuffer, SandboxInfo
+from .commands import AsyncCommandHandle, AsyncCommands, StdinSource
 
 OutputCallback = Callable[[str], Any]
 
@@ -289,6 +290,7 @@ class AsyncSandbox:
         self.network = AsyncNetwork(self)
         self.ports = AsyncPorts(self)
         self.audit = AsyncAudit(self)
+        self.commands = AsyncCommands(self)
 
     # ---- construction -----------------------------------------------------------------
     @classmethod
@@ -421,19 +423,55 @@ class AsyncSandbox:
                 raise
 
     # ---- exec -------------------------------------------------------------------------
+    @overload
     async def exec(self, cmd: str | builtins.list[str], *, timeout: str | float | None = None,
                    env: dict[str, str] | None = None, cwd: str | None = None,
-                   stdin: str | bytes | None = None,
+                   stdin: StdinSource | None = None,
                    on_stdout: OutputCallback | None = None,
                    on_stderr: OutputCallback | None = None,
-                   max_output: int = DEFAULT_MAX_OUTPUT) -> ExecResult:
+                   max_output: int = DEFAULT_MAX_OUTPUT,
+                   background: Literal[False] = False, buffer: int | None = None
+                   ) -> ExecResult: ...
+
+    @overload
+    async def exec(self, cmd: str | builtins.list[str], *, timeout: str | float | None = None,
+                   env: dict[str, str] | None = None, cwd: str | None = None,
+                   stdin: StdinSource | None = None,
+                   on_stdout: OutputCallback | None = None,
+                   on_stderr: OutputCallback | None = None,
+                   max_output: int = DEFAULT_MAX_OUTPUT,
+                   background: Literal[True], buffer: int | None = None
+                   ) -> AsyncCommandHandle: ...
+
+    async def exec(self, cmd: str | builtins.list[str], *, timeout: str | float | None = None,
+                   env: dict[str, str] | None = None, cwd: str | None = None,
+                   stdin: StdinSource | None = None,
+                   on_stdout: OutputCallback | None = None,
+                   on_stderr: OutputCallback | None = None,
+                   max_output: int = DEFAULT_MAX_OUTPUT,
+                   background: bool = False, buffer: int | None = None
+                   ) -> ExecResult | AsyncCommandHandle:
         """Run ``cmd`` (a shell line for bash, or an argv list) and wait for it.
 
         Output streams to ``on_stdout``/``on_stderr`` as it arrives (text decoded
         as UTF-8, invalid bytes replaced); the result keeps raw bytes, at most
         ``max_output`` per stream (head and tail, ``truncated`` set if cut).
         A timeout kills the command's whole process tree and sets ``timed_out``.
+
+        ``background=True``: start it and return at once with a handle (``pid``,
+        ``wait``, ``kill``, ``send_stdin``, ``close_stdin``); it runs on after this
+        client is gone (see ``sbx.commands``); ``buffer``: bytes of its output kept.
         """
+        if background:
+            handle = await self.commands.run(
+                cmd, env=env, cwd=cwd, timeout=_dur(timeout, "timeout"), buffer=buffer,
+                on_stdout=on_stdout, on_stderr=on_stderr)
+            handle.max_output = max_output
+            if stdin is not None:
+                await handle.send_stdin(stdin)
+            return handle
+        if stdin is not None and not isinstance(stdin, (str, bytes, bytearray, memoryview)):
+            raise InvalidArgument("streamed stdin (an iterable) comes with the next change")
         body: dict[str, Any] = {"cmd": cmd, "env": env or {}, "cwd": cwd,
                                 "timeout": _dur(timeout, "timeout")}
         if isinstance(stdin, str):

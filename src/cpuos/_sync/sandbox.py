@@ -10,7 +10,7 @@ import builtins
 from collections.abc import Iterator, Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal, overload
 
 import httpx
 
@@ -21,6 +21,7 @@ from .._durations import parse_duration
 from .._errors import CpuosError, InvalidArgument, ServerError, Timeout, Unavailable, error_from
 from .audit import Audit
 from .._models import DEFAULT_MAX_OUTPUT, ExecResult, FileEntry, OutputBuffer, SandboxInfo
+from .commands import CommandHandle, Commands, StdinSource
 
 OutputCallback = Callable[[str], Any]
 
@@ -290,6 +291,7 @@ class Sandbox:
         self.network = SandboxNetwork(self)
         self.ports = Ports(self)
         self.audit = Audit(self)
+        self.commands = Commands(self)
 
     # ---- construction -----------------------------------------------------------------
     @classmethod
@@ -422,19 +424,55 @@ class Sandbox:
                 raise
 
     # ---- exec -------------------------------------------------------------------------
+    @overload
     def exec(self, cmd: str | builtins.list[str], *, timeout: str | float | None = None,
                    env: dict[str, str] | None = None, cwd: str | None = None,
-                   stdin: str | bytes | None = None,
+                   stdin: StdinSource | None = None,
                    on_stdout: OutputCallback | None = None,
                    on_stderr: OutputCallback | None = None,
-                   max_output: int = DEFAULT_MAX_OUTPUT) -> ExecResult:
+                   max_output: int = DEFAULT_MAX_OUTPUT,
+                   background: Literal[False] = False, buffer: int | None = None
+                   ) -> ExecResult: ...
+
+    @overload
+    def exec(self, cmd: str | builtins.list[str], *, timeout: str | float | None = None,
+                   env: dict[str, str] | None = None, cwd: str | None = None,
+                   stdin: StdinSource | None = None,
+                   on_stdout: OutputCallback | None = None,
+                   on_stderr: OutputCallback | None = None,
+                   max_output: int = DEFAULT_MAX_OUTPUT,
+                   background: Literal[True], buffer: int | None = None
+                   ) -> CommandHandle: ...
+
+    def exec(self, cmd: str | builtins.list[str], *, timeout: str | float | None = None,
+                   env: dict[str, str] | None = None, cwd: str | None = None,
+                   stdin: StdinSource | None = None,
+                   on_stdout: OutputCallback | None = None,
+                   on_stderr: OutputCallback | None = None,
+                   max_output: int = DEFAULT_MAX_OUTPUT,
+                   background: bool = False, buffer: int | None = None
+                   ) -> ExecResult | CommandHandle:
         """Run ``cmd`` (a shell line for bash, or an argv list) and wait for it.
 
         Output streams to ``on_stdout``/``on_stderr`` as it arrives (text decoded
         as UTF-8, invalid bytes replaced); the result keeps raw bytes, at most
         ``max_output`` per stream (head and tail, ``truncated`` set if cut).
         A timeout kills the command's whole process tree and sets ``timed_out``.
+
+        ``background=True``: start it and return at once with a handle (``pid``,
+        ``wait``, ``kill``, ``send_stdin``, ``close_stdin``); it runs on after this
+        client is gone (see ``sbx.commands``); ``buffer``: bytes of its output kept.
         """
+        if background:
+            handle = self.commands.run(
+                cmd, env=env, cwd=cwd, timeout=_dur(timeout, "timeout"), buffer=buffer,
+                on_stdout=on_stdout, on_stderr=on_stderr)
+            handle.max_output = max_output
+            if stdin is not None:
+                handle.send_stdin(stdin)
+            return handle
+        if stdin is not None and not isinstance(stdin, (str, bytes, bytearray, memoryview)):
+            raise InvalidArgument("streamed stdin (an iterable) comes with the next change")
         body: dict[str, Any] = {"cmd": cmd, "env": env or {}, "cwd": cwd,
                                 "timeout": _dur(timeout, "timeout")}
         if isinstance(stdin, str):

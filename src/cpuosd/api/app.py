@@ -33,6 +33,7 @@ from .auth import Guard, Ws, require_admin
 from .templates import TemplateBuilds, router as templates_router
 from .audit import router as audit_router, start_audit
 from ..accounting.trace import Traced
+from .commands import router as commands_router
 from ..proxy.preview import Preview
 from ..backends.microvm.selection import BackendUnavailable, select_backend
 from ..config import Config
@@ -310,6 +311,7 @@ def create_app(cfg: Config | None = None) -> FastAPI:
     app.add_middleware(Guard)  # the key is checked before any body is read
     app.include_router(templates_router)
     app.include_router(audit_router)
+    app.include_router(commands_router)
     document(app)  # the answers' schemas in /openapi.json (sdk/js's types)
 
     @app.exception_handler(ApiError)

@@ -136,7 +136,7 @@ class Session:
             if stdin is not None:
                 for i in range(0, len(stdin), P.CHUNK):
                     await st.send({"t": "stdin"}, stdin[i:i + P.CHUNK])
-                await st.send({"t": "stdin"})
+                await st.send({"t": "stdin", "close": True})
             h, _ = await st.get(15.0)
             raise_for_agent_error(h)
             if h["t"] != "started":
@@ -187,10 +187,10 @@ class Session:
                     break
                 elif t == "err":
                     raise_for_agent_error(h)
-        except AgentGone:
+        except AgentGone as e:
             row = self.store.get_sandbox(lv.row.id)
             why = f"sandbox is {row.state} ({row.reason})" if row and row.state != "running" \
-                else "sandbox agent disconnected"
+                else e.message
             result = {"t": "error", "code": "unavailable", "message": why}
             yield P.encode(result)
         except ApiError as e:

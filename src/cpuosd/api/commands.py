@@ -1,0 +1,208 @@
+"""Background commands: ``/sandboxes/{id}/commands``.
+
+A background command runs on inside the sandbox after the request that started it, after
+its client is gone and across a daemon restart; the sandbox's agent keeps its output in a
+ring (``buffer`` bytes, default 1 MiB), readable from any offset it still holds. Ids are
+the command's pid inside the sandbox.
+
+- ``POST /sandboxes/{id}/commands``: start one (``cmd``, ``env``, ``cwd``, ``timeout``:
+  default none, the sandbox's life bounds it; ``buffer``; ``stdin``: keep a pipe to its
+  stdin, default true) -> its record (201).
+- ``GET /sandboxes/{id}/commands``: the records (running and recently ended).
+- ``GET /sandboxes/{id}/commands/{pid}``: one record.
+- ``GET /sandboxes/{id}/commands/{pid}/output?offset=0&follow=true``: its output as frames
+  (``application/x-cpuos-frames``, cpuos_agent.protocol): ``attached``, ``out``..., then
+  ``exit`` (follow) or ``eof`` (no follow), or ``error``. ``offset=-1``: from the end.
+- ``POST /sandboxes/{id}/commands/{pid}/stdin?close=false``: the body goes to its stdin,
+  as fast as the command reads it; ``close``: then close its stdin.
+- ``POST /sandboxes/{id}/commands/{pid}/signal``: ``{"signal": "TERM"}`` (name or number;
+  KILL ends its whole process tree) -> its record.
+- ``GET /sandboxes/{id}/commands/{pid}/wait?timeout=60``: its record once it ended, or
+  after timeout seconds (``running`` still true).
+"""
+
+from __future__ import annotations
+
+import re
+import signal as signal_mod
+from typing import Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from cpuos_agent import protocol as P
+from cpuos_agent.protocol import parse_duration
+
+from ..errors import invalid
+from ..lifecycle import commands as C
+from ..lifecycle.manager import Manager
+from ..paths import check_path
+from .auth import Ws
+
+router = APIRouter(tags=["commands"])
+
+ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+MAX_BUFFER = 64 << 20
+
+
+class StartCommand(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    cmd: str | list[str] = Field(description="a shell command line (bash -c) or an argv")
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = Field(None, description="default: the template's workdir (/work)")
+    timeout: float | str | None = Field(None, description="kill it after this long "
+                                        "(default: none; the sandbox's life bounds it)")
+    buffer: int = Field(1 << 20, ge=4096, le=MAX_BUFFER, description="bytes of its output "
+                        "kept (stdout and stderr together; the oldest go first)")
+    stdin: bool = Field(True, description="keep a pipe to its stdin (else /dev/null)")
+
+    @field_validator("cmd")
+    @classmethod
+    def _cmd(cls, v: str | list[str]) -> str | list[str]:
+        if isinstance(v, str):
+            if not v.strip() or "\x00" in v:
+                raise ValueError("cmd must be a non-empty string without NUL bytes")
+        elif not v or len(v) > 4096 or any("\x00" in a for a in v):
+            raise ValueError("argv must be 1..4096 strings without NUL bytes")
+        return v
+
+    @field_validator("timeout")
+    @classmethod
+    def _to(cls, v: Any) -> float | None:
+        if v is None:
+            return None
+        try:
+            return parse_duration(v, "timeout")
+        except ValueError as e:
+            raise ValueError(str(e)) from None
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        if len(v) > 256:
+            raise ValueError("at most 256 environment variables")
+        for k, val in v.items():
+            if not ENV_KEY.fullmatch(k) or "\x00" in val or len(val) > 32768:
+                raise ValueError(f"bad environment variable {k[:80]!r}")
+        return v
+
+
+class SignalRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    signal: str | int = Field("TERM", description="TERM, SIGINT, 9...")
+
+
+class CommandInfo(BaseModel):
+    pid: int = Field(description="its pid inside the sandbox: the command's id")
+    cmd: str
+    running: bool
+    started_at: float | None = None
+    ended_at: float | None = None
+    out_start: int = Field(description="the oldest output offset still held")
+    out_end: int = Field(description="the offset the next output byte will have")
+    buffer: int = Field(description="bytes of output kept")
+    stdin: bool = Field(description="its stdin pipe is open")
+    exit_code: int | None = None
+    signal: int | None = None
+    timed_out: bool | None = None
+    killed: bool | None = None
+    duration: float | None = None
+
+
+class CommandList(BaseModel):
+    commands: list[CommandInfo]
+
+
+class StdinResult(BaseModel):
+    pid: int
+    written: int = Field(description="bytes of this request written to its stdin")
+    closed: bool
+
+
+def _signal(v: str | int) -> int:
+    if isinstance(v, int):
+        if 0 < v < 65:
+            return v
+    else:
+        name = v.strip().upper()
+        name = name if name.startswith("SIG") else "SIG" + name
+        num = getattr(signal_mod.Signals, name, None) if name.isidentifier() else None
+        if num is not None:
+            return int(num)
+        if v.strip().isdigit() and 0 < int(v) < 65:
+            return int(v)
+    raise invalid(f"bad signal {str(v)[:40]!r}", field="signal")
+
+
+def _mgr(request: Request) -> Manager:
+    m: Manager = request.app.state.mgr
+    return m
+
+
+FRAMES: dict[int | str, dict[str, Any]] = {200: {"content": {P.CONTENT_TYPE: {}},
+                "description": "frames (cpuos_agent.protocol): attached (pid, start, end, "
+                "offset, running), out (fd 1|2, off; raw bytes)..., then exit (exit_code, "
+                "signal, timed_out, killed, duration, next) or eof (next) or error (code, "
+                "message)"}}
+
+
+@router.post("/sandboxes/{sid}/commands", status_code=201, response_model=CommandInfo)
+async def start_command(sid: str, body: StartCommand, request: Request, ws: Ws
+                        ) -> dict[str, Any]:
+    """Start a background command; it outlives this request, its client and a daemon
+    restart."""
+    lv = await _mgr(request).ready(ws, sid)
+    cwd = None if body.cwd is None else check_path(body.cwd, "cwd")
+    timeout = None if body.timeout is None else float(body.timeout)
+    return await C.start(lv, body.cmd, body.env, cwd, timeout, body.buffer, body.stdin)
+
+
+@router.get("/sandboxes/{sid}/commands", response_model=CommandList)
+async def list_commands(sid: str, request: Request, ws: Ws) -> dict[str, Any]:
+    lv = await _mgr(request).ready(ws, sid)
+    return {"commands": await C.list_(lv)}
+
+
+@router.get("/sandboxes/{sid}/commands/{pid}", response_model=CommandInfo)
+async def command_info(sid: str, pid: int, request: Request, ws: Ws) -> dict[str, Any]:
+    lv = await _mgr(request).ready(ws, sid)
+    return await C.info(lv, pid)
+
+
+@router.get("/sandboxes/{sid}/commands/{pid}/output", responses=FRAMES)
+async def command_output(sid: str, pid: int, request: Request, ws: Ws,
+                         offset: int = Query(0, ge=-1, description="the first byte's offset"
+                                             " (-1: from the end: only what comes next)"),
+                         follow: bool = Query(True, description="go on until it exits")
+                         ) -> StreamingResponse:
+    m = _mgr(request)
+    lv = await m.ready(ws, sid)
+    out = await C.output(m.store, lv, pid, offset, follow, m._spawn)
+    return StreamingResponse(out.frames(), media_type=P.CONTENT_TYPE,
+                             headers={"Cache-Control": "no-store"})
+
+
+@router.post("/sandboxes/{sid}/commands/{pid}/stdin", response_model=StdinResult)
+async def command_stdin(sid: str, pid: int, request: Request, ws: Ws,
+                        close: bool = Query(False, description="then close its stdin")
+                        ) -> dict[str, Any]:
+    """The request body goes to the command's stdin, no faster than it reads it."""
+    m = _mgr(request)
+    lv = await m.ready(ws, sid)
+    return await C.write_stdin(lv, pid, request.stream(), close, m._spawn)
+
+
+@router.post("/sandboxes/{sid}/commands/{pid}/signal", response_model=CommandInfo)
+async def command_signal(sid: str, pid: int, body: SignalRequest, request: Request, ws: Ws
+                         ) -> dict[str, Any]:
+    lv = await _mgr(request).ready(ws, sid)
+    return await C.signal(lv, pid, _signal(body.signal))
+
+
+@router.get("/sandboxes/{sid}/commands/{pid}/wait", response_model=CommandInfo)
+async def command_wait(sid: str, pid: int, request: Request, ws: Ws,
+                       timeout: float = Query(60.0, ge=0, le=C.MAX_WAIT)) -> dict[str, Any]:
+    """Its record once it ended, or after ``timeout`` seconds (then ``running``)."""
+    lv = await _mgr(request).ready(ws, sid)
+    return await C.wait(lv, pid, timeout)
