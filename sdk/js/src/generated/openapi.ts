@@ -118,6 +118,119 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/sandboxes/{sid}/commands": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** List Commands */
+        get: operations["list_commands_sandboxes__sid__commands_get"];
+        put?: never;
+        /**
+         * Start Command
+         * @description Start a background command; it outlives this request, its client and a daemon
+         *     restart.
+         */
+        post: operations["start_command_sandboxes__sid__commands_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/sandboxes/{sid}/commands/{pid}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** Command Info */
+        get: operations["command_info_sandboxes__sid__commands__pid__get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/sandboxes/{sid}/commands/{pid}/output": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** Command Output */
+        get: operations["command_output_sandboxes__sid__commands__pid__output_get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/sandboxes/{sid}/commands/{pid}/signal": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** Command Signal */
+        post: operations["command_signal_sandboxes__sid__commands__pid__signal_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/sandboxes/{sid}/commands/{pid}/stdin": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Command Stdin
+         * @description The request body goes to the command's stdin, no faster than it reads it.
+         */
+        post: operations["command_stdin_sandboxes__sid__commands__pid__stdin_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/sandboxes/{sid}/commands/{pid}/wait": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * Command Wait
+         * @description Its record once it ended, or after ``timeout`` seconds (then ``running``).
+         */
+        get: operations["command_wait_sandboxes__sid__commands__pid__wait_get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/sandboxes/{sid}/connections": {
         parameters: {
             query?: never;
@@ -530,6 +643,57 @@ export interface paths {
 export type webhooks = Record<string, never>;
 export interface components {
     schemas: {
+        /** CommandInfo */
+        CommandInfo: {
+            /**
+             * Buffer
+             * @description bytes of output kept
+             */
+            buffer: number;
+            /** Cmd */
+            cmd: string;
+            /** Duration */
+            duration?: number | null;
+            /** Ended At */
+            ended_at?: number | null;
+            /** Exit Code */
+            exit_code?: number | null;
+            /** Killed */
+            killed?: boolean | null;
+            /**
+             * Out End
+             * @description the offset the next output byte will have
+             */
+            out_end: number;
+            /**
+             * Out Start
+             * @description the oldest output offset still held
+             */
+            out_start: number;
+            /**
+             * Pid
+             * @description its pid inside the sandbox: the command's id
+             */
+            pid: number;
+            /** Running */
+            running: boolean;
+            /** Signal */
+            signal?: number | null;
+            /** Started At */
+            started_at?: number | null;
+            /**
+             * Stdin
+             * @description its stdin pipe is open
+             */
+            stdin: boolean;
+            /** Timed Out */
+            timed_out?: boolean | null;
+        };
+        /** CommandList */
+        CommandList: {
+            /** Commands */
+            commands: components["schemas"]["CommandInfo"][];
+        };
         /** CreateSandbox */
         CreateSandbox: {
             /** Env */
@@ -875,6 +1039,61 @@ export interface components {
             /** Timeout */
             timeout: number | string;
         };
+        /** SignalRequest */
+        SignalRequest: {
+            /**
+             * Signal
+             * @description TERM, SIGINT, 9...
+             * @default TERM
+             */
+            signal?: string | number;
+        };
+        /** StartCommand */
+        StartCommand: {
+            /**
+             * Buffer
+             * @description bytes of its output kept (stdout and stderr together; the oldest go first)
+             * @default 1048576
+             */
+            buffer?: number;
+            /**
+             * Cmd
+             * @description a shell command line (bash -c) or an argv
+             */
+            cmd: string | string[];
+            /**
+             * Cwd
+             * @description default: the template's workdir (/work)
+             */
+            cwd?: string | null;
+            /** Env */
+            env?: {
+                [key: string]: string;
+            };
+            /**
+             * Stdin
+             * @description keep a pipe to its stdin (else /dev/null)
+             * @default true
+             */
+            stdin?: boolean;
+            /**
+             * Timeout
+             * @description kill it after this long (default: none; the sandbox's life bounds it)
+             */
+            timeout?: number | string | null;
+        };
+        /** StdinResult */
+        StdinResult: {
+            /** Closed */
+            closed: boolean;
+            /** Pid */
+            pid: number;
+            /**
+             * Written
+             * @description bytes of this request written to its stdin
+             */
+            written: number;
+        };
         /**
          * StreamErrorFrame
          * @description Ends an exec stream or a framed file read that failed after its response began.
@@ -1208,6 +1427,247 @@ export interface operations {
                 content: {
                     "application/json": unknown;
                     "application/x-ndjson": unknown;
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    list_commands_sandboxes__sid__commands_get: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                sid: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["CommandList"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    start_command_sandboxes__sid__commands_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                sid: string;
+            };
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["StartCommand"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            201: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["CommandInfo"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    command_info_sandboxes__sid__commands__pid__get: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                pid: number;
+                sid: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["CommandInfo"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    command_output_sandboxes__sid__commands__pid__output_get: {
+        parameters: {
+            query?: {
+                /** @description go on until it exits */
+                follow?: boolean;
+                /** @description the first byte's offset (-1: from the end: only what comes next) */
+                offset?: number;
+            };
+            header?: never;
+            path: {
+                pid: number;
+                sid: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description frames (cpuos_agent.protocol): attached (pid, start, end, offset, running), out (fd 1|2, off; raw bytes)..., then exit (exit_code, signal, timed_out, killed, duration, next) or eof (next) or error (code, message) */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": unknown;
+                    "application/x-cpuos-frames": unknown;
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    command_signal_sandboxes__sid__commands__pid__signal_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                pid: number;
+                sid: string;
+            };
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["SignalRequest"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["CommandInfo"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    command_stdin_sandboxes__sid__commands__pid__stdin_post: {
+        parameters: {
+            query?: {
+                /** @description then close its stdin */
+                close?: boolean;
+            };
+            header?: never;
+            path: {
+                pid: number;
+                sid: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["StdinResult"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    command_wait_sandboxes__sid__commands__pid__wait_get: {
+        parameters: {
+            query?: {
+                timeout?: number;
+            };
+            header?: never;
+            path: {
+                pid: number;
+                sid: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["CommandInfo"];
                 };
             };
             /** @description Validation Error */
