@@ -20,6 +20,12 @@ from .files import _unlink_quiet, create_beside, read_small
 from .privs import privileged
 
 MACHINE_ID_PATH = "/run/cpuos/machine-id"  # /etc/machine-id links here (templates)
+# the sandbox's egress CA (secrets: the proxy ends TLS for a secret's hosts), alone and
+# with the template's bundle: what SSL_CERT_FILE and the like name (cpuosd.network.secrets)
+CA_DIR = "/run/cpuos"
+SYSTEM_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
+CA_RE = re.compile(r"-----BEGIN CERTIFICATE-----\n[A-Za-z0-9+/=\n]{64,8192}"
+                   r"-----END CERTIFICATE-----\n?")
 
 
 RNDADDENTROPY = 0x40085203
@@ -90,6 +96,13 @@ def apply_identity(h: P.Header) -> list[str]:
                 pass
             finally:
                 os.close(fd)
+    ca = h.get("ca")
+    if isinstance(ca, str) and CA_RE.fullmatch(ca):
+        try:
+            place_ca(ca)
+            applied.append("ca")
+        except OSError:
+            pass
     net = h.get("net")
     if isinstance(net, dict):
         try:
@@ -195,6 +208,31 @@ def apply_net(net: P.Header) -> bool:
         except FileExistsError:
             pass
     return True
+
+
+def _write_beside(path: str, data: bytes) -> None:
+    tmp = ""
+    try:
+        fd, tmp = create_beside(path, 0o444)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError:
+        if tmp:
+            _unlink_quiet(tmp)
+        raise
+
+
+def place_ca(pem: str) -> None:
+    """A VM's guest: the host cannot place files in it, so the sandbox's CA comes with the
+    identity (gVisor's /run/cpuos is the host's directory, written there)."""
+    try:
+        system = read_small(SYSTEM_BUNDLE, 4 << 20).decode(errors="replace").rstrip()
+    except OSError:
+        system = ""
+    pem = pem if pem.endswith("\n") else pem + "\n"
+    _write_beside(f"{CA_DIR}/ca.pem", pem.encode())
+    _write_beside(f"{CA_DIR}/ca-bundle.pem", (system + "\n" + pem).encode())
 
 
 def read_key(path: str = P.KEY_PATH) -> str:

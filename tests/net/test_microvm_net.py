@@ -226,6 +226,41 @@ def test_off_has_no_route_and_still_serves_its_ports(vmd: Daemon, inet: FakeInte
         s.kill()
 
 
+SECRET = "sk-real-value-" + "7" * 24
+
+
+def test_a_secret_reaches_its_host_only(vmd: Daemon, inet: FakeInternet) -> None:
+    """The guest trusts the sandbox's CA (sent by the agent: the host cannot place files in
+    a VM), so HTTPS to the secret's host ends at the egress proxy, which puts the value in;
+    the guest sees the placeholder only."""
+    with vmd.client() as c:
+        r = c.post("/sandboxes", json={
+            "template": "python", "timeout": "15m", "network": {"allow": ["other.test"]},
+            "secrets": {"API_KEY": {"value": SECRET, "hosts": ["allowed.test"]}}})
+        assert r.status_code == 201, r.text
+        sid = r.json()["id"]
+    s = Sandbox.connect(sid, **vmd.sdk_kwargs())
+    try:
+        placeholder = s.exec("printf %s \"$API_KEY\"").stdout
+        assert placeholder.startswith("cpuos-secret-") and SECRET not in placeholder
+        assert s.exec('test -s "$SSL_CERT_FILE" && test -s "$NODE_EXTRA_CA_CERTS"').exit_code == 0
+        hdr = "Authorization: Bearer $API_KEY"
+
+        def sent(url: str) -> list[str]:
+            n = len(inet.seen())
+            r = s.exec(f"curl -sS -m 20 -o /dev/null -H \"{hdr}\" {url}", timeout="2m")
+            assert r.exit_code == 0, r.stderr
+            return [e["data"] for e in inet.seen()[n:] if "Authorization" in e.get("data", "")]
+
+        got = sent("https://allowed.test:8443/bytes/10")
+        assert got and SECRET in got[0] and "Host: allowed.test" in got[0]
+        got = sent("http://other.test/bytes/10")  # any other host: the placeholder
+        assert got and SECRET not in got[0] and placeholder in got[0]
+        assert SECRET not in s.exec("cat /run/cpuos/ca-bundle.pem; env").stdout
+    finally:
+        s.kill()
+
+
 def test_pause_resume_and_fork_keep_the_network(vmd: Daemon) -> None:
     s = create(vmd, "on")
     clones: list[Sandbox] = []

@@ -102,3 +102,21 @@ def test_network_is_applied(monkeypatch: pytest.MonkeyPatch) -> None:
     assert socket.inet_aton("10.213.0.6") in sets[1][1]
     assert socket.inet_aton("255.255.255.252") in sets[2][1]
     assert socket.inet_aton("10.213.0.5") in sets[4][1]
+
+
+def test_ca_is_placed_beside_the_bundle(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+                                       ) -> None:
+    """A VM's guest gets its egress CA through the identity: alone, and after the system
+    bundle; anything not shaped like one PEM certificate is ignored."""
+    system = tmp_path / "system.crt"
+    system.write_text("-----BEGIN CERTIFICATE-----\nSYSTEM\n-----END CERTIFICATE-----\n")
+    monkeypatch.setattr(A, "CA_DIR", str(tmp_path))
+    monkeypatch.setattr(A, "SYSTEM_BUNDLE", str(system))
+    pem = "-----BEGIN CERTIFICATE-----\n" + "QUJD" * 40 + "\n-----END CERTIFICATE-----\n"
+    for bad in ("x", pem + "more", pem.replace("QUJD", "<>;!"), 7):
+        assert A.apply_identity({"ca": bad}) == []
+    assert not (tmp_path / "ca.pem").exists()
+    assert A.apply_identity({"ca": pem}) == ["ca"]
+    assert (tmp_path / "ca.pem").read_text() == pem
+    assert (tmp_path / "ca-bundle.pem").read_text() == system.read_text() + pem
+    assert (tmp_path / "ca.pem").stat().st_mode & 0o777 == 0o444

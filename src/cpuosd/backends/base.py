@@ -29,6 +29,9 @@ class SandboxSpec:
     address: str | None = None
     gateway: str | None = None
     prefix: int = 30
+    # the sandbox's egress CA (PEM, secrets): a guest_net backend's guest gets it from the
+    # agent (its /run/cpuos is the guest's own)
+    ca_pem: str | None = None
     hostname: str = "sandbox"
     env: dict[str, str] = field(default_factory=dict)
     # the Manager's boot of a template, to be checkpointed and cloned (a backend may lay

@@ -110,7 +110,12 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
         """The sandbox's policy to its backend (a backend without networking ignores it)."""
         setter = getattr(self.backend, "set_network", None)
         if setter is not None and lv.spec.network is not None:
+            had = lv.spec.ca_pem
             await setter(lv.row.id, lv.spec.network)
+            if self.backend.capabilities.guest_net and lv.spec.ca_pem != had:
+                # a VM's guest takes its CA from the agent (e.g. a pooled one given secrets)
+                h = await lv.chan.call({"t": "identity", "ca": lv.spec.ca_pem}, timeout=30)
+                raise_for_agent_error(h)
 
     async def set_network(self, workspace_id: str, sid: str, network: dict[str, Any]
                           ) -> SandboxRow:
@@ -273,6 +278,8 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
             # a VM's interface: every restore and clone has an address of its own
             msg["net"] = {"address": lv.spec.address, "gateway": lv.spec.gateway,
                           "prefix": lv.spec.prefix}
+        if self.backend.capabilities.guest_net and lv.spec.ca_pem:
+            msg["ca"] = lv.spec.ca_pem
         h = await lv.chan.call(msg, timeout=30)
         raise_for_agent_error(h)
         log.debug("identity of %s: %s", lv.row.id, h.get("applied"))

@@ -63,6 +63,7 @@ class Networked:
             log.warning("sandbox %s: its CA %s is gone; its secrets will not work", spec.id,
                         ca_id)
             return
+        spec.ca_pem = pem
         spec.sock_dir.mkdir(parents=True, exist_ok=True)
         try:
             system = (spec.rootfs / "etc/ssl/certs/ca-certificates.crt").read_text()
