@@ -54,6 +54,8 @@ class Config:
     # Boot each template once, checkpoint it, and create sandboxes by restoring that.
     template_snapshots: bool = field(
         default_factory=lambda: os.environ.get("CPUOS_TEMPLATE_SNAPSHOTS", "1") != "0")
+    # the audit trail (cpuosd.accounting.audit); 0 records nothing (for measuring its cost)
+    audit: bool = field(default_factory=lambda: os.environ.get("CPUOS_AUDIT", "1") != "0")
     # the audit trail's runtime monitoring (gVisor: every execve and file opened for writing
     # inside, from gVisor's trace points; cpuosd.accounting.trace), unless 0
     audit_runtime: bool = field(

@@ -66,6 +66,10 @@ CASES = {
     "ports": Case("ports", "ports", "11. ports: HTTP download of", [],
                   ["preview download, median", "preview GET, new connection, p50",
                    "preview GET, keep-alive, p50", "wake on request → response, p50"]),
+    "audit": Case("audit", "audit", "12. audit trail: cost of recording",
+                  ["on_exec_s", "off_exec_s"],
+                  ["exec round trip, audit on vs off, p50",
+                   "10 execs inside, monitored vs not, median", "audit store, rows/s"]),
 }
 # (sample lists, the key of their N) of the network case's parts
 NETWORK = {"download": (["ours_on_MBps", "ours_allow_MBps", "floor_MBps"], "runs"),
@@ -132,6 +136,13 @@ def check_figures(module: str, data: dict[str, Any]) -> None:
         assert [m["mode"] for m in data["modes"]] == ["on", "allowlist"], data["modes"]
         assert data["create"]["default_network"]["mode"] == "on"
         assert data["network_left"] == []
+    if module == "audit":
+        for k in ("on_fork100_s", "off_fork100_s"):
+            assert len(data[k]) == data["runs"] and all(x > 0 for x in data[k]), (k, data[k])
+        assert data["audit_runtime"][0] and data["audit_runtime"][1] is None  # on / off
+        rr = data["runtime_rows"]  # every exec inside recorded or counted as dropped
+        assert rr["recorded"] + rr["dropped"] >= rr["expected"], rr
+        assert data["store"]["verified"] and data["store"]["ours_rows_per_s"] > 0
     if module == "microvm":
         assert set(data["probe"]) == {"ok", "reason", "seconds"}
         assert data["gvisor"]["ours_create_s"] and data["gvisor"]["floor_restore_s"]

@@ -195,33 +195,39 @@ def test_sink_records_execs_and_writes(log: AuditLog, tmp_path: Path) -> None:
 
 def test_sink_bounds_a_flood(log: AuditLog, tmp_path: Path,
                              monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(trace, "BURST", 100.0)
-    monkeypatch.setattr(trace, "RATE", 10.0)
+    """A flood of messages: the reader reads at most RATE a second, so the socket's buffer
+    fills and the sender (like the Sentry) drops and counts the rest, which the next message
+    that gets through reports; every message is then a row or counted in a dropped row."""
+    monkeypatch.setattr(trace, "BURST", 50.0)
+    monkeypatch.setattr(trace, "RATE", 500.0)
     sink = trace.Sink("sbx-f", tmp_path / "trace.sock", log)
     try:
         s = sentry(tmp_path / "trace.sock")
         s.setblocking(False)
-        sent = 0
-        for i in range(2000):
+        lost = 0
+        for i in range(3000):
             try:
-                s.send(message(trace.MSG_EXEC, execve(["true", str(i)])))
-                sent += 1
-            except BlockingIOError:  # the socket's buffer is full: the Sentry drops, too
-                break
+                s.send(message(trace.MSG_EXEC, execve(["true", str(i)]), dropped=lost))
+            except BlockingIOError:
+                lost += 1
+        assert lost > 0  # the flood outran the reader
+        s.setblocking(True)
+        s.send(message(trace.MSG_EXEC, execve(["true", "last"]), dropped=lost))
         s.close()
 
         def accounted() -> bool:
             log.flush()
             rows = log.query("sbx-f", limit=10000)
             kept = sum(r["kind"] == "command" for r in rows)
-            lost = sum(r["detail"]["count"] for r in rows if r["kind"] == "dropped")
-            return bool(kept + lost == sent)
+            counted = sum(r["detail"]["count"] for r in rows if r["kind"] == "dropped")
+            return bool(kept + counted == 3001)
 
         wait_until(accounted, "every message kept or counted as dropped")
     finally:
-        sink.close()
-    kept = sum(r["kind"] == "command" for r in log.query("sbx-f", limit=10000))
-    assert 100 <= kept < sent  # the burst, a little more at RATE, the rest counted
+        sink.close(wait=5)
+    rows = log.query("sbx-f", limit=10000)
+    assert rows[-1]["detail"].get("argv") == ["true", "last"]
+    assert sum(r["kind"] == "command" for r in rows) < 3000
 
 
 def test_session_config_names_the_socket(tmp_path: Path) -> None:

@@ -105,6 +105,9 @@ def _cut(v: Any, room: int = 4096) -> Any:
 
 
 def encode_detail(detail: dict[str, Any]) -> str:
+    text = json.dumps(detail, sort_keys=True, separators=(",", ":"), default=str)
+    if len(text) <= MAX_DETAIL:
+        return text
     text = json.dumps(_cut(detail), sort_keys=True, separators=(",", ":"), default=str)
     if len(text) > MAX_DETAIL:
         text = json.dumps(_cut(detail, 256), sort_keys=True, separators=(",", ":"), default=str)

@@ -17,10 +17,11 @@ connects again; a daemon restarted while sandboxes run re-attaches with ``runsc 
 create --force``. Template boots are not traced (no one's sandbox).
 
 Bounded: the Sentry never waits for us (its writes are non-blocking; what does not fit in
-the socket's buffer it drops and counts, and the count comes in each message's header); a
-reader thread per sandbox parses at most RATE messages a second (a burst of BURST), counting
-the rest; parsed rows go to the audit's bounded queue. Every count ends up in a ``dropped``
-row.
+the socket's buffer it drops and counts, and the count comes in the header of the next
+message that fits); a reader thread per sandbox reads at most RATE messages a second (a
+burst of BURST) and otherwise does not read, so a flood inside costs the daemon at most
+that; rows go to the audit's bounded queue. Every loss ends up in a counted ``dropped``
+row (the Sentry's last count only once another message gets through).
 """
 
 from __future__ import annotations
@@ -140,34 +141,38 @@ class Sink:
         self._thread = threading.Thread(target=self._run, name=f"trace-{sid}", daemon=True)
         self._thread.start()
 
-    def close(self) -> None:
+    def close(self, wait: float = 0.0) -> None:
+        """Stop listening and reading (the thread ends by itself, promptly: the event loop
+        never waits for it unless ``wait``)."""
         self._stop.set()
-        conn = self._conn
-        if conn is not None:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-        self._thread.join(5.0)
-        with contextlib.suppress(OSError):
-            self._lsock.close()
+        for sock in (self._conn, self._lsock):
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)  # wakes a blocked accept or recv
         with contextlib.suppress(OSError):
             self.path.unlink()
+        if wait:
+            self._thread.join(wait)
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._lsock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            self._conn = conn
-            try:
-                self._serve(conn)
-            except Exception:
-                log.exception("trace sink of %s failed", self.sid)
-            finally:
-                self._conn = None
-                conn.close()
+        try:
+            while not self._stop.is_set():
+                try:
+                    conn, _ = self._lsock.accept()
+                except TimeoutError:
+                    continue
+                except OSError:
+                    return
+                self._conn = conn
+                try:
+                    self._serve(conn)
+                except Exception:
+                    log.exception("trace sink of %s failed", self.sid)
+                finally:
+                    self._conn = None
+                    conn.close()
+        finally:
+            self._lsock.close()
 
     def _serve(self, conn: socket.socket) -> None:
         conn.settimeout(10.0)
@@ -179,50 +184,45 @@ class Sink:
         conn.settimeout(0.5)
         tokens, last = BURST, time.monotonic()
         seen_dropped = 0  # the Sentry's count in the last header read
-        skipped = malformed = 0
+        malformed = 0
         while not self._stop.is_set():
-            try:
-                data, _, flags, _ = conn.recvmsg(MAX_MESSAGE)
-            except TimeoutError:
-                data, flags = None, 0
-            except OSError:
-                break
-            if data is not None and not data:
-                break  # the Sentry is gone (sandbox stopped, checkpointed, killed)
             now = time.monotonic()
             tokens = min(BURST, tokens + (now - last) * RATE)
             last = now
-            if data is not None:
-                self.messages += 1
-                if len(data) < HEADER.size or flags & socket.MSG_TRUNC:
-                    malformed += 1
-                else:
-                    hsize, mtype, dropped = HEADER.unpack_from(data)
-                    if dropped != seen_dropped:
-                        self.audit.note_dropped(self.sid, (dropped - seen_dropped) % (1 << 32),
-                                                "gVisor's sink (its socket buffer full)")
-                        seen_dropped = dropped
-                    if tokens < 1:
-                        skipped += 1
-                    else:
-                        tokens -= 1
-                        try:
-                            got = decode(mtype, data[hsize:]) if hsize >= HEADER.size else None
-                        except Exception:
-                            malformed += 1
-                            got = None
-                        if got is not None:
-                            self.audit.record(self.sid, got[0], got[1])
-            if (skipped or malformed) and (data is None or tokens >= BURST / 2):
-                if skipped:
-                    self.audit.note_dropped(self.sid, skipped, f"over {RATE:.0f} trace "
-                                            "messages a second")
+            if tokens < 1:
+                # over the rate: stop reading for a while; the socket's buffer fills and the
+                # Sentry drops (and counts) what does not fit, at no cost to the daemon
+                self._stop.wait(min(0.2, (1 - tokens) / RATE))
+                continue
+            try:
+                data, _, flags, _ = conn.recvmsg(MAX_MESSAGE)
+            except TimeoutError:
                 if malformed:
                     self.audit.note_dropped(self.sid, malformed, "malformed or too large")
-                skipped = malformed = 0
-        for n, why in ((skipped, f"over {RATE:.0f} trace messages a second"),
-                       (malformed, "malformed or too large")):
-            self.audit.note_dropped(self.sid, n, why)
+                    malformed = 0
+                continue
+            except OSError:
+                break
+            if not data:
+                break  # the Sentry is gone (sandbox stopped, checkpointed, killed)
+            tokens -= 1
+            self.messages += 1
+            if len(data) < HEADER.size or flags & socket.MSG_TRUNC:
+                malformed += 1
+                continue
+            hsize, mtype, dropped = HEADER.unpack_from(data)
+            if dropped != seen_dropped:
+                self.audit.note_dropped(self.sid, (dropped - seen_dropped) % (1 << 32),
+                                        "gVisor's sink (the socket's buffer was full)")
+                seen_dropped = dropped
+            try:
+                got = decode(mtype, data[hsize:]) if hsize >= HEADER.size else None
+            except Exception:
+                malformed += 1
+                continue
+            if got is not None:
+                self.audit.record(self.sid, got[0], got[1])
+        self.audit.note_dropped(self.sid, malformed, "malformed or too large")
         log.info("trace session of %s ended", self.sid)
 
 

@@ -282,7 +282,7 @@ def create_app(cfg: Config | None = None) -> FastAPI:
         events = EventBus()
         events.subscribe(log_event)
         audit = start_audit(cfg, events, store)
-        if cfg.audit_runtime and backend.capabilities.name == "gvisor":
+        if cfg.audit and cfg.audit_runtime and backend.capabilities.name == "gvisor":
             backend = Traced(backend, audit, cfg.sandboxes_dir)
         network = await start_network(cfg, backend, store, events)
         if network is not None:

@@ -37,7 +37,8 @@ def start_audit(cfg: Config, events: EventBus, store: Store) -> AuditLog:
 
     audit = AuditLog(cfg.db_path, cfg.home / "audit.key", cfg.home / "audit.head",
                      retention_seconds(), workspace)
-    events.subscribe(audit.on_event)
+    if cfg.audit:
+        events.subscribe(audit.on_event)
     return audit
 
 
