@@ -63,6 +63,8 @@ def test_every_api_exec_and_file_write_is_in_the_log(daemon: Daemon) -> None:
         results = [s.exec("echo $TOKEN | wc -c", env={"TOKEN": "v-secret-123"}, cwd="/tmp"),
                    s.exec(["/bin/sh", "-c", "exit 3"]),
                    s.exec("ls /work")]
+        bg = s.exec(["/bin/sh", "-c", "echo background"], background=True, env={"BG": "1"})
+        assert bg.wait().exit_code == 0
         blob = os.urandom(3 << 20)
         s.files.write("/work/small.txt", "hello")
         s.files.write("/work/blob.bin", blob)
@@ -71,7 +73,7 @@ def test_every_api_exec_and_file_write_is_in_the_log(daemon: Daemon) -> None:
         assert len(execs) == 3
 
         cmds = {r["detail"]["exec_id"]: r["detail"] for r in rows(daemon, s.id, kind="command")
-                if r["detail"].get("source") == "api"}
+                if r["detail"].get("source") == "api" and not r["detail"].get("background")}
         assert set(cmds) == {e["id"] for e in execs}
         by_cmd = {json.dumps(c.get("shell") or c.get("argv")): c for c in cmds.values()}
         first = by_cmd[json.dumps("echo $TOKEN | wc -c")]
@@ -79,6 +81,12 @@ def test_every_api_exec_and_file_write_is_in_the_log(daemon: Daemon) -> None:
         assert first["exit_code"] == 0 and first["duration"] > 0
         assert by_cmd[json.dumps(["/bin/sh", "-c", "exit 3"])]["exit_code"] == 3
         assert [r.exit_code for r in results] == [0, 3, 0]
+
+        started = [r["detail"] for r in rows(daemon, s.id, kind="command")
+                   if r["detail"].get("background")]  # a background command through the API
+        assert [(x["argv"], x["pid"], x["env"]) for x in started] == [
+            (["/bin/sh", "-c", "echo background"], bg.pid, ["BG"])]
+        assert ["/bin/sh", "-c", "echo background"] in runtime_argvs(daemon, s.id)
 
         writes = {r["detail"]["path"]: r["detail"] for r in rows(daemon, s.id, kind="file_write")
                   if r["detail"].get("source") == "api"}

@@ -34,7 +34,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from cpuos_agent import protocol as P
 from cpuos_agent.protocol import parse_duration
 
-from ..errors import invalid
+from ..errors import ApiError, invalid
+from ..events import SandboxEvent
 from ..lifecycle import commands as C
 from ..lifecycle.manager import Manager
 from ..paths import check_path
@@ -155,7 +156,24 @@ async def start_command(sid: str, body: StartCommand, request: Request, ws: Ws
     lv = await _mgr(request).ready(ws, sid)
     cwd = None if body.cwd is None else check_path(body.cwd, "cwd")
     timeout = None if body.timeout is None else float(body.timeout)
-    return await C.start(lv, body.cmd, body.env, cwd, timeout, body.buffer, body.stdin)
+    # for the audit trail: what was started, where, with which variables (names only)
+    what: dict[str, Any] = {"source": "api", "background": True,
+                            **({"shell": body.cmd} if isinstance(body.cmd, str)
+                               else {"argv": body.cmd}),
+                            "cwd": cwd or lv.row.spec.get("workdir") or "/work",
+                            "env": sorted(body.env)}
+    try:
+        out = await C.start(lv, body.cmd, body.env, cwd, timeout, body.buffer, body.stdin)
+    except ApiError as e:
+        _audit(request, lv, {**what, "error": e.message})
+        raise
+    _audit(request, lv, {**what, "pid": out["pid"]})
+    return out
+
+
+def _audit(request: Request, lv: Any, fields: dict[str, Any]) -> None:
+    _mgr(request).events.emit(SandboxEvent("command", lv.row.id, lv.row.workspace_id, None,
+                                           fields=fields))
 
 
 @router.get("/sandboxes/{sid}/commands", response_model=CommandList)
@@ -197,7 +215,9 @@ async def command_stdin(sid: str, pid: int, request: Request, ws: Ws,
 async def command_signal(sid: str, pid: int, body: SignalRequest, request: Request, ws: Ws
                          ) -> dict[str, Any]:
     lv = await _mgr(request).ready(ws, sid)
-    return await C.signal(lv, pid, _signal(body.signal))
+    sig = _signal(body.signal)
+    _audit(request, lv, {"source": "api", "background": True, "pid": pid, "signal": sig})
+    return await C.signal(lv, pid, sig)
 
 
 @router.get("/sandboxes/{sid}/commands/{pid}/wait", response_model=CommandInfo)
