@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import select
 import sqlite3
 import subprocess
 import sys
@@ -219,7 +220,7 @@ def test_an_edited_row_is_reported_by_verify(fresh_daemon: Daemon) -> None:
                       if r["detail"].get("argv") == ["/bin/echo", "the truth"]
                       and r["detail"].get("source") == "api")
         assert cli(d, "audit", "verify").returncode == 0
-        db = sqlite3.connect(d.home / "cpuos.db")
+        db = sqlite3.connect(d.home / "audit.db")
         with db:
             db.execute("UPDATE audit SET detail=? WHERE seq=?",
                        (json.dumps({**target["detail"], "argv": ["/bin/echo", "a lie"]},
@@ -258,4 +259,32 @@ def test_a_restarted_daemon_records_what_runs_in_sandboxes_it_reattaches(
         with d.client() as c:
             assert c.get("/audit/verify").json()["ok"]
     finally:
+        s.kill()
+
+
+def test_cli_follow_prints_rows_as_they_come(daemon: Daemon) -> None:
+    s = Sandbox.create(template="python", timeout="5m", **daemon.sdk_kwargs())
+    env = {**os.environ, "CPUOS_API_URL": daemon.url, "CPUOS_API_KEY": daemon.key}
+    p = subprocess.Popen([sys.executable, "-m", "cpuos.cli.main", "audit", s.id, "--follow",
+                          "--json", "--kind", "command"], env=env, stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        assert p.stdout is not None
+        s.exec(["/bin/echo", "followed"])
+        deadline = time.monotonic() + 60
+        seen: list[dict[str, Any]] = []
+        while not any(x["detail"].get("source") == "api" for x in seen):
+            left = deadline - time.monotonic()
+            assert left > 0, f"no row of the exec followed: {seen}"
+            ready, _, _ = select.select([p.stdout], [], [], left)
+            if ready:
+                line = p.stdout.readline()
+                assert line, "cpuos audit --follow ended"
+                seen.append(json.loads(line))
+        assert {x["kind"] for x in seen} == {"command"}
+        assert ["/bin/echo", "followed"] in [x["detail"].get("argv") for x in seen]
+        assert p.poll() is None  # still following
+    finally:
+        p.terminate()
+        p.wait(10)
         s.kill()

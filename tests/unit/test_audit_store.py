@@ -24,7 +24,7 @@ pb: Any = trace.pb
 
 @pytest.fixture
 def log(tmp_path: Path) -> Iterator[AuditLog]:
-    a = AuditLog(tmp_path / "cpuos.db", tmp_path / "audit.key", tmp_path / "audit.head")
+    a = AuditLog(tmp_path / "audit.db", tmp_path / "audit.key", tmp_path / "audit.head")
     yield a
     a.close()
 
@@ -36,7 +36,7 @@ def fill(a: AuditLog, n: int, sandbox: str = "sbx-a") -> None:
 
 
 def sql(tmp_path: Path, stmt: str, *args: Any) -> None:
-    db = sqlite3.connect(tmp_path / "cpuos.db")
+    db = sqlite3.connect(tmp_path / "audit.db")
     with db:
         db.execute(stmt, args)
     db.close()
@@ -68,7 +68,7 @@ def test_a_rehashed_edit_is_found_without_the_key(log: AuditLog, tmp_path: Path)
     import hashlib
 
     fill(log, 5)
-    db = sqlite3.connect(tmp_path / "cpuos.db")
+    db = sqlite3.connect(tmp_path / "audit.db")
     row = db.execute("SELECT * FROM audit WHERE seq=5").fetchone()
     fake = hashlib.sha256(b"forged").hexdigest()
     with db:

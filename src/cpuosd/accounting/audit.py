@@ -1,6 +1,8 @@
 """The audit trail: append-only rows in the daemon's SQLite, in one hash chain.
 
-A row is (seq, time, workspace, sandbox, kind, detail JSON, prev_hash, hash) with
+Rows live in ``$CPUOS_HOME/audit.db`` (SQLite, WAL; a database of its own beside the
+daemon's state so that the audit's writer and the lifecycle's writes never wait for each
+other's lock). A row is (seq, time, workspace, sandbox, kind, detail JSON, prev_hash, hash) with
 ``kind`` one of KINDS. ``hash`` is an HMAC-SHA256, under a key only the daemon holds
 (``$CPUOS_HOME/audit.key``, 0600), of the previous row's hash and this row's fields: a row
 edited, inserted or deleted in the database breaks the chain at that row, and whoever
@@ -46,11 +48,15 @@ from ..events import NOT_TRANSITIONS, SandboxEvent
 
 log = logging.getLogger("cpuosd.audit")
 
+# The audit's own SQLite database beside the daemon's state (cpuos.db): its writer never
+# holds the lock the lifecycle's writes (on the event loop) wait for, and a flood of rows
+# never slows a create or an exec.
+DB_NAME = "audit.db"
 KINDS = ("command", "file_write", "connection", "lifecycle", "limit", "port", "dropped")
 GENESIS = "0" * 64
 MAX_PENDING = 100_000
 MAX_PENDING_PER_SANDBOX = 20_000
-BATCH = 2_000
+BATCH = 500  # rows per transaction (the write lock is held ~10 ms)
 MAX_DETAIL = 16_384  # bytes of a row's detail JSON (longer strings are cut)
 
 SCHEMA = """
@@ -149,6 +155,7 @@ class AuditLog:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
+        os.chmod(db_path, 0o600)
         self._dblock = threading.Lock()  # the connection: the writer's, readers'
         self._cv = threading.Condition()
         self._queue: collections.deque[Pending] = collections.deque()
@@ -422,7 +429,7 @@ def verify_chain(rows: Iterator[tuple[Any, ...]], key: bytes,
 
 def verify_file(home: Path) -> dict[str, Any]:
     """The host-side check, without the daemon: the database and key under ``home``."""
-    db = sqlite3.connect(f"file:{home / 'cpuos.db'}?mode=ro", uri=True)
+    db = sqlite3.connect(f"file:{home / DB_NAME}?mode=ro", uri=True)
     with contextlib.closing(db):
         key = bytes.fromhex((home / "audit.key").read_text().strip())
         try:

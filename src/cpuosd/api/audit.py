@@ -14,7 +14,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
-from ..accounting.audit import KINDS, AuditLog, retention_seconds
+from ..accounting.audit import DB_NAME, KINDS, AuditLog, retention_seconds
 from ..config import Config
 from ..errors import invalid
 from ..events import EventBus
@@ -35,7 +35,7 @@ def start_audit(cfg: Config, events: EventBus, store: Store) -> AuditLog:
         row = store.get_sandbox(sid)
         return row.workspace_id if row is not None and row.state != "pooled" else None
 
-    audit = AuditLog(cfg.db_path, cfg.home / "audit.key", cfg.home / "audit.head",
+    audit = AuditLog(cfg.home / DB_NAME, cfg.home / "audit.key", cfg.home / "audit.head",
                      retention_seconds(), workspace)
     if cfg.audit:
         events.subscribe(audit.on_event)
