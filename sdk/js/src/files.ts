@@ -1,4 +1,7 @@
 /** `sbx.files`: files inside the sandbox. Relative paths are relative to /work. */
+import { createReadStream, createWriteStream } from "node:fs";
+import { rm } from "node:fs/promises";
+import { pipeline } from "node:stream/promises";
 import { CpuosError, errorFrom, InvalidArgument, ServerError, Unavailable } from "./errors.js";
 import { CONTENT_TYPE, FrameDecoder, ProtocolError } from "./frames.js";
 import type { HttpClient } from "./http.js";
@@ -33,14 +36,21 @@ export class Files {
   /** The file's bytes. Rejects (a CpuosError) if the read fails, also part-way: the daemon
    * ends a failed read with an `error` frame, or the stream lacks its `eof`. */
   async read(path: string, opts: CallOptions = {}): Promise<Uint8Array> {
+    const parts: Uint8Array[] = [];
+    for await (const chunk of this.chunks(path, opts)) parts.push(chunk);
+    return concat(parts);
+  }
+
+  /** The file's bytes as they arrive, without holding it whole; a read that fails part-way
+   * throws (a CpuosError). */
+  async *chunks(path: string, opts: CallOptions = {}): AsyncGenerator<Uint8Array> {
     const what = `reading ${path}`;
     const res = await this.http.open("GET", this.base, {
       query: { path }, headers: { Accept: CONTENT_TYPE }, signal: opts.signal,
     });
-    const parts: Uint8Array[] = [];
     if (!String(res.headers["content-type"] ?? "").startsWith(CONTENT_TYPE)) {
-      for await (const chunk of iterate(res, what, opts.signal)) parts.push(chunk);
-      return concat(parts);  // raw bytes (a daemon without framed reads)
+      yield* iterate(res, what, opts.signal);  // raw bytes (a daemon without framed reads)
+      return;
     }
     const dec = new FrameDecoder();
     let got = 0;
@@ -51,7 +61,7 @@ export class Files {
           if (ended) throw new ServerError(`${what}: data after the end of the stream`);
           if (h.t === "data") {
             got += payload.length;
-            parts.push(payload);
+            yield payload;
           } else if (h.t === "eof") {
             if (h.size !== got) {
               throw new ServerError(`${what}: ${got} bytes received, the stream says ` +
@@ -66,15 +76,41 @@ export class Files {
         }
       }
     } catch (e) {
-      res.destroy();
       if (e instanceof ProtocolError) throw new ServerError(`${what}: malformed stream: ${e.message}`);
       throw e;
+    } finally {
+      res.destroy();  // a no-op after a whole body; else the daemon stops reading
     }
     if (!ended) {
       throw new Unavailable(`${what}: the stream ended after ${got} bytes without its end`,
                             { details: { path, received: got } });
     }
-    return concat(parts);
+  }
+
+  /** Stream a local file into the sandbox without holding it in memory. */
+  async upload(localPath: string, path: string, opts: CallOptions = {}): Promise<FileEntry> {
+    return this.http.request<FileEntry>("PUT", this.base, {
+      query: { path }, stream: createReadStream(localPath), ...opts,
+    });
+  }
+
+  /** Stream a sandbox file to a local file; the byte count. A read that fails part-way
+   * rejects, and the partial local file is removed. */
+  async download(path: string, localPath: string, opts: CallOptions = {}): Promise<number> {
+    let n = 0;
+    const counted = async function* (src: AsyncIterable<Uint8Array>) {
+      for await (const c of src) {
+        n += c.length;
+        yield c;
+      }
+    };
+    try {
+      await pipeline(counted(this.chunks(path, opts)), createWriteStream(localPath));
+    } catch (e) {
+      await rm(localPath, { force: true });
+      throw e;
+    }
+    return n;
   }
 
   /** The file as text (UTF-8 by default). */

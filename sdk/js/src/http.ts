@@ -2,6 +2,7 @@
 import http from "node:http";
 import https from "node:https";
 import type { IncomingMessage } from "node:http";
+import type { Readable } from "node:stream";
 import { resolveConfig, type ConnectionOptions } from "./config.js";
 import { errorFrom, ServerError, Timeout, Unavailable } from "./errors.js";
 
@@ -12,10 +13,10 @@ const MAX_ERROR_BODY = 1 << 20;
 /** A JSON answer's body is read up to this much. */
 const MAX_JSON_BODY = 64 << 20;
 
-// Idle keep-alive sockets are closed after 4 s, before the daemon's 5 s (uvicorn) would.
+// Idle keep-alive sockets are closed after 2 s, before the daemon's 5 s (uvicorn) would.
 const agents = {
-  "http:": new http.Agent({ keepAlive: true, timeout: 4_000 }),
-  "https:": new https.Agent({ keepAlive: true, timeout: 4_000 }),
+  "http:": new http.Agent({ keepAlive: true, timeout: 2_000 }),
+  "https:": new https.Agent({ keepAlive: true, timeout: 2_000 }),
 };
 
 export type Query = Record<string, string | number | boolean | undefined>;
@@ -24,6 +25,8 @@ export interface RequestOptions {
   query?: Query;
   json?: unknown;
   body?: Uint8Array;
+  /** A body of unknown length, sent chunked as it is read (never retried). */
+  stream?: Readable;
   headers?: Record<string, string>;
   signal?: AbortSignal | undefined;
 }
@@ -51,7 +54,7 @@ export class HttpClient {
 
   /** The response, once its status is known to be a success; its body is the caller's. */
   async open(method: string, path: string, opts: RequestOptions = {}): Promise<IncomingMessage> {
-    const idempotent = method === "GET" || method === "PUT" || method === "DELETE";
+    const replayable = opts.stream === undefined;
     for (let attempt = 0; ; attempt++) {
       try {
         const res = await this.send(method, path, opts);
@@ -59,8 +62,11 @@ export class HttpClient {
         if (status >= 400) throw await errorOf(res, `${method} ${path}`, opts.signal);
         return res;
       } catch (e) {
-        // a kept-alive connection the daemon closed just as it was reused: once more
-        if (idempotent && attempt === 0 && (e as { reusedSocket?: boolean }).reusedSocket) {
+        // A kept-alive connection reset before any answer, on reuse: the daemon had closed
+        // it as idle (a busy event loop here may not have seen that yet) and dropped the
+        // request unread, so it is sent once more on a new connection, a POST too. (A
+        // daemon that died mid-request is not there to take it again: that is Unavailable.)
+        if (replayable && attempt === 0 && (e as { reusedSocket?: boolean }).reusedSocket) {
           continue;
         }
         throw e;
@@ -83,6 +89,8 @@ export class HttpClient {
     } else if (opts.body !== undefined) {
       body = opts.body;
       headers["Content-Type"] = "application/octet-stream";
+    } else if (opts.stream !== undefined) {
+      headers["Content-Type"] = "application/octet-stream";
     }
     if (body !== undefined) headers["Content-Length"] = String(body.length);
     const signal = opts.signal;
@@ -92,6 +100,7 @@ export class HttpClient {
       signal?.throwIfAborted();
       const req = mod.request(url, { method, headers, agent, signal });
       let connectTimer: NodeJS.Timeout | undefined;
+      let localError: Error | undefined;
       req.on("socket", (sock) => {
         if (!sock.connecting) return;
         connectTimer = setTimeout(() => req.destroy(new Timeout(
@@ -107,6 +116,7 @@ export class HttpClient {
         clearTimeout(connectTimer);
         if (signal?.aborted) return reject(signal.reason);
         if (e instanceof Timeout) return reject(e);
+        if (localError !== undefined) return reject(localError);
         const err = new Unavailable(`cannot reach cpuosd at ${this.url}: ${e.message}`,
                                     { cause: e });
         if (req.reusedSocket && (e.code === "ECONNRESET" || e.code === "EPIPE")) {
@@ -114,7 +124,16 @@ export class HttpClient {
         }
         reject(err);
       });
-      req.end(body);
+      const source = opts.stream;
+      if (source === undefined) {
+        req.end(body);
+        return;
+      }
+      source.on("error", (e) => {  // a local read failed: the upload is cut, that error given
+        localError = e;
+        req.destroy(e);
+      });
+      source.pipe(req);
     });
   }
 }

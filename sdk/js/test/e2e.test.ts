@@ -2,8 +2,9 @@
 import assert from "node:assert/strict";
 import { execFile } from "node:child_process";
 import { createHash, randomBytes } from "node:crypto";
-import { readFileSync } from "node:fs";
-import { resolve } from "node:path";
+import { existsSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join, resolve } from "node:path";
 import { after, before, describe, it } from "node:test";
 import { promisify } from "node:util";
 import {
@@ -167,6 +168,26 @@ describe("e2e", { skip }, () => {
     await sbx.files.remove("/work/notes");
     assert.equal(await sbx.files.exists("/work/notes/hello.txt"), false);
     await assert.rejects(sbx.files.read("/work/nope"), NotFound);
+  });
+
+  test("files: upload and download stream local files", async () => {
+    const dir = mkdtempSync(join(tmpdir(), "cpuos-js-files-"));
+    try {
+      const data = randomBytes(5 << 20);
+      writeFileSync(join(dir, "up.bin"), data);
+      const entry = await sbx.files.upload(join(dir, "up.bin"), "/work/up.bin");
+      assert.equal(entry.size, data.length);
+      const n = await sbx.files.download("/work/up.bin", join(dir, "down.bin"));
+      assert.equal(n, data.length);
+      assert.ok(readFileSync(join(dir, "down.bin")).equals(data));
+      await assert.rejects(sbx.files.download("/work/nope", join(dir, "nope.bin")), NotFound);
+      assert.equal(existsSync(join(dir, "nope.bin")), false);
+      await assert.rejects(sbx.files.upload(join(dir, "missing"), "/work/x"),
+                           (e: NodeJS.ErrnoException) => e.code === "ENOENT");
+      assert.equal(await sbx.files.exists("/work/x"), false);
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
   });
 
   test("bad input maps to the error classes: 404, 401, 409, 422", async () => {

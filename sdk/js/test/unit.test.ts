@@ -2,7 +2,7 @@
  * vectors (tests/vectors/, checked by the Python SDK too), the error table against the
  * Python one, output buffering and configuration. */
 import assert from "node:assert/strict";
-import { execFileSync } from "node:child_process";
+import { execFileSync, spawn } from "node:child_process";
 import { mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
@@ -14,6 +14,7 @@ import { ExecStreamReader } from "../dist/exec.js";
 import { OutputBuffer, TextSplitter } from "../dist/output.js";
 import { parseDuration } from "../dist/durations.js";
 import { resolveConfig } from "../dist/config.js";
+import { HttpClient } from "../dist/http.js";
 import { findPython, REPO_DIR, skipOrFail } from "./helpers.js";
 import * as sdk from "@cpuos/sdk";
 
@@ -194,6 +195,47 @@ describe("config", () => {
     } finally {
       process.env = saved;
       rmSync(home, { recursive: true, force: true });
+    }
+  });
+});
+
+describe("http", () => {
+  it("sends a request again when a kept-alive connection the server closed is reused",
+     { timeout: 60_000 }, async () => {
+    // a server in a process of its own that, like uvicorn, answers without a Keep-Alive
+    // header and closes a connection idle for 50 ms
+    const server = spawn(process.execPath, ["--input-type=module", "-e", `
+      import net from "node:net";
+      let n = 0;
+      const s = net.createServer((sock) => {
+        let buf = "";
+        sock.on("data", (d) => {
+          buf += d;
+          const end = buf.indexOf("\\r\\n\\r\\n");
+          if (end < 0) return;
+          const len = Number(/content-length: *(\\d+)/i.exec(buf.slice(0, end))?.[1] ?? 0);
+          if (buf.length < end + 4 + len) return;
+          const method = buf.split(" ")[0];
+          buf = "";
+          const body = JSON.stringify({ n: ++n, method });
+          sock.write("HTTP/1.1 200 OK\\r\\ncontent-type: application/json\\r\\n" +
+                     "content-length: " + body.length + "\\r\\n\\r\\n" + body);
+          setTimeout(() => sock.destroy(), 50);  // closed whole: a later request is reset
+        });
+        sock.on("error", () => {});
+      });
+      s.listen(0, "127.0.0.1", () => console.log(s.address().port));
+    `], { stdio: ["ignore", "pipe", "inherit"] });
+    try {
+      const port = await new Promise<string>((res) => server.stdout!.once("data", (d) => res(String(d).trim())));
+      const http = new HttpClient({ apiUrl: `http://127.0.0.1:${port}`, apiKey: "k" });
+      assert.deepEqual(await http.request("GET", "/a"), { n: 1, method: "GET" });
+      // this event loop is busy while the server closes the idle connection: the agent
+      // still holds it as free and hands it to the next request
+      Atomics.wait(new Int32Array(new SharedArrayBuffer(4)), 0, 0, 500);
+      assert.deepEqual(await http.request("POST", "/b", { json: {} }), { n: 2, method: "POST" });
+    } finally {
+      server.kill();
     }
   });
 });
