@@ -51,14 +51,12 @@ export interface ExecOutputOptions {
   maxOutput?: number | undefined;
 }
 
-/** Consumes one exec stream's bytes (in any chunks); `finish()` gives the result. */
-export class ExecStreamReader {
-  private readonly dec = new FrameDecoder();
+/** What output frames become: callbacks with text as it arrives (lines by default), and
+ * the raw bytes kept (at most `maxOutput` per stream, head and tail). */
+export class OutputSink {
   private readonly bufs: [OutputBuffer, OutputBuffer];
   private readonly text: [TextSplitter, TextSplitter];
   private readonly cbs: [OutputCallback | undefined, OutputCallback | undefined];
-  private exit: ExecExitFrame | null = null;
-  private execId: string | null = null;
 
   constructor(opts: ExecOutputOptions = {}) {
     const cap = opts.maxOutput ?? DEFAULT_MAX_OUTPUT;
@@ -66,6 +64,45 @@ export class ExecStreamReader {
     this.bufs = [new OutputBuffer(cap), new OutputBuffer(cap)];
     this.text = [new TextSplitter(lines), new TextSplitter(lines)];
     this.cbs = [opts.onStdout, opts.onStderr];
+  }
+
+  async out(fd: 1 | 2, payload: Uint8Array): Promise<void> {
+    const i = fd - 1;
+    (this.bufs[i] as OutputBuffer).add(payload);
+    const cb = this.cbs[i];
+    if (cb) await deliver(cb, (this.text[i] as TextSplitter).feed(payload));
+  }
+
+  /** Hand on what the splitters still hold (the last line without its newline). */
+  async flush(): Promise<void> {
+    for (const i of [0, 1] as const) {
+      const cb = this.cbs[i];
+      if (cb) await deliver(cb, this.text[i].end());
+    }
+  }
+
+  value(fd: 1 | 2): Uint8Array {
+    return (this.bufs[fd - 1] as OutputBuffer).value();
+  }
+
+  result(x: ExecExitFrame, execId: string | null): ExecResult {
+    const [out, err] = this.bufs;
+    return new ExecResult(
+      Number(x.exit_code), out.value(), err.value(), Number(x.duration ?? 0),
+      x.timed_out === true, typeof x.signal === "number" ? x.signal : null,
+      out.truncated || err.truncated, execId, out.total, err.total);
+  }
+}
+
+/** Consumes one exec stream's bytes (in any chunks); `finish()` gives the result. */
+export class ExecStreamReader {
+  private readonly dec = new FrameDecoder();
+  private readonly sink: OutputSink;
+  private exit: ExecExitFrame | null = null;
+  private execId: string | null = null;
+
+  constructor(opts: ExecOutputOptions = {}) {
+    this.sink = new OutputSink(opts);
   }
 
   async feed(chunk: Uint8Array): Promise<void> {
@@ -79,10 +116,7 @@ export class ExecStreamReader {
     for (const { header: h, payload } of frames) {
       if (this.exit) throw new ServerError("malformed exec stream: a frame after the exit");
       if (h.t === "out" && (h.fd === 1 || h.fd === 2)) {
-        const i = h.fd - 1;
-        (this.bufs[i] as OutputBuffer).add(payload);
-        const cb = this.cbs[i];
-        if (cb) await deliver(cb, (this.text[i] as TextSplitter).feed(payload));
+        await this.sink.out(h.fd, payload);
       } else if (h.t === "started") {
         this.execId = typeof h.exec_id === "string" ? h.exec_id : null;
       } else if (h.t === "exit") {
@@ -95,17 +129,9 @@ export class ExecStreamReader {
   }
 
   async finish(): Promise<ExecResult> {
-    const x = this.exit;
-    if (x === null) throw new Unavailable("exec stream ended without an exit status");
-    for (const i of [0, 1] as const) {
-      const cb = this.cbs[i];
-      if (cb) await deliver(cb, this.text[i].end());
-    }
-    const [out, err] = this.bufs;
-    return new ExecResult(
-      Number(x.exit_code), out.value(), err.value(), Number(x.duration), x.timed_out === true,
-      typeof x.signal === "number" ? x.signal : null, out.truncated || err.truncated,
-      this.execId, out.total, err.total);
+    if (this.exit === null) throw new Unavailable("exec stream ended without an exit status");
+    await this.sink.flush();
+    return this.sink.result(this.exit, this.execId);
   }
 }
 

@@ -10,7 +10,12 @@
  * Configuration: `CPUOS_API_URL` and `CPUOS_API_KEY`; with no key set, the local daemon's
  * `$CPUOS_HOME/admin.key` (default /var/lib/cpuos/admin.key) and http://127.0.0.1:7770.
  */
-export { Sandbox, Network, type CreateOptions, type ExecOptions } from "./sandbox.js";
+export {
+  Sandbox, Network, type CreateOptions, type ExecOptions, type BackgroundExecOptions,
+} from "./sandbox.js";
+export {
+  Commands, CommandHandle, type RunOptions, type FollowOptions, type StdinSource,
+} from "./commands.js";
 export { ExecResult, type OutputCallback } from "./exec.js";
 export { Files, type CallOptions } from "./files.js";
 export { Ports } from "./ports.js";
@@ -21,6 +26,6 @@ export {
 export { DEFAULT_URL, type ConnectionOptions } from "./config.js";
 export { parseDuration, type Duration } from "./durations.js";
 export type {
-  SandboxInfo, FileEntry, PortInfo, NetworkPolicy, CreateSandboxBody, ExecBody,
+  SandboxInfo, FileEntry, PortInfo, NetworkPolicy, CreateSandboxBody, ExecBody, CommandInfo,
 } from "./models.js";
 export type { components, paths } from "./generated/openapi.js";

@@ -22,3 +22,8 @@ export type FileList = Schemas["FileList"];
 export type PortList = Schemas["PortList"];
 /** An egress policy: "off" | "on" | "allowlist" | { allow: ["pypi.org", "*.github.com"] }. */
 export type NetworkPolicy = NonNullable<CreateSandboxBody["network"]>;
+/** A background command (`sbx.commands`). */
+export type CommandInfo = Schemas["CommandInfo"];
+export type CommandList = Schemas["CommandList"];
+export type StartCommandBody = Schemas["StartCommand"];
+export type StdinResult = Schemas["StdinResult"];

@@ -3,6 +3,7 @@ import type { ConnectionOptions } from "./config.js";
 import { parseDuration, type Duration } from "./durations.js";
 import { CpuosError, InvalidArgument } from "./errors.js";
 import { ExecStreamReader, type ExecResult, type OutputCallback } from "./exec.js";
+import { Commands, CommandHandle, type StdinSource } from "./commands.js";
 import { Files } from "./files.js";
 import { CONTENT_TYPE } from "./frames.js";
 import { HttpClient, iterate } from "./http.js";
@@ -33,6 +34,7 @@ export interface CreateOptions extends ConnectionOptions {
 }
 
 export interface ExecOptions {
+  background?: false;
   /** Kills the command's whole process tree after this long (exit 137, `timedOut`). */
   timeout?: Duration;
   env?: Record<string, string>;
@@ -51,6 +53,23 @@ export interface ExecOptions {
   signal?: AbortSignal;
 }
 
+/** `sbx.exec(cmd, { background: true, ... })`: see `sbx.commands`. */
+export interface BackgroundExecOptions {
+  background: true;
+  timeout?: Duration;
+  env?: Record<string, string>;
+  cwd?: string;
+  /** Sent to its stdin once it started (which stays open: `closeStdin()`). */
+  stdin?: StdinSource;
+  /** Callbacks for `wait()` on the handle. */
+  onStdout?: OutputCallback;
+  onStderr?: OutputCallback;
+  lines?: boolean;
+  maxOutput?: number;
+  /** Bytes of its output the sandbox keeps (stdout and stderr together); default 1 MiB. */
+  buffer?: number;
+}
+
 function seconds(value: Duration | undefined, what: string): number | undefined {
   if (value === undefined) return undefined;
   try {
@@ -65,6 +84,7 @@ export class Sandbox {
   readonly files: Files;
   readonly ports: Ports;
   readonly network: Network;
+  readonly commands: Commands;
   /** @internal */
   _info: SandboxInfo;
   /** @internal */
@@ -78,6 +98,7 @@ export class Sandbox {
     this.files = new Files(http, info.id);
     this.ports = new Ports(http, info.id);
     this.network = new Network(this);
+    this.commands = new Commands(http, info.id);
   }
 
   private get path(): string {
@@ -191,11 +212,28 @@ export class Sandbox {
    * invalid bytes replaced); the result keeps raw bytes, at most `maxOutput` per stream. A
    * timeout kills the command's whole process tree and sets `timedOut` (exit code 137).
    */
-  async exec(cmd: string | string[], opts: ExecOptions = {}): Promise<ExecResult> {
+  exec(cmd: string | string[], opts?: ExecOptions & { background?: false }): Promise<ExecResult>;
+  /** `background: true`: start it and resolve at once with a handle (`pid`, `wait`, `kill`,
+   * `sendStdin`, `closeStdin`); it runs on after this client is gone (see `sbx.commands`).
+   * `buffer`: bytes of its output the sandbox keeps; `stdin` is sent to it. */
+  exec(cmd: string | string[], opts: BackgroundExecOptions): Promise<CommandHandle>;
+  async exec(cmd: string | string[], opts: ExecOptions | BackgroundExecOptions = {}):
+      Promise<ExecResult | CommandHandle> {
+    if ("background" in opts && opts.background) {
+      const { stdin, ...rest } = opts;
+      const h = await this.commands.run(cmd, rest);
+      if (stdin !== undefined) await h.sendStdin(stdin);
+      return h;
+    }
+    if (opts.stdin !== undefined && typeof opts.stdin !== "string" &&
+        !(opts.stdin instanceof Uint8Array)) {
+      throw new InvalidArgument("a foreground exec takes stdin as a string or Uint8Array");
+    }
+    const stdin = opts.stdin as string | Uint8Array | undefined;
     const body: ExecBody = { cmd, env: opts.env ?? {}, cwd: opts.cwd ?? null,
                              timeout: seconds(opts.timeout, "timeout") ?? null };
-    if (typeof opts.stdin === "string") body.stdin = opts.stdin;
-    else if (opts.stdin !== undefined) body.stdin_b64 = Buffer.from(opts.stdin).toString("base64");
+    if (typeof stdin === "string") body.stdin = stdin;
+    else if (stdin !== undefined) body.stdin_b64 = Buffer.from(stdin).toString("base64");
     const reader = new ExecStreamReader(opts);
     const signal = opts.signal;
     const res = await this._http.open("POST", `${this.path}/exec`, {

@@ -206,6 +206,44 @@ describe("e2e", { skip }, () => {
     await gone.kill();  // already killed: no error
   });
 
+  test("background: a handle, stdin, wait, reattach from another client, kill", async () => {
+    const out: string[] = [];
+    const h = await sbx.exec("echo ready; read line; echo got:$line; echo err >&2; exit 3",
+                             { background: true, onStdout: (l) => { out.push(l); } });
+    assert.ok(Number.isInteger(h.pid) && h.pid > 0);
+    assert.ok((await sbx.commands.list()).some((c) => c.pid === h.pid));
+    assert.equal(await h.sendStdin("hello\n"), 6);
+    const r = await h.wait();
+    assert.equal(r.exitCode, 3);
+    assert.equal(r.stdout, "ready\ngot:hello\n");
+    assert.equal(r.stderr, "err\n");
+    assert.deepEqual(out, ["ready", "got:hello"]);
+
+    // another client, after this one is done with it: the output again from offset 0
+    const other = await Sandbox.connect(sbx.id, conn);
+    const again = await other.commands.connect(h.pid);
+    const r2 = await again.wait();
+    assert.equal(r2.stdout, r.stdout);
+    assert.equal(r2.exitCode, 3);
+    await assert.rejects(other.commands.connect(999999), NotFound);
+
+    // stdin streamed from an async iterable, closed, hashed inside
+    const parts = [0, 1, 2, 3].map(() => randomBytes(1 << 20));
+    const sum = await sbx.exec("sha256sum", { background: true });
+    assert.equal(await sum.sendStdin((async function* () { yield* parts; })()), 4 << 20);
+    await sum.closeStdin();
+    const hashed = await sum.wait();
+    assert.equal(hashed.stdout.split(" ")[0],
+                 createHash("sha256").update(Buffer.concat(parts)).digest("hex"));
+
+    const sleeper = await sbx.exec(["sleep", "600"], { background: true });
+    assert.equal((await sleeper.info()).running, true);
+    await sleeper.kill("TERM");
+    const ended = await sleeper.wait();
+    assert.equal(ended.signal, 15);
+    assert.equal((await sleeper.info()).running, false);
+  });
+
   test("setTimeout, list, fork, ports.expose", async () => {
     const before = (await sbx.info()).deadline!;
     const info = await sbx.setTimeout("20m");
