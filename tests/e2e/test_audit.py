@@ -288,3 +288,40 @@ def test_cli_follow_prints_rows_as_they_come(daemon: Daemon) -> None:
         p.terminate()
         p.wait(10)
         s.kill()
+
+
+FLOOD = """\
+import os, time
+t = time.time()
+n = 0
+while time.time() - t < 4:
+    for _ in range(1000):
+        os.close(os.open("/etc/hostname", os.O_RDONLY))
+    n += 1000
+print(n)
+"""
+
+
+def test_a_flood_inside_is_bounded_and_counted(daemon: Daemon) -> None:
+    """Code inside that opens files as fast as it can: every open is a trace message; the
+    daemon reads at most its rate, the Sentry drops the rest and counts them, the count
+    reaches the log as a dropped row, and the daemon and the recording carry on."""
+    s = Sandbox.create(template="python", timeout="5m", **daemon.sdk_kwargs())
+    try:
+        s.files.write("/work/flood.py", FLOOD)
+        h = s.exec(["python3", "/work/flood.py"], background=True)
+        with daemon.client() as c:  # the daemon answers meanwhile
+            assert c.get("/health").json()["ok"]
+        assert s.exec(["/bin/echo", "during-the-flood"]).exit_code == 0
+        r = h.wait()
+        assert r.exit_code == 0 and int(r.stdout) > 10_000, r
+        s.exec(["/bin/echo", "after-the-flood"])  # (carries the Sentry's last count)
+        found = wait_rows(daemon, s.id, lambda x: x["detail"].get("argv") == [
+            "/bin/echo", "after-the-flood"] and x["detail"].get("source") == "runtime",
+            "the exec after the flood", kind="command")
+        assert found
+        dropped = [x["detail"] for x in rows(daemon, s.id, kind="dropped")]
+        assert dropped and sum(d["count"] for d in dropped) > 0, dropped
+        assert len(dropped) <= 30  # at most one a second (the flood lasts 4 s)
+    finally:
+        s.kill()

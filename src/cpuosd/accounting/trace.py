@@ -184,9 +184,14 @@ class Sink:
         conn.settimeout(0.5)
         tokens, last = BURST, time.monotonic()
         seen_dropped = 0  # the Sentry's count in the last header read
-        malformed = 0
+        lost = malformed = 0  # not yet in a dropped row (one a second at most)
+        noted = time.monotonic()
         while not self._stop.is_set():
             now = time.monotonic()
+            if (lost or malformed) and now - noted >= 1.0:
+                self._note(lost, malformed)
+                lost = malformed = 0
+                noted = now
             tokens = min(BURST, tokens + (now - last) * RATE)
             last = now
             if tokens < 1:
@@ -197,9 +202,6 @@ class Sink:
             try:
                 data, _, flags, _ = conn.recvmsg(MAX_MESSAGE)
             except TimeoutError:
-                if malformed:
-                    self.audit.note_dropped(self.sid, malformed, "malformed or too large")
-                    malformed = 0
                 continue
             except OSError:
                 break
@@ -212,8 +214,7 @@ class Sink:
                 continue
             hsize, mtype, dropped = HEADER.unpack_from(data)
             if dropped != seen_dropped:
-                self.audit.note_dropped(self.sid, (dropped - seen_dropped) % (1 << 32),
-                                        "gVisor's sink (the socket's buffer was full)")
+                lost += (dropped - seen_dropped) % (1 << 32)
                 seen_dropped = dropped
             try:
                 got = decode(mtype, data[hsize:]) if hsize >= HEADER.size else None
@@ -222,8 +223,12 @@ class Sink:
                 continue
             if got is not None:
                 self.audit.record(self.sid, got[0], got[1])
-        self.audit.note_dropped(self.sid, malformed, "malformed or too large")
+        self._note(lost, malformed)
         log.info("trace session of %s ended", self.sid)
+
+    def _note(self, lost: int, malformed: int) -> None:
+        self.audit.note_dropped(self.sid, lost, "gVisor's sink (the socket's buffer was full)")
+        self.audit.note_dropped(self.sid, malformed, "malformed or too large")
 
 
 class Traced:
