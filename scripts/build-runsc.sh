@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds gVisor's runsc from the Go module pinned in deps/runsc/go.mod (gVisor's `go`
-# branch, which builds with plain `go`), once, and installs it at
-#   /usr/local/lib/cpuos/runsc-<version>/runsc
+# branch, which builds with plain `go`), with cpuos's small changes to it
+# (deps/runsc/patches/apply.py, given to `go build -overlay`), once, and installs it at
+#   /usr/local/lib/cpuos/runsc-<version>+cpuos.<patch level>/runsc
 # where cpuosd finds it (cpuosd.backends.runsc). Sources come only from the Go module
 # proxy; go.sum pins their hashes. The module and build caches are kept, so a rebuild
 # is quick and an installed binary is reused as is.
@@ -14,10 +15,14 @@ force=0
 
 version=$(grep -oE 'gvisor.dev/gvisor v[^ ]+' deps/runsc/go.mod | head -1 | cut -d' ' -f2)
 [ -n "$version" ] || { echo "build-runsc: no gvisor.dev/gvisor version in deps/runsc/go.mod" >&2; exit 2; }
+# the changes in deps/runsc/patches (keep in step with PATCH_LEVEL in cpuosd/backends/runsc.py)
+patch_level=1
+module_version=$version
+version="$version+cpuos.$patch_level"
 prefix=${CPUOS_RUNSC_PREFIX:-/usr/local/lib/cpuos}
 dest="$prefix/runsc-$version"
 
-if [ $force -eq 0 ] && [ -x "$dest/runsc" ] && "$dest/runsc" --version 2>/dev/null | grep -q "$version"; then
+if [ $force -eq 0 ] && [ -x "$dest/runsc" ] && "$dest/runsc" --version 2>/dev/null | grep -qF "$version"; then
   echo "==> runsc $version already installed at $dest/runsc"
   exit 0
 fi
@@ -29,6 +34,15 @@ cd deps/runsc
 go mod download gvisor.dev/gvisor
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+moddir=$(go list -m -f '{{.Dir}}' gvisor.dev/gvisor)
+[ "$(go list -m -f '{{.Version}}' gvisor.dev/gvisor)" = "$module_version" ] || {
+  echo "build-runsc: go.mod resolves gvisor.dev/gvisor to another version" >&2; exit 1; }
+# a patched copy of the module, and a copy of this build module that uses it
+python3 patches/apply.py "$moddir" "$tmp/gvisor"
+mkdir "$tmp/build"
+cp go.mod go.sum tools.go "$tmp/build/"
+cd "$tmp/build"
+go mod edit -replace "gvisor.dev/gvisor=$tmp/gvisor"
 # -v names each package as it is compiled: count them as progress
 set +e
 go build -v -trimpath -o "$tmp/runsc" \

@@ -40,7 +40,11 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 def test_pinned_version_is_the_one_the_build_script_builds() -> None:
     gomod = (REPO / "deps" / "runsc" / "go.mod").read_text()
     m = re.search(r"gvisor\.dev/gvisor (v\S+)", gomod)
-    assert m is not None and m.group(1) == R.PINNED_VERSION
+    assert m is not None and m.group(1) == R.MODULE_VERSION
+    script = (REPO / "scripts" / "build-runsc.sh").read_text()
+    level = re.search(r"^patch_level=(\d+)$", script, re.M)
+    assert level is not None and int(level.group(1)) == R.PATCH_LEVEL
+    assert R.PINNED_VERSION == f"{R.MODULE_VERSION}+cpuos.{R.PATCH_LEVEL}"
     assert R.pinned_path(Path("/p")) == Path(f"/p/runsc-{R.PINNED_VERSION}/runsc")
 
 
@@ -55,6 +59,7 @@ def test_pinned_build_wins_over_path_on_systrap(tmp_path: Path) -> None:
     assert r.platforms == ("systrap", "ptrace", "kvm")
     assert r.gofer_flags() == ["--gofer-network-namespace=new"]
     assert r.background_restore
+    assert r.overlay_inodes  # the patched build
 
 
 def test_debian_fallback_warns_and_uses_ptrace(tmp_path: Path,
@@ -65,6 +70,7 @@ def test_debian_fallback_warns_and_uses_ptrace(tmp_path: Path,
     assert (r.path, r.platform, r.source) == (str(deb), "ptrace", "path")
     assert r.is_fallback
     assert r.gofer_flags() == [] and not r.background_restore  # not in Debian's 2022 build
+    assert not r.overlay_inodes
     assert "not the pinned build" in caplog.text
 
 

@@ -1,8 +1,9 @@
 """Which ``runsc`` the gVisor backend runs, and on which platform.
 
 The project builds its own runsc from the gVisor Go module pinned in
-``deps/runsc/go.mod`` (``scripts/build-runsc.sh``) and installs it at
-``/usr/local/lib/cpuos/runsc-<version>/runsc``. Order of choice:
+``deps/runsc/go.mod``, with its changes from ``deps/runsc/patches`` (``scripts/build-runsc.sh``),
+and installs it at ``/usr/local/lib/cpuos/runsc-<version>+cpuos.<patch level>/runsc``. Order
+of choice:
 
 1. ``CPUOS_RUNSC`` (a path or a name on PATH), as the operator said;
 2. the pinned build;
@@ -25,9 +26,12 @@ from pathlib import Path
 
 log = logging.getLogger("cpuosd.runsc")
 
-# The gVisor module version built by scripts/build-runsc.sh (a unit test keeps this and
-# deps/runsc/go.mod in step).
-PINNED_VERSION = "v0.0.0-20260905035102-160fafc42237"
+# The gVisor module version built by scripts/build-runsc.sh, and the level of cpuos's
+# changes to it (deps/runsc/patches; a unit test keeps these, deps/runsc/go.mod and the
+# build script in step).
+MODULE_VERSION = "v0.0.0-20260905035102-160fafc42237"
+PATCH_LEVEL = 1
+PINNED_VERSION = f"{MODULE_VERSION}+cpuos.{PATCH_LEVEL}"
 PREFIX = Path(os.environ.get("CPUOS_RUNSC_PREFIX", "/usr/local/lib/cpuos"))
 PLATFORMS = ("systrap", "ptrace", "kvm")
 
@@ -51,6 +55,13 @@ class Runsc:
     @property
     def is_fallback(self) -> bool:
         return self.source in ("path", "other-build")
+
+    @property
+    def overlay_inodes(self) -> bool:
+        """Takes an inode limit with the overlay's size (``size=5120m/98304``: cpuos's
+        patch level 1, deps/runsc/patches)."""
+        m = re.search(r"\+cpuos\.(\d+)$", self.version)
+        return m is not None and int(m.group(1)) >= 1
 
     def gofer_flags(self) -> list[str]:
         """Each gofer in an empty netns of its own: runsc's default (one shared netns
