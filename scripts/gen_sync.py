@@ -19,6 +19,7 @@ REPLACEMENTS = {
     "AsyncSandbox": "Sandbox",
     "AsyncFiles": "Files",
     "AsyncTemplates": "Templates",
+    "AsyncWorkspace": "Workspace",
     "AsyncNetwork": "SandboxNetwork",
     "AsyncPorts": "Ports",
     "AsyncAudit": "Audit",

@@ -9,6 +9,7 @@
 from ._async.sandbox import AsyncFiles, AsyncNetwork, AsyncSandbox
 from ._async.commands import AsyncCommandHandle, AsyncCommands
 from ._async.templates import AsyncTemplates
+from ._async.workspace import AsyncWorkspace
 from ._durations import parse_duration
 from ._errors import (
     AuthError,
@@ -27,6 +28,7 @@ from ._models import CommandInfo, ExecResult, FileEntry, SandboxInfo, TemplateIn
 from ._sync.commands import CommandHandle, Commands
 from ._sync.sandbox import Files, Sandbox, SandboxNetwork
 from ._sync.templates import Templates
+from ._sync.workspace import Workspace
 
 __version__ = "0.1.0"
 
@@ -37,6 +39,7 @@ __all__ = [
     "AsyncNetwork",
     "AsyncSandbox",
     "AsyncTemplates",
+    "AsyncWorkspace",
     "AuthError",
     "CommandHandle",
     "CommandInfo",
@@ -59,5 +62,6 @@ __all__ = [
     "Templates",
     "Timeout",
     "Unavailable",
+    "Workspace",
     "parse_duration",
 ]

@@ -6,7 +6,7 @@
     ├── NotFound             404: no such sandbox / template / file (for this key)
     ├── Conflict             409: wrong state (e.g. exec on a killed sandbox), exists, is a dir
     ├── InvalidArgument      422: bad input (path, duration, command...)
-    ├── LimitExceeded        429
+    ├── LimitExceeded        429 (a quota), 402 (the workspace's spending cap)
     ├── NoSpace              507: the sandbox's disk is full
     ├── Timeout              504 / client-side timeout
     ├── Unavailable          503: daemon or sandbox agent unreachable

@@ -53,6 +53,8 @@ class ExecResult:
     stderr_bytes: bytes
     duration: float
     timed_out: bool = False
+    # ended at the sandbox's memory limit (exit code 137); the sandbox lives on
+    oom: bool = False
     signal: int | None = None
     truncated: bool = False
     exec_id: str | None = None
@@ -107,6 +109,7 @@ class SandboxInfo:
     paused_at: float | None = None
     snapshot_bytes: int | None = None
     pids: int | None = None
+    disk_mib: int | None = None  # the root filesystem's writable layer (ENOSPC past it)
     network: dict[str, Any] | None = None  # the egress policy (mode, allow)
 
     @classmethod

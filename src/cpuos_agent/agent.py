@@ -32,6 +32,7 @@ from .conn import Conn
 from .exec import MAX_BG_KEPT, Exec
 from .files import _errcode, _list, _remove, _stat, _unlink_quiet, create_beside, open_regular
 from .identity import apply_identity, drop_inheritable_caps, not_dumpable, read_key
+from .memguard import MemGuard
 from .reaper import Reaper
 from .spawner import Spawner
 from .transport import Closed, Quiesce, Transport, transport_for
@@ -57,6 +58,9 @@ class Agent:
         self.bg: dict[int, Background] = {}
         self.readers: dict[int, Reader] = {}
         self.stdin_to: dict[int, Exec] = {}
+        # gVisor: the sandbox's OOM killer (memguard.py); the host sends the limit
+        self.memguard = MemGuard(cgroups, self._running) if (
+            cgroups is not None and cgroups.kind != "v2" and cgroups.mem_root) else None
 
     def add_bg(self, bg: Background) -> None:
         self.bg[bg.pid] = bg  # an ended one whose pid was reused is forgotten
@@ -64,6 +68,14 @@ class Agent:
                        if b.result is not None)
         for _, pid in ended[: max(0, len(ended) - MAX_BG_KEPT)]:
             self.bg.pop(pid, None)
+
+    def _running(self) -> list[Exec]:
+        """Every command running: foreground execs and background processes."""
+        out = {id(e): e for e in list(self.execs.values())}
+        for b in list(self.bg.values()):
+            if b.result is None:
+                out[id(b.ex)] = b.ex
+        return list(out.values())
 
     # ---- connection lifecycle -------------------------------------------------------
     def serve_forever(self, transport: Transport | None = None) -> None:
@@ -126,7 +138,12 @@ class Agent:
         if t == "ping":
             conn.send({"t": "pong", "id": sid, "time": time.time()})
         elif t == "identity":
-            conn.send({"t": "identity_ok", "id": sid, "applied": apply_identity(h)})
+            applied = apply_identity(h)
+            limit = h.get("memory_limit")
+            if self.memguard is not None and isinstance(limit, int):
+                self.memguard.set_limit(limit)
+                applied.append("memory_limit")
+            conn.send({"t": "identity_ok", "id": sid, "applied": applied})
         elif t == "quiesce":
             if self.execs or self.writes:
                 conn.send({"t": "err", "id": sid, "code": P.E_EXISTS,

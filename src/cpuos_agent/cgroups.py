@@ -11,6 +11,11 @@ root, read-only for everyone else: cgroup v2 where the kernel has it (a microVM 
 Without root mode, or if no cgroup can be mounted, there is no tree (``setup`` returns
 None) and exec falls back to a process-tree scan (``reaper.kill_tree``).
 
+Memory: under gVisor (v1) a second hierarchy, ``memory``, is mounted at ``MEM_DIR`` with a
+cgroup per exec beside its ``pids`` one; gVisor accounts memory per cgroup there, which
+is what ``memguard`` reads to find the exec to end when the sandbox reaches its memory
+limit. With v2 both are one tree.
+
 Stdlib only: it runs inside every sandbox."""
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import time
 from .privs import privileged
 
 CGROUP_DIR = "/run/cpuos-exec"
+MEM_DIR = "/run/cpuos-mem"
 MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
 KILL_ROUNDS = 400  # x KILL_WAIT: how long a kill keeps at it (a process in D state...)
 KILL_WAIT = 0.005
@@ -36,10 +42,12 @@ class Cgroup:
     """One exec's cgroup: its path, and its ``cgroup.procs`` open for writing (opened once,
     with privilege; a write through it needs none)."""
 
-    __slots__ = ("fd", "path")
+    __slots__ = ("fd", "mem_fd", "mem_path", "path")
 
-    def __init__(self, path: str, fd: int) -> None:
+    def __init__(self, path: str, fd: int, mem_path: str | None = None,
+                 mem_fd: int | None = None) -> None:
         self.path, self.fd = path, fd
+        self.mem_path, self.mem_fd = mem_path, mem_fd
 
 
 class Cgroups:
@@ -54,6 +62,22 @@ class Cgroups:
         with privileged():
             self._home = os.open(os.path.join(root, "cgroup.procs"),
                                  os.O_WRONLY | os.O_CLOEXEC)
+        # the memory hierarchy's root (v1: its own mount; v2: this tree) and its
+        # cgroup.procs (where the agent is)
+        self.mem_root: str | None = root if kind == "v2" else None
+        self._mem_home: int | None = None
+
+    def _mount_memory(self, libc: ctypes.CDLL, flags: int, root: str = MEM_DIR) -> None:
+        try:
+            os.makedirs(root, mode=0o755, exist_ok=True)
+            if libc.mount(b"cgroup", root.encode(), b"cgroup", flags, b"memory") != 0:
+                return
+            os.chmod(root, 0o755)
+            self._mem_home = os.open(os.path.join(root, "cgroup.procs"),
+                                     os.O_WRONLY | os.O_CLOEXEC)
+            self.mem_root = root
+        except OSError:
+            self.mem_root = None
 
     @classmethod
     def setup(cls, root: str = CGROUP_DIR) -> Cgroups | None:
@@ -78,9 +102,12 @@ class Cgroups:
             # gVisor makes the root 0555, and root here has no DAC override: make it
             # writable by its owner (root) only
             os.chmod(root, 0o755)
-            return cls(root, kind)
+            cgs = cls(root, kind)
         except OSError:
             return None
+        if kind != "v2":
+            cgs._mount_memory(libc, flags)
+        return cgs
 
     # ---- one exec's cgroup ------------------------------------------------------------
     def take(self) -> Cgroup:
@@ -103,7 +130,8 @@ class Cgroups:
 
     def _make(self) -> Cgroup:
         self._gc()
-        path = os.path.join(self.root, f"x{next(self._n)}")
+        name = f"x{next(self._n)}"
+        path = os.path.join(self.root, name)
         with privileged():
             os.mkdir(path, 0o755)
             try:
@@ -111,15 +139,67 @@ class Cgroups:
             except OSError:
                 os.rmdir(path)
                 raise
-        return Cgroup(path, fd)
+            mem_path, mem_fd = None, None
+            if self._mem_home is not None and self.mem_root is not None:
+                try:
+                    mem_path = os.path.join(self.mem_root, name)
+                    os.mkdir(mem_path, 0o755)
+                    mem_fd = os.open(os.path.join(mem_path, "cgroup.procs"),
+                                     os.O_WRONLY | os.O_CLOEXEC)
+                except OSError:  # memory accounting is for the guard: go on without
+                    if mem_path is not None:
+                        self._rmdir(mem_path)
+                    mem_path = None
+            elif self.kind == "v2":
+                mem_path = path
+        return Cgroup(path, fd, mem_path, mem_fd)
 
     def enter(self, cg: Cgroup, pid: int) -> None:
         """Move process pid (all its threads) into cg."""
         os.write(cg.fd, str(pid).encode())
+        if cg.mem_fd is not None:
+            try:
+                os.write(cg.mem_fd, str(pid).encode())
+            except OSError:
+                pass
 
     def leave(self, pid: int) -> None:
         """Move process pid back to the root of the tree (where the agent is)."""
         os.write(self._home, str(pid).encode())
+        if self._mem_home is not None:
+            try:
+                os.write(self._mem_home, str(pid).encode())
+            except OSError:
+                pass
+
+    # ---- memory -----------------------------------------------------------------------
+    def memory_usage(self, cg: Cgroup | None = None) -> int | None:
+        """Bytes charged to cg (None: to the whole sandbox, the hierarchy's root)."""
+        base = self.mem_root if cg is None else cg.mem_path
+        if base is None:
+            return None
+        name = "memory.current" if self.kind == "v2" else "memory.usage_in_bytes"
+        if cg is None and self.kind == "v2":
+            return _meminfo_used()
+        try:
+            with open(os.path.join(base, name)) as f:
+                return int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def oom_killed(self, cg: Cgroup) -> bool:
+        """v2: the kernel's OOM killer ended a process of cg (memory.events)."""
+        if self.kind != "v2" or cg.mem_path is None:
+            return False
+        try:
+            with open(os.path.join(cg.mem_path, "memory.events")) as f:
+                for line in f:
+                    k, _, v = line.partition(" ")
+                    if k == "oom_kill":
+                        return int(v) > 0
+        except (OSError, ValueError):
+            pass
+        return False
 
     def procs(self, path: str) -> list[int]:
         try:
@@ -167,13 +247,16 @@ class Cgroups:
     def release(self, cg: Cgroup) -> None:
         """The exec is over: remove its cgroup, or keep it while processes it left running
         (background jobs) are still in there."""
-        try:
-            os.close(cg.fd)
-        except OSError:
-            pass
-        if not self._rmdir(cg.path):
-            with self._lock:
-                self._leftover.add(cg.path)
+        for fd in (cg.fd, cg.mem_fd):
+            try:
+                if fd is not None:
+                    os.close(fd)
+            except OSError:
+                pass
+        for path in {cg.path, cg.mem_path}:
+            if path is not None and not self._rmdir(path):
+                with self._lock:
+                    self._leftover.add(path)
 
     def _rmdir(self, path: str) -> bool:
         try:
@@ -194,6 +277,22 @@ class Cgroups:
             if self._rmdir(p):
                 with self._lock:
                     self._leftover.discard(p)
+
+
+def _meminfo_used() -> int | None:
+    """MemTotal - MemAvailable of /proc/meminfo, in bytes."""
+    vals: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                if k in ("MemTotal", "MemAvailable"):
+                    vals[k] = int(v.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    if len(vals) != 2:
+        return None
+    return vals["MemTotal"] - vals["MemAvailable"]
 
 
 def _signal(pid: int, sig: int) -> None:

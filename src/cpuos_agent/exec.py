@@ -381,6 +381,11 @@ class Exec:
                 "exit_code": 128 + sig if sig else code, "signal": sig,
                 "timed_out": self.killed_reason == "timeout",
                 "killed": self.killed_reason is not None,
+                # ended at the sandbox's memory limit (memguard, or a guest kernel's OOM
+                # killer)
+                "oom": self.killed_reason == "oom" or (
+                    self.cgroup is not None and self.agent.cgroups is not None
+                    and self.agent.cgroups.oom_killed(self.cgroup)),
                 "duration": time.monotonic() - self.started,
             }
             if self.bg is not None:

@@ -159,6 +159,7 @@ ERROR_CODES: dict[str, tuple[int, str, bool]] = {
     "not_a_directory": (409, "Conflict", True),
     "too_large": (413, "InvalidArgument", False),
     "limit_exceeded": (429, "LimitExceeded", True),
+    "spending_cap": (402, "LimitExceeded", False),
     "no_space": (507, "NoSpace", True),
     "timeout": (504, "Timeout", False),
     "unavailable": (503, "Unavailable", False),
@@ -209,3 +210,26 @@ def parse_duration(value: object, what: str = "duration") -> float:
     if seconds != seconds or seconds <= 0 or seconds == float("inf"):
         raise ValueError(f"{what}: must be a positive duration, got {value!r}")
     return seconds
+
+
+# Sizes in requests: "512MiB", "1GiB", "1.5G", "2048M" (powers of 1024 either way) or a
+# number of MiB.
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?")
+_SIZE_MIB = {"k": 1 / 1024, "": 1.0, "m": 1.0, "g": 1024.0, "t": 1024.0 * 1024}
+
+
+def parse_size_mib(value: object, what: str = "size") -> int:
+    """MiB as an int (rounded up); ValueError with a readable message on anything else.
+    A bare number is MiB."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"{what}: expected a size like '1GiB' or '512MiB', got {value!r}")
+    if isinstance(value, (int, float)):
+        mib = float(value)
+    else:
+        m = _SIZE.fullmatch(value.strip().lower())
+        if m is None:
+            raise ValueError(f"{what}: bad size {value!r}; use e.g. '1GiB', '512MiB' or MiB")
+        mib = float(m.group(1)) * _SIZE_MIB[m.group(2)]
+    if mib != mib or mib <= 0 or mib == float("inf"):
+        raise ValueError(f"{what}: must be a positive size, got {value!r}")
+    return int(-(-mib // 1))

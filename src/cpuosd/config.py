@@ -44,6 +44,9 @@ class Config:
         default_factory=lambda: os.environ.get("CPUOS_DEFAULT_NETWORK", "allowlist"))
     # tasks a sandbox's commands may have (processes and threads; a fork past it: EAGAIN)
     default_pids: int = field(default_factory=lambda: _int("CPUOS_DEFAULT_PIDS", 512))
+    # MiB the writable layer of a sandbox's root filesystem may hold (past it: ENOSPC
+    # inside); a host file under the sandbox's directory, not sandbox memory
+    default_disk_mib: int = field(default_factory=lambda: _int("CPUOS_DEFAULT_DISK_MIB", 5120))
     # microVM backend: kvm, or tcg (emulated: tests and debugging only; no probe)
     microvm_accel: str = field(default_factory=lambda: os.environ.get("CPUOS_MICROVM_ACCEL",
                                                                       "kvm"))

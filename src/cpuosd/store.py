@@ -61,6 +61,15 @@ MIGRATIONS = [
     """
     ALTER TABLE workspaces ADD COLUMN settings TEXT NOT NULL DEFAULT '{}';
     """,
+    """
+    CREATE TABLE usage (
+        id INTEGER PRIMARY KEY AUTOINCREMENT, workspace_id TEXT NOT NULL,
+        sandbox_id TEXT NOT NULL, kind TEXT NOT NULL, start REAL NOT NULL, end REAL,
+        vcpus INTEGER, memory_mib INTEGER, snapshot_bytes INTEGER
+    );
+    CREATE INDEX usage_ws ON usage(workspace_id, start);
+    CREATE INDEX usage_open ON usage(sandbox_id, end);
+    """,
 ]
 # what is kept of one sandbox's connection record (the oldest go first)
 MAX_CONNECTIONS = 10_000
@@ -129,6 +138,10 @@ class Store:
     def _exec(self, sql: str, args: tuple[Any, ...] = ()) -> sqlite3.Cursor:
         with self._lock:
             return self._db.execute(sql, args)
+
+    def execute(self, sql: str, args: tuple[Any, ...] = ()) -> sqlite3.Cursor:
+        """One statement, for the modules that keep tables of their own here (usage)."""
+        return self._exec(sql, args)
 
     # ---- workspaces and keys --------------------------------------------------------
     def create_workspace(self, name: str, limits: dict[str, int] | None = None) -> str:

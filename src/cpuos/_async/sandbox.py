@@ -16,7 +16,7 @@ import httpx
 from cpuos_agent.protocol import CONTENT_TYPE, FrameDecoder, ProtocolError
 
 from .._config import resolve, tls_context
-from .._durations import parse_duration
+from .._durations import parse_duration, parse_size_mib
 from .._errors import CpuosError, InvalidArgument, ServerError, Timeout, Unavailable, error_from
 from .audit import AsyncAudit
 from .._models import DEFAULT_MAX_OUTPUT, ExecResult, FileEntry, OutputBuffer, SandboxInfo
@@ -30,6 +30,13 @@ def _dur(value: str | float | int | None, what: str) -> float | None:
         return None
     try:
         return parse_duration(value, what)
+    except ValueError as e:
+        raise InvalidArgument(str(e)) from None
+
+
+def _size(value: str | int, what: str) -> int:
+    try:
+        return parse_size_mib(value, what)
     except ValueError as e:
         raise InvalidArgument(str(e)) from None
 
@@ -297,6 +304,8 @@ class AsyncSandbox:
     async def create(cls, template: str = "python", timeout: str | float = "5m", *,
                      metadata: dict[str, str] | None = None, env: dict[str, str] | None = None,
                      vcpus: int | None = None, memory_mib: int | None = None,
+                     cpus: int | None = None, memory: str | int | None = None,
+                     disk: str | int | None = None, pids: int | None = None,
                      on_timeout: str = "kill", network: Network | None = None,
                      secrets: dict[str, dict[str, Any]] | None = None,
                      api_url: str | None = None, api_key: str | None = None) -> AsyncSandbox:
@@ -304,7 +313,14 @@ class AsyncSandbox:
         killing it. ``network``: ``"off"``, ``"on"``, ``"allowlist"`` or ``{"allow":
         ["pypi.org", "*.github.com"]}`` (default: the daemon's). ``secrets``: ``{"NAME":
         {"value": "...", "hosts": ["api.example.com"]}}``: NAME inside is a placeholder,
-        the value goes only into request headers to those hosts."""
+        the value goes only into request headers to those hosts. Limits: ``cpus`` (vCPUs),
+        ``memory`` and ``disk`` (``"1GiB"``, ``"512MiB"`` or MiB: past ``disk`` a write
+        inside gets ENOSPC), ``pids`` (processes and threads); unset ones take the
+        workspace's defaults."""
+        if cpus is not None:
+            vcpus = cpus
+        if memory is not None:
+            memory_mib = _size(memory, "memory")
         body: dict[str, Any] = {"template": template, "timeout": timeout,
                                 "metadata": metadata or {}, "env": env or {},
                                 "on_timeout": on_timeout}
@@ -312,6 +328,10 @@ class AsyncSandbox:
             body["vcpus"] = vcpus
         if memory_mib is not None:
             body["memory_mib"] = memory_mib
+        if disk is not None:
+            body["disk_mib"] = _size(disk, "disk")
+        if pids is not None:
+            body["pids"] = pids
         if network is not None:
             body["network"] = network
         if secrets:
@@ -385,6 +405,13 @@ class AsyncSandbox:
         its backend can)."""
         d: dict[str, Any] = await self._http.request("GET", f"/sandboxes/{self.id}/metrics")
         return d
+
+    async def usage(self) -> dict[str, Any]:
+        """What this sandbox has used this month: running_seconds, vcpu_seconds,
+        memory_gib_seconds, paused_seconds, snapshot_gib_seconds and cost (USD)."""
+        d = await self._http.request("GET", "/usage", params={"sandbox": self.id})
+        rows = d.get("sandboxes") or []
+        return dict(rows[0]) if rows else {"id": self.id, **d["total"]}
 
     async def get_host(self, port: int) -> str:
         """The host-form preview URL of ``port`` (``http://<port>-<id>.localhost:...``),
@@ -523,6 +550,7 @@ class AsyncSandbox:
             exit_code=int(exit_h["exit_code"]), stdout_bytes=bufs[1].value(),
             stderr_bytes=bufs[2].value(), duration=float(exit_h["duration"]),
             timed_out=bool(exit_h.get("timed_out")), signal=exit_h.get("signal"),
+            oom=bool(exit_h.get("oom")),
             truncated=bufs[1].truncated or bufs[2].truncated, exec_id=exec_id,
             stdout_total=bufs[1].total, stderr_total=bufs[2].total)
 

@@ -17,7 +17,7 @@ import httpx
 from cpuos_agent.protocol import CONTENT_TYPE, FrameDecoder, ProtocolError
 
 from .._config import resolve, tls_context
-from .._durations import parse_duration
+from .._durations import parse_duration, parse_size_mib
 from .._errors import CpuosError, InvalidArgument, ServerError, Timeout, Unavailable, error_from
 from .audit import Audit
 from .._models import DEFAULT_MAX_OUTPUT, ExecResult, FileEntry, OutputBuffer, SandboxInfo
@@ -31,6 +31,13 @@ def _dur(value: str | float | int | None, what: str) -> float | None:
         return None
     try:
         return parse_duration(value, what)
+    except ValueError as e:
+        raise InvalidArgument(str(e)) from None
+
+
+def _size(value: str | int, what: str) -> int:
+    try:
+        return parse_size_mib(value, what)
     except ValueError as e:
         raise InvalidArgument(str(e)) from None
 
@@ -298,6 +305,8 @@ class Sandbox:
     def create(cls, template: str = "python", timeout: str | float = "5m", *,
                      metadata: dict[str, str] | None = None, env: dict[str, str] | None = None,
                      vcpus: int | None = None, memory_mib: int | None = None,
+                     cpus: int | None = None, memory: str | int | None = None,
+                     disk: str | int | None = None, pids: int | None = None,
                      on_timeout: str = "kill", network: Network | None = None,
                      secrets: dict[str, dict[str, Any]] | None = None,
                      api_url: str | None = None, api_key: str | None = None) -> Sandbox:
@@ -305,7 +314,14 @@ class Sandbox:
         killing it. ``network``: ``"off"``, ``"on"``, ``"allowlist"`` or ``{"allow":
         ["pypi.org", "*.github.com"]}`` (default: the daemon's). ``secrets``: ``{"NAME":
         {"value": "...", "hosts": ["api.example.com"]}}``: NAME inside is a placeholder,
-        the value goes only into request headers to those hosts."""
+        the value goes only into request headers to those hosts. Limits: ``cpus`` (vCPUs),
+        ``memory`` and ``disk`` (``"1GiB"``, ``"512MiB"`` or MiB: past ``disk`` a write
+        inside gets ENOSPC), ``pids`` (processes and threads); unset ones take the
+        workspace's defaults."""
+        if cpus is not None:
+            vcpus = cpus
+        if memory is not None:
+            memory_mib = _size(memory, "memory")
         body: dict[str, Any] = {"template": template, "timeout": timeout,
                                 "metadata": metadata or {}, "env": env or {},
                                 "on_timeout": on_timeout}
@@ -313,6 +329,10 @@ class Sandbox:
             body["vcpus"] = vcpus
         if memory_mib is not None:
             body["memory_mib"] = memory_mib
+        if disk is not None:
+            body["disk_mib"] = _size(disk, "disk")
+        if pids is not None:
+            body["pids"] = pids
         if network is not None:
             body["network"] = network
         if secrets:
@@ -386,6 +406,13 @@ class Sandbox:
         its backend can)."""
         d: dict[str, Any] = self._http.request("GET", f"/sandboxes/{self.id}/metrics")
         return d
+
+    def usage(self) -> dict[str, Any]:
+        """What this sandbox has used this month: running_seconds, vcpu_seconds,
+        memory_gib_seconds, paused_seconds, snapshot_gib_seconds and cost (USD)."""
+        d = self._http.request("GET", "/usage", params={"sandbox": self.id})
+        rows = d.get("sandboxes") or []
+        return dict(rows[0]) if rows else {"id": self.id, **d["total"]}
 
     def get_host(self, port: int) -> str:
         """The host-form preview URL of ``port`` (``http://<port>-<id>.localhost:...``),
@@ -524,6 +551,7 @@ class Sandbox:
             exit_code=int(exit_h["exit_code"]), stdout_bytes=bufs[1].value(),
             stderr_bytes=bufs[2].value(), duration=float(exit_h["duration"]),
             timed_out=bool(exit_h.get("timed_out")), signal=exit_h.get("signal"),
+            oom=bool(exit_h.get("oom")),
             truncated=bufs[1].truncated or bufs[2].truncated, exec_id=exec_id,
             stdout_total=bufs[1].total, stderr_total=bufs[2].total)
 

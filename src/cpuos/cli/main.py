@@ -35,6 +35,7 @@ from .._models import SandboxInfo, TemplateInfo
 from .._sync.sandbox import Sandbox
 from .._sync.templates import Templates
 from . import audit as _audit
+from .._sync.workspace import Workspace
 
 
 class CliError(Exception):
@@ -220,8 +221,12 @@ def create(
         "--env", "-e", metavar="K=V", help="Environment variable for every exec.")] = None,
     metadata: Annotated[list[str] | None, typer.Option(
         "--metadata", "-m", metavar="K=V", help="Metadata label.")] = None,
-    vcpus: Annotated[int | None, typer.Option(help="Virtual CPUs.")] = None,
-    memory: Annotated[int | None, typer.Option("--memory", help="Memory in MiB.")] = None,
+    cpus: Annotated[int | None, typer.Option("--cpus", "--vcpus", help="Virtual CPUs.")] = None,
+    memory: Annotated[str | None, typer.Option(
+        "--memory", help="Memory: 1GiB, 512MiB or MiB.")] = None,
+    disk: Annotated[str | None, typer.Option(
+        "--disk", help="Disk for the sandbox's writes: 5GiB, 512MiB or MiB.")] = None,
+    pids: Annotated[int | None, typer.Option(help="Processes and threads at most.")] = None,
     json_: JsonOut = False,
     api_url: ApiUrl = None,
     api_key: ApiKey = None,
@@ -230,7 +235,8 @@ def create(
     _duration(timeout, "timeout")
     env_d, meta_d = _pairs(env, "--env"), _pairs(metadata, "--metadata")
     sbx = Sandbox.create(template=template, timeout=timeout, env=env_d, metadata=meta_d,
-                         vcpus=vcpus, memory_mib=memory, api_url=api_url, api_key=api_key)
+                         cpus=cpus, memory=memory, disk=disk, pids=pids, api_url=api_url,
+                         api_key=api_key)
     try:
         if json_:
             _print_json(dataclasses.asdict(sbx.info()))
@@ -282,6 +288,8 @@ def _info_table(i: SandboxInfo) -> Table:
         ("deadline", _fmt_time(i.deadline)), ("time left", _fmt_dur(i.timeout_remaining)),
         ("vcpus", str(i.vcpus) if i.vcpus is not None else "-"),
         ("memory", f"{i.memory_mib} MiB" if i.memory_mib is not None else "-"),
+        ("disk", f"{i.disk_mib} MiB" if i.disk_mib is not None else "-"),
+        ("pids", str(i.pids) if i.pids is not None else "-"),
         ("metadata", escape(", ".join(f"{k}={v}" for k, v in sorted((i.metadata or {}).items()))
                             or "-")),
     ]
@@ -663,6 +671,91 @@ def template_rm(
 
 
 _audit.register(app)
+
+
+# ---- usage and live metrics ---------------------------------------------------------------
+@app.command("usage")
+def usage_cmd(
+    since: Annotated[str | None, typer.Option(
+        help="From (epoch seconds or ISO 8601; default: the start of this month, UTC).")] = None,
+    until: Annotated[str | None, typer.Option(help="To (default: now).")] = None,
+    sandbox: Annotated[str | None, typer.Option("--sandbox", "-s", help="One sandbox.")] = None,
+    json_: JsonOut = False, api_url: ApiUrl = None, api_key: ApiKey = None,
+) -> None:
+    """What this workspace's sandboxes used (per second) and cost."""
+    with Workspace(api_url=api_url, api_key=api_key) as ws:
+        u = ws.usage(since=since, until=until, sandbox=sandbox)
+    if json_:
+        _print_json(u)
+        return
+    tab = Table(box=None, header_style="bold", pad_edge=False)
+    for col in ("SANDBOX", "RUNNING", "VCPU-S", "GIB-S", "PAUSED", "SNAP GIB-S", "COST $"):
+        tab.add_column(col, no_wrap=True, justify="left" if col == "SANDBOX" else "right")
+    for r in [*u["sandboxes"], {"id": "total", **u["total"]}]:
+        tab.add_row(r["id"], _fmt_dur(r["running_seconds"]), f"{r['vcpu_seconds']:.0f}",
+                    f"{r['memory_gib_seconds']:.0f}", _fmt_dur(r["paused_seconds"]),
+                    f"{r['snapshot_gib_seconds']:.1f}", f"{r['cost']:.4f}")
+    _out().print(tab)
+    cap = u["spending_cap"]
+    _err().print(f"{_fmt_time(u['since'])} .. {_fmt_time(u['until'])}; this month "
+                 f"${cap['month_spent']:.4f}" + (f" of a ${cap['cap']:.2f} cap"
+                                                 + (" (reached)" if cap["reached"] else "")
+                                                 if cap["cap"] is not None else ""),
+                 style="dim", markup=False)
+
+
+def _top_table(rows: list[dict[str, Any]], before: dict[str, dict[str, Any]]) -> Table:
+    tab = Table(box=None, header_style="bold", pad_edge=False)
+    for col in ("ID", "STATE", "CPU%", "MEM", "MEM LIMIT", "DISK", "PIDS", "NET RX/TX"):
+        tab.add_column(col, no_wrap=True, justify="left" if col in ("ID", "STATE") else "right")
+    for m in rows:
+        prev = before.get(m["id"])
+        cpu = "-"
+        if prev and "cpu_seconds" in m and "cpu_seconds" in prev and m["time"] > prev["time"]:
+            used = m["cpu_seconds"] - prev["cpu_seconds"]
+            cpu = f"{100 * used / (m['time'] - prev['time']):.0f}"
+        elif "cpu_percent_avg" in m:
+            cpu = f"{m['cpu_percent_avg']:.0f}~"
+        mem = _fmt_size(int(m["memory_bytes"])) if "memory_bytes" in m else "-"
+        disk = (f"{_fmt_size(int(m['disk_used_bytes']))}/{_fmt_size(int(m['disk_limit_bytes']))}"
+                if "disk_used_bytes" in m else "-")
+        net = (f"{_fmt_size(int(m['net_rx_bytes']))}/{_fmt_size(int(m['net_tx_bytes']))}"
+               if "net_rx_bytes" in m else "-")
+        pids = f"{m['pids']}/{m.get('pids_limit') or '-'}" if "pids" in m else "-"
+        tab.add_row(m["id"], f"[{_STATE_STYLE.get(m['state'], 'dim')}]{m['state']}[/]", cpu,
+                    mem, _fmt_size(int(m["memory_limit_bytes"])), disk, pids, net)
+    return tab
+
+
+@app.command("top")
+def top(
+    interval: Annotated[float, typer.Option(help="Seconds between refreshes.")] = 2.0,
+    once: Annotated[bool, typer.Option("--once", help="Print one table and exit.")] = False,
+    json_: JsonOut = False, api_url: ApiUrl = None, api_key: ApiKey = None,
+) -> None:
+    """Every running (and paused) sandbox, live: CPU %, memory, disk, tasks, network."""
+    from rich.live import Live
+
+    if interval < 0.2:
+        raise InvalidArgument("--interval must be at least 0.2 s")
+    with Workspace(api_url=api_url, api_key=api_key) as ws:
+        rows = ws.metrics()
+        if json_:
+            _print_json(rows)
+            return
+        if once:
+            _out().print(_top_table(rows, {}))
+            return
+        before = {m["id"]: m for m in rows}
+        with Live(_top_table(rows, {}), console=_out(), auto_refresh=False) as live:
+            try:
+                while True:
+                    time.sleep(interval)
+                    rows = ws.metrics()
+                    live.update(_top_table(rows, before), refresh=True)
+                    before = {m["id"]: m for m in rows}
+            except KeyboardInterrupt:
+                pass
 
 
 def main() -> None:

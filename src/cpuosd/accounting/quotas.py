@@ -17,6 +17,7 @@ is written, so two creates cannot both take the last place).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -26,6 +27,8 @@ from ..store import ACTIVE_STATES, Store
 # states whose sandbox holds host memory and CPU (paused and killing ones do not, or not
 # for long)
 RESERVING = ("creating", "running", "pausing", "resuming", "pooled")
+DEFAULT_MAX_DISK_MIB = 64 << 10
+DEFAULT_MAX_PIDS = 32768
 
 
 def host_vcpus() -> int:
@@ -51,6 +54,8 @@ class Limits:
     max_memory_mib: int = 0  # 0: the host's memory
     max_total_vcpus: int = 0  # 0: no limit but the host's
     max_total_memory_mib: int = 0
+    max_disk_mib: int = 0  # per sandbox; 0: DEFAULT_MAX_DISK_MIB
+    max_pids: int = 0  # per sandbox; 0: DEFAULT_MAX_PIDS
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -61,6 +66,8 @@ class Limits:
         lim = cls(**{k: int(v) for k, v in stored.items() if k in cls.names()})
         lim.max_vcpus = lim.max_vcpus or host_vcpus()
         lim.max_memory_mib = lim.max_memory_mib or host_memory_mib()
+        lim.max_disk_mib = lim.max_disk_mib or DEFAULT_MAX_DISK_MIB
+        lim.max_pids = lim.max_pids or DEFAULT_MAX_PIDS
         return lim
 
 
@@ -82,6 +89,8 @@ class Admission:
         self.store = store
         self.cpu_ratio = float(os.environ.get("CPUOS_CPU_OVERCOMMIT") or 32)
         self.mem_ratio = float(os.environ.get("CPUOS_MEMORY_OVERCOMMIT") or 4)
+        # (workspace, what) -> raises at the workspace's spending cap (accounting.usage)
+        self.check_spending: Callable[[str, str], None] | None = None
 
     def capacity(self) -> dict[str, int]:
         return {"vcpus": int(host_vcpus() * self.cpu_ratio),
@@ -108,11 +117,14 @@ class Admission:
                                                                    "memory_mib": hm}}}
 
     def admit(self, workspace_id: str, vcpus: int, memory_mib: int, *, n: int = 1,
-              new_sandboxes: bool = True, reserve_host: bool = True) -> None:
+              new_sandboxes: bool = True, reserve_host: bool = True,
+              pids: int | None = None, disk_mib: int | None = None) -> None:
         """Raise unless ``n`` sandboxes of this size may start for this workspace.
         ``new_sandboxes``: they add to the workspace's count (not for a resume);
         ``reserve_host``: they take new host capacity (not when handed from the pool)."""
         lim = self.limits(workspace_id)
+        if self.check_spending is not None:
+            self.check_spending(workspace_id, "create" if new_sandboxes else "resume")
         if vcpus > lim.max_vcpus:
             raise invalid(f"vcpus {vcpus} is over this workspace's maximum of "
                           f"{lim.max_vcpus} per sandbox", field="vcpus", max=lim.max_vcpus)
@@ -120,6 +132,13 @@ class Admission:
             raise invalid(f"memory_mib {memory_mib} is over this workspace's maximum of "
                           f"{lim.max_memory_mib} per sandbox", field="memory_mib",
                           max=lim.max_memory_mib)
+        if disk_mib is not None and disk_mib > lim.max_disk_mib:
+            raise invalid(f"disk_mib {disk_mib} is over this workspace's maximum of "
+                          f"{lim.max_disk_mib} per sandbox", field="disk_mib",
+                          max=lim.max_disk_mib)
+        if pids is not None and pids > lim.max_pids:
+            raise invalid(f"pids {pids} is over this workspace's maximum of {lim.max_pids} "
+                          f"per sandbox", field="pids", max=lim.max_pids)
         if new_sandboxes:
             alive = len(self.store.list_sandboxes(workspace_id, ACTIVE_STATES))
             if alive + n > lim.max_sandboxes:

@@ -16,6 +16,7 @@ import re
 import shutil
 import time
 from dataclasses import asdict
+from functools import partial
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal
@@ -34,10 +35,12 @@ from .templates import TemplateBuilds, router as templates_router
 from .audit import router as audit_router, start_audit
 from ..accounting.trace import Traced
 from .commands import router as commands_router
+from .usage import router as usage_router, sandbox_metrics
 from ..proxy.preview import Preview
 from ..backends.microvm.selection import BackendUnavailable, select_backend
 from ..config import Config
-from ..accounting.quotas import check_limits_body
+from ..accounting.quotas import Limits, check_limits_body
+from ..accounting.usage import Enforcer, Meter
 from ..errors import ApiError, invalid, not_found
 from ..events import EventBus, SandboxEvent, log_event
 from ..backends.base import Backend
@@ -82,8 +85,16 @@ class CreateSandbox(BaseModel):
     timeout: float | str = 300.0
     metadata: dict[str, str] = Field(default_factory=dict, max_length=64)
     env: dict[str, str] = Field(default_factory=dict)
-    vcpus: int = Field(2, ge=1, le=64)
-    memory_mib: int = Field(2048, ge=128, le=262144)
+    vcpus: int | None = Field(None, ge=1, le=64, description="default: the workspace's "
+                              "default_vcpus, else the daemon's (2)")
+    memory_mib: int | None = Field(None, ge=128, le=262144, description="default: the "
+                                   "workspace's default_memory_mib, else 2048")
+    disk_mib: int | None = Field(None, ge=64, le=1 << 22, description=(
+        "MiB the root filesystem's writable layer may hold (ENOSPC inside past it); "
+        "default: the workspace's default_disk_mib, else CPUOS_DEFAULT_DISK_MIB"))
+    pids: int | None = Field(None, ge=16, le=1 << 22, description=(
+        "processes and threads the sandbox's commands may have; default: the "
+        "workspace's default_pids, else CPUOS_DEFAULT_PIDS"))
     on_timeout: Literal["kill", "pause"] = "kill"
     network: str | dict[str, Any] | None = Field(None, description=(
         "egress policy: off | on | allowlist | {\"allow\": [\"pypi.org\", "
@@ -121,8 +132,17 @@ class ExposePort(BaseModel):
 
 
 class WorkspaceSettings(BaseModel):
+    """Only the settings named in the body change; null removes one (back to the
+    daemon's default)."""
     model_config = ConfigDict(extra="forbid")
-    default_network: str | dict[str, Any] | None
+    default_network: str | dict[str, Any] | None = None
+    spending_cap: float | None = Field(None, ge=0, description=(
+        "USD per calendar month (UTC); at it, create and resume are refused (402) and "
+        "running sandboxes are paused"))
+    default_vcpus: int | None = Field(None, ge=1, le=64)
+    default_memory_mib: int | None = Field(None, ge=128, le=262144)
+    default_disk_mib: int | None = Field(None, ge=64, le=1 << 22)
+    default_pids: int | None = Field(None, ge=16, le=1 << 22)
 
 
 class SetNetwork(BaseModel):
@@ -182,7 +202,8 @@ class NewWorkspace(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(min_length=1, max_length=64, pattern=r"^[a-z0-9-]+$")
     limits: dict[str, int] = Field(default_factory=dict, description=(
-        "maxima: max_sandboxes, max_vcpus and max_memory_mib (per sandbox), "
+        "maxima: max_sandboxes, max_vcpus, max_memory_mib, max_disk_mib and max_pids (per "
+        "sandbox), "
         "max_total_vcpus and max_total_memory_mib (its running sandboxes together)"))
 
 
@@ -208,6 +229,25 @@ def bootstrap(cfg: Config, store: Store) -> None:
     os.chmod(cfg.admin_key_path, 0o600)
 
 
+SIZE_DEFAULTS = ("default_vcpus", "default_memory_mib", "default_disk_mib", "default_pids")
+
+
+def sandbox_size(body: CreateSandbox, workspace: dict[str, Any] | None, cfg: Config,
+                 limits: Limits) -> dict[str, int]:
+    """vcpus, memory_mib, disk_mib and pids of a new sandbox: as asked (admission refuses
+    what is over the workspace's maxima), else the workspace's defaults, else the daemon's,
+    each at most the workspace's maximum."""
+    settings = (workspace or {}).get("settings") or {}
+    out = {}
+    for name in ("vcpus", "memory_mib", "disk_mib", "pids"):
+        v = getattr(body, name)
+        if v is None:
+            v = min(int(settings.get(f"default_{name}") or getattr(cfg, f"default_{name}")),
+                    getattr(limits, f"max_{name}"))
+        out[name] = int(v)
+    return out
+
+
 def sandbox_json(row: SandboxRow) -> dict[str, Any]:
     now = time.time()
     return {
@@ -217,8 +257,9 @@ def sandbox_json(row: SandboxRow) -> dict[str, Any]:
         "timeout_remaining": max(0.0, row.deadline - now)
         if row.deadline and row.state == "running" else None,
         "vcpus": row.spec.get("vcpus"), "memory_mib": row.spec.get("memory_mib"),
-        "pids": row.spec.get("pids"), "network": row.spec.get("network"),
-        "metadata": row.metadata, "on_timeout": row.on_timeout, "paused_at": row.paused_at,
+        "pids": row.spec.get("pids"), "disk_mib": row.spec.get("disk_mib"),
+        "network": row.spec.get("network"), "metadata": row.metadata,
+        "on_timeout": row.on_timeout, "paused_at": row.paused_at,
         "snapshot_bytes": row.snapshot_bytes,
     }
 
@@ -260,6 +301,16 @@ async def start_network(cfg: Config, backend: Backend, store: Store, events: Eve
     return net
 
 
+async def stop_for_cap(mgr: Manager, workspace_id: str, sid: str) -> str:
+    """What a sandbox of a workspace at its spending cap gets: paused where the backend
+    can checkpoint (it costs only its snapshot's storage), else killed."""
+    if mgr.backend.capabilities.checkpoint:
+        await mgr.pause(workspace_id, sid)
+        return "paused"
+    await mgr.kill(sid, reason="spending_cap")
+    return "killed"
+
+
 def create_app(cfg: Config | None = None) -> FastAPI:
     cfg = cfg or Config()
 
@@ -284,11 +335,18 @@ def create_app(cfg: Config | None = None) -> FastAPI:
         audit = start_audit(cfg, events, store)
         if cfg.audit and cfg.audit_runtime and backend.capabilities.name == "gvisor":
             backend = Traced(backend, audit, cfg.sandboxes_dir)
+        meter = Meter(store)
+        events.subscribe(meter.on_event)
         network = await start_network(cfg, backend, store, events)
         if network is not None:
             backend = Networked(backend, network, cfg.sandboxes_dir)
         mgr = Manager(cfg, store, backend, events)
+        enforcer = Enforcer(store, meter, events, partial(stop_for_cap, mgr))
+        mgr.admission.check_spending = enforcer.check_cap
         await mgr.startup()
+        meter.reconcile()
+        cap_task = asyncio.ensure_future(enforcer.run())
+        app.state.meter = meter
         app.state.store, app.state.mgr, app.state.network = store, mgr, network
         app.state.audit = audit
         app.state.builds = TemplateBuilds(cfg)
@@ -299,6 +357,9 @@ def create_app(cfg: Config | None = None) -> FastAPI:
         try:
             yield
         finally:
+            cap_task.cancel()
+            await asyncio.gather(cap_task, return_exceptions=True)
+            await enforcer.close()
             await preview.close()
             await app.state.builds.shutdown()
             await mgr.shutdown()
@@ -313,6 +374,7 @@ def create_app(cfg: Config | None = None) -> FastAPI:
     app.include_router(audit_router)
     app.include_router(commands_router)
     document(app)  # the answers' schemas in /openapi.json (sdk/js's types)
+    app.include_router(usage_router)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, e: ApiError) -> JSONResponse:
@@ -374,19 +436,31 @@ def create_app(cfg: Config | None = None) -> FastAPI:
     @app.put("/workspaces/{wid}/settings")
     async def set_settings(wid: str, body: WorkspaceSettings, request: Request, ws: Ws
                            ) -> dict[str, Any]:
-        """A workspace's defaults (admin): ``default_network``, the egress policy of its
-        sandboxes that name none (off | on | allowlist | {"allow": [...]}); null: the
-        daemon's (CPUOS_DEFAULT_NETWORK)."""
+        """A workspace's settings (admin): ``default_network``, the egress policy of its
+        sandboxes that name none (off | on | allowlist | {"allow": [...]}; null: the
+        daemon's CPUOS_DEFAULT_NETWORK); ``spending_cap`` (USD a month; null: none)."""
         require_admin(request, ws)
         store: Store = request.app.state.store
         w = store.workspace(wid)
         if w is None:
             raise not_found("workspace", wid)
         settings = dict(w["settings"])
-        if body.default_network is None:
-            settings.pop("default_network", None)
-        else:
-            settings["default_network"] = Policy.parse(body.default_network).to_json()
+        given = body.model_fields_set
+        if not given:
+            raise invalid("name at least one setting: " + ", ".join(
+                WorkspaceSettings.model_fields))
+        if "default_network" in given:
+            if body.default_network is None:
+                settings.pop("default_network", None)
+            else:
+                settings["default_network"] = Policy.parse(body.default_network).to_json()
+        for name in ("spending_cap", *SIZE_DEFAULTS):
+            if name in given:
+                v = getattr(body, name)
+                if v is None:
+                    settings.pop(name, None)
+                else:
+                    settings[name] = v
         store.set_workspace_settings(wid, settings)
         return {"id": wid, "settings": settings}
 
@@ -423,10 +497,14 @@ def create_app(cfg: Config | None = None) -> FastAPI:
                 mgr(request).cfg.default_network)
             pol.secrets, pol.ca = view, ca
             network = pol.to_json()
+        size = sandbox_size(body, request.app.state.store.workspace(ws), cfg_,
+                            mgr(request).admission.limits(ws))
         try:
             row = await mgr(request).create(ws, body.template, float(body.timeout),
-                                            body.metadata, env, body.vcpus, body.memory_mib,
-                                            body.on_timeout, network=network)
+                                            body.metadata, env, size["vcpus"],
+                                            size["memory_mib"], body.on_timeout,
+                                            network=network, pids=size["pids"],
+                                            disk_mib=size["disk_mib"])
         except BaseException:
             # refused before a row existed (admission, template): no event will clean up
             if body.secrets and request.app.state.network is not None:
@@ -472,19 +550,7 @@ def create_app(cfg: Config | None = None) -> FastAPI:
         CPU % since it started), memory used and its limit, tasks and their limit, bytes
         on its network link. A paused sandbox has only its snapshot's size."""
         m = mgr(request)
-        row = m.get(ws, sid)
-        out: dict[str, Any] = {"id": sid, "state": row.state, "time": time.time(),
-                               "vcpus": row.spec.get("vcpus"),
-                               "memory_limit_bytes": (row.spec.get("memory_mib") or 0) << 20,
-                               "pids_limit": row.spec.get("pids")}
-        if row.state == "paused":
-            out["snapshot_bytes"] = row.snapshot_bytes
-        elif row.state == "running":
-            out.update(await asyncio.to_thread(m.backend.stats, sid))
-            if "cpu_seconds" in out and row.started_at:
-                up = max(1e-3, time.time() - row.started_at)
-                out["cpu_percent_avg"] = round(100 * out["cpu_seconds"] / up, 2)
-        return out
+        return await sandbox_metrics(m, m.get(ws, sid))
 
     @app.get("/sandboxes/{sid}/connections")
     async def connections(sid: str, request: Request, ws: Ws,

@@ -20,6 +20,9 @@ class SandboxSpec:
     # tasks (processes and threads) the sandbox's commands may have; None: no limit (a
     # sandbox paused before limits existed resumes as it was checkpointed)
     pids: int | None = None
+    # MiB of the root filesystem's writable layer (ENOSPC past it); None: the layer is in
+    # sandbox memory, unbounded but by it (sandboxes made before disk limits existed)
+    disk_mib: int | None = None
     # the egress policy (cpuosd.network.policy.Policy as JSON), and the network namespace
     # the network wrapper made for the sandbox (None: no network at all)
     network: dict[str, Any] | None = None

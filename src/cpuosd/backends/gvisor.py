@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import hashlib
 import json
 import logging
 import os
@@ -31,7 +32,22 @@ SANDBOX_GID = 1000
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
-SPEC_VERSION = 2  # 2: RLIMIT_NPROC and a pids cgroup limit
+# 2: RLIMIT_NPROC and a pids cgroup limit; 3: the writable layer a size-limited file
+SPEC_VERSION = 3
+
+
+def disk_inodes(disk_mib: int, memory_mib: int) -> int:
+    """Files (inodes) the writable layer may hold: one per 16 KiB of disk (ext4's default
+    ratio), at most what the host cgroup's headroom above the sandbox's memory can carry
+    (each costs the sentry ~3 KiB of its own memory, which the agent's OOM killer does not
+    see): 32 per MiB of memory, and 32768 at least."""
+    return min(disk_mib * 64, max(32768, memory_mib * 32))
+
+
+def host_memory_limit_mib(memory_mib: int) -> int:
+    """The sandbox cgroup's memory limit for a sandbox of ``memory_mib``: room for the
+    sentry and gofer, and for an allocation the agent's OOM killer sees only after it."""
+    return memory_mib + max(256, memory_mib // 4)
 
 
 def host_pids_limit(pids: int) -> int:
@@ -93,7 +109,10 @@ def oci_spec(spec: SandboxSpec) -> dict[str, Any]:
             "namespaces": [{"type": t} for t in ("pid", "ipc", "uts", "mount")]
             + ([{"type": "network", "path": spec.netns}] if spec.netns else []),
             "resources": {
-                "memory": {"limit": spec.memory_mib << 20},
+                # above the sandbox's own limit, which the agent's OOM killer holds it to
+                # (cpuos_agent.memguard): this one is the backstop for the whole sandbox,
+                # sentry included
+                "memory": {"limit": host_memory_limit_mib(spec.memory_mib) << 20},
                 "cpu": {"quota": 100000 * spec.vcpus, "period": 100000},
                 # the host-side backstop: about two host tasks per guest process under
                 # systrap; reaching it would end the sandbox, so it sits well above
@@ -123,6 +142,9 @@ class GVisorBackend:
         self.info = runsc
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
+        # a checkpoint restores only into the runsc that made it, and the same OCI spec
+        self.image_kind = (f"gvisor-s{SPEC_VERSION}-"
+                           f"{hashlib.sha256(runsc.version.encode()).hexdigest()[:8]}")
 
     def runtime(self) -> dict[str, str]:
         return {"runsc": self.info.path, "runsc_version": self.info.version,
@@ -150,13 +172,22 @@ class GVisorBackend:
         return bundle
 
     def _sandbox_flags(self, spec: SandboxSpec) -> list[str]:
-        # The writable layer lives in sandbox memory so that a checkpoint carries it.
+        # The writable layer: a file of disk_mib in the sandbox's host directory (gVisor's
+        # "anonymous" overlay file store: created and unlinked there, memory-mapped by the
+        # sentry, carried by a checkpoint; past its size, ENOSPC inside); a sandbox made
+        # before disk limits existed keeps its layer in sandbox memory.
         # --gofer-network-namespace=new: each gofer in an empty netns of its own (runsc's
         # default, one shared netns bind-mounted at <root>/null-netns, is never unmounted).
         # With a network namespace (cpuosd.network): gVisor's own netstack in it.
         net = "--network=sandbox" if spec.netns else "--network=none"
         trace = [f"--pod-init-config={spec.trace_config}"] if spec.trace_config else []
-        return [*self._global_flags(), net, "--host-uds=open", "--overlay2=root:memory",
+        overlay = "--overlay2=root:memory"
+        if spec.disk_mib:
+            size = f"{spec.disk_mib}m"
+            if self.info.overlay_inodes:
+                size += f"/{disk_inodes(spec.disk_mib, spec.memory_mib)}"
+            overlay = f"--overlay2=root:dir={spec.dir},size={size}"
+        return [*self._global_flags(), net, "--host-uds=open", overlay,
                 *trace, *self.info.gofer_flags()]
 
     async def _run_detached(self, spec: SandboxSpec, *args: str, timeout: float
@@ -225,7 +256,6 @@ class GVisorBackend:
 
     # the OCI spec's layout: runsc restores an image only into a spec like its own
     # (rlimits, mounts, capabilities), so template images are per layout
-    image_kind = f"gvisor-s{SPEC_VERSION}"
 
     async def close(self) -> None:
         # a runsc without --gofer-network-namespace (Debian's) bind-mounts one shared gofer
@@ -270,7 +300,36 @@ class GVisorBackend:
             got = num(*names)
             if got is not None:
                 out[key] = got
+        used = self.disk_used(sandbox_id)
+        if used is not None:
+            out["disk_used_bytes"] = used
         return out
+
+    @staticmethod
+    def disk_used(sandbox_id: str) -> int | None:
+        """Bytes the sandbox's writable layer holds on the host: the blocks of its overlay
+        file store (an unlinked file the sentry keeps open), found among the fds of the
+        processes in the sandbox's cgroup — the host's view, nothing the sandbox says."""
+        procs_file = Path(f"/sys/fs/cgroup/pids/cpuos/{sandbox_id}/cgroup.procs")
+        if not procs_file.exists():
+            procs_file = Path(f"/sys/fs/cgroup/cpuos/{sandbox_id}/cgroup.procs")
+        try:
+            pids = procs_file.read_text().split()
+        except OSError:
+            return None
+        for pid in pids[:64]:
+            try:
+                fds = os.listdir(f"/proc/{pid}/fd")
+            except OSError:
+                continue
+            for fd in fds[:4096]:
+                try:
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if "/runsc-filestore-" in target and target.endswith("(deleted)"):
+                        return os.stat(f"/proc/{pid}/fd/{fd}").st_blocks * 512
+                except OSError:
+                    continue
+        return None
 
     def memory_usage(self, sandbox_id: str) -> int | None:
         """Bytes the sandbox's cgroup holds (an upper bound of its checkpoint image)."""

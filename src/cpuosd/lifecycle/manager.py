@@ -146,7 +146,8 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
         s = row.spec
         return SandboxSpec(id=row.id, rootfs=Path(s["rootfs"]), dir=self.cfg.sandboxes_dir / row.id,
                            agent_dir=self.agent_dir, vcpus=s["vcpus"], memory_mib=s["memory_mib"],
-                           pids=s.get("pids"), network=s.get("network"),
+                           pids=s.get("pids"), disk_mib=s.get("disk_mib"),
+                           network=s.get("network"),
                            hostname=s.get("hostname", "sandbox"), env=s.get("env", {}))
 
     async def startup(self) -> None:
@@ -184,7 +185,8 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
     def _new_row(self, workspace_id: str, template: str, info: dict[str, Any], timeout: float,
                  metadata: dict[str, str], env: dict[str, str], vcpus: int, memory_mib: int,
                  state: str = "creating", on_timeout: str = "kill",
-                 network: dict[str, Any] | None = None) -> SandboxRow:
+                 network: dict[str, Any] | None = None, pids: int | None = None,
+                 disk_mib: int | None = None) -> SandboxRow:
         sid = "sbx-" + "".join(secrets.choice("abcdefghijklmnopqrstuvwxyz0123456789")
                                for _ in range(12))
         now = _now()
@@ -193,7 +195,8 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
             backend=self.backend.capabilities.name, state=state, reason=None,
             created_at=now, started_at=None, ended_at=None, deadline=now + timeout,
             spec={"rootfs": info["rootfs"], "template_digest": info["digest"], "vcpus": vcpus,
-                  "memory_mib": memory_mib, "pids": self.cfg.default_pids,
+                  "memory_mib": memory_mib, "pids": pids or self.cfg.default_pids,
+                  "disk_mib": disk_mib or self.cfg.default_disk_mib,
                   "hostname": "sandbox", "env": env,
                   "timeout": timeout, "machine_id": secrets.token_hex(16),
                   "template_env": info.get("env") or {}, "workdir": info.get("workdir"),
@@ -269,11 +272,13 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
 
     async def _identity(self, lv: Live) -> None:
         """New for every boot, restore and clone: hostname (the sandbox id), machine-id,
-        randomness for the guest's RNG, the time and, for a VM, its network address
-        (cpuos_agent.agent.apply_identity)."""
+        randomness for the guest's RNG, the time, for a VM its network address
+        (cpuos_agent.agent.apply_identity), and the memory limit the agent's OOM killer
+        holds the sandbox to (gVisor: cpuos_agent.memguard)."""
         msg: dict[str, Any] = {"t": "identity", "hostname": lv.row.id,
                                "machine_id": lv.row.spec["machine_id"],
-                               "seed": secrets.token_hex(64), "time": time.time()}
+                               "seed": secrets.token_hex(64), "time": time.time(),
+                               "memory_limit": int(lv.row.spec["memory_mib"]) << 20}
         if self.backend.capabilities.guest_net and lv.spec.address and lv.spec.gateway:
             # a VM's interface: every restore and clone has an address of its own
             msg["net"] = {"address": lv.spec.address, "gateway": lv.spec.gateway,
@@ -296,18 +301,23 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
     async def create(self, workspace_id: str, template: str, timeout: float,
                      metadata: dict[str, str], env: dict[str, str], vcpus: int,
                      memory_mib: int, on_timeout: str = "kill",
-                     network: dict[str, Any] | None = None) -> SandboxRow:
+                     network: dict[str, Any] | None = None, pids: int | None = None,
+                     disk_mib: int | None = None) -> SandboxRow:
         network = network or self.default_network
+        pids, disk_mib = pids or self.cfg.default_pids, disk_mib or self.cfg.default_disk_mib
         info = template_info(self.cfg.templates_dir, template)
         if info is None:
             raise ApiError("not_found", f"template {template!r} is not built; run "
                            f"`cpuos template build {template}` on the daemon's host",
                            {"template": template})
-        default_size = (vcpus, memory_mib) == (self.cfg.default_vcpus,
-                                              self.cfg.default_memory_mib)
+        # the template's image and the pool are of the default size (a checkpoint carries
+        # its rlimits and its disk's size): another size boots
+        default_size = (vcpus, memory_mib, pids, disk_mib) == (
+            self.cfg.default_vcpus, self.cfg.default_memory_mib, self.cfg.default_pids,
+            self.cfg.default_disk_mib)
         pool = self.pool.get(template)
         # no await from here to the row's insert (or the pop): admission is atomic
-        self.admission.admit(workspace_id, vcpus, memory_mib,
+        self.admission.admit(workspace_id, vcpus, memory_mib, pids=pids, disk_mib=disk_mib,
                              reserve_host=not (default_size and pool))
         if default_size and pool:
             lv = pool.pop()  # no await between the check and the pop: handed out once
@@ -329,7 +339,8 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
         # the row first: a create waiting for its template's snapshot is listed (creating)
         # and can be deleted
         row = self._new_row(workspace_id, template, info, timeout, metadata, env, vcpus,
-                            memory_mib, on_timeout=on_timeout, network=network)
+                            memory_mib, on_timeout=on_timeout, network=network, pids=pids,
+                            disk_mib=disk_mib)
         async with self._lock(row.id):
             self._inflight[row.id] = asyncio.current_task()
             try:

@@ -32,7 +32,8 @@ class Templates:
         """A template image is of one template build, one agent and one kind of machine
         (an image of another backend, accelerator or device set never restores)."""
         return (f"{template}-{digest}-{self.agent_dir.name}-{self.backend.image_kind}"
-                f"-p{self.cfg.default_pids}")  # rlimits must match at restore
+                f"-p{self.cfg.default_pids}-d{self.cfg.default_disk_mib}")
+        # (rlimits must match at restore; the disk's size is the checkpoint's)
 
     async def _template_image(self: Manager, template: str, info: dict[str, Any]) -> Path | None:
         """The template booted once and checkpointed; made on first use. None when
@@ -62,6 +63,7 @@ class Templates:
                          spec={"rootfs": info["rootfs"], "vcpus": self.cfg.default_vcpus,
                                "memory_mib": self.cfg.default_memory_mib,
                                "pids": self.cfg.default_pids,
+                               "disk_mib": self.cfg.default_disk_mib,
                                "network": {"mode": "off", "allow": []},
                                "hostname": "sandbox", "env": {},
                                "machine_id": secrets.token_hex(16),

@@ -182,6 +182,10 @@ class Session:
                     yield P.encode({"t": "out", "fd": fd}, payload)
                 elif t == "exit":
                     result = _exit_frame(h, time.monotonic() - t0)
+                    if result["oom"]:
+                        self.events.emit(SandboxEvent(
+                            "oom", lv.row.id, lv.row.workspace_id, None,
+                            fields={"exec_id": eid, "exit_code": result["exit_code"]}))
                     yield P.encode(result)
                     done = True
                     break
@@ -299,6 +303,7 @@ def _exit_frame(h: P.Header, duration: float) -> dict[str, Any]:
         "signal": sig if isinstance(sig, int) and 0 < sig < 128 else None,
         "timed_out": h.get("timed_out") is True,
         "killed": h.get("killed") is True,
+        "oom": h.get("oom") is True,
         "duration": round(duration, 6),
     }
 

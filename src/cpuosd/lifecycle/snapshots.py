@@ -52,7 +52,10 @@ class Snapshots:
             raise
 
     def _check_space(self: Manager, sid: str, where: Path) -> None:
-        need = (self.backend.memory_usage(sid) or 0) + self.cfg.snapshot_margin
+        # its memory and what its writable layer holds (a file on the host, not memory)
+        need = (int(self.backend.memory_usage(sid) or 0)
+                + int(self.backend.stats(sid).get("disk_used_bytes") or 0)
+                + self.cfg.snapshot_margin)
         where.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(where).free
         if free < need:
@@ -148,6 +151,7 @@ class Snapshots:
                                       row.spec.get("env", {}), row.spec["vcpus"],
                                       row.spec["memory_mib"], on_timeout=row.on_timeout)
                     c.spec["pids"] = row.spec.get("pids")  # rlimits must match at restore
+                    c.spec["disk_mib"] = row.spec.get("disk_mib")  # and the overlay's medium
                     c.spec["network"] = row.spec.get("network")
                     self.store.update_sandbox(c.id, spec=c.spec)
                     try:

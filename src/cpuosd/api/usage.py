@@ -1,0 +1,95 @@
+"""GET /usage: what a workspace's sandboxes used (per second) and cost, in a time range;
+GET /metrics: what the host measures of each of them now (``cpuos top``)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Query, Request
+
+from ..accounting.usage import Meter, month_start, spending_cap
+from ..errors import invalid
+from ..store import SandboxRow
+from .auth import Ws
+
+if TYPE_CHECKING:
+    from ..lifecycle.manager import Manager
+
+router = APIRouter()
+
+
+def _when(v: str | None, default: float, what: str) -> float:
+    """Seconds since the epoch, or an ISO 8601 time (UTC unless it says otherwise)."""
+    if v is None or v == "":
+        return default
+    try:
+        return float(v)
+    except ValueError:
+        pass
+    try:
+        t = datetime.fromisoformat(v.replace("Z", "+00:00"))
+    except ValueError:
+        raise invalid(f"{what} must be seconds since the epoch or an ISO 8601 time, "
+                      f"got {v[:40]!r}", field=what) from None
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=UTC)
+    return t.timestamp()
+
+
+@router.get("/usage")
+async def usage(request: Request, ws: Ws,
+                since: str | None = Query(None, description="default: the start of this "
+                                          "month (UTC); epoch seconds or ISO 8601"),
+                until: str | None = Query(None, description="default: now"),
+                sandbox: str | None = Query(None, description="only this sandbox")
+                ) -> dict[str, Any]:
+    """Running seconds (x vCPUs, x GiB of memory) and paused seconds (x snapshot GiB) of
+    the caller's sandboxes between since and until, per sandbox and in total, with their
+    cost at the daemon's prices; the workspace's spending cap and this month's spend."""
+    now = time.time()
+    t0 = _when(since, month_start(now), "since")
+    t1 = _when(until, now, "until")
+    if t1 < t0:
+        raise invalid("until is before since", field="until")
+    if sandbox is not None:
+        request.app.state.mgr.get(ws, sandbox)  # 404 unless the caller's
+    meter: Meter = request.app.state.meter
+    out = meter.summary(ws, t0, min(t1, now), sandbox)
+    cap = spending_cap(request.app.state.store, ws)
+    month = meter.month_cost(ws, now)
+    out["spending_cap"] = {"cap": cap, "month_spent": round(month, 8),
+                           "reached": cap is not None and month >= cap}
+    return out
+
+
+async def sandbox_metrics(m: Manager, row: SandboxRow) -> dict[str, Any]:
+    """What the host measures of a sandbox now: CPU seconds (and the average CPU % since
+    it started), memory used and its limit, tasks and their limit, its disk's use and
+    limit, bytes on its network link. A paused sandbox has only its snapshot's size."""
+    out: dict[str, Any] = {"id": row.id, "state": row.state, "time": time.time(),
+                           "vcpus": row.spec.get("vcpus"),
+                           "memory_limit_bytes": (row.spec.get("memory_mib") or 0) << 20,
+                           "pids_limit": row.spec.get("pids"),
+                           "disk_limit_bytes": (row.spec.get("disk_mib") or 0) << 20}
+    if row.state == "paused":
+        out["snapshot_bytes"] = row.snapshot_bytes
+    elif row.state == "running":
+        out.update(await asyncio.to_thread(m.backend.stats, row.id))
+        # the sandbox's own limit (its host cgroup's is a little higher: a backstop)
+        out["memory_limit_bytes"] = (row.spec.get("memory_mib") or 0) << 20
+        if "cpu_seconds" in out and row.started_at:
+            up = max(1e-3, time.time() - row.started_at)
+            out["cpu_percent_avg"] = round(100 * out["cpu_seconds"] / up, 2)
+    return out
+
+
+@router.get("/metrics")
+async def all_metrics(request: Request, ws: Ws) -> dict[str, Any]:
+    """sandbox_metrics of each of the caller's running and paused sandboxes (cpuos top)."""
+    m: Manager = request.app.state.mgr
+    rows = m.store.list_sandboxes(ws, ("running", "paused"))[:1000]
+    return {"time": time.time(),
+            "sandboxes": [await sandbox_metrics(m, r) for r in rows]}
