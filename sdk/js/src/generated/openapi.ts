@@ -41,6 +41,26 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/metrics": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * All Metrics
+         * @description sandbox_metrics of each of the caller's running and paused sandboxes (cpuos top).
+         */
+        get: operations["all_metrics_metrics_get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/sandboxes": {
         parameters: {
             query?: never;
@@ -560,6 +580,28 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/usage": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * Usage
+         * @description Running seconds (x vCPUs, x GiB of memory) and paused seconds (x snapshot GiB) of
+         *     the caller's sandboxes between since and until, per sandbox and in total, with their
+         *     cost at the daemon's prices; the workspace's spending cap and this month's spend.
+         */
+        get: operations["usage_usage_get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/workspace": {
         parameters: {
             query?: never;
@@ -627,9 +669,9 @@ export interface paths {
         get?: never;
         /**
          * Set Settings
-         * @description A workspace's defaults (admin): ``default_network``, the egress policy of its
-         *     sandboxes that name none (off | on | allowlist | {"allow": [...]}); null: the
-         *     daemon's (CPUOS_DEFAULT_NETWORK).
+         * @description A workspace's settings (admin): ``default_network``, the egress policy of its
+         *     sandboxes that name none (off | on | allowlist | {"allow": [...]}; null: the
+         *     daemon's CPUOS_DEFAULT_NETWORK); ``spending_cap`` (USD a month; null: none).
          */
         put: operations["set_settings_workspaces__wid__settings_put"];
         post?: never;
@@ -696,15 +738,20 @@ export interface components {
         };
         /** CreateSandbox */
         CreateSandbox: {
+            /**
+             * Disk Mib
+             * @description MiB the root filesystem's writable layer may hold (ENOSPC inside past it); default: the workspace's default_disk_mib, else CPUOS_DEFAULT_DISK_MIB
+             */
+            disk_mib?: number | null;
             /** Env */
             env?: {
                 [key: string]: string;
             };
             /**
              * Memory Mib
-             * @default 2048
+             * @description default: the workspace's default_memory_mib, else 2048
              */
-            memory_mib?: number;
+            memory_mib?: number | null;
             /** Metadata */
             metadata?: {
                 [key: string]: string;
@@ -722,6 +769,11 @@ export interface components {
              * @enum {string}
              */
             on_timeout?: "kill" | "pause";
+            /**
+             * Pids
+             * @description processes and threads the sandbox's commands may have; default: the workspace's default_pids, else CPUOS_DEFAULT_PIDS
+             */
+            pids?: number | null;
             /**
              * Secrets
              * @description {NAME: {"value": "...", "hosts": ["api.example.com"]}}: NAME in the sandbox is a placeholder; the egress proxy puts the value in the headers of requests to those hosts only
@@ -741,9 +793,9 @@ export interface components {
             timeout?: number | string;
             /**
              * Vcpus
-             * @default 2
+             * @description default: the workspace's default_vcpus, else the daemon's (2)
              */
-            vcpus?: number;
+            vcpus?: number | null;
             /**
              * Wake On Request
              * @description a request to an exposed port of the paused sandbox resumes it
@@ -924,7 +976,7 @@ export interface components {
         NewWorkspace: {
             /**
              * Limits
-             * @description maxima: max_sandboxes, max_vcpus and max_memory_mib (per sandbox), max_total_vcpus and max_total_memory_mib (its running sandboxes together)
+             * @description maxima: max_sandboxes, max_vcpus, max_memory_mib, max_disk_mib and max_pids (per sandbox), max_total_vcpus and max_total_memory_mib (its running sandboxes together)
              */
             limits?: {
                 [key: string]: number;
@@ -1133,12 +1185,29 @@ export interface components {
             /** Error Type */
             type: string;
         };
-        /** WorkspaceSettings */
+        /**
+         * WorkspaceSettings
+         * @description Only the settings named in the body change; null removes one (back to the
+         *     daemon's default).
+         */
         WorkspaceSettings: {
+            /** Default Disk Mib */
+            default_disk_mib?: number | null;
+            /** Default Memory Mib */
+            default_memory_mib?: number | null;
             /** Default Network */
-            default_network: string | {
+            default_network?: string | {
                 [key: string]: unknown;
             } | null;
+            /** Default Pids */
+            default_pids?: number | null;
+            /** Default Vcpus */
+            default_vcpus?: number | null;
+            /**
+             * Spending Cap
+             * @description USD per calendar month (UTC); at it, create and resume are refused (402) and running sandboxes are paused
+             */
+            spending_cap?: number | null;
         };
     };
     responses: never;
@@ -1172,6 +1241,28 @@ export interface operations {
         };
     };
     health_health_get: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": {
+                        [key: string]: unknown;
+                    };
+                };
+            };
+        };
+    };
+    all_metrics_metrics_get: {
         parameters: {
             query?: never;
             header?: never;
@@ -2527,6 +2618,44 @@ export interface operations {
                 content: {
                     "application/json": unknown;
                     "application/x-ndjson": unknown;
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    usage_usage_get: {
+        parameters: {
+            query?: {
+                /** @description only this sandbox */
+                sandbox?: string | null;
+                /** @description default: the start of this month (UTC); epoch seconds or ISO 8601 */
+                since?: string | null;
+                /** @description default: now */
+                until?: string | null;
+            };
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": {
+                        [key: string]: unknown;
+                    };
                 };
             };
             /** @description Validation Error */
