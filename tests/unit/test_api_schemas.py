@@ -48,3 +48,22 @@ def test_every_documented_answer_is_a_route_and_in_the_document() -> None:
         assert ok and all(r["content"]["application/json"]["schema"]["$ref"].endswith(
             "/" + model.__name__) for r in ok), (method, path)
         assert model.__name__ in doc["components"]["schemas"]
+
+
+def test_usage_answer_matches() -> None:
+    from cpuosd.accounting.usage import Meter
+    from cpuosd.api.schemas import Usage
+    from cpuosd.store import Store
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        store = Store(Path(d) / "db")
+        meter = Meter(store)
+        store.execute("INSERT INTO usage (workspace_id, sandbox_id, kind, start, end, vcpus, "
+                      "memory_mib) VALUES ('w', 's', 'running', 0, 10, 2, 1024)")
+        out = meter.summary("w", 0, 20)
+        out["spending_cap"] = {"cap": None, "month_spent": 0.0, "reached": False}
+        Usage.model_validate(out)
+        assert out["total"]["vcpu_seconds"] == 20 and out["total"]["memory_gib_seconds"] == 10
+        store.close()

@@ -32,6 +32,7 @@ class Sandbox(BaseModel):
     vcpus: int | None
     memory_mib: int | None
     pids: int | None
+    disk_mib: int | None = Field(description="the writable layer's size (ENOSPC past it)")
     network: dict[str, Any] | None = Field(description="the egress policy (mode, allow)")
     metadata: dict[str, str]
     on_timeout: Literal["kill", "pause"]
@@ -78,6 +79,61 @@ class Unexposed(BaseModel):
     unexposed: int
 
 
+class UsageFigures(BaseModel):
+    running_seconds: float
+    vcpu_seconds: float
+    memory_gib_seconds: float
+    paused_seconds: float
+    snapshot_gib_seconds: float
+    cost: float = Field(description="USD at the daemon's prices")
+
+
+class SandboxUsage(UsageFigures):
+    id: str
+
+
+class SpendingCap(BaseModel):
+    cap: float | None = Field(description="USD a calendar month (UTC); null: none")
+    month_spent: float
+    reached: bool
+
+
+class Usage(BaseModel):
+    workspace: str
+    since: float
+    until: float
+    prices: dict[str, float] = Field(description="vcpu_hour, gib_hour, snapshot_gib_hour")
+    currency: str
+    total: UsageFigures
+    sandboxes: list[SandboxUsage]
+    spending_cap: SpendingCap
+
+
+class Metrics(BaseModel):
+    """What the host measures of a sandbox now (the fields its backend and state allow)."""
+
+    id: str
+    state: str
+    time: float
+    vcpus: int | None
+    memory_limit_bytes: int
+    pids_limit: int | None
+    disk_limit_bytes: int
+    cpu_seconds: float | None = None
+    cpu_percent_avg: float | None = None
+    memory_bytes: int | None = None
+    pids: int | None = None
+    disk_used_bytes: int | None = None
+    net_tx_bytes: int | None = None
+    net_rx_bytes: int | None = None
+    snapshot_bytes: int | None = None
+
+
+class MetricsList(BaseModel):
+    time: float
+    sandboxes: list[Metrics]
+
+
 class ErrorDetail(BaseModel):
     code: str = Field(description="one of cpuos_agent.protocol.ERROR_CODES")
     message: str
@@ -107,6 +163,7 @@ class ExecExitFrame(BaseModel):
     signal: int | None
     timed_out: bool
     killed: bool
+    oom: bool = Field(description="ended at the sandbox's memory limit (exit code 137)")
     duration: float
 
 
@@ -152,6 +209,9 @@ ANSWERS: dict[tuple[str, str], type[BaseModel]] = {
     ("post", "/sandboxes/{sid}/ports"): Port,
     ("get", "/sandboxes/{sid}/ports"): PortList,
     ("delete", "/sandboxes/{sid}/ports/{port}"): Unexposed,
+    ("get", "/usage"): Usage,
+    ("get", "/metrics"): MetricsList,
+    ("get", "/sandboxes/{sid}/metrics"): Metrics,
 }
 
 

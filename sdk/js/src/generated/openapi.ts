@@ -832,6 +832,11 @@ export interface components {
             exit_code: number;
             /** Killed */
             killed: boolean;
+            /**
+             * Oom
+             * @description ended at the sandbox's memory limit (exit code 137)
+             */
+            oom: boolean;
             /** Signal */
             signal: number | null;
             /**
@@ -972,6 +977,73 @@ export interface components {
             /** Detail */
             detail?: components["schemas"]["ValidationError"][];
         };
+        /**
+         * Metrics
+         * @description What the host measures of a sandbox now (the fields its backend and state allow).
+         */
+        Metrics: {
+            /**
+             * Cpu Percent Avg
+             * @default null
+             */
+            cpu_percent_avg?: number | null;
+            /**
+             * Cpu Seconds
+             * @default null
+             */
+            cpu_seconds?: number | null;
+            /** Disk Limit Bytes */
+            disk_limit_bytes: number;
+            /**
+             * Disk Used Bytes
+             * @default null
+             */
+            disk_used_bytes?: number | null;
+            /** Id */
+            id: string;
+            /**
+             * Memory Bytes
+             * @default null
+             */
+            memory_bytes?: number | null;
+            /** Memory Limit Bytes */
+            memory_limit_bytes: number;
+            /**
+             * Net Rx Bytes
+             * @default null
+             */
+            net_rx_bytes?: number | null;
+            /**
+             * Net Tx Bytes
+             * @default null
+             */
+            net_tx_bytes?: number | null;
+            /**
+             * Pids
+             * @default null
+             */
+            pids?: number | null;
+            /** Pids Limit */
+            pids_limit: number | null;
+            /**
+             * Snapshot Bytes
+             * @default null
+             */
+            snapshot_bytes?: number | null;
+            /** State */
+            state: string;
+            /** Time */
+            time: number;
+            /** Vcpus */
+            vcpus: number | null;
+        };
+        /** MetricsList */
+        MetricsList: {
+            /** Sandboxes */
+            sandboxes: components["schemas"]["Metrics"][];
+            /** Time */
+            time: number;
+        };
         /** NewWorkspace */
         NewWorkspace: {
             /**
@@ -1023,6 +1095,11 @@ export interface components {
             created_at: number;
             /** Deadline */
             deadline: number | null;
+            /**
+             * Disk Mib
+             * @description the writable layer's size (ENOSPC past it)
+             */
+            disk_mib: number | null;
             /** Ended At */
             ended_at: number | null;
             /** Id */
@@ -1072,6 +1149,26 @@ export interface components {
             /** Sandboxes */
             sandboxes: components["schemas"]["Sandbox"][];
         };
+        /** SandboxUsage */
+        SandboxUsage: {
+            /**
+             * Cost
+             * @description USD at the daemon's prices
+             */
+            cost: number;
+            /** Id */
+            id: string;
+            /** Memory Gib Seconds */
+            memory_gib_seconds: number;
+            /** Paused Seconds */
+            paused_seconds: number;
+            /** Running Seconds */
+            running_seconds: number;
+            /** Snapshot Gib Seconds */
+            snapshot_gib_seconds: number;
+            /** Vcpu Seconds */
+            vcpu_seconds: number;
+        };
         /** SetLimits */
         SetLimits: {
             /** Limits */
@@ -1099,6 +1196,18 @@ export interface components {
              * @default TERM
              */
             signal?: string | number;
+        };
+        /** SpendingCap */
+        SpendingCap: {
+            /**
+             * Cap
+             * @description USD a calendar month (UTC); null: none
+             */
+            cap: number | null;
+            /** Month Spent */
+            month_spent: number;
+            /** Reached */
+            reached: boolean;
         };
         /** StartCommand */
         StartCommand: {
@@ -1171,6 +1280,46 @@ export interface components {
         Unexposed: {
             /** Unexposed */
             unexposed: number;
+        };
+        /** Usage */
+        Usage: {
+            /** Currency */
+            currency: string;
+            /**
+             * Prices
+             * @description vcpu_hour, gib_hour, snapshot_gib_hour
+             */
+            prices: {
+                [key: string]: number;
+            };
+            /** Sandboxes */
+            sandboxes: components["schemas"]["SandboxUsage"][];
+            /** Since */
+            since: number;
+            spending_cap: components["schemas"]["SpendingCap"];
+            total: components["schemas"]["UsageFigures"];
+            /** Until */
+            until: number;
+            /** Workspace */
+            workspace: string;
+        };
+        /** UsageFigures */
+        UsageFigures: {
+            /**
+             * Cost
+             * @description USD at the daemon's prices
+             */
+            cost: number;
+            /** Memory Gib Seconds */
+            memory_gib_seconds: number;
+            /** Paused Seconds */
+            paused_seconds: number;
+            /** Running Seconds */
+            running_seconds: number;
+            /** Snapshot Gib Seconds */
+            snapshot_gib_seconds: number;
+            /** Vcpu Seconds */
+            vcpu_seconds: number;
         };
         /** ValidationError */
         ValidationError: {
@@ -1277,9 +1426,16 @@ export interface operations {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": {
-                        [key: string]: unknown;
-                    };
+                    "application/json": components["schemas"]["MetricsList"];
+                };
+            };
+            /** @description an error */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
                 };
             };
         };
@@ -2190,9 +2346,7 @@ export interface operations {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": {
-                        [key: string]: unknown;
-                    };
+                    "application/json": components["schemas"]["Metrics"];
                 };
             };
             /** @description Validation Error */
@@ -2202,6 +2356,15 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+            /** @description an error */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
                 };
             };
         };
@@ -2653,9 +2816,7 @@ export interface operations {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": {
-                        [key: string]: unknown;
-                    };
+                    "application/json": components["schemas"]["Usage"];
                 };
             };
             /** @description Validation Error */
@@ -2665,6 +2826,15 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+            /** @description an error */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
                 };
             };
         };
