@@ -1,13 +1,15 @@
 """The daemon's one nftables table, ``inet cpuos`` (``cpuos_<tag>`` with CPUOS_NET_ID),
 written as nftables JSON (``nft -j``).
 
-A sandbox's traffic reaches exactly two sockets on the host, and only when its mode lets it
-out: the egress proxy (every TCP connection, redirected, whatever its destination) and the
-DNS resolver (UDP 53, redirected). Everything else from a sandbox interface (``cv<tag>n*``) is
-refused and logged to NFLOG group ``LOG_GROUP`` (recorded by the daemon): forwarding
-anywhere, any other port or address of the host (its API, its other services), IPv6, and
-packets whose source address is not the interface's own (spoofing). The table is rebuilt
-at start and removed at shutdown; per-sandbox state lives in two sets:
+A sandbox's traffic reaches exactly two sockets on the host: the egress proxy (every TCP
+connection, redirected, whatever its destination), only when its mode lets it out, and the
+DNS resolver (UDP 53, redirected; it refuses every name for a sandbox whose network is off).
+Everything else from a sandbox interface (``cv<tag>n*``) is refused (a TCP reset, else an
+ICMP error: nothing is left to time out) and logged to NFLOG group ``LOG_GROUP`` (recorded
+by the daemon): forwarding anywhere, any other port or address of the host (its API, its
+other services), IPv6, and packets whose source address is not the interface's own
+(spoofing). The table is rebuilt at start and removed at shutdown; per-sandbox state lives
+in two sets:
 ``egress`` (interfaces whose mode is ``on`` or ``allowlist``) and ``src`` (interface .
 its address).
 """
@@ -72,19 +74,26 @@ def ruleset(n: Names, proxy_port: int, dns_port: int) -> list[dict[str, Any]]:
             [from_sbx, _m({"concat": [_meta("iifname"), _payload("ip", "saddr")]}, "@src",
                           "!="), _log(n, "cpuos spoof "), {"drop": None}],
         ]),
-        # a sandbox allowed out: TCP to the proxy, DNS to the resolver (both on the host)
+        # a sandbox allowed out: TCP to the proxy; every sandbox: DNS to the resolver (both
+        # on the host), which answers one whose network is off at once with REFUSED (and
+        # records it) rather than leave its lookups to time out
         "steer": ({"type": "nat", "hook": "prerouting", "prio": -100, "policy": "accept"}, [
             [_m(_meta("iifname"), "@egress"), _m(_meta("l4proto"), "tcp"),
              {"redirect": {"port": proxy_port}}],
-            [_m(_meta("iifname"), "@egress"), _m(_payload("udp", "dport"), 53),
-             {"redirect": {"port": dns_port}}],
+            [from_sbx, _m(_payload("udp", "dport"), 53), {"redirect": {"port": dns_port}}],
         ]),
         # what would be routed on (the host may not forward at all): refused and logged
         # here, before the routing decision, unless it was redirected to the proxy/resolver
         "route": ({"type": "filter", "hook": "prerouting", "prio": 0, "policy": "accept"}, [
             [from_sbx, _m({"ct": {"key": "status"}}, "dnat", "in"), {"accept": None}],
+            # refused rather than dropped (the kernel takes reject at prerouting since 5.11):
+            # a sandbox with its network off learns at once that nothing answers, instead of
+            # waiting out a TCP connect's timeout (~2 min: a browser's page)
             [from_sbx, _m({"fib": {"result": "type", "flags": ["daddr"]}}, "local", "!="),
-             _log(n, "cpuos fwd "), {"drop": None}],
+             _m(_meta("l4proto"), "tcp"), _log(n, "cpuos fwd "),
+             {"reject": {"type": "tcp reset"}}],
+            [from_sbx, _m({"fib": {"result": "type", "flags": ["daddr"]}}, "local", "!="),
+             _log(n, "cpuos fwd "), reject],
         ]),
         "in": ({"type": "filter", "hook": "input", "prio": 0, "policy": "accept"}, [
             [from_sbx, _m({"ct": {"key": "state"}}, ["established", "related"], "in"),
