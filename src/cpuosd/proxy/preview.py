@@ -9,7 +9,8 @@ Two forms reach port P of sandbox S:
 - path form ``http://<daemon>:<port>/sandboxes/S/ports/P/...`` — the prefix is removed
   before the request goes on (one request per connection to the sandbox).
 Access: an exposed port has a token; ``?cpuos_token=...`` once (answered with a redirect that
-sets a cookie for that host or path), or the ``X-Cpuos-Token`` header for programs;
+sets a cookie for that host or path; a WebSocket upgrade, which can follow neither, is let
+through with it), or the ``X-Cpuos-Token`` header for programs;
 ``public`` ports need none; a port not exposed is unreachable. The caller's Authorization
 header, the token and the cookie are removed before the request reaches the sandbox.
 A request to a paused sandbox resumes it (unless the sandbox was created with
@@ -191,13 +192,19 @@ class Preview:
                 if not hmac.compare_digest(given.encode(), token.encode()):
                     return await _reply(writer, 403, "wrong preview token")
                 clean = urlencode([(k, v) for k, v in q if k != "cpuos_token"])
-                scope = f"/sandboxes/{sid}/ports/{port}/" if form == "path" else "/"
-                loc = path + ("?" + clean if clean else "")
-                return await _reply(writer, 303, "", extra=[
-                    ("Location", loc),
-                    ("Set-Cookie", f"{cookie_name(port)}={token}; Path={scope}; HttpOnly; "
-                                   "SameSite=Lax")])
-            offered = hdr.get(b"x-cpuos-token", b"").decode("latin-1") or cookie or ""
+                if b"upgrade" in hdr.get(b"connection", b"").lower():
+                    # a WebSocket client neither follows a redirect nor keeps a cookie (a
+                    # DevTools URL given to Playwright): the token in the query is enough
+                    query = clean
+                else:
+                    scope = f"/sandboxes/{sid}/ports/{port}/" if form == "path" else "/"
+                    loc = path + ("?" + clean if clean else "")
+                    return await _reply(writer, 303, "", extra=[
+                        ("Location", loc),
+                        ("Set-Cookie", f"{cookie_name(port)}={token}; Path={scope}; "
+                                       "HttpOnly; SameSite=Lax")])
+            offered = (hdr.get(b"x-cpuos-token", b"").decode("latin-1") or cookie or ""
+                       if given is None else given)
             if not offered:
                 return await _reply(writer, 401, "this preview needs its token "
                                     "(?cpuos_token=..., or the X-Cpuos-Token header)")
