@@ -26,6 +26,7 @@ REPLACEMENTS = {
     "AsyncCommands": "Commands",
     "AsyncCommandHandle": "CommandHandle",
     "AsyncBeside": "Beside",
+    "AsyncBrowser": "Browser",
     "_AsyncHTTP": "_SyncHTTP",
     "AsyncClient": "Client",
     "aiter_raw": "iter_raw",

@@ -13,6 +13,11 @@ if ! bash scripts/build-microvm-kernel.sh; then
   exit 1
 fi
 
+# the browser template (chromium; ~45-125 s once, cached by content hash): the browser
+# tests and the browser benchmark's smoke run need it; the demo (setup.sh) does not
+echo "==> building the browser template (cached by content hash)"
+.venv/bin/cpuosd template build browser
+
 echo "==> lint and types"
 .venv/bin/ruff check .
 .venv/bin/mypy

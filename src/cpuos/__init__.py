@@ -6,6 +6,7 @@
     run = sbx.exec("python /work/main.py", timeout="2m", on_stdout=print)
 """
 
+from ._async.browser import AsyncBrowser
 from ._async.sandbox import AsyncFiles, AsyncNetwork, AsyncSandbox
 from ._async.commands import AsyncCommandHandle, AsyncCommands
 from ._async.templates import AsyncTemplates
@@ -26,6 +27,7 @@ from ._errors import (
 )
 from ._models import CommandInfo, ExecResult, FileEntry, SandboxInfo, TemplateInfo
 from ._sync.commands import CommandHandle, Commands
+from ._sync.browser import Browser
 from ._sync.sandbox import Files, Sandbox, SandboxNetwork
 from ._sync.templates import Templates
 from ._sync.workspace import Workspace
@@ -33,6 +35,7 @@ from ._sync.workspace import Workspace
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncBrowser",
     "AsyncCommandHandle",
     "AsyncCommands",
     "AsyncFiles",
@@ -41,6 +44,7 @@ __all__ = [
     "AsyncTemplates",
     "AsyncWorkspace",
     "AuthError",
+    "Browser",
     "CommandHandle",
     "CommandInfo",
     "Commands",

@@ -70,6 +70,9 @@ CASES = {
                   ["on_exec_s", "off_exec_s"],
                   ["exec round trip, audit on vs off, p50",
                    "10 execs inside, monitored vs not, median", "audit store, rows/s"]),
+    "browser": Case("browser", "browser", "13. browser: create → first screenshot",
+                    ["ours_s", "ours_create_s", "floor_s", "floor_create_s", "warm_shot_s"],
+                    ["browser create → first screenshot, p50"]),
 }
 # (sample lists, the key of their N) of the network case's parts
 NETWORK = {"download": (["ours_on_MBps", "ours_allow_MBps", "floor_MBps"], "runs"),

@@ -20,6 +20,7 @@ from .._durations import parse_duration, parse_size_mib
 from .._errors import CpuosError, InvalidArgument, ServerError, Timeout, Unavailable, error_from
 from .audit import AsyncAudit
 from .._models import DEFAULT_MAX_OUTPUT, ExecResult, FileEntry, OutputBuffer, SandboxInfo
+from .browser import AsyncBrowser
 from .commands import AsyncCommandHandle, AsyncCommands, StdinSource
 
 OutputCallback = Callable[[str], Any]
@@ -298,6 +299,7 @@ class AsyncSandbox:
         self.ports = AsyncPorts(self)
         self.audit = AsyncAudit(self)
         self.commands = AsyncCommands(self)
+        self.browser = AsyncBrowser(self)
 
     # ---- construction -----------------------------------------------------------------
     @classmethod

@@ -21,6 +21,7 @@ from .._durations import parse_duration, parse_size_mib
 from .._errors import CpuosError, InvalidArgument, ServerError, Timeout, Unavailable, error_from
 from .audit import Audit
 from .._models import DEFAULT_MAX_OUTPUT, ExecResult, FileEntry, OutputBuffer, SandboxInfo
+from .browser import Browser
 from .commands import CommandHandle, Commands, StdinSource
 
 OutputCallback = Callable[[str], Any]
@@ -299,6 +300,7 @@ class Sandbox:
         self.ports = Ports(self)
         self.audit = Audit(self)
         self.commands = Commands(self)
+        self.browser = Browser(self)
 
     # ---- construction -----------------------------------------------------------------
     @classmethod

@@ -31,6 +31,7 @@ from cpuos_agent import protocol as P
 from cpuos_agent.protocol import parse_duration
 
 from .auth import Guard, Ws, require_admin
+from .browser import router as browser_router
 from .templates import TemplateBuilds, router as templates_router
 from .audit import router as audit_router, start_audit
 from ..accounting.trace import Traced
@@ -373,6 +374,7 @@ def create_app(cfg: Config | None = None) -> FastAPI:
     app.include_router(templates_router)
     app.include_router(audit_router)
     app.include_router(commands_router)
+    app.include_router(browser_router)
     document(app)  # the answers' schemas in /openapi.json (sdk/js's types)
     app.include_router(usage_router)
 

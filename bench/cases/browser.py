@@ -1,0 +1,94 @@
+"""Benchmark 13: create a ``browser`` sandbox → its first screenshot (issue 16; target ≤ 1 s),
+beside the floor measured in the same run: create → first exec of the same template (the
+sandbox restored from its snapshot, chromium already running in it, before any CDP work).
+Also: a screenshot of a sandbox that has taken one already (the helper's own cost).
+
+The daemon restores the template snapshot (CPUOS_POOL_SIZE=0: no warm pool refilling in the
+background during the measurement); the sandboxes' network is off (cpuosd.testing).
+Needs the browser template built (``cpuosd template build browser``).
+
+    .venv/bin/python bench/cases/browser.py [--quick | --smoke]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `cases`
+
+from cpuos import Sandbox
+from cpuosd.templates.builder import template_info
+from cpuosd.testing import TEMPLATES
+
+from cases._common import (FROM_SNAPSHOT, Context, Row, case_main, console, kill_quietly,
+                           median, ms, now, target_row, timing_table)
+
+SECTION = KEY = "browser"
+TITLE = "13. browser: create → first screenshot"
+DAEMON = FROM_SNAPSHOT
+TARGET = 1.0  # s, create → first screenshot, p50
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def measure(ctx: Context) -> dict[str, Any]:
+    if template_info(TEMPLATES, "browser") is None:
+        raise RuntimeError(f"the browser template is not built in {TEMPLATES} "
+                           "(cpuosd template build browser)")
+    d = ctx.daemon(DAEMON)
+    kw = d.sdk_kwargs()
+    n = ctx.pick(10, 5, 1)
+    keys = ("ours_s", "ours_create_s", "floor_s", "floor_create_s", "warm_shot_s")
+    out: dict[str, Any] = {"n": n, **{k: [] for k in keys}}
+    for i in range(n + 1):  # the first (untimed) makes the template snapshot
+        t0 = now()
+        s = Sandbox.create(template="browser", timeout="10m", **kw)
+        try:
+            t1 = now()
+            png = s.browser.screenshot()
+            t2 = now()
+            if not png.startswith(PNG):
+                raise RuntimeError(f"not a PNG: {png[:40]!r}")
+            s.browser.screenshot()
+            t3 = now()
+        finally:
+            kill_quietly(s)
+        t4 = now()
+        f = Sandbox.create(template="browser", timeout="10m", **kw)
+        try:
+            t5 = now()
+            r = f.exec("true")
+            t6 = now()
+            if r.exit_code != 0:
+                raise RuntimeError(f"exec true: {r}")
+        finally:
+            kill_quietly(f)
+        if i == 0:
+            continue
+        for k, v in zip(keys, (t2 - t0, t1 - t0, t6 - t4, t5 - t4, t3 - t2), strict=True):
+            out[k].append(v)
+        console.print(f"  {i}/{n}: create + screenshot {ms(t2 - t0)} (create {ms(t1 - t0)}); "
+                      f"create + exec {ms(t6 - t4)}; warm screenshot {ms(t3 - t2)}")
+    return out
+
+
+def report(r: dict[str, Any]) -> list[Row]:
+    timing_table(
+        f"13. browser: create → first screenshot (N={r['n']}, after 1 warmup; "
+        "CPUOS_POOL_SIZE=0, from the template snapshot)",
+        [("ours: Sandbox.create('browser') + browser.screenshot()", r["ours_s"]),
+         ("  of which Sandbox.create", r["ours_create_s"]),
+         ("floor: Sandbox.create('browser') + exec('true')", r["floor_s"]),
+         ("  of which Sandbox.create", r["floor_create_s"]),
+         ("(info) a second screenshot of the same page", r["warm_shot_s"])])
+    o, f = median(r["ours_s"]), median(r["floor_s"])
+    row = target_row("browser create → first screenshot, p50", o, f, TARGET,
+                     f"≤ {ms(TARGET)}")
+    row["note"] = (f"{ms(o - f)} over create + exec; warm screenshot p50 "
+                   f"{ms(median(r['warm_shot_s']))}")
+    return [row]
+
+
+if __name__ == "__main__":
+    sys.exit(case_main(__name__))

@@ -1,0 +1,114 @@
+"""The browser of a sandbox made from the ``browser`` template (cpuosd.browser):
+
+- ``GET /sandboxes/{id}/browser``: ``cdp_url``, a WebSocket URL of the browser's DevTools
+  endpoint through the preview proxy, with the port's token in it (Playwright's
+  ``chromium.connect_over_cdp(url)``, Puppeteer's ``connect({browserWSEndpoint})``);
+- ``POST .../browser/goto`` ``{url, timeout}``: navigate, wait for the load event;
+- ``GET .../browser/screenshot``: the page as PNG bytes (``image/png``);
+- ``GET .../browser/content``: the page's HTML;
+- ``POST .../browser/click`` ``{selector}``, ``POST .../browser/fill`` ``{selector, text}``.
+
+The helpers are done here, in the daemon, rather than in each SDK: the daemon already
+reaches the sandbox's address (as the preview proxy does), so the SDKs, the CLI and the MCP
+server need nothing but HTTP (no WebSocket client, no CDP). A paused sandbox is resumed
+first, as a preview request would.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from .. import browser as cdp
+from ..errors import ApiError
+from ..proxy.preview import Preview
+from .auth import Ws
+
+router = APIRouter()
+MAX_TIMEOUT = 600.0
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    timeout: float = Field(30.0, gt=0, le=MAX_TIMEOUT)
+
+
+class Goto(_Body):
+    url: str = Field(min_length=1, max_length=cdp.MAX_URL)
+
+
+class Click(_Body):
+    selector: str = Field(min_length=1, max_length=10_000)
+
+
+class Fill(Click):
+    text: str = Field(max_length=1 << 20)
+
+
+async def _address(request: Request, ws: str, sid: str) -> str:
+    """The sandbox's address (its owner checked; a paused one resumed first)."""
+    pv: Preview = request.app.state.preview
+    if request.app.state.network is None:
+        raise ApiError("conflict", "the browser needs the sandbox network, which is off here "
+                       "(the gVisor backend with CPUOS_NETWORK on)")
+    row = request.app.state.mgr.get(ws, sid)  # 404 for another workspace's sandbox
+    addr = await pv._running_address(row.id, row.workspace_id, row.state, row.spec)
+    if isinstance(addr, tuple):
+        raise ApiError("unavailable" if addr[0] == 503 else "conflict", addr[1])
+    return addr
+
+
+@router.get("/sandboxes/{sid}/browser")
+async def browser_info(sid: str, request: Request, ws: Ws) -> dict[str, Any]:
+    """The DevTools WebSocket URL through the preview proxy (token in its query: keep it
+    secret) and the browser's version."""
+    addr = await _address(request, ws, sid)
+    guid, version = await cdp.browser_guid(addr, sid)
+    pv: Preview = request.app.state.preview
+    p = await pv.expose(ws, sid, cdp.CDP_PORT, None)
+    base = p["url"].replace("http://", "ws://", 1).replace("https://", "wss://", 1)
+    url = f"{base}devtools/browser/{guid}"
+    if not p["public"]:
+        url += f"?cpuos_token={p['token']}"
+    return {"cdp_url": url, "port": cdp.CDP_PORT, "version": version}
+
+
+@router.post("/sandboxes/{sid}/browser/goto")
+async def browser_goto(sid: str, body: Goto, request: Request, ws: Ws) -> dict[str, Any]:
+    """Load ``url`` in the page and wait for its load event: {url, status, title}."""
+    addr = await _address(request, ws, sid)
+    return await cdp.goto(addr, sid, body.url, body.timeout)
+
+
+@router.get("/sandboxes/{sid}/browser/screenshot")
+async def browser_screenshot(sid: str, request: Request, ws: Ws,
+                             full_page: bool = False,
+                             timeout: float = Query(30.0, gt=0, le=MAX_TIMEOUT)) -> Response:
+    addr = await _address(request, ws, sid)
+    png = await cdp.screenshot(addr, sid, timeout, full_page)
+    return Response(png, media_type="image/png")
+
+
+@router.get("/sandboxes/{sid}/browser/content")
+async def browser_content(sid: str, request: Request, ws: Ws,
+                          timeout: float = Query(30.0, gt=0, le=MAX_TIMEOUT)
+                          ) -> dict[str, Any]:
+    addr = await _address(request, ws, sid)
+    return {"html": await cdp.content(addr, sid, timeout)}
+
+
+@router.post("/sandboxes/{sid}/browser/click")
+async def browser_click(sid: str, body: Click, request: Request, ws: Ws) -> dict[str, Any]:
+    addr = await _address(request, ws, sid)
+    await cdp.click(addr, sid, body.selector, body.timeout)
+    return {"clicked": body.selector}
+
+
+@router.post("/sandboxes/{sid}/browser/fill")
+async def browser_fill(sid: str, body: Fill, request: Request, ws: Ws) -> dict[str, Any]:
+    addr = await _address(request, ws, sid)
+    await cdp.fill(addr, sid, body.selector, body.text, body.timeout)
+    return {"filled": body.selector}
