@@ -128,8 +128,12 @@ async def verify(request: Request, ws: Ws) -> dict[str, Any]:
     to the row before, the start against the retention anchor, the end against the head the
     writer last recorded. Problems in other workspaces' rows are counted but not named."""
     audit = _audit(request)
-    await asyncio.to_thread(audit.flush)
-    out = await asyncio.to_thread(audit.verify)
+    lock: asyncio.Lock | None = getattr(request.app.state, "audit_verify_lock", None)
+    if lock is None:
+        lock = request.app.state.audit_verify_lock = asyncio.Lock()
+    async with lock:  # one walk of the chain at a time, however many ask
+        await asyncio.to_thread(audit.flush)
+        out = await asyncio.to_thread(audit.verify)
     admin = ws == request.app.state.store.workspace_by_name("default")
     if not admin:
         mine = {r.id for r in request.app.state.store.list_sandboxes(ws, (
