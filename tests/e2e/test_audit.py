@@ -325,3 +325,17 @@ def test_a_flood_inside_is_bounded_and_counted(daemon: Daemon) -> None:
         assert len(dropped) <= 30  # at most one a second (the flood lasts 4 s)
     finally:
         s.kill()
+
+
+def test_a_limit_hit_is_on_record(daemon: Daemon) -> None:
+    """A command killed at the sandbox's memory limit: a ``limit`` row names it."""
+    s = Sandbox.create(template="python", timeout="5m", memory="256MiB", **daemon.sdk_kwargs())
+    try:
+        r = s.exec("python3 -c 'x = []\nwhile True: x.append(bytearray(8 << 20))'",
+                   timeout="120s")
+        assert (r.exit_code, r.oom) == (137, True), r
+        hit = wait_rows(daemon, s.id, lambda x: x["detail"].get("limit") == "memory",
+                        "the limit row", kind="limit")
+        assert hit[0]["detail"]["exit_code"] == 137 and hit[0]["detail"]["exec_id"]
+    finally:
+        s.kill()
