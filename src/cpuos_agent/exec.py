@@ -208,6 +208,9 @@ class Exec:
                 os.close(self._stdin_w)
                 self._stdin_w = None
                 self.stdin_open = False
+            if e.errno == errno.EAGAIN:  # a fork past the sandbox's process limit
+                return {"code": P.E_LIMIT, "message": f"cannot start {self.argvs[0][0]!r}: "
+                        f"the sandbox is at its process limit (pids)"}
             return {"code": _errcode(e), "message":
                     f"cannot start {self.argvs[0][0]!r} in {cwd!r}: {e.strerror or e}"}
         finally:

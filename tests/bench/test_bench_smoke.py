@@ -73,6 +73,10 @@ CASES = {
     "browser": Case("browser", "browser", "13. browser: create → first screenshot",
                     ["ours_s", "ours_create_s", "floor_s", "floor_create_s", "warm_shot_s"],
                     ["browser create → first screenshot, p50"]),
+    "limits": Case("limits", "limits", "14. noisy neighbour", ["idle_s"],
+                   [f"neighbour exec p99 beside {x}" for x in
+                    ("fork bomb", "memory balloon", "disk fill",
+                     "empty files to the inode limit, removed, again", "CPU spin, 4 processes")]),
 }
 # (sample lists, the key of their N) of the network case's parts
 NETWORK = {"download": (["ours_on_MBps", "ours_allow_MBps", "floor_MBps"], "runs"),
@@ -146,6 +150,10 @@ def check_figures(module: str, data: dict[str, Any]) -> None:
         rr = data["runtime_rows"]  # every exec inside recorded or counted as dropped
         assert rr["recorded"] + rr["dropped"] >= rr["expected"], rr
         assert data["store"]["verified"] and data["store"]["ours_rows_per_s"] > 0
+    if module == "limits":
+        assert len(data["loads"]) == 5 and data["daemon_healthy"]
+        for load in data["loads"]:
+            assert len(load["samples_s"]) == data["n"] and load["noisy_alive"], load["name"]
     if module == "microvm":
         assert set(data["probe"]) == {"ok", "reason", "seconds"}
         assert data["gvisor"]["ours_create_s"] and data["gvisor"]["floor_restore_s"]

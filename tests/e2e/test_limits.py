@@ -10,8 +10,8 @@ import time
 import httpx
 import pytest
 
-from cpuos import InvalidArgument, Sandbox
-from cpuosd.testing import Daemon
+from cpuos import InvalidArgument, LimitExceeded, Sandbox
+from cpuosd.testing import Daemon, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -118,6 +118,15 @@ def test_pids_limit_stops_a_fork_bomb_and_the_neighbour_keeps_answering(
         busy_p99 = _exec_p99(neighbour, 30)
         s.exec("pkill -f bomb.py; true")
         assert s.exec("echo alive").stdout == "alive\n"
+        # a bomb that keeps the sandbox at its limit: an exec cannot start, and says why
+        s.files.write("/work/hold.py", bomb.replace("print(n, e.errno); break",
+                                                    "open('/tmp/full', 'w').close(); "
+                                                    "time.sleep(120)"))
+        s.exec("nohup python3 /work/hold.py >/dev/null 2>&1 &")
+        wait_until(lambda: s.files.exists("/tmp/full"), "the sandbox to be at its limit")
+        with pytest.raises(LimitExceeded, match="process limit") as e:
+            s.exec("true")
+        assert e.value.status == 429
         print(f"neighbour exec p99: idle {idle_p99 * 1e3:.1f} ms, "
               f"beside the fork bomb {busy_p99 * 1e3:.1f} ms")
         with daemon.client() as c:
