@@ -186,7 +186,9 @@ class Exec:
             in_r, self._stdin_w = os.pipe2(os.O_CLOEXEC)
         else:
             in_r = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-        for fd in (out_r, err_r):
+        for fd in (out_r, err_r, self._stdin_w):
+            if fd is None:
+                continue
             try:  # bigger pipes: fewer, larger reads and frames for chatty commands
                 fcntl.fcntl(fd, F_SETPIPE_SZ, PIPE_SIZE)
             except OSError:

@@ -49,7 +49,7 @@ CHUNK = 256 * 1024
 WINDOW = 8 * 1024 * 1024
 # Bytes of stdin the host may have sent to a command and not yet had back as
 # ``stdin_credit`` (written to the command's pipe), per stream.
-STDIN_WINDOW = 2 * 1024 * 1024
+STDIN_WINDOW = 8 * 1024 * 1024
 
 _PREFIX = struct.Struct("!II")
 PREFIX_LEN = _PREFIX.size

@@ -3,9 +3,8 @@
 
 from __future__ import annotations
 
-import codecs
-import inspect
 import builtins
+import functools
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from types import TracebackType
@@ -17,11 +16,13 @@ from cpuos_agent.protocol import CONTENT_TYPE, FrameDecoder, ProtocolError
 
 from .._config import resolve, tls_context
 from .._durations import parse_duration, parse_size_mib
-from .._errors import CpuosError, InvalidArgument, ServerError, Timeout, Unavailable, error_from
+from .._errors import (Conflict, CpuosError, InvalidArgument, NotFound, ServerError, Timeout,
+                       Unavailable, error_from)
 from .audit import AsyncAudit
-from .._models import DEFAULT_MAX_OUTPUT, ExecResult, FileEntry, OutputBuffer, SandboxInfo
+from .._models import DEFAULT_MAX_OUTPUT, ExecResult, FileEntry, SandboxInfo
+from .._pumps import AsyncBeside
 from .browser import AsyncBrowser
-from .commands import AsyncCommandHandle, AsyncCommands, StdinSource
+from .commands import AsyncCommandHandle, AsyncCommands, OutputSink, StdinSource, stdin_chunks
 
 OutputCallback = Callable[[str], Any]
 
@@ -499,62 +500,58 @@ class AsyncSandbox:
             if stdin is not None:
                 await handle.send_stdin(stdin)
             return handle
-        if stdin is not None and not isinstance(stdin, (str, bytes, bytearray, memoryview)):
-            raise InvalidArgument("streamed stdin (an iterable) comes with the next change")
         body: dict[str, Any] = {"cmd": cmd, "env": env or {}, "cwd": cwd,
                                 "timeout": _dur(timeout, "timeout")}
+        streamed = stdin is not None and not isinstance(
+            stdin, (str, bytes, bytearray, memoryview))
         if isinstance(stdin, str):
             body["stdin"] = stdin
+        elif streamed:
+            body["stdin_stream"] = True
         elif stdin is not None:
             import base64
 
-            body["stdin_b64"] = base64.b64encode(stdin).decode()
-        bufs = {1: OutputBuffer(max_output), 2: OutputBuffer(max_output)}
-        cbs = {1: on_stdout, 2: on_stderr}
-        decoders = {1: codecs.getincrementaldecoder("utf-8")("replace"),
-                    2: codecs.getincrementaldecoder("utf-8")("replace")}
+            body["stdin_b64"] = base64.b64encode(stdin).decode()  # type: ignore[arg-type]
+        sink = OutputSink(on_stdout, on_stderr, max_output)
         dec = FrameDecoder()
         exit_h: dict[str, Any] | None = None
         exec_id = None
+        pump: AsyncBeside | None = None
         try:
             async for chunk in self._http.stream("POST", f"/sandboxes/{self.id}/exec", json=body,
                                                  headers={"Accept": CONTENT_TYPE}):
                 for h, payload in dec.feed(chunk):
                     t = h["t"]
                     if t == "out" and h.get("fd") in (1, 2):
-                        fd = h["fd"]
-                        bufs[fd].add(payload)
-                        cb = cbs[fd]
-                        if cb is not None:
-                            text = decoders[fd].decode(payload)
-                            if text:
-                                r = cb(text)
-                                if inspect.isawaitable(r):
-                                    await r
+                        await sink.out(h["fd"], payload)
                     elif t == "started":
                         exec_id = h.get("exec_id")
+                        if streamed and pump is None and isinstance(exec_id, str):
+                            pump = AsyncBeside(functools.partial(
+                                self._send_exec_stdin, exec_id, stdin))
                     elif t == "exit":
                         exit_h = h
                     elif t == "error":
                         raise error_from(None, h.get("code"), str(h.get("message")))
         except ProtocolError as e:
             raise ServerError(f"malformed exec stream: {e}") from None
+        finally:
+            if pump is not None:
+                await pump.cancel()  # done by now, unless the exec failed
         if exit_h is None:
             raise Unavailable("exec stream ended without an exit status")
-        for fd in (1, 2):
-            cb = cbs[fd]
-            tail = decoders[fd].decode(b"", final=True)
-            if cb is not None and tail:
-                r = cb(tail)
-                if inspect.isawaitable(r):
-                    await r
-        return ExecResult(
-            exit_code=int(exit_h["exit_code"]), stdout_bytes=bufs[1].value(),
-            stderr_bytes=bufs[2].value(), duration=float(exit_h["duration"]),
-            timed_out=bool(exit_h.get("timed_out")), signal=exit_h.get("signal"),
-            oom=bool(exit_h.get("oom")),
-            truncated=bufs[1].truncated or bufs[2].truncated, exec_id=exec_id,
-            stdout_total=bufs[1].total, stderr_total=bufs[2].total)
+        await sink.flush()
+        return sink.result(exit_h, exec_id)
+
+    async def _send_exec_stdin(self, exec_id: str, src: Any) -> None:
+        """A streamed stdin, as fast as the command reads it; then closed. The command may
+        stop reading (it exited, closed its stdin): the rest is not sent, and that is no
+        error of the exec's."""
+        try:
+            await self._http.request("POST", f"/sandboxes/{self.id}/execs/{exec_id}/stdin",
+                                     params={"close": "true"}, content=stdin_chunks(src))
+        except (InvalidArgument, NotFound, Conflict):
+            pass
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.id} template={self._info.template}>"

@@ -89,8 +89,8 @@ class OutputSink:
             exit_code=int(exit_h["exit_code"]), stdout_bytes=b[1].value(),
             stderr_bytes=b[2].value(), duration=float(exit_h.get("duration") or 0.0),
             timed_out=bool(exit_h.get("timed_out")), signal=exit_h.get("signal"),
-            truncated=b[1].truncated or b[2].truncated, exec_id=exec_id,
-            stdout_total=b[1].total, stderr_total=b[2].total)
+            oom=bool(exit_h.get("oom")), truncated=b[1].truncated or b[2].truncated,
+            exec_id=exec_id, stdout_total=b[1].total, stderr_total=b[2].total)
 
 
 class CommandHandle:

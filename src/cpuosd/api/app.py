@@ -169,6 +169,9 @@ class ExecRequest(BaseModel):
     timeout: float | str | None = None
     stdin: str | None = Field(None, description="text fed to the command's stdin")
     stdin_b64: str | None = Field(None, description="bytes (base64) fed to stdin")
+    stdin_stream: bool = Field(False, description="keep its stdin open for POST "
+                               "/sandboxes/{id}/execs/{exec_id}/stdin (streamed, flow-"
+                               "controlled; the started frame names the exec id)")
 
     @field_validator("cmd")
     @classmethod
@@ -629,7 +632,10 @@ def create_app(cfg: Config | None = None) -> FastAPI:
                 raise invalid("stdin_b64 is not valid base64", field="stdin_b64") from None
         timeout = None if body.timeout is None else float(body.timeout)
         cwd = None if body.cwd is None else check_path(body.cwd, "cwd")
-        frames = await mgr(request).exec_start(lv, argv, body.env, cwd, timeout, stdin)
+        if body.stdin_stream and stdin is not None:
+            raise invalid("give stdin or stdin_stream, not both", field="stdin_stream")
+        frames = await mgr(request).exec_start(lv, argv, body.env, cwd, timeout, stdin,
+                                               stdin_stream=body.stdin_stream)
         return StreamingResponse(frames, media_type=P.CONTENT_TYPE,
                                  headers={"Cache-Control": "no-store"})
 

@@ -4,8 +4,8 @@
 key *before a byte of its body is read* (FastAPI reads and parses a JSON body before it
 runs any dependency, so a key check in a dependency comes after the body is in memory),
 and 413 to a JSON body over ``MAX_JSON_BODY`` (by Content-Length, or counted as a
-chunked body arrives). Streamed uploads (``STREAMED``: file writes, template builds) have
-their own bounds where they are consumed.
+chunked body arrives). Streamed uploads (``STREAMED``: file writes, template builds, stdin
+streams) have their own bounds where they are consumed.
 """
 
 from __future__ import annotations
@@ -23,7 +23,11 @@ from ..errors import ApiError
 MAX_JSON_BODY = 8 << 20  # exec stdin rides in the JSON body
 OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 STREAMED = (("PUT", re.compile(r"^/sandboxes/[^/]+/files$")),
-            ("POST", re.compile(r"^/templates/build$")))
+            ("POST", re.compile(r"^/templates/build$")),
+            # stdin streams: unbounded by design, read only as fast as the command takes
+            # them (cpuosd.agentconn.Stream.send_stdin: a window of flow control)
+            ("POST", re.compile(r"^/sandboxes/[^/]+/commands/[0-9]+/stdin$")),
+            ("POST", re.compile(r"^/sandboxes/[^/]+/execs/[^/]+/stdin$")))
 
 
 def bearer_key(headers: list[tuple[bytes, bytes]]) -> str | None:

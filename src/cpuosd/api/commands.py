@@ -19,6 +19,10 @@ the command's pid inside the sandbox.
   KILL ends its whole process tree) -> its record.
 - ``GET /sandboxes/{id}/commands/{pid}/wait?timeout=60``: its record once it ended, or
   after timeout seconds (``running`` still true).
+
+And for a foreground exec started with ``stdin_stream`` (``POST /sandboxes/{id}/exec``):
+``POST /sandboxes/{id}/execs/{exec_id}/stdin?close=true`` streams its stdin while its
+output streams back on the exec's own response.
 """
 
 from __future__ import annotations
@@ -113,6 +117,12 @@ class CommandInfo(BaseModel):
 
 class CommandList(BaseModel):
     commands: list[CommandInfo]
+
+
+class ExecStdinResult(BaseModel):
+    exec_id: str
+    sent: int = Field(description="bytes of this request passed on to the command")
+    closed: bool
 
 
 class StdinResult(BaseModel):
@@ -226,3 +236,14 @@ async def command_wait(sid: str, pid: int, request: Request, ws: Ws,
     """Its record once it ended, or after ``timeout`` seconds (then ``running``)."""
     lv = await _mgr(request).ready(ws, sid)
     return await C.wait(lv, pid, timeout)
+
+
+@router.post("/sandboxes/{sid}/execs/{eid}/stdin", response_model=ExecStdinResult)
+async def exec_stdin(sid: str, eid: str, request: Request, ws: Ws,
+                     close: bool = Query(True, description="then close its stdin")
+                     ) -> dict[str, Any]:
+    """The request body goes to the stdin of a running exec started with ``stdin_stream``
+    (``POST /sandboxes/{id}/exec``; its ``started`` frame names the exec id), no faster than
+    the command reads it; one such request at a time."""
+    _mgr(request).get(ws, sid)
+    return await C.exec_stdin(sid, eid, request.stream(), close)

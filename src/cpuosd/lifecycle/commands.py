@@ -82,6 +82,44 @@ def exit_fields(h: P.Header) -> dict[str, Any]:
             "duration": round(dur, 6) if dur is not None and dur >= 0 else None}
 
 
+# the streams of foreground execs started with ``stdin_stream``, by (sandbox, exec id),
+# while they run; one stdin request at a time each
+FG_STDIN: dict[tuple[str, str], Stream] = {}
+_FG_BUSY: set[tuple[str, str]] = set()
+
+
+def end_exec_stdin(sandbox_id: str, eid: str, st: Stream) -> None:
+    """The exec ended: a stdin request still sending to it stops at once."""
+    FG_STDIN.pop((sandbox_id, eid), None)
+    st.stdin_closed = st.stdin_closed or "the command ended"
+    st._stdin_ev.set()
+
+
+async def exec_stdin(sandbox_id: str, eid: str, body: AsyncIterator[bytes], close: bool
+                     ) -> dict[str, Any]:
+    """Stream body into the stdin of a running foreground exec, as fast as the command
+    reads it (at most P.STDIN_WINDOW bytes in flight); then close it if asked."""
+    key = (sandbox_id, eid)
+    st = FG_STDIN.get(key)
+    if st is None:
+        raise ApiError("not_found", f"no running exec {eid!r} with a stdin stream here",
+                       {"exec_id": eid})
+    if key in _FG_BUSY:
+        raise ApiError("conflict", f"another request is writing to the stdin of {eid}")
+    _FG_BUSY.add(key)
+    n0 = st.stdin_sent
+    try:
+        async for chunk in body:
+            await st.send_stdin(chunk)
+        if close:
+            await st.send_stdin(b"", close=True)
+    except AgentGone as e:
+        raise ApiError("unavailable", e.message) from None
+    finally:
+        _FG_BUSY.discard(key)
+    return {"exec_id": eid, "sent": st.stdin_sent - n0, "closed": close}
+
+
 def _close_quietly(st: Stream, lv: Live, spawn: Any) -> None:
     st.close()
     with contextlib.suppress(Exception):

@@ -17,6 +17,7 @@ from cpuos_agent import protocol as P
 from ..agentconn import AgentGone, raise_for_agent_error
 from ..errors import ApiError
 from ..events import SandboxEvent
+from . import commands
 from .common import (Live, _base_env)
 
 if TYPE_CHECKING:
@@ -119,9 +120,12 @@ class FileStream:
 class Session:
     async def exec_start(self: Manager, lv: Live, cmd: str | list[str], env: dict[str, str],
                          cwd: str | None,
-                         timeout: float | None, stdin: bytes | None
-                         ) -> AsyncIterator[bytes]:
+                         timeout: float | None, stdin: bytes | None,
+                         stdin_stream: bool = False) -> AsyncIterator[bytes]:
         """Start a command; returns the frame stream for the HTTP response.
+
+        ``stdin_stream``: its stdin stays open for ``POST .../execs/{exec_id}/stdin``
+        (lifecycle.commands.exec_stdin), flow-controlled end to end.
 
         Errors that happen before the command runs raise ApiError (a proper HTTP
         status); everything after is reported inside the stream.
@@ -132,7 +136,8 @@ class Session:
             target = {"shell": cmd} if isinstance(cmd, str) else {"argv": cmd}
             cwd = cwd or lv.row.spec.get("workdir") or "/work"
             await st.send({"t": "exec", **target, "env": {**_base_env(lv.row), **env},
-                           "cwd": cwd, "timeout": timeout, "stdin": stdin is not None})
+                           "cwd": cwd, "timeout": timeout,
+                           "stdin": stdin is not None or stdin_stream})
             if stdin is not None:
                 for i in range(0, len(stdin), P.CHUNK):
                     await st.send({"t": "stdin"}, stdin[i:i + P.CHUNK])
@@ -149,6 +154,8 @@ class Session:
             raise
         self.store.insert_exec(eid, lv.row.id, ["/bin/bash", "-c", cmd] if isinstance(cmd, str)
                                else cmd)
+        if stdin_stream:
+            commands.FG_STDIN[(lv.row.id, eid)] = st
         # for the audit trail: what ran, where, with which variables (names, never values)
         what = {"exec_id": eid, **({"shell": cmd} if isinstance(cmd, str) else {"argv": cmd}),
                 "cwd": cwd, "env": sorted(env), "source": "api"}
@@ -205,6 +212,7 @@ class Session:
                 # client went away or we gave up: kill the command's whole tree
                 with contextlib.suppress(Exception):
                     self._spawn(lv.chan.send({"t": "kill", "id": st.id, "reason": "cancelled"}))
+            commands.end_exec_stdin(lv.row.id, eid, st)
             st.close()
             self.store.finish_exec(
                 eid, exit_code=result.get("exit_code"), signal=result.get("signal"),

@@ -138,6 +138,115 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/sandboxes/{sid}/browser": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * Browser Info
+         * @description The DevTools WebSocket URL through the preview proxy (token in its query: keep it
+         *     secret) and the browser's version.
+         */
+        get: operations["browser_info_sandboxes__sid__browser_get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/sandboxes/{sid}/browser/click": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** Browser Click */
+        post: operations["browser_click_sandboxes__sid__browser_click_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/sandboxes/{sid}/browser/content": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** Browser Content */
+        get: operations["browser_content_sandboxes__sid__browser_content_get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/sandboxes/{sid}/browser/fill": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** Browser Fill */
+        post: operations["browser_fill_sandboxes__sid__browser_fill_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/sandboxes/{sid}/browser/goto": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Browser Goto
+         * @description Load ``url`` in the page and wait for its load event: {url, status, title}.
+         */
+        post: operations["browser_goto_sandboxes__sid__browser_goto_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/sandboxes/{sid}/browser/screenshot": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** Browser Screenshot */
+        get: operations["browser_screenshot_sandboxes__sid__browser_screenshot_get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/sandboxes/{sid}/commands": {
         parameters: {
             query?: never;
@@ -300,6 +409,28 @@ export interface paths {
         get: operations["execs_sandboxes__sid__execs_get"];
         put?: never;
         post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/sandboxes/{sid}/execs/{eid}/stdin": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Exec Stdin
+         * @description The request body goes to the stdin of a running exec started with ``stdin_stream``
+         *     (``POST /sandboxes/{id}/exec``; its ``started`` frame names the exec id), no faster than
+         *     the command reads it; one such request at a time.
+         */
+        post: operations["exec_stdin_sandboxes__sid__execs__eid__stdin_post"];
         delete?: never;
         options?: never;
         head?: never;
@@ -685,6 +816,16 @@ export interface paths {
 export type webhooks = Record<string, never>;
 export interface components {
     schemas: {
+        /** Click */
+        Click: {
+            /** Selector */
+            selector: string;
+            /**
+             * Timeout
+             * @default 30
+             */
+            timeout?: number;
+        };
         /** CommandInfo */
         CommandInfo: {
             /**
@@ -889,6 +1030,12 @@ export interface components {
              * @description bytes (base64) fed to stdin
              */
             stdin_b64?: string | null;
+            /**
+             * Stdin Stream
+             * @description keep its stdin open for POST /sandboxes/{id}/execs/{exec_id}/stdin (streamed, flow-controlled; the started frame names the exec id)
+             * @default false
+             */
+            stdin_stream?: boolean;
             /** Timeout */
             timeout?: number | string | null;
         };
@@ -901,6 +1048,18 @@ export interface components {
              * @constant
              */
             t: "started";
+        };
+        /** ExecStdinResult */
+        ExecStdinResult: {
+            /** Closed */
+            closed: boolean;
+            /** Exec Id */
+            exec_id: string;
+            /**
+             * Sent
+             * @description bytes of this request passed on to the command
+             */
+            sent: number;
         };
         /** ExposePort */
         ExposePort: {
@@ -964,6 +1123,18 @@ export interface components {
             /** Entries */
             entries: components["schemas"]["FileEntry"][];
         };
+        /** Fill */
+        Fill: {
+            /** Selector */
+            selector: string;
+            /** Text */
+            text: string;
+            /**
+             * Timeout
+             * @default 30
+             */
+            timeout?: number;
+        };
         /** ForkRequest */
         ForkRequest: {
             /**
@@ -971,6 +1142,16 @@ export interface components {
              * @default 1
              */
             n?: number;
+        };
+        /** Goto */
+        Goto: {
+            /**
+             * Timeout
+             * @default 30
+             */
+            timeout?: number;
+            /** Url */
+            url: string;
         };
         /** HTTPValidationError */
         HTTPValidationError: {
@@ -1687,6 +1868,219 @@ export interface operations {
             };
         };
     };
+    browser_info_sandboxes__sid__browser_get: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                sid: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": {
+                        [key: string]: unknown;
+                    };
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    browser_click_sandboxes__sid__browser_click_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                sid: string;
+            };
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["Click"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": {
+                        [key: string]: unknown;
+                    };
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    browser_content_sandboxes__sid__browser_content_get: {
+        parameters: {
+            query?: {
+                timeout?: number;
+            };
+            header?: never;
+            path: {
+                sid: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": {
+                        [key: string]: unknown;
+                    };
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    browser_fill_sandboxes__sid__browser_fill_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                sid: string;
+            };
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["Fill"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": {
+                        [key: string]: unknown;
+                    };
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    browser_goto_sandboxes__sid__browser_goto_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                sid: string;
+            };
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["Goto"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": {
+                        [key: string]: unknown;
+                    };
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    browser_screenshot_sandboxes__sid__browser_screenshot_get: {
+        parameters: {
+            query?: {
+                full_page?: boolean;
+                timeout?: number;
+            };
+            header?: never;
+            path: {
+                sid: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": unknown;
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
     list_commands_sandboxes__sid__commands_get: {
         parameters: {
             query?: never;
@@ -2021,6 +2415,41 @@ export interface operations {
                     "application/json": {
                         [key: string]: unknown;
                     };
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    exec_stdin_sandboxes__sid__execs__eid__stdin_post: {
+        parameters: {
+            query?: {
+                /** @description then close its stdin */
+                close?: boolean;
+            };
+            header?: never;
+            path: {
+                eid: string;
+                sid: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ExecStdinResult"];
                 };
             };
             /** @description Validation Error */
