@@ -210,7 +210,8 @@ def test_limits_are_the_vms(daemon: Daemon) -> None:
     """vCPUs and memory are the VM's own (a non-default size boots cold, no template
     image); the writable layer is bounded; the guest's pid limit is its own."""
     kw = daemon.sdk_kwargs()
-    s = Sandbox.create(template="python", timeout="10m", vcpus=1, memory_mib=512, **kw)
+    s = Sandbox.create(template="python", timeout="10m", vcpus=1, memory_mib=512,
+                       disk="300MiB", **kw)
     try:
         assert s.exec("nproc").stdout.strip() == "1"
         mem_kib = int(s.exec("awk '/MemTotal/ {print $2}' /proc/meminfo").stdout)
@@ -219,6 +220,11 @@ def test_limits_are_the_vms(daemon: Daemon) -> None:
         hog = s.exec("python3 -c 'x = bytearray(1 << 30)'", timeout="120s")
         assert hog.exit_code != 0
         assert s.exec("echo alive").stdout == "alive\n"
+        # the writable layer is disk="300MiB": ENOSPC past it
+        full = s.exec("dd if=/dev/zero of=/work/fill bs=1M count=400", timeout="300s")
+        assert full.exit_code != 0 and "No space left" in full.stderr, full
+        assert s.exec("rm /work/fill && echo ok > /work/small && cat /work/small"
+                      ).stdout == "ok\n"
     finally:
         s.kill()
 

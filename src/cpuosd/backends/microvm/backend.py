@@ -191,16 +191,21 @@ class MicroVMBackend:
         out = self.images / f"root-{key}.ext4"
         return await self._once(key, out, lambda: kernel.build_rootfs_image(rootfs, out))
 
-    async def _overlay_base(self, agent_dir: Path) -> Path:
-        """The blank writable layer carrying the agent package; keyed by the package's
-        content (a changed agent gets a new image, never a stale cached one)."""
+    def disk_mib(self, spec: SandboxSpec) -> int:
+        """The size of the sandbox's writable layer (an ext4 image: ENOSPC past it, and
+        its own inode count)."""
+        return spec.disk_mib or self.overlay_mib
+
+    async def _overlay_base(self, agent_dir: Path, size_mib: int) -> Path:
+        """The blank writable layer carrying the agent package, of size_mib; keyed by the
+        package's content (a changed agent gets a new image, never a stale cached one)."""
         h = hashlib.sha256()
         for f in sorted((agent_dir / "cpuos_agent").glob("*.py")):
             h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
-        key = f"overlay-{h.hexdigest()[:16]}-{self.overlay_mib}"
+        key = f"overlay-{h.hexdigest()[:16]}-{size_mib}"
         out = self.images / f"{key}.ext4"
         return await self._once(key, out, lambda: kernel.build_overlay_image(
-            out, self.overlay_mib, agent_dir))
+            out, size_mib, agent_dir))
 
     # ---- uids and jails ------------------------------------------------------------------
     def _exec_dir(self) -> Path:
@@ -306,7 +311,7 @@ class MicroVMBackend:
                                          memory_bytes=(spec.memory_mib + MEM_OVERHEAD_MIB) << 20,
                                          pids=PIDS_MAX),
             cgroup_version=version,
-            rlimits={"nofile": 4096, "fsize": self.overlay_mib << 20, "core": 0},
+            rlimits={"nofile": 4096, "fsize": self.disk_mib(spec) << 20, "core": 0},
             devices=("kvm", "tun", "null", "zero", "urandom"), new_netns=True, tap=tap.TAP,
             python=self.python,
             keep_fds=() if ram_fd is None else (ram_fd,), mount_proc=ram_fd is not None,
@@ -391,7 +396,7 @@ class MicroVMBackend:
         self.artifacts()
         try:
             rootfs_image = await self.prepare_template(spec.rootfs)
-            base = await self._overlay_base(spec.agent_dir)
+            base = await self._overlay_base(spec.agent_dir, self.disk_mib(spec))
         except kernel.KernelError as e:
             raise ApiError("internal", f"microVM disk images: {e}") from None
         uid = self._allocate_uid()
