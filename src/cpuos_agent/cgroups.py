@@ -187,6 +187,21 @@ class Cgroups:
         except (OSError, ValueError, IndexError):
             return None
 
+    def leftovers(self) -> list[Cgroup]:
+        """The cgroups of execs that ended while processes they started still run
+        (``nohup ... &``), as handles for ``memory_usage`` and ``kill`` (no fd)."""
+        with self._lock:
+            paths = list(self._leftover)
+        out = []
+        for p in paths:
+            if os.path.dirname(p) != self.root:
+                continue  # (the memory hierarchy's twin of one)
+            name = os.path.basename(p)
+            mem = (os.path.join(self.mem_root, name) if self.mem_root and self.kind != "v2"
+                   else p if self.kind == "v2" else None)
+            out.append(Cgroup(p, -1, mem))
+        return out
+
     def oom_killed(self, cg: Cgroup) -> bool:
         """v2: the kernel's OOM killer ended a process of cg (memory.events)."""
         if self.kind != "v2" or cg.mem_path is None:

@@ -2,8 +2,9 @@
 host cgroup would lose everything at once (the host kernel kills the sentry). Instead the
 agent watches what gVisor charges to the sandbox (the root of its memory cgroup
 hierarchy) and, at the sandbox's memory limit, ends the exec holding the most memory (its
-whole cgroup), which then exits 137 with ``oom`` set. The host's cgroup stays a little
-above that limit, as the backstop for what this misses (cpuosd.backends.gvisor).
+whole cgroup), which then exits 137 with ``oom`` set — or the left-over processes of an
+ended one (``nohup ... &``), if they hold more. The host's cgroup stays a little above
+that limit, as the backstop for what this misses (cpuosd.backends.gvisor).
 
 In a microVM the guest kernel has its own OOM killer; this guard does not run there.
 
@@ -15,8 +16,10 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Protocol
 
+from .cgroups import Cgroup
+
 if TYPE_CHECKING:
-    from .cgroups import Cgroup, Cgroups
+    from .cgroups import Cgroups
 
 INTERVAL = 0.05  # s between looks while a command runs
 
@@ -55,19 +58,24 @@ class MemGuard:
         limit = self.limit
         if limit is None:
             return False
-        execs = [e for e in self.execs() if e.cgroup is not None]
-        if not execs:
-            return False
         used = self.cgroups.memory_usage()
         if used is None or used < limit:
             return False
-        biggest, most = None, -1
-        for e in execs:
-            u = self.cgroups.memory_usage(e.cgroup)
+        biggest: Killable | Cgroup | None = None
+        most = 0
+        for e in self.execs():
+            u = self.cgroups.memory_usage(e.cgroup) if e.cgroup is not None else None
             if u is not None and u > most:
                 biggest, most = e, u
-        if biggest is None or most <= 0:
+        for cg in self.cgroups.leftovers():
+            u = self.cgroups.memory_usage(cg)
+            if u is not None and u > most:
+                biggest, most = cg, u
+        if biggest is None:
             return False
         self.kills += 1
-        biggest.kill("oom")
+        if isinstance(biggest, Cgroup):
+            self.cgroups.kill(biggest)  # an ended exec's left-over processes
+        else:
+            biggest.kill("oom")
         return True

@@ -159,6 +159,11 @@ def test_memory_balloon_is_oom_killed_and_the_sandbox_lives_on(daemon: Daemon) -
         assert s.exec("pgrep -x sleep").exit_code == 0  # the bystander process lives
         small = s.exec("python3 -c 'x = bytearray(64 << 20); print(len(x))'")
         assert small.exit_code == 0 and not small.oom
+        # a balloon left behind by an exec that ended (nohup ... &) is ended too
+        s.exec("nohup python3 /work/balloon.py >/dev/null 2>&1 &")
+        wait_until(lambda: s.exec("pgrep -f balloon.py").exit_code != 0,
+                   "the left-over balloon to be OOM-killed", 120)
+        assert s.exec("pgrep -x sleep").exit_code == 0
         m = s.metrics()
         assert m["memory_limit_bytes"] == 256 << 20
         print(f"neighbour exec p99: idle {idle_p99 * 1e3:.1f} ms, "
