@@ -180,17 +180,41 @@ class Page:
         return (r.get("result") or {}).get("value")
 
 
+# the page target each sandbox's helpers drove last (by sandbox and address: a restored
+# sandbox has a new address), so the next call skips asking for /json/list
+_TARGETS: dict[str, str] = {}
+MAX_TARGETS = 4096
+
+
+async def _connect(addr: str, target: str) -> ClientConnection:
+    async with asyncio.timeout(CONNECT_TIMEOUT):
+        return await connect(f"ws://{addr}:{CDP_PORT}/devtools/page/{target}",
+                             max_size=MAX_MESSAGE, compression=None, proxy=None,
+                             open_timeout=CONNECT_TIMEOUT, ping_interval=None)
+
+
 @contextlib.asynccontextmanager
 async def open_page(addr: str, sid: str, timeout: float) -> AsyncIterator[Page]:
     deadline = time.monotonic() + timeout
-    target = await page_target(addr, sid)
-    try:
-        async with asyncio.timeout(CONNECT_TIMEOUT):
-            ws = await connect(f"ws://{addr}:{CDP_PORT}/devtools/page/{target}",
-                               max_size=MAX_MESSAGE, compression=None, proxy=None,
-                               open_timeout=CONNECT_TIMEOUT, ping_interval=None)
-    except (OSError, TimeoutError, WebSocketException) as e:
-        raise no_browser(sid, f"page {target}: {type(e).__name__}: {str(e)[:200]}") from None
+    key = f"{sid}@{addr}"
+    ws: ClientConnection | None = None
+    cached = _TARGETS.get(key)
+    if cached is not None:
+        try:
+            ws = await _connect(addr, cached)
+        except (OSError, TimeoutError, WebSocketException):
+            _TARGETS.pop(key, None)  # the page is gone (closed, or the browser restarted)
+    if ws is None:
+        target = await page_target(addr, sid)
+        try:
+            ws = await _connect(addr, target)
+        except (OSError, TimeoutError, WebSocketException) as e:
+            raise no_browser(sid, f"page {target}: {type(e).__name__}: {str(e)[:200]}"
+                             ) from None
+        _TARGETS.pop(key, None)
+        _TARGETS[key] = target
+        while len(_TARGETS) > MAX_TARGETS:
+            del _TARGETS[next(iter(_TARGETS))]
     try:
         yield Page(ws, deadline)
     finally:

@@ -173,6 +173,21 @@ def test_network_off_fails_cleanly_and_quickly(bsbx: Sandbox) -> None:
     assert bsbx.browser.goto("about:blank")["url"] == "about:blank"
 
 
+def test_the_browser_can_be_started_again(bsbx: Sandbox) -> None:
+    """A clone's profile lock names the template's boot: the launcher clears it, so the
+    user can stop the browser and start it again (with flags of their own)."""
+    r = bsbx.exec("pkill -f '[/]usr/lib/chromium/'; pkill -x socat; "
+                  "for i in $(seq 100); do pgrep -f '[/]usr/lib/chromium/' >/dev/null || break; "
+                  "sleep 0.1; done; (nohup cpuos-browser --lang=en-GB >/tmp/b.log 2>&1 &); "
+                  "for i in $(seq 300); do "
+                  "curl -sf -o /dev/null http://127.0.0.1:9222/json/version && exit 0; "
+                  "sleep 0.1; done; cat /tmp/b.log; exit 1", timeout="1m")
+    assert r.exit_code == 0, r.stdout + r.stderr
+    url = serve(bsbx)
+    assert bsbx.browser.goto(url)["title"] == "cpuos browser test"
+    assert "--lang=en-GB" in bsbx.exec("ps -eo args").stdout
+
+
 def test_helpers_on_a_sandbox_without_a_browser(daemon: Daemon) -> None:
     if template_info(TEMPLATES, "python") is None:
         pytest.skip(f"the python template is not built in {TEMPLATES}")

@@ -26,11 +26,16 @@ Handler = Callable[[dict[str, Any]], Any]  # a CDP request -> its result, or Non
 class Fake:
     def __init__(self, handler: Handler, json_list: bytes | None = None) -> None:
         self.handler = handler
+        self.lists = 0  # /json/list requests
+        self.gone: set[str] = set()  # page ids whose WebSocket is refused
         self.json_list = json_list or json.dumps(
             [{"type": "page", "id": "0123456789ABCDEF0123456789ABCDEF"}]).encode()
 
     def http(self, conn: ServerConnection, req: Request) -> Response | None:
+        if req.path.rsplit("/", 1)[-1] in self.gone:
+            return Response(404, "Not Found", Headers(), b"no such target")
         if req.path.startswith("/json/list"):
+            self.lists += 1
             return Response(200, "OK", Headers({"Content-Type": "application/json"}),
                             self.json_list)
         return None
@@ -134,6 +139,24 @@ def test_goto_reports_the_navigation_error_and_waits_for_load(addr: str) -> None
                        if m["method"] == "Page.navigate" else {}),
             lambda: cdp.goto(addr, "sbx-x", "http://a.test/", 0.5))
     assert e.value.code == "timeout"
+
+
+def test_the_page_is_remembered_until_it_is_gone(addr: str) -> None:
+    def h(msg: dict[str, Any]) -> Any:
+        return {"result": {"type": "string", "value": "<html></html>"}}
+
+    fake = Fake(h)
+
+    async def three() -> None:
+        assert await cdp.content(addr, "sbx-x", 5) == "<html></html>"
+        assert await cdp.content(addr, "sbx-x", 5) == "<html></html>"
+        assert fake.lists == 1  # the second call went straight to the page
+        fake.gone.add("0123456789ABCDEF0123456789ABCDEF")
+        fake.json_list = json.dumps([{"type": "page", "id": "1" * 32}]).encode()
+        assert await cdp.content(addr, "sbx-x", 5) == "<html></html>"
+        assert fake.lists == 2
+
+    run(addr, fake, three)
 
 
 def test_nothing_listening_is_no_browser(addr: str) -> None:
