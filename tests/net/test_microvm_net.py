@@ -98,10 +98,12 @@ def host_taps() -> list[str]:
     return [x["ifname"] for x in json.loads(out or "[]") if x["ifname"].startswith("tap0")]
 
 
-def create(d: Daemon, network: Any) -> Sandbox:
+def create(d: Daemon, network: Any, **more: Any) -> Sandbox:
+    """A sandbox with a policy (the first: the template's boot and snapshot under TCG,
+    which on a loaded host takes minutes)."""
     with d.client() as c:
         r = c.post("/sandboxes", json={"template": "python", "timeout": "15m",
-                                       "network": network})
+                                       "network": network, **more}, timeout=900)
         assert r.status_code == 201, r.text
         sid = r.json()["id"]
     return Sandbox.connect(sid, **d.sdk_kwargs())
@@ -114,8 +116,10 @@ def records(d: Daemon, sid: str) -> list[dict[str, Any]]:
         return out
 
 
-def curl(s: Sandbox, url: str, *extra: str) -> tuple[bool, str]:
-    r = s.exec(["curl", "-sS", "-m", "10", *extra, url], timeout="2m")
+def curl(s: Sandbox, url: str, *extra: str, limit: int = 20) -> tuple[bool, str]:
+    """(succeeded, output); limit: curl's own bound (s) — an attempt the firewall drops
+    waits all of it."""
+    r = s.exec(["curl", "-sS", "-m", str(limit), *extra, url], timeout="2m")
     return r.exit_code == 0, r.stdout + r.stderr
 
 
@@ -128,6 +132,36 @@ def assigned_address(d: Daemon, sid: str) -> str:
     st = json.loads((Config(home=d.home).sandboxes_dir / sid / "net.json").read_text())
     pool = ipaddress.IPv4Network(d.net_env["CPUOS_NET_POOL"])
     return str(pool.network_address + 4 * int(st["index"]) + 2)
+
+
+def vmm_pid(d: Daemon, sid: str) -> int:
+    """The pid of the QEMU running sid (its jail: the sandbox's id, or a standby's that
+    names it)."""
+    jails = d.home / "microvm" / "jail" / "qemu-system-x86_64"
+    for j in jails.iterdir():
+        named = (j / "sandbox").read_text().strip() if (j / "sandbox").exists() else j.name
+        if named == sid:
+            return int((j / "vmm.pid").read_text())
+    raise AssertionError(f"no jail runs {sid}")
+
+
+def check_link(d: Daemon, sid: str) -> None:
+    """QEMU is in a namespace of its own (neither the host's nor the sandbox's); the tap it
+    opened is in the sandbox's namespace, owned by QEMU's uid; the namespace's veth end
+    holds no address (the guest does)."""
+    pid = vmm_pid(d, sid)
+    st = json.loads((Config(home=d.home).sandboxes_dir / sid / "net.json").read_text())
+    ns = f"cpuos-{d.net_env['CPUOS_NET_ID']}-n{st['index']}"
+    mine = os.readlink(f"/proc/{pid}/ns/net")
+    assert mine != os.readlink("/proc/self/ns/net")
+    assert os.stat(f"/proc/{pid}/ns/net").st_ino != os.stat(f"/var/run/netns/{ns}").st_ino
+    links = json.loads(subprocess.run(["ip", "-n", ns, "-d", "-j", "addr"], capture_output=True,
+                                      text=True, check=True).stdout)
+    by = {x["ifname"]: x for x in links}
+    uid = int(open(f"/proc/{pid}/status").read().split("Uid:")[1].split()[0])
+    assert by["tap0"]["linkinfo"]["info_data"]["user"] == uid
+    assert by["tap0"]["linkinfo"]["info_data"]["pi"] is False
+    assert not [a for a in by["eth0"].get("addr_info", []) if a["family"] == "inet"]
 
 
 def denied_listeners_untouched(inet: FakeInternet) -> None:
@@ -204,10 +238,11 @@ def test_off_has_no_route_and_still_serves_its_ports(vmd: Daemon, inet: FakeInte
     s = create(vmd, "off")  # a clone: a standby QEMU handed out, its tap moved
     try:
         assert guest_address(s) == assigned_address(vmd, s.id)
+        check_link(vmd, s.id)
         n = len(inet.seen())
-        ok, out = curl(s, f"http://{WEB}/")
+        ok, out = curl(s, f"http://{WEB}/", limit=3)
         assert not ok, out
-        assert not curl(s, "http://allowed.test/")[0]
+        assert not curl(s, "http://allowed.test/", limit=3)[0]
         assert not [e for e in inet.seen()[n:] if e["listener"] != "dns"]
         wait_until(lambda: any(r.get("dst") == WEB and r["verdict"] == "denied"
                                and "routing" in r.get("rule", "")
@@ -233,13 +268,8 @@ def test_a_secret_reaches_its_host_only(vmd: Daemon, inet: FakeInternet) -> None
     """The guest trusts the sandbox's CA (sent by the agent: the host cannot place files in
     a VM), so HTTPS to the secret's host ends at the egress proxy, which puts the value in;
     the guest sees the placeholder only."""
-    with vmd.client() as c:
-        r = c.post("/sandboxes", json={
-            "template": "python", "timeout": "15m", "network": {"allow": ["other.test"]},
-            "secrets": {"API_KEY": {"value": SECRET, "hosts": ["allowed.test"]}}})
-        assert r.status_code == 201, r.text
-        sid = r.json()["id"]
-    s = Sandbox.connect(sid, **vmd.sdk_kwargs())
+    s = create(vmd, {"allow": ["other.test"]},
+               secrets={"API_KEY": {"value": SECRET, "hosts": ["allowed.test"]}})
     try:
         placeholder = s.exec("printf %s \"$API_KEY\"").stdout
         assert placeholder.startswith("cpuos-secret-") and SECRET not in placeholder
