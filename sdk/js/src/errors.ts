@@ -17,6 +17,8 @@
  * ```
  */
 
+import { ERROR_TABLE } from "./generated/error-codes.js";
+
 export interface ErrorOptions {
   code?: string | undefined;
   status?: number | undefined;
@@ -60,26 +62,19 @@ export class ServerError extends CpuosError { static override readonly defaultCo
 
 type ErrorClass = new (message: string, options?: ErrorOptions) => CpuosError;
 
-/**
- * The error codes: code -> [HTTP status, class]. A copy of the one table
- * (cpuos_agent.protocol.ERROR_CODES); a unit test fails if they differ.
- */
-export const ERROR_CODES: Readonly<Record<string, readonly [number, ErrorClass]>> = {
-  invalid_argument: [422, InvalidArgument],
-  unauthorized: [401, AuthError],
-  permission_denied: [403, PermissionDenied],
-  not_found: [404, NotFound],
-  conflict: [409, Conflict],
-  already_exists: [409, Conflict],
-  is_a_directory: [409, Conflict],
-  not_a_directory: [409, Conflict],
-  too_large: [413, InvalidArgument],
-  limit_exceeded: [429, LimitExceeded],
-  no_space: [507, NoSpace],
-  timeout: [504, Timeout],
-  unavailable: [503, Unavailable],
-  internal: [500, ServerError],
+// every class the daemon's table names must be one here (else this does not compile)
+const CLASSES: Record<(typeof ERROR_TABLE)[keyof typeof ERROR_TABLE]["class"], ErrorClass> = {
+  AuthError, PermissionDenied, NotFound, Conflict, InvalidArgument, LimitExceeded, NoSpace,
+  Timeout, Unavailable, ServerError,
 };
+
+/**
+ * The error codes: code -> [HTTP status, class], from the one table
+ * (cpuos_agent.protocol.ERROR_CODES, generated into ./generated/error-codes.ts).
+ */
+export const ERROR_CODES: Readonly<Record<string, readonly [number, ErrorClass]>> =
+  Object.fromEntries(Object.entries(ERROR_TABLE).map(
+    ([code, { status, class: cls }]) => [code, [status, CLASSES[cls]] as const]));
 
 const BY_STATUS = new Map<number, ErrorClass>();
 for (const [status, cls] of Object.values(ERROR_CODES)) {
