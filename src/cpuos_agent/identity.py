@@ -124,6 +124,7 @@ def apply_identity(h: P.Header) -> list[str]:
 # linux/sockios.h, linux/if.h, linux/route.h
 SIOCADDRT, SIOCGIFFLAGS, SIOCSIFFLAGS = 0x890B, 0x8913, 0x8914
 SIOCGIFADDR, SIOCSIFADDR, SIOCSIFNETMASK = 0x8915, 0x8916, 0x891C
+SIOCDARP = 0x8953
 IFF_UP = 0x1
 RTF_UP, RTF_GATEWAY = 0x1, 0x2
 
@@ -193,6 +194,11 @@ def apply_net(net: P.Header) -> bool:
             changed = True
         addr, gw = str(iface.ip), str(gateway)
         if _address(s, name) == addr and _flags(s, name) & IFF_UP and _default_via(gw):
+            # the same address again (the pool came round): the gateway is a new veth, with
+            # a new MAC; the guest's entry for it would hold the old one for ~30 s
+            arp = struct.pack("16s16si16s16s", _sockaddr(gw), b"", 0, b"", name.encode())
+            with contextlib.suppress(OSError):  # (ENXIO: no entry)
+                fcntl.ioctl(s, SIOCDARP, arp)
             return changed
         with contextlib.suppress(OSError):  # no IPv6 (the host drops it anyway)
             with open(f"/proc/sys/net/ipv6/conf/{name}/disable_ipv6", "w") as f:

@@ -7,6 +7,7 @@ import contextlib
 import fcntl
 import os
 import socket
+import struct
 import time
 from pathlib import Path
 from typing import Any
@@ -120,3 +121,26 @@ def test_ca_is_placed_beside_the_bundle(monkeypatch: pytest.MonkeyPatch, tmp_pat
     assert (tmp_path / "ca.pem").read_text() == pem
     assert (tmp_path / "ca-bundle.pem").read_text() == system.read_text() + pem
     assert (tmp_path / "ca.pem").stat().st_mode & 0o777 == 0o444
+
+
+def test_same_network_again_forgets_the_gateways_mac(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Already configured (a restore that drew the same address): no change, but the
+    gateway's ARP entry goes (its veth is new)."""
+    made: list[tuple[int, bytes]] = []
+
+    def ioctl(_s: Any, req: int, arg: bytes) -> bytes:
+        made.append((req, arg))
+        if req == A.SIOCGIFADDR:
+            return arg[:20] + socket.inet_aton("10.213.0.6") + b"\0" * 16
+        return arg[:16] + struct.pack("H", A.IFF_UP) + b"\0" * 22 \
+            if req == A.SIOCGIFFLAGS else arg
+
+    monkeypatch.setattr(fcntl, "ioctl", ioctl)
+    monkeypatch.setattr(A, "guest_interface", lambda: "eth9")
+    monkeypatch.setattr(A, "privileged", contextlib.nullcontext)
+    monkeypatch.setattr(A, "_default_via", lambda gw: gw == "10.213.0.5")
+    assert A.apply_identity({"net": {"address": "10.213.0.6", "gateway": "10.213.0.5",
+                                     "prefix": 30}}) == []
+    assert [r for r, _ in made if r not in (A.SIOCGIFFLAGS, A.SIOCGIFADDR)] == [A.SIOCDARP]
+    arp = next(a for r, a in made if r == A.SIOCDARP)
+    assert socket.inet_aton("10.213.0.5") in arp[:16] and arp[52:57] == b"eth9\0"
