@@ -22,6 +22,7 @@ REPLACEMENTS = {
     "AsyncWorkspace": "Workspace",
     "AsyncNetwork": "SandboxNetwork",
     "AsyncPorts": "Ports",
+    "AsyncInterpreter": "Interpreter",
     "AsyncAudit": "Audit",
     "AsyncCommands": "Commands",
     "AsyncCommandHandle": "CommandHandle",

@@ -69,3 +69,10 @@ __all__ = [
     "Workspace",
     "parse_duration",
 ]
+
+# the code interpreter (sbx.run_code)
+from ._async.interp import AsyncInterpreter
+from ._code import CodeError, CodeResult, Result
+from ._sync.interp import Interpreter
+
+__all__ += ["AsyncInterpreter", "CodeError", "CodeResult", "Interpreter", "Result"]

@@ -6,6 +6,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._for_model import clip
+
 DEFAULT_MAX_OUTPUT = 16 * 1024 * 1024
 
 
@@ -72,6 +74,22 @@ class ExecResult:
     @property
     def ok(self) -> bool:
         return self.exit_code == 0 and not self.timed_out
+
+    def for_model(self, stdout_chars: int = 4000, stderr_chars: int = 2000) -> dict[str, Any]:
+        """The result as a model should see it: ``exit_code``, ``stdout`` and ``stderr``
+        (each cut to its limit: head and tail around a marker saying how much is left out,
+        never a cut UTF-8 sequence), ``images`` (0: a command makes none)."""
+        out: dict[str, Any] = {
+            "exit_code": self.exit_code,
+            "stdout": clip(self.stdout, stdout_chars,
+                           already_cut=max(0, self.stdout_total - len(self.stdout_bytes))),
+            "stderr": clip(self.stderr, stderr_chars,
+                           already_cut=max(0, self.stderr_total - len(self.stderr_bytes))),
+            "images": 0,
+        }
+        if self.timed_out:
+            out["timed_out"] = True
+        return out
 
 
 @dataclass

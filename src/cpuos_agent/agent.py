@@ -29,6 +29,7 @@ from . import protocol as P
 from .bg import Background, Reader
 from .cgroups import Cgroups
 from .conn import Conn
+from .dial import Dial
 from .exec import MAX_BG_KEPT, Exec
 from .files import _errcode, _list, _remove, _stat, _unlink_quiet, create_beside, open_regular
 from .identity import apply_identity, drop_inheritable_caps, not_dumpable, read_key
@@ -53,6 +54,7 @@ class Agent:
             spawner.attach(self.reaper, cgroups)
         self.execs: dict[int, Exec] = {}
         self.writes: dict[int, tuple[int, str, str]] = {}
+        self.dials: dict[int, Dial] = {}
         # background commands by pid (they outlive connections); on the current connection:
         # the streams reading one's output, and those writing to one's stdin
         self.bg: dict[int, Background] = {}
@@ -101,6 +103,8 @@ class Agent:
                 for ex in list(self.execs.values()):
                     if not ex.background:
                         ex.kill("disconnected")
+                for d in list(self.dials.values()):
+                    d.close()
                 for rd in list(self.readers.values()):
                     rd.cancel()
                 self.readers.clear()
@@ -145,7 +149,7 @@ class Agent:
                 applied.append("memory_limit")
             conn.send({"t": "identity_ok", "id": sid, "applied": applied})
         elif t == "quiesce":
-            if self.execs or self.writes:
+            if self.execs or self.writes or self.dials:
                 conn.send({"t": "err", "id": sid, "code": P.E_EXISTS,
                            "message": "commands or file transfers are still running"})
                 return
@@ -168,12 +172,17 @@ class Agent:
                 self.readers.pop(sid).cancel()
             elif sid in self.stdin_to:
                 self.stdin_to.pop(sid).drop_stdin(sid)
-            else:  # a file read the host gave up on: its sender stops
+            else:  # a file read or a dial the host gave up on: its sender stops
+                d = self.dials.get(sid)
+                if d is not None:
+                    d.close()
                 conn.close_stream(sid)
         elif t.startswith("bg_"):
             self._bg(conn, t, sid, h)
         elif t == "credit":
             conn.add_credit(sid, int(h.get("n", 0)))
+        elif t == "dial":
+            Dial(self, conn, sid, h, payload).start()
         elif t == "write":
             self._write_open(conn, sid, h)
         elif t == "data":

@@ -19,10 +19,12 @@ from .._durations import parse_duration, parse_size_mib
 from .._errors import (Conflict, CpuosError, InvalidArgument, NotFound, ServerError, Timeout,
                        Unavailable, error_from)
 from .audit import AsyncAudit
+from .._code import CodeResult
 from .._models import DEFAULT_MAX_OUTPUT, ExecResult, FileEntry, SandboxInfo
 from .._pumps import AsyncBeside
 from .browser import AsyncBrowser
 from .commands import AsyncCommandHandle, AsyncCommands, OutputSink, StdinSource, stdin_chunks
+from .interp import AsyncInterpreter, OutputCallback as _Out, ResultCallback
 
 OutputCallback = Callable[[str], Any]
 
@@ -301,6 +303,7 @@ class AsyncSandbox:
         self.audit = AsyncAudit(self)
         self.commands = AsyncCommands(self)
         self.browser = AsyncBrowser(self)
+        self.interpreter = AsyncInterpreter(self)
 
     # ---- construction -----------------------------------------------------------------
     @classmethod
@@ -552,6 +555,20 @@ class AsyncSandbox:
                                      params={"close": "true"}, content=stdin_chunks(src))
         except (InvalidArgument, NotFound, Conflict):
             pass
+
+    # ---- code interpreter (cpuos._async.interp) -----------------------------------------
+    async def run_code(self, code: str, language: str = "python", *,
+                       timeout: str | float | None = None, on_stdout: _Out | None = None,
+                       on_stderr: _Out | None = None, on_result: ResultCallback | None = None
+                       ) -> CodeResult:
+        """Run a cell on the sandbox's persistent kernel (see ``AsyncInterpreter``)."""
+        return await self.interpreter.run_code(code, language, timeout=timeout,
+                                               on_stdout=on_stdout, on_stderr=on_stderr,
+                                               on_result=on_result)
+
+    async def restart_kernel(self, language: str = "python") -> None:
+        """A fresh kernel: every variable and import of the old one is gone."""
+        await self.interpreter.restart(language)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.id} template={self._info.template}>"

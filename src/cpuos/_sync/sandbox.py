@@ -20,10 +20,12 @@ from .._durations import parse_duration, parse_size_mib
 from .._errors import (Conflict, CpuosError, InvalidArgument, NotFound, ServerError, Timeout,
                        Unavailable, error_from)
 from .audit import Audit
+from .._code import CodeResult
 from .._models import DEFAULT_MAX_OUTPUT, ExecResult, FileEntry, SandboxInfo
 from .._pumps import Beside
 from .browser import Browser
 from .commands import CommandHandle, Commands, OutputSink, StdinSource, stdin_chunks
+from .interp import Interpreter, OutputCallback as _Out, ResultCallback
 
 OutputCallback = Callable[[str], Any]
 
@@ -302,6 +304,7 @@ class Sandbox:
         self.audit = Audit(self)
         self.commands = Commands(self)
         self.browser = Browser(self)
+        self.interpreter = Interpreter(self)
 
     # ---- construction -----------------------------------------------------------------
     @classmethod
@@ -553,6 +556,20 @@ class Sandbox:
                                      params={"close": "true"}, content=stdin_chunks(src))
         except (InvalidArgument, NotFound, Conflict):
             pass
+
+    # ---- code interpreter (cpuos._async.interp) -----------------------------------------
+    def run_code(self, code: str, language: str = "python", *,
+                       timeout: str | float | None = None, on_stdout: _Out | None = None,
+                       on_stderr: _Out | None = None, on_result: ResultCallback | None = None
+                       ) -> CodeResult:
+        """Run a cell on the sandbox's persistent kernel (see ``AsyncInterpreter``)."""
+        return self.interpreter.run_code(code, language, timeout=timeout,
+                                               on_stdout=on_stdout, on_stderr=on_stderr,
+                                               on_result=on_result)
+
+    def restart_kernel(self, language: str = "python") -> None:
+        """A fresh kernel: every variable and import of the old one is gone."""
+        self.interpreter.restart(language)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.id} template={self._info.template}>"

@@ -32,6 +32,7 @@ from cpuos_agent.protocol import parse_duration
 
 from .auth import Guard, Ws, require_admin
 from .browser import router as browser_router
+from .interp import router as interp_router
 from .templates import TemplateBuilds, router as templates_router
 from .audit import router as audit_router, start_audit
 from ..accounting.trace import Traced
@@ -378,6 +379,7 @@ def create_app(cfg: Config | None = None) -> FastAPI:
     app.include_router(audit_router)
     app.include_router(commands_router)
     app.include_router(browser_router)
+    app.include_router(interp_router)
     document(app)  # the answers' schemas in /openapi.json (sdk/js's types)
     app.include_router(usage_router)
 

@@ -1,0 +1,394 @@
+"""The code interpreter's driver (``sbx.run_code``): one IPython kernel per sandbox, driven
+with jupyter_client.
+
+It runs inside the sandbox as the sandbox user, started by the ``python`` template's start
+command (``python3 -m cpuos_agent.kernel``), so the kernel is up and warm (pandas and
+matplotlib's inline backend imported) in the template snapshot. The kernel is its child
+(jupyter_client's ``KernelManager``): a timeout interrupts the running cell with SIGINT and
+the kernel's state stays. The kernel's ZMQ ports are on the sandbox's own loopback (gVisor's
+netstack is per sandbox): nothing outside this sandbox reaches them.
+
+The host reaches the driver through the agent (``dial``: a byte stream to ``SOCK``). One
+request per connection, a JSON line in::
+
+    {"op": "run", "code": "...", "language": "python", "timeout": 30}
+    {"op": "restart", "language": "python"}
+
+and JSON lines out, as the cell runs::
+
+    {"t": "stream", "name": "stdout"|"stderr", "text": "..."}
+    {"t": "cut", "name": "stdout"|"stderr", "dropped": n}   (then the stream's tail)
+    {"t": "display", "main": bool, "data": {"text/plain": ..., "image/png": base64, ...}}
+    {"t": "error", "ename": ..., "evalue": ..., "traceback": "..."}
+    {"t": "done", "status": "ok"|"error"|"timeout"|"died"|"busy"|"invalid",
+     "execution_count": n, "timed_out": bool, "restarted": bool, "dropped_items": n}
+
+A connection closed by the host while its cell runs interrupts the cell. What this sends is
+bounded (stream head and tail, display items and their sizes); the host bounds it again
+and trusts none of it (code in the sandbox can replace this program).
+
+Unlike the rest of ``cpuos_agent`` this module is not stdlib-only: it needs jupyter_client
+and ipykernel (the ``python`` template has them); nothing else imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import queue
+import re
+import select
+import socket
+import sys
+import threading
+import time
+from collections import deque
+from typing import Any
+
+SOCK_DIR = "/tmp/.cpuos-kernel"
+SOCK = SOCK_DIR + "/driver.sock"
+MAX_REQUEST = 4 << 20  # bytes of one request line
+STREAM_HEAD = 1 << 20  # chars of a stream sent as they come; then only the tail is kept
+STREAM_TAIL = 1 << 20
+MAX_ITEMS = 32  # display items (figures, results) per cell
+MAX_FORMAT = 4 << 20  # bytes of one item's format (a PNG, an HTML table); bigger: left out
+INTERRUPT_GRACE = 5.0  # s an interrupted cell gets to stop before the kernel is restarted
+KEEP_FORMATS = ("text/plain", "text/html", "text/markdown", "text/latex", "image/png",
+                "image/jpeg", "image/svg+xml", "application/json")
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+# Run before the snapshot (and after a restart): what a first plot or DataFrame would load.
+WARM = """
+def __cpuos_warm():
+    import io
+    try:
+        import matplotlib.pyplot as plt
+        fig = plt.figure()
+        plt.plot([1, 2])
+        fig.savefig(io.BytesIO(), format="png")
+        plt.close(fig)
+    except Exception:
+        pass
+    try:
+        import pandas
+        pandas.DataFrame({"a": [1]})._repr_html_()
+    except Exception:
+        pass
+__cpuos_warm()
+del __cpuos_warm
+"""
+KERNEL_ARGS = ["--HistoryManager.enabled=False", "--InteractiveShell.colors=NoColor"]
+
+
+class Kernel:
+    """One kernel of one language and its blocking client; one cell at a time."""
+
+    def __init__(self, language: str, spec_name: str) -> None:
+        self.language, self.spec_name = language, spec_name
+        self.lock = threading.Lock()
+        self.km: Any = None
+        self.kc: Any = None
+
+    def start(self) -> None:
+        jc = importlib.import_module("jupyter_client")
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
+        env.pop("MPLBACKEND", None)  # ipykernel then picks the inline backend
+        self.km = jc.KernelManager(kernel_name=self.spec_name)
+        self.km.start_kernel(extra_arguments=KERNEL_ARGS, env=env, cwd=os.getcwd())
+        self._connect()
+
+    def _connect(self) -> None:
+        if self.kc is not None:
+            with contextlib.suppress(Exception):
+                self.kc.stop_channels()
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=120)
+        if self.language == "python":
+            self._quiet(WARM, 120)
+
+    def _quiet(self, code: str, timeout: float) -> None:
+        """Run code without history or output; wait for its reply."""
+        mid = self.kc.execute(code, silent=True, store_history=False)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                m = self.kc.get_shell_msg(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if m.get("parent_header", {}).get("msg_id") == mid:
+                break
+        self._drain_iopub()
+
+    def _drain_iopub(self) -> None:
+        while True:
+            try:
+                self.kc.get_iopub_msg(timeout=0)
+            except queue.Empty:
+                return
+
+    def restart(self) -> None:
+        self.km.restart_kernel(now=True)
+        self._connect()
+
+    def run(self, code: str, timeout: float, send: Any, gone: Any) -> None:
+        """Run one cell; ``send(dict)`` each message; ``gone()``: the host left."""
+        out = Output(send)
+        timed_out = restarted = False
+        status = "ok"
+        count: int | None = None
+        self._drain_iopub()
+        mid = self.kc.execute(code, store_history=True, allow_stdin=False,
+                              stop_on_error=False)
+        deadline = time.monotonic() + timeout
+        interrupted_at: float | None = None
+        idle = False
+        next_check = time.monotonic() + 0.5
+        while not idle:
+            now = time.monotonic()
+            if interrupted_at is None and (now >= deadline or gone()):
+                timed_out = now >= deadline
+                self.km.interrupt_kernel()
+                interrupted_at = now
+            if interrupted_at is not None and now - interrupted_at > INTERRUPT_GRACE:
+                self.restart()  # the cell ignored SIGINT: its state is lost
+                restarted = True
+                break
+            if now >= next_check:
+                next_check = now + 0.5
+                if not self.km.is_alive():
+                    status = "died"
+                    self.restart()
+                    restarted = True
+                    break
+            wait = 0.1 if interrupted_at is not None else min(0.25, deadline - now)
+            try:
+                m = self.kc.get_iopub_msg(timeout=max(0.005, wait))
+            except queue.Empty:
+                continue
+            if m.get("parent_header", {}).get("msg_id") != mid:
+                continue
+            kind, c = m.get("msg_type"), m.get("content") or {}
+            if kind == "stream":
+                out.stream(str(c.get("name")), str(c.get("text", "")))
+            elif kind in ("display_data", "execute_result", "update_display_data"):
+                out.display(c.get("data") or {}, kind == "execute_result")
+                if kind == "execute_result":
+                    count = c.get("execution_count")
+            elif kind == "error":
+                status = "error"
+                out.error(c)
+            elif kind == "execute_input":
+                count = c.get("execution_count", count)
+            elif kind == "status" and c.get("execution_state") == "idle":
+                idle = True
+        if idle:
+            try:  # its reply (on the shell channel) is at most a moment behind
+                end = time.monotonic() + 5
+                while time.monotonic() < end:
+                    r = self.kc.get_shell_msg(timeout=max(0.01, end - time.monotonic()))
+                    if r.get("parent_header", {}).get("msg_id") == mid:
+                        c = r.get("content") or {}
+                        count = c.get("execution_count", count)
+                        if c.get("status") == "error" and status == "ok":
+                            status = "error"
+                        break
+            except queue.Empty:
+                pass
+        if timed_out:
+            status = "timeout"
+        out.finish()
+        send({"t": "done", "status": status, "execution_count": count,
+              "timed_out": timed_out, "restarted": restarted,
+              "dropped_items": out.dropped_items})
+
+
+class Output:
+    """A cell's output as it goes out: each stream's head as it comes, then its tail."""
+
+    def __init__(self, send: Any) -> None:
+        self.send = send
+        self.sent = {"stdout": 0, "stderr": 0}
+        self.tail: dict[str, deque[str]] = {"stdout": deque(), "stderr": deque()}
+        self.tail_len = {"stdout": 0, "stderr": 0}
+        self.dropped = {"stdout": 0, "stderr": 0}
+        self.items = 0
+        self.dropped_items = 0
+
+    def stream(self, name: str, text: str) -> None:
+        if name not in self.sent:
+            name = "stdout"
+        room = STREAM_HEAD - self.sent[name]
+        if room > 0:
+            head, text = text[:room], text[room:]
+            self.sent[name] += len(head)
+            self.send({"t": "stream", "name": name, "text": head})
+        if not text:
+            return
+        t = self.tail[name]
+        t.append(text)
+        self.tail_len[name] += len(text)
+        while self.tail_len[name] - len(t[0]) >= STREAM_TAIL:
+            self.dropped[name] += len(t[0])
+            self.tail_len[name] -= len(t.popleft())
+
+    def finish(self) -> None:
+        for name in ("stdout", "stderr"):
+            text = "".join(self.tail[name])
+            if len(text) > STREAM_TAIL:
+                self.dropped[name] += len(text) - STREAM_TAIL
+                text = text[-STREAM_TAIL:]
+            if self.dropped[name]:
+                self.send({"t": "cut", "name": name, "dropped": self.dropped[name]})
+            for i in range(0, len(text), 256 * 1024):
+                self.send({"t": "stream", "name": name, "text": text[i:i + 256 * 1024]})
+
+    def display(self, data: dict[str, Any], main: bool) -> None:
+        if self.items >= MAX_ITEMS:
+            self.dropped_items += 1
+            return
+        keep = {k: v for k, v in data.items() if k in KEEP_FORMATS and isinstance(v, str)
+                and len(v) <= MAX_FORMAT * 4 // 3 + 4}
+        if "application/json" in data and not isinstance(data["application/json"], str):
+            js = json.dumps(data["application/json"])
+            if len(js) <= MAX_FORMAT:
+                keep["application/json"] = js
+        if not keep:
+            self.dropped_items += 1
+            return
+        self.items += 1
+        self.send({"t": "display", "main": main, "data": keep})
+
+    def error(self, c: dict[str, Any]) -> None:
+        tb = "\n".join(str(x) for x in c.get("traceback") or [])
+        self.send({"t": "error", "ename": str(c.get("ename"))[:1000],
+                   "evalue": str(c.get("evalue"))[:10000],
+                   "traceback": ANSI.sub("", tb)[-200000:]})
+
+
+class Driver:
+    def __init__(self) -> None:
+        self.kernels: dict[str, Kernel] = {}
+        self.start_lock = threading.Lock()
+
+    def kernel(self, language: str) -> Kernel | None:
+        with self.start_lock:
+            k = self.kernels.get(language)
+            if k is not None:
+                return k
+            spec = _spec_for(language)
+            if spec is None:
+                return None
+            k = Kernel(language, spec)
+            k.start()
+            self.kernels[language] = k
+            return k
+
+    def serve(self) -> None:
+        os.makedirs(SOCK_DIR, mode=0o700, exist_ok=True)
+        os.chmod(SOCK_DIR, 0o700)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(SOCK)
+        tmp = SOCK + ".new"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        srv.bind(tmp)
+        srv.listen(64)
+        os.rename(tmp, SOCK)  # it appears only once it is served (the template's ready check)
+        while True:
+            conn, _ = srv.accept()
+            threading.Thread(target=self.handle, args=(conn,), daemon=True).start()
+
+    def handle(self, conn: socket.socket) -> None:
+        lock = threading.Lock()
+
+        def send(msg: dict[str, Any]) -> None:
+            data = (json.dumps(msg, separators=(",", ":")) + "\n").encode()
+            with lock:
+                conn.sendall(data)
+
+        def gone() -> bool:
+            try:
+                r, _, _ = select.select([conn], [], [], 0)
+                return bool(r) and not conn.recv(1, socket.MSG_PEEK)
+            except OSError:
+                return True
+
+        try:
+            conn.settimeout(30)
+            req = _read_line(conn)
+            conn.settimeout(None)
+            op = req.get("op")
+            language = str(req.get("language") or "python")
+            k = self.kernel(language)
+            if k is None:
+                send({"t": "done", "status": "invalid",
+                      "message": f"no {language} kernel in this sandbox"})
+                return
+            timeout = float(req.get("timeout") or 300)
+            if not k.lock.acquire(timeout=timeout):
+                send({"t": "done", "status": "busy",
+                      "message": "the kernel was busy with another cell until the timeout"})
+                return
+            try:
+                if op == "restart":
+                    k.restart()
+                    send({"t": "done", "status": "ok", "restarted": True})
+                elif op == "run":
+                    k.run(str(req.get("code", "")), timeout, send, gone)
+                elif op == "ping":
+                    send({"t": "done", "status": "ok", "pid": os.getpid()})
+                else:
+                    send({"t": "done", "status": "invalid", "message": f"unknown op {op!r}"})
+            finally:
+                k.lock.release()
+        except (OSError, ValueError) as e:
+            with contextlib.suppress(OSError):
+                send({"t": "done", "status": "invalid", "message": str(e)[:500]})
+        finally:
+            conn.close()
+
+
+def _read_line(conn: socket.socket) -> dict[str, Any]:
+    buf = bytearray()
+    while b"\n" not in buf:
+        b = conn.recv(65536)
+        if not b:
+            break
+        buf += b
+        if len(buf) > MAX_REQUEST:
+            raise ValueError("request too large")
+    req = json.loads(bytes(buf).split(b"\n", 1)[0] or b"{}")
+    if not isinstance(req, dict):
+        raise ValueError("request must be a JSON object")
+    return req
+
+
+def _spec_for(language: str) -> str | None:
+    """The kernelspec of a language: python's own kernel, else an installed kernelspec of
+    that language (e.g. a Node kernel's ``javascript``)."""
+    if language == "python":
+        return "python3"
+    try:
+        ksm = importlib.import_module("jupyter_client.kernelspec").KernelSpecManager()
+        for name, d in ksm.get_all_specs().items():
+            if (d.get("spec") or {}).get("language", "").lower() == language.lower():
+                return str(name)
+    except Exception:
+        return None
+    return None
+
+
+def main() -> None:
+    with contextlib.suppress(OSError):
+        os.chdir("/work")
+    d = Driver()
+    d.kernel("python")  # started (and warmed) before we listen: before the snapshot
+    print("cpuos kernel driver: ready", file=sys.stderr, flush=True)
+    d.serve()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""The code interpreter (sbx.run_code) on a real daemon: a persistent IPython kernel inside
+the python template's sandboxes, reached through the agent."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+
+import pytest
+
+from cpuos import CodeResult, InvalidArgument, Sandbox
+from cpuosd.testing import Daemon
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def box(daemon: Daemon) -> Iterator[Sandbox]:
+    s = Sandbox.create(template="python", timeout="10m", **daemon.sdk_kwargs())
+    yield s
+    s.kill()
+    s.close()
+
+
+def png_size_and_colours(data: bytes) -> tuple[int, int, set[tuple[int, ...]]]:
+    """A PNG's width, height and the set of its pixels' colours (8-bit RGB/RGBA, no
+    interlace: what matplotlib's Agg writes), decoded with zlib alone."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, hdr = 8, b"", b""
+    while pos < len(data):
+        n = int.from_bytes(data[pos:pos + 4], "big")
+        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + n]
+        if kind == b"IHDR":
+            hdr = body
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + n
+    w, h = int.from_bytes(hdr[0:4], "big"), int.from_bytes(hdr[4:8], "big")
+    depth, ctype, interlace = hdr[8], hdr[9], hdr[12]
+    assert depth == 8 and ctype in (2, 6) and interlace == 0, (depth, ctype, interlace)
+    bpp = 3 if ctype == 2 else 4
+    raw = zlib.decompress(idat)
+    stride = w * bpp
+    prev = bytearray(stride)
+    colours: set[tuple[int, ...]] = set()
+    for y in range(h):
+        f = raw[y * (stride + 1)]
+        line = bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+        for i in range(stride):
+            a = line[i - bpp] if i >= bpp else 0
+            b = prev[i]
+            c = prev[i - bpp] if i >= bpp else 0
+            if f == 1:
+                line[i] = (line[i] + a) & 255
+            elif f == 2:
+                line[i] = (line[i] + b) & 255
+            elif f == 3:
+                line[i] = (line[i] + (a + b) // 2) & 255
+            elif f == 4:
+                p = a + b - c
+                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+                pr = a if pa <= pb and pa <= pc else b if pb <= pc else c
+                line[i] = (line[i] + pr) & 255
+        colours.update(tuple(line[i:i + 3]) for i in range(0, stride, bpp))
+        prev = line
+    return w, h, colours
+
+
+def test_state_persists_between_calls(box: Sandbox) -> None:
+    r = box.run_code("import os\nx = 41\nos.chdir('/tmp')")
+    assert r.ok and r.error is None, r
+    r = box.run_code("x + 1")
+    assert r.text == "42"
+    r = box.run_code("print(os.getcwd()); import sys; print('to stderr', file=sys.stderr)")
+    assert r.stdout == "/tmp\n" and r.stderr == "to stderr\n"
+    assert r.text is None
+
+
+def test_figure_comes_back_as_png(box: Sandbox) -> None:
+    r = box.run_code("import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])\nplt.show()")
+    assert r.error is None, r.error
+    assert len(r.images) == 1
+    w, h, colours = png_size_and_colours(r.images[0])
+    assert (w, h) == (640, 480) or (w > 100 and h > 100)
+    assert len(colours - {(255, 255, 255)}) > 1  # the line and the axes are drawn
+
+
+def test_dataframe_as_text_and_html(box: Sandbox) -> None:
+    r = box.run_code("import pandas as pd\npd.DataFrame({'a': [1, 2], 'b': ['x', 'y']})")
+    main = [x for x in r.results if x.is_main_result]
+    assert len(main) == 1
+    assert main[0].text is not None and "a" in main[0].text and "x" in main[0].text
+    assert main[0].html is not None and "<table" in main[0].html
+
+
+def test_exception_has_a_traceback_and_the_kernel_lives(box: Sandbox) -> None:
+    box.run_code("survivor = 'yes'")
+    r = box.run_code("def f():\n    return 1/0\nf()")
+    assert r.error is not None and r.error.name == "ZeroDivisionError"
+    assert "division by zero" in r.error.value
+    assert "return 1/0" in r.error.traceback and "\x1b[" not in r.error.traceback
+    fm = r.for_model()
+    assert fm["error"].startswith("ZeroDivisionError: division by zero")
+    assert box.run_code("survivor").text == "'yes'"
+
+
+def test_timeout_interrupts_the_cell_and_keeps_state(box: Sandbox) -> None:
+    box.run_code("kept = 123")
+    r = box.run_code("while True: pass", timeout=2)
+    assert r.timed_out and not r.restarted
+    assert r.error is not None and r.error.name == "KeyboardInterrupt"
+    assert box.run_code("kept").text == "123"
+
+
+def test_streams_as_it_runs(box: Sandbox) -> None:
+    seen: list[str] = []
+    r = box.run_code("for i in range(3): print(i, flush=True)", on_stdout=seen.append)
+    assert "".join(seen) == r.stdout == "0\n1\n2\n"
+
+
+def test_large_output_is_bounded_and_for_model_cuts_it(box: Sandbox) -> None:
+    r = box.run_code("import sys\nsys.stdout.write('é' * 5_000_000 + 'END')")
+    assert r.truncated and r.stdout.endswith("END")
+    assert r.stdout_total > 10_000_000 // 2
+    fm = r.for_model(stdout_chars=4000, stderr_chars=2000)
+    assert len(fm["stdout"]) <= 4000 and "characters cut" in fm["stdout"]
+    assert fm["stdout"].startswith("é") and fm["stdout"].endswith("END")
+    assert "\ufffd" not in fm["stdout"]
+
+
+def test_exec_for_model_cuts_10_mb(box: Sandbox) -> None:
+    run = box.exec("python3 -c \"import sys; sys.stdout.write('ü' * 5_000_000 + 'END')\"")
+    assert run.exit_code == 0
+    fm = run.for_model(stdout_chars=4000, stderr_chars=2000)
+    assert fm["exit_code"] == 0 and fm["images"] == 0
+    assert len(fm["stdout"]) <= 4000 and "characters cut" in fm["stdout"]
+    assert fm["stdout"].startswith("ü") and fm["stdout"].endswith("END")
+    assert "\ufffd" not in fm["stdout"]
+
+
+def test_restart_kernel_forgets(box: Sandbox) -> None:
+    box.run_code("forgotten = 1")
+    box.restart_kernel()
+    r = box.run_code("forgotten")
+    assert r.error is not None and r.error.name == "NameError"
+    assert box.run_code("1+1").text == "2"
+
+
+def test_unknown_language_is_refused(box: Sandbox) -> None:
+    with pytest.raises(InvalidArgument):
+        box.run_code("1", language="javascript")
+
+
+def test_result_type(box: Sandbox) -> None:
+    assert isinstance(box.run_code("pass"), CodeResult)
