@@ -5,8 +5,8 @@ It runs inside the sandbox as the sandbox user, started by the ``python`` templa
 command (``python3 -m cpuos_agent.kernel``), so the kernel is up and warm (pandas and
 matplotlib's inline backend imported) in the template snapshot. The kernel is its child
 (jupyter_client's ``KernelManager``): a timeout interrupts the running cell with SIGINT and
-the kernel's state stays. The kernel's ZMQ ports are on the sandbox's own loopback (gVisor's
-netstack is per sandbox): nothing outside this sandbox reaches them.
+the kernel's state stays. The kernel's ZMQ channels are unix sockets in a directory of the
+sandbox user's (mode 0700), not TCP ports: nothing outside this sandbox reaches them.
 
 The host reaches the driver through the agent (``dial``: a byte stream to ``SOCK``). One
 request per connection, a JSON line in::
@@ -37,7 +37,6 @@ import contextlib
 import importlib
 import json
 import os
-import queue
 import re
 import select
 import socket
@@ -82,51 +81,95 @@ KERNEL_ARGS = ["--HistoryManager.enabled=False", "--InteractiveShell.colors=NoCo
 
 
 class Kernel:
-    """One kernel of one language and its blocking client; one cell at a time."""
+    """One kernel of one language, one cell at a time. jupyter_client's KernelManager
+    starts, interrupts and restarts it and signs its messages; the shell and iopub
+    channels are plain (synchronous) ZMQ sockets polled here: jupyter_client's blocking
+    client runs an asyncio loop per call, which cost more than the cell under gVisor."""
 
     def __init__(self, language: str, spec_name: str) -> None:
         self.language, self.spec_name = language, spec_name
         self.lock = threading.Lock()
         self.km: Any = None
-        self.kc: Any = None
+        self.zmq: Any = None
+        self.shell: Any = None
+        self.iopub: Any = None
+        self.poller: Any = None
 
     def start(self) -> None:
         jc = importlib.import_module("jupyter_client")
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
-        env.pop("MPLBACKEND", None)  # ipykernel then picks the inline backend
-        self.km = jc.KernelManager(kernel_name=self.spec_name)
+        self.zmq = importlib.import_module("zmq")
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MPLBACKEND")}
+        env["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"
+        # ZMQ over unix sockets in our 0700 directory: no TCP port at all, and no look-up of
+        # "localhost" addresses (jupyter_client resolves the hostname for its tcp default,
+        # which waits 20 s for a resolver when the sandbox has no network)
+        self.km = jc.KernelManager(kernel_name=self.spec_name, transport="ipc",
+                                   ip=f"{SOCK_DIR}/{self.language}")
         self.km.start_kernel(extra_arguments=KERNEL_ARGS, env=env, cwd=os.getcwd())
         self._connect()
 
     def _connect(self) -> None:
-        if self.kc is not None:
-            with contextlib.suppress(Exception):
-                self.kc.stop_channels()
-        self.kc = self.km.client()
-        self.kc.start_channels()
-        self.kc.wait_for_ready(timeout=120)
+        for sock in (self.shell, self.iopub):
+            if sock is not None:
+                sock.close(linger=0)
+        self.shell = self.km.connect_shell()
+        self.iopub = self.km.connect_iopub()
+        self.poller = self.zmq.Poller()
+        self.poller.register(self.shell, self.zmq.POLLIN)
+        self.poller.register(self.iopub, self.zmq.POLLIN)
+        self._wait_ready(120)
         if self.language == "python":
             self._quiet(WARM, 120)
 
-    def _quiet(self, code: str, timeout: float) -> None:
-        """Run code without history or output; wait for its reply."""
-        mid = self.kc.execute(code, silent=True, store_history=False)
+    def _send(self, kind: str, content: dict[str, Any]) -> str:
+        msg = self.km.session.send(self.shell, kind, content)
+        return str(msg["header"]["msg_id"])
+
+    def _recv(self, timeout: float) -> list[tuple[str, dict[str, Any]]]:
+        """What arrived within ``timeout`` s: (channel, message), iopub's first."""
+        ready = dict(self.poller.poll(max(0, int(timeout * 1000))))
+        out = []
+        for name, sock in (("iopub", self.iopub), ("shell", self.shell)):
+            if sock not in ready:
+                continue
+            while True:
+                try:
+                    _, msg = self.km.session.recv(sock, mode=self.zmq.NOBLOCK)
+                except (ValueError, KeyError):  # a message that does not verify
+                    continue
+                if msg is None:
+                    break
+                out.append((name, msg))
+        return out
+
+    def _wait_ready(self, timeout: float) -> None:
+        """Until the kernel answers on shell and its iopub reaches us (a SUB socket
+        connects late: what is published before is lost)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            try:
-                m = self.kc.get_shell_msg(timeout=max(0.01, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            if m.get("parent_header", {}).get("msg_id") == mid:
-                break
-        self._drain_iopub()
-
-    def _drain_iopub(self) -> None:
-        while True:
-            try:
-                self.kc.get_iopub_msg(timeout=0)
-            except queue.Empty:
+            mid = self._send("kernel_info_request", {})
+            replied = heard = False
+            end = time.monotonic() + 1.0
+            while time.monotonic() < end and not (replied and heard):
+                for name, m in self._recv(end - time.monotonic()):
+                    heard = heard or name == "iopub"
+                    replied = replied or (name == "shell" and _parent(m) == mid)
+            if replied and heard:
+                self._recv(0.05)  # the rest of that request's status messages
                 return
+        raise RuntimeError("the kernel did not become ready")
+
+    def _quiet(self, code: str, timeout: float) -> None:
+        """Run code without history or output; wait for its reply."""
+        mid = self._send("execute_request", {"code": code, "silent": True,
+                                             "store_history": False, "user_expressions": {},
+                                             "allow_stdin": False, "stop_on_error": False})
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(n == "shell" and _parent(m) == mid
+                   for n, m in self._recv(deadline - time.monotonic())):
+                break
+        self._recv(0.05)
 
     def restart(self) -> None:
         self.km.restart_kernel(now=True)
@@ -138,14 +181,15 @@ class Kernel:
         timed_out = restarted = False
         status = "ok"
         count: int | None = None
-        self._drain_iopub()
-        mid = self.kc.execute(code, store_history=True, allow_stdin=False,
-                              stop_on_error=False)
+        self._recv(0)  # anything stale
+        mid = self._send("execute_request", {"code": code, "silent": False,
+                                             "store_history": True, "user_expressions": {},
+                                             "allow_stdin": False, "stop_on_error": False})
         deadline = time.monotonic() + timeout
         interrupted_at: float | None = None
-        idle = False
+        idle = replied = False
         next_check = time.monotonic() + 0.5
-        while not idle:
+        while not (idle and replied):
             now = time.monotonic()
             if interrupted_at is None and (now >= deadline or gone()):
                 timed_out = now >= deadline
@@ -163,45 +207,36 @@ class Kernel:
                     restarted = True
                     break
             wait = 0.1 if interrupted_at is not None else min(0.25, deadline - now)
-            try:
-                m = self.kc.get_iopub_msg(timeout=max(0.005, wait))
-            except queue.Empty:
-                continue
-            if m.get("parent_header", {}).get("msg_id") != mid:
-                continue
-            kind, c = m.get("msg_type"), m.get("content") or {}
-            if kind == "stream":
-                out.stream(str(c.get("name")), str(c.get("text", "")))
-            elif kind in ("display_data", "execute_result", "update_display_data"):
-                out.display(c.get("data") or {}, kind == "execute_result")
-                if kind == "execute_result":
-                    count = c.get("execution_count")
-            elif kind == "error":
-                status = "error"
-                out.error(c)
-            elif kind == "execute_input":
-                count = c.get("execution_count", count)
-            elif kind == "status" and c.get("execution_state") == "idle":
-                idle = True
-        if idle:
-            try:  # its reply (on the shell channel) is at most a moment behind
-                end = time.monotonic() + 5
-                while time.monotonic() < end:
-                    r = self.kc.get_shell_msg(timeout=max(0.01, end - time.monotonic()))
-                    if r.get("parent_header", {}).get("msg_id") == mid:
-                        c = r.get("content") or {}
-                        count = c.get("execution_count", count)
-                        if c.get("status") == "error" and status == "ok":
-                            status = "error"
-                        break
-            except queue.Empty:
-                pass
+            for chan, m in self._recv(max(0.005, wait)):
+                if _parent(m) != mid:
+                    continue
+                kind, c = m.get("msg_type"), m.get("content") or {}
+                if chan == "shell":
+                    replied = True
+                    count = c.get("execution_count", count)
+                    if c.get("status") == "error" and status == "ok":
+                        status = "error"
+                elif kind == "stream":
+                    out.stream(str(c.get("name")), str(c.get("text", "")))
+                elif kind in ("display_data", "execute_result", "update_display_data"):
+                    out.display(c.get("data") or {}, kind == "execute_result")
+                elif kind == "error":
+                    status = "error"
+                    out.error(c)
+                elif kind == "execute_input":
+                    count = c.get("execution_count", count)
+                elif kind == "status" and c.get("execution_state") == "idle":
+                    idle = True
         if timed_out:
             status = "timeout"
         out.finish()
         send({"t": "done", "status": status, "execution_count": count,
               "timed_out": timed_out, "restarted": restarted,
               "dropped_items": out.dropped_items})
+
+
+def _parent(m: dict[str, Any]) -> Any:
+    return (m.get("parent_header") or {}).get("msg_id")
 
 
 class Output:
@@ -286,8 +321,6 @@ class Driver:
             return k
 
     def serve(self) -> None:
-        os.makedirs(SOCK_DIR, mode=0o700, exist_ok=True)
-        os.chmod(SOCK_DIR, 0o700)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(SOCK)
         tmp = SOCK + ".new"
@@ -382,6 +415,8 @@ def _spec_for(language: str) -> str | None:
 
 
 def main() -> None:
+    os.makedirs(SOCK_DIR, mode=0o700, exist_ok=True)
+    os.chmod(SOCK_DIR, 0o700)
     with contextlib.suppress(OSError):
         os.chdir("/work")
     d = Driver()

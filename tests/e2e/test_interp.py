@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from cpuos import CodeResult, InvalidArgument, Sandbox
+from cpuos import CodeResult, CpuosError, InvalidArgument, Sandbox
 from cpuosd.testing import Daemon
 
 pytestmark = pytest.mark.e2e
@@ -153,3 +153,60 @@ def test_unknown_language_is_refused(box: Sandbox) -> None:
 
 def test_result_type(box: Sandbox) -> None:
     assert isinstance(box.run_code("pass"), CodeResult)
+
+
+def test_a_cell_that_ignores_the_interrupt_gets_a_new_kernel(box: Sandbox) -> None:
+    r = box.run_code("import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+                     "while True: time.sleep(0.01)", timeout=1)
+    assert r.timed_out and r.restarted
+    assert "restarted" in (r.for_model()["error"] or "")
+    assert box.run_code("signal").error is not None  # a new kernel: the import is gone
+    assert box.run_code("2*21").text == "42"
+
+
+def test_a_hostile_driver_is_bounded(box: Sandbox) -> None:
+    """Code inside replaces the kernel driver with one that sends an endless line: the
+    daemon cuts it off at its bound and answers with an error; once that socket is gone,
+    the next run_code starts a real driver again."""
+    fake = (
+        "import os, signal, socket, subprocess\n"
+        "for line in subprocess.run(['ps', '-eo', 'pid,args'], capture_output=True,"
+        " text=True).stdout.splitlines():\n"
+        "    if ('cpuos_agent.kernel' in line or 'ipykernel' in line)"
+        " and 'fake_driver' not in line:\n"
+        "        os.kill(int(line.split()[0]), signal.SIGKILL)\n"
+        "p = '/tmp/.cpuos-kernel/driver.sock'\n"
+        "os.unlink(p)\n"
+        "s = socket.socket(socket.AF_UNIX); s.bind(p); s.listen(4)\n"
+        "open('/tmp/fake-ready', 'w').close()\n"
+        "c, _ = s.accept(); c.recv(65536)\n"
+        "try:\n"
+        "    while True: c.sendall(b'x' * 65536)\n"
+        "except OSError: pass\n"
+        "os.unlink(p)\n")
+    box.files.write("/work/fake_driver.py", fake)
+    box.exec("nohup python3 /work/fake_driver.py >/tmp/fake.log 2>&1 &")
+    for _ in range(300):
+        if box.files.exists("/tmp/fake-ready"):
+            break
+    else:
+        raise AssertionError(box.exec("cat /tmp/fake.log").stdout)
+    with pytest.raises(CpuosError) as e:
+        box.run_code("1")
+    assert e.value.code == "too_large", e.value
+    r = box.run_code("40+2", timeout=60)
+    assert r.text == "42"
+
+
+def test_1000_calls_do_not_grow_the_kernel(box: Sandbox) -> None:
+    rss = ("import re\nint(re.search(r'VmRSS:\\s+(\\d+)', open('/proc/self/status').read())"
+           ".group(1))")
+    for _ in range(50):
+        box.run_code("y = [i for i in range(100)]; len(y)")
+    before = int(box.run_code(rss).text or 0)
+    for _ in range(1000):
+        r = box.run_code("y = [i for i in range(100)]; len(y)")
+        assert r.text == "100"
+    after = int(box.run_code(rss).text or 0)
+    assert before > 0
+    assert after - before < 32 * 1024, (before, after)  # KiB
