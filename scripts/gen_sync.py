@@ -23,6 +23,7 @@ REPLACEMENTS = {
     "AsyncNetwork": "SandboxNetwork",
     "AsyncPorts": "Ports",
     "AsyncInterpreter": "Interpreter",
+    "AsyncTools": "Tools",
     "AsyncAudit": "Audit",
     "AsyncCommands": "Commands",
     "AsyncCommandHandle": "CommandHandle",

@@ -414,13 +414,27 @@ def _spec_for(language: str) -> str | None:
     return None
 
 
+def _lazy() -> bool:
+    """Start the kernel on the first request instead: when asked (CPUOS_KERNEL_LAZY=1), or
+    on an emulated CPU (a microVM under QEMU's TCG, for tests only), where warming a kernel
+    takes minutes."""
+    if os.environ.get("CPUOS_KERNEL_LAZY") == "1":
+        return True
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "QEMU TCG" in f.read(65536)
+    except OSError:
+        return False
+
+
 def main() -> None:
     os.makedirs(SOCK_DIR, mode=0o700, exist_ok=True)
     os.chmod(SOCK_DIR, 0o700)
     with contextlib.suppress(OSError):
         os.chdir("/work")
     d = Driver()
-    d.kernel("python")  # started (and warmed) before we listen: before the snapshot
+    if not _lazy():
+        d.kernel("python")  # started (and warmed) before we listen: before the snapshot
     print("cpuos kernel driver: ready", file=sys.stderr, flush=True)
     d.serve()
 

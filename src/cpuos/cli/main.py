@@ -36,6 +36,7 @@ from .._sync.sandbox import Sandbox
 from .._sync.templates import Templates
 from . import audit as _audit
 from .._sync.workspace import Workspace
+from . import mcp as _mcp
 
 
 class CliError(Exception):
@@ -671,6 +672,7 @@ def template_rm(
 
 
 _audit.register(app)
+_mcp.register(app)
 
 
 # ---- usage and live metrics ---------------------------------------------------------------

@@ -23,6 +23,7 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import hashlib
 import json
 import logging
 import re
@@ -36,6 +37,7 @@ from cpuos_agent.kernel import SOCK
 
 from ..agentconn import AgentGone, raise_for_agent_error
 from ..errors import ApiError, invalid
+from ..events import SandboxEvent
 from .common import Live
 
 if TYPE_CHECKING:
@@ -216,11 +218,15 @@ async def run_code(mgr: Manager, lv: Live, code: str, language: str, timeout: fl
                                 "timeout": timeout})
     eid = "run-" + secrets.token_hex(6)
     mgr.store.insert_exec(eid, lv.row.id, ["run_code", language, code[:1000]])
-    return _cell_frames(mgr, lv, st, eid, timeout)
+    # for the audit trail: the cell (its start, its hash and size), as a command
+    what = {"exec_id": eid, "source": "run_code", "language": language,
+            "code": code[:4096], "code_sha256": hashlib.sha256(code.encode()).hexdigest(),
+            "code_bytes": len(code.encode())}
+    return _cell_frames(mgr, lv, st, eid, timeout, what)
 
 
-async def _cell_frames(mgr: Manager, lv: Live, st: Any, eid: str, timeout: float
-                       ) -> AsyncIterator[bytes]:
+async def _cell_frames(mgr: Manager, lv: Live, st: Any, eid: str, timeout: float,
+                       what: dict[str, Any]) -> AsyncIterator[bytes]:
     t0 = time.monotonic()
     done: dict[str, Any] | None = None
     err: dict[str, Any] | None = None
@@ -264,6 +270,11 @@ async def _cell_frames(mgr: Manager, lv: Live, st: Any, eid: str, timeout: float
             timed_out=int(bool(done and done["timed_out"])),
             error=(err or {}).get("message"), stdout_bytes=counts[1],
             stderr_bytes=counts[2])
+        mgr.events.emit(SandboxEvent("command", lv.row.id, lv.row.workspace_id, None, fields={
+            **what, "status": done["status"] if done else None,
+            "timed_out": bool(done and done["timed_out"]), "error": (err or {}).get("message"),
+            "duration": round(time.monotonic() - t0, 6), "stdout_bytes": counts[1],
+            "stderr_bytes": counts[2]}))
     yield P.encode(err if err is not None else done or {})
 
 

@@ -1,0 +1,47 @@
+"""``cpuos mcp``: serve the sandbox tools over the Model Context Protocol (stdio, or
+streamable HTTP with ``--http``)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+# (as in cli.main, which imports this module)
+ApiUrl = Annotated[str | None, typer.Option(
+    "--api-url", envvar="CPUOS_API_URL", show_envvar=True,
+    help="cpuosd address (default http://127.0.0.1:7770).")]
+ApiKey = Annotated[str | None, typer.Option(
+    "--api-key", envvar="CPUOS_API_KEY", show_envvar=True,
+    help="API key (default: the local daemon's admin.key).")]
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def mcp(
+        http: Annotated[bool, typer.Option(
+            "--http", help="Serve streamable HTTP at http://HOST:PORT/mcp, not stdio.")] = False,
+        host: Annotated[str, typer.Option(help="Listen address with --http.")] = "127.0.0.1",
+        port: Annotated[int, typer.Option(help="Listen port with --http.")] = 8765,
+        template: Annotated[str, typer.Option(
+            "--template", "-t", help="Template of the sandboxes it creates.")] = "python",
+        timeout: Annotated[str, typer.Option(
+            help="Lifetime of the sandboxes it creates.")] = "15m",
+        keep: Annotated[bool, typer.Option(
+            help="Leave its sandboxes running when it ends (else they are killed).")] = False,
+        api_url: ApiUrl = None,
+        api_key: ApiKey = None,
+    ) -> None:
+        """Serve the sandbox tools (create_sandbox, run_code, exec, files, ports, pause,
+        resume, kill) to an MCP client; over stdio unless --http."""
+        import anyio
+
+        from .._async.tools import AsyncTools
+        from ..mcp_server import serve_http, serve_stdio
+
+        tools = AsyncTools(template=template, timeout=timeout, api_url=api_url,
+                           api_key=api_key)
+        if http:
+            serve_http(tools, host=host, port=port, keep=keep)
+        else:
+            anyio.run(lambda: serve_stdio(tools, keep=keep))

@@ -1,0 +1,66 @@
+"""``cpuos mcp`` end to end: an MCP client from the official SDK starts the server over
+stdio, lists the tools and runs code that draws a figure; the server's sandbox is killed
+when the client goes."""
+
+from __future__ import annotations
+
+import base64
+import json
+import sys
+
+import anyio
+import pytest
+
+from cpuos import Sandbox
+from cpuosd.testing import Daemon
+
+pytestmark = pytest.mark.e2e
+
+mcp_client = pytest.importorskip("mcp.client.stdio", reason="the mcp package (cpuos[mcp])")
+from mcp.client.session import ClientSession  # noqa: E402
+from mcp.client.stdio import StdioServerParameters, stdio_client  # noqa: E402
+
+
+def test_mcp_over_stdio_runs_code_with_an_image(daemon: Daemon) -> None:
+    kw = daemon.sdk_kwargs()
+    params = StdioServerParameters(
+        command=sys.executable, args=["-m", "cpuos.cli.main", "mcp", "--timeout", "5m"],
+        env={"CPUOS_API_URL": str(kw["api_url"]), "CPUOS_API_KEY": str(kw["api_key"])})
+    got: dict[str, object] = {}
+
+    async def session() -> None:
+        with anyio.fail_after(240):
+            async with stdio_client(params) as (read, write), \
+                    ClientSession(read, write) as s:
+                await s.initialize()
+                listed = await s.list_tools()
+                got["tools"] = {t.name for t in listed.tools}
+                made = await s.call_tool("create_sandbox", {})
+                got["created"] = json.loads(made.content[0].text)  # type: ignore[union-attr]
+                r = await s.call_tool("run_code", {
+                    "code": "import matplotlib.pyplot as plt\nplt.plot([3, 1, 2])\n"
+                            "print('drawn')\n6 * 7"})
+                got["run"] = r
+                got["exec"] = await s.call_tool("exec", {"command": "echo hi; exit 3"})
+                got["bad"] = await s.call_tool("run_code", {"cod": "1"})
+
+    anyio.run(session)
+    assert {"create_sandbox", "run_code", "exec", "write_file", "read_file", "list_files",
+            "expose_port", "pause", "resume", "kill"} <= got["tools"]  # type: ignore[operator]
+    r = got["run"]
+    assert not r.is_error  # type: ignore[attr-defined]
+    texts = [c for c in r.content if c.type == "text"]  # type: ignore[attr-defined]
+    images = [c for c in r.content if c.type == "image"]  # type: ignore[attr-defined]
+    data = json.loads(texts[0].text)
+    assert data["result"] == "42" and data["stdout"] == "drawn\n" and data["images"] == 1
+    assert len(images) == 1 and images[0].mime_type == "image/png"
+    assert base64.b64decode(images[0].data)[:8] == b"\x89PNG\r\n\x1a\n"
+    x = got["exec"]
+    assert x.is_error  # type: ignore[attr-defined]
+    assert json.loads(x.content[0].text) == {  # type: ignore[attr-defined]
+        "exit_code": 3, "stdout": "hi\n", "stderr": "", "images": 0}
+    bad = got["bad"]
+    assert bad.is_error and "missing argument 'code'" in bad.content[0].text  # type: ignore[attr-defined]
+    # the server killed its sandbox when the client went
+    sid = got["created"]["sandbox_id"]  # type: ignore[index]
+    assert all(s.id != sid for s in Sandbox.list(**kw))
