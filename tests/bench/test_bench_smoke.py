@@ -63,6 +63,10 @@ CASES = {
                      "new connection + response, allowlist, p50",
                      "new connection + response, mode on, p50",
                      "create from snapshot → first exec, network on, p50"]),
+    "run_code": Case("run-code", "run_code", "15. code interpreter",
+                     ["ours_run_code_s", "floor_exec_s", "ours_create_run_code_s",
+                      "ours_create_s", "floor_create_exec_s", "floor_create_s"],
+                     ["run_code('1+1') round trip, warm, p50", "create → first run_code, p50"]),
     "ports": Case("ports", "ports", "11. ports: HTTP download of", [],
                   ["preview download, median", "preview GET, new connection, p50",
                    "preview GET, keep-alive, p50", "wake on request → response, p50"]),
@@ -115,7 +119,8 @@ def check_figures(module: str, data: dict[str, Any]) -> None:
     """Every sample list the case fills has its N samples, all positive, and what its
     figures say about the sandboxes holds (a heap is in the images that should hold it)."""
     for k in CASES[module].samples:
-        n = data["peer_n"] if k.startswith("peer_") else data.get("n", data.get("runs"))
+        n = data["peer_n"] if k.startswith("peer_") else data["n_create"] if (
+            module == "run_code" and "create" in k) else data.get("n", data.get("runs"))
         assert len(data[k]) == n and all(x > 0 for x in data[k]), (k, data[k])
     if module == "snap_create":
         assert data["image_bytes"] > 0
