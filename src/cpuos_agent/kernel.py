@@ -3,7 +3,9 @@ with jupyter_client.
 
 It runs inside the sandbox as the sandbox user, started by the ``python`` template's start
 command (``python3 -m cpuos_agent.kernel``), so the kernel is up and warm (pandas and
-matplotlib's inline backend imported) in the template snapshot. The kernel is its child
+matplotlib's inline backend imported) in the template snapshot (at a cold boot it starts
+the kernel in the background and listens at once: a create does not wait for it; on an
+emulated CPU it waits for the first request). The kernel is its child
 (jupyter_client's ``KernelManager``): a timeout interrupts the running cell with SIGINT and
 the kernel's state stays. The kernel's ZMQ channels are unix sockets in a directory of the
 sandbox user's (mode 0700), not TCP ports: nothing outside this sandbox reaches them.
@@ -355,7 +357,12 @@ class Driver:
             conn.settimeout(None)
             op = req.get("op")
             language = str(req.get("language") or "python")
-            k = self.kernel(language)
+            try:
+                k = self.kernel(language)
+            except Exception as e:  # (the kernel's own failure, e.g. a broken install)
+                send({"t": "done", "status": "died",
+                      "message": f"the {language} kernel did not start: {e}"[:500]})
+                return
             if k is None:
                 send({"t": "done", "status": "invalid",
                       "message": f"no {language} kernel in this sandbox"})
@@ -433,8 +440,12 @@ def main() -> None:
     with contextlib.suppress(OSError):
         os.chdir("/work")
     d = Driver()
-    if not _lazy():
-        d.kernel("python")  # started (and warmed) before we listen: before the snapshot
+    if _lazy():
+        pass  # the first request starts it
+    elif os.environ.get("CPUOS_TEMPLATE_SNAPSHOT") == "1":
+        d.kernel("python")  # started and warmed before we listen: in the template snapshot
+    else:  # a cold boot (no snapshot): its create does not wait for the kernel
+        threading.Thread(target=d.kernel, args=("python",), daemon=True).start()
     print("cpuos kernel driver: ready", file=sys.stderr, flush=True)
     d.serve()
 

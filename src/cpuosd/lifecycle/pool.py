@@ -75,7 +75,7 @@ class Templates:
         d.parent.mkdir(parents=True, exist_ok=True)
         try:
             lv = await self._boot(row, None, template_boot=True)
-            await self._start_command(lv, info)
+            await self._start_command(lv, info, snapshot=True)
             await self._quiesce(lv)
             await self.backend.checkpoint(row.id, tmp)
             self._save_agent_key(lv, tmp)
@@ -147,14 +147,18 @@ class Templates:
         finally:
             st.close()
 
-    async def _start_command(self: Manager, lv: Live, info: dict[str, Any]) -> None:
+    async def _start_command(self: Manager, lv: Live, info: dict[str, Any],
+                             snapshot: bool = False) -> None:
         """The template's long-running start command, then its ready check (a command that
-        must exit 0, or a port that must accept connections)."""
+        must exit 0, or a port that must accept connections). ``snapshot``: the boot that
+        makes the template snapshot; the command sees CPUOS_TEMPLATE_SNAPSHOT=1 (and may
+        warm up more than a cold boot's create should wait for)."""
         start = info.get("start")
         if not start:
             return
         await self._run_simple(
             lv, f"cd {shlex.quote(lv.row.spec.get('workdir') or '/')} && "
+            f"{'CPUOS_TEMPLATE_SNAPSHOT=1 ' if snapshot else ''}"
             f"nohup sh -c {shlex.quote(start)} >/tmp/cpuos-start.log 2>&1 &", 30)
         ready = info.get("ready") or {}
         check = ready.get("cmd")
