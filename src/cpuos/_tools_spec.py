@@ -69,6 +69,14 @@ TOOLS: dict[str, tuple[str, dict[str, Any]]] = {
         "reached (token-protected).",
         _obj({"port": {"type": "integer", "minimum": 1, "maximum": 65535},
               "sandbox_id": SANDBOX_ID}, ["port"])),
+    "screenshot": (
+        "Screenshot of the sandbox's web browser (a sandbox of the 'browser' template: "
+        "create_sandbox with template 'browser'), as an image; with url, load that page "
+        "first.",
+        _obj({"url": {"type": "string", "description": "a page to load first"},
+              "full_page": {"type": "boolean", "description": "the whole page, not only "
+                            "the viewport"},
+              "sandbox_id": SANDBOX_ID}, [])),
     "pause": (
         "Pause the sandbox: its memory, processes and files are saved and it stops costing "
         "CPU and memory; resume continues where it was.",

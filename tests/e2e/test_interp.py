@@ -3,13 +3,12 @@ the python template's sandboxes, reached through the agent."""
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Iterator
 
 import pytest
 
 from cpuos import CodeResult, CpuosError, InvalidArgument, Sandbox
-from cpuosd.testing import Daemon
+from cpuosd.testing import Daemon, png_size_and_colours
 
 pytestmark = pytest.mark.e2e
 
@@ -20,50 +19,6 @@ def box(daemon: Daemon) -> Iterator[Sandbox]:
     yield s
     s.kill()
     s.close()
-
-
-def png_size_and_colours(data: bytes) -> tuple[int, int, set[tuple[int, ...]]]:
-    """A PNG's width, height and the set of its pixels' colours (8-bit RGB/RGBA, no
-    interlace: what matplotlib's Agg writes), decoded with zlib alone."""
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, idat, hdr = 8, b"", b""
-    while pos < len(data):
-        n = int.from_bytes(data[pos:pos + 4], "big")
-        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + n]
-        if kind == b"IHDR":
-            hdr = body
-        elif kind == b"IDAT":
-            idat += body
-        pos += 12 + n
-    w, h = int.from_bytes(hdr[0:4], "big"), int.from_bytes(hdr[4:8], "big")
-    depth, ctype, interlace = hdr[8], hdr[9], hdr[12]
-    assert depth == 8 and ctype in (2, 6) and interlace == 0, (depth, ctype, interlace)
-    bpp = 3 if ctype == 2 else 4
-    raw = zlib.decompress(idat)
-    stride = w * bpp
-    prev = bytearray(stride)
-    colours: set[tuple[int, ...]] = set()
-    for y in range(h):
-        f = raw[y * (stride + 1)]
-        line = bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
-        for i in range(stride):
-            a = line[i - bpp] if i >= bpp else 0
-            b = prev[i]
-            c = prev[i - bpp] if i >= bpp else 0
-            if f == 1:
-                line[i] = (line[i] + a) & 255
-            elif f == 2:
-                line[i] = (line[i] + b) & 255
-            elif f == 3:
-                line[i] = (line[i] + (a + b) // 2) & 255
-            elif f == 4:
-                p = a + b - c
-                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
-                pr = a if pa <= pb and pa <= pc else b if pb <= pc else c
-                line[i] = (line[i] + pr) & 255
-        colours.update(tuple(line[i:i + 3]) for i in range(0, stride, bpp))
-        prev = line
-    return w, h, colours
 
 
 def test_state_persists_between_calls(box: Sandbox) -> None:

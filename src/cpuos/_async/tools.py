@@ -118,6 +118,13 @@ class AsyncTools:
                                            for e in entries[:MAX_LIST]]})
         if name == "expose_port":
             return ToolResult({"port": a["port"], "url": await sbx.ports.expose(a["port"])})
+        if name == "screenshot":
+            page: dict[str, Any] = {}
+            if "url" in a:
+                page = await sbx.browser.goto(a["url"])
+            png = await sbx.browser.screenshot(full_page=a.get("full_page", False))
+            return ToolResult({"page": page, "image": "image/png", "size": len(png)},
+                              [("image/png", png)])
         if name == "pause":
             await sbx.pause()
             return ToolResult({"sandbox_id": sbx.id, "state": "paused"})
