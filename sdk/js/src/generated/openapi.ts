@@ -247,6 +247,26 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/sandboxes/{sid}/code": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Code
+         * @description Run a cell on the sandbox's kernel; variables, imports and cwd stay for the next.
+         */
+        post: operations["code_sandboxes__sid__code_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/sandboxes/{sid}/commands": {
         parameters: {
             query?: never;
@@ -518,6 +538,26 @@ export interface paths {
         put?: never;
         /** Fork */
         post: operations["fork_sandboxes__sid__fork_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/sandboxes/{sid}/kernel/restart": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Restart
+         * @description A fresh kernel: every variable and import of the old one is gone.
+         */
+        post: operations["restart_sandboxes__sid__kernel_restart_post"];
         delete?: never;
         options?: never;
         head?: never;
@@ -1267,6 +1307,29 @@ export interface components {
         Removed: {
             /** Removed */
             removed: string;
+        };
+        /** RestartKernel */
+        RestartKernel: {
+            /**
+             * Language
+             * @default python
+             */
+            language?: string;
+        };
+        /** RunCode */
+        RunCode: {
+            /** Code */
+            code: string;
+            /**
+             * Language
+             * @default python
+             */
+            language?: string;
+            /**
+             * Timeout
+             * @description the cell is interrupted (SIGINT) after this; default 300 s
+             */
+            timeout?: number | string | null;
         };
         /** Sandbox */
         Sandbox: {
@@ -2081,6 +2144,42 @@ export interface operations {
             };
         };
     };
+    code_sandboxes__sid__code_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                sid: string;
+            };
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["RunCode"];
+            };
+        };
+        responses: {
+            /** @description a stream of frames: started, out (fd 1|2), cut, item (n, main, mime; the content in the payload), exception (ename, evalue; the traceback), then done or error */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": unknown;
+                    "application/x-cpuos-frames": unknown;
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
     list_commands_sandboxes__sid__commands_get: {
         parameters: {
             query?: never;
@@ -2754,6 +2853,43 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    restart_sandboxes__sid__kernel_restart_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                sid: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: {
+            content: {
+                "application/json": components["schemas"]["RestartKernel"] | null;
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": {
+                        [key: string]: unknown;
+                    };
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
                 };
             };
         };
