@@ -88,3 +88,17 @@ def test_durations(v: list[Any]) -> None:
 def test_bad_durations(v: Any) -> None:
     with pytest.raises(ValueError):
         parse_duration(v)
+
+
+SIZES = json.loads((VECTORS / "sizes.json").read_text())
+
+
+@pytest.mark.parametrize("v", SIZES["ok"], ids=repr)
+def test_sizes(v: list[Any]) -> None:
+    assert P.parse_size_mib(v[0]) == v[1]
+
+
+@pytest.mark.parametrize("v", SIZES["bad"], ids=repr)
+def test_bad_sizes(v: Any) -> None:
+    with pytest.raises(ValueError):
+        P.parse_size_mib(v)

@@ -1,6 +1,7 @@
 """Writes the shared test vectors in this folder (checked by the Python SDK's unit tests and
 by sdk/js's): ``exec_frames.json`` (the frame format of exec streams and framed file reads,
-cpuos_agent.protocol) and ``durations.json`` (the duration grammar). Run it after changing
+cpuos_agent.protocol), ``durations.json`` (the duration grammar) and ``sizes.json`` (sizes
+in MiB). Run it after changing
 either, and review the diff: the vectors are the contract both SDKs are held to.
 
     .venv/bin/python tests/vectors/make_vectors.py
@@ -159,6 +160,26 @@ def main() -> None:
         {"about": "The duration grammar (cpuos_agent.protocol.parse_duration): 'ok' are "
                   "[input, seconds]; 'bad' must be refused. Written by make_vectors.py.",
          "ok": ok, "bad": bad}, indent=1) + "\n")
+
+    sizes_ok: list[tuple[Any, int]] = [
+        ("512MiB", 512), ("1GiB", 1024), ("1.5G", 1536), ("2048M", 2048), ("512", 512),
+        ("1gb", 1024), (" 2 GiB ", 2048), ("1T", 1 << 20), ("1536k", 2), ("0.5", 1),
+        (256, 256), (1.2, 2), ("1kb", 1)]
+    for v, want_mib in sizes_ok:
+        assert P.parse_size_mib(v) == want_mib, v
+    sizes_bad: list[Any] = ["", "abc", "1x", "1 GiB x", "-1G", "0", "0MiB", "G", "1e3M", 0, -5,
+                            True, None, [1]]
+    for v in sizes_bad:
+        try:
+            P.parse_size_mib(v)
+        except ValueError:
+            continue
+        raise AssertionError(f"{v!r} parsed")
+    (HERE / "sizes.json").write_text(json.dumps(
+        {"about": "Sizes in MiB (cpuos_agent.protocol.parse_size_mib: powers of 1024, a bare "
+                  "number is MiB, rounded up): 'ok' are [input, MiB]; 'bad' must be refused. "
+                  "Written by make_vectors.py.",
+         "ok": sizes_ok, "bad": sizes_bad}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -40,3 +40,33 @@ export function parseDuration(value: unknown, what = "duration"): number {
   }
   return seconds;
 }
+
+/** Sizes: "512MiB", "1GiB", "1.5G", "2048M" (powers of 1024 either way) or a number of MiB.
+ * The daemon's grammar (cpuos_agent.protocol.parse_size_mib), checked against
+ * tests/vectors/sizes.json. */
+export type Size = string | number;
+
+const SIZE = /^(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?$/;
+const SIZE_MIB: Record<string, number> = { k: 1 / 1024, "": 1, m: 1, g: 1024, t: 1024 * 1024 };
+
+/** MiB, rounded up; throws a RangeError with a readable message on anything else. */
+export function parseSizeMib(value: unknown, what = "size"): number {
+  let mib: number;
+  if (typeof value === "number") {
+    mib = value;
+  } else if (typeof value === "string") {
+    const m = SIZE.exec(value.trim().toLowerCase());
+    if (m === null) {
+      throw new RangeError(
+        `${what}: bad size ${JSON.stringify(value)}; use e.g. '1GiB', '512MiB' or MiB`);
+    }
+    mib = Number(m[1]) * (SIZE_MIB[m[2] as string] as number);
+  } else {
+    throw new RangeError(
+      `${what}: expected a size like '1GiB' or '512MiB', got ${JSON.stringify(value)}`);
+  }
+  if (!Number.isFinite(mib) || mib <= 0) {
+    throw new RangeError(`${what}: must be a positive size, got ${JSON.stringify(value)}`);
+  }
+  return Math.ceil(mib);
+}

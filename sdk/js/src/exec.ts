@@ -25,6 +25,8 @@ export class ExecResult {
     readonly execId: string | null,
     readonly stdoutTotal: number,
     readonly stderrTotal: number,
+    /** The sandbox ran out of memory while it ran (its kernel killed a process). */
+    readonly oom: boolean = false,
   ) {}
 
   /** stdout decoded as UTF-8 (invalid bytes replaced). */
@@ -90,7 +92,7 @@ export class OutputSink {
     return new ExecResult(
       Number(x.exit_code), out.value(), err.value(), Number(x.duration ?? 0),
       x.timed_out === true, typeof x.signal === "number" ? x.signal : null,
-      out.truncated || err.truncated, execId, out.total, err.total);
+      out.truncated || err.truncated, execId, out.total, err.total, x.oom === true);
   }
 }
 

@@ -24,7 +24,7 @@ export {
   NoSpace, Timeout, Unavailable, ServerError, type ErrorOptions,
 } from "./errors.js";
 export { DEFAULT_URL, type ConnectionOptions } from "./config.js";
-export { parseDuration, type Duration } from "./durations.js";
+export { parseDuration, parseSizeMib, type Duration, type Size } from "./durations.js";
 export type {
   SandboxInfo, FileEntry, PortInfo, NetworkPolicy, CreateSandboxBody, ExecBody, CommandInfo,
 } from "./models.js";

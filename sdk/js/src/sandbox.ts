@@ -1,6 +1,6 @@
 /** `Sandbox`: a disposable, isolated Linux machine. Mirrors the Python SDK's AsyncSandbox. */
 import type { ConnectionOptions } from "./config.js";
-import { parseDuration, type Duration } from "./durations.js";
+import { parseDuration, parseSizeMib, type Duration, type Size } from "./durations.js";
 import { CpuosError, InvalidArgument } from "./errors.js";
 import { ExecStreamReader, type ExecResult, type OutputCallback } from "./exec.js";
 import { Commands, CommandHandle, type StdinSource } from "./commands.js";
@@ -18,8 +18,17 @@ export interface CreateOptions extends ConnectionOptions {
   timeout?: Duration;
   metadata?: Record<string, string>;
   env?: Record<string, string>;
+  /** vCPUs (`vcpus` is the same). */
+  cpus?: number;
   vcpus?: number;
+  /** Memory: "1GiB", "512MiB" or MiB (`memoryMib` takes MiB). */
+  memory?: Size;
   memoryMib?: number;
+  /** Its root filesystem's writable layer: "10GiB" or MiB; past it a write inside gets
+   * ENOSPC. */
+  disk?: Size;
+  /** Processes and threads its commands may have. Unset limits take the workspace's. */
+  pids?: number;
   /** "pause" pauses it at its deadline instead of killing it. */
   onTimeout?: "kill" | "pause";
   /** "off" | "on" | "allowlist" | { allow: ["pypi.org", "*.github.com"] } (default: the
@@ -70,6 +79,14 @@ export interface BackgroundExecOptions {
   buffer?: number;
 }
 
+function mib(value: Size, what: string): number {
+  try {
+    return parseSizeMib(value, what);
+  } catch (e) {
+    throw new InvalidArgument((e as Error).message);
+  }
+}
+
 function seconds(value: Duration | undefined, what: string): number | undefined {
   if (value === undefined) return undefined;
   try {
@@ -113,8 +130,12 @@ export class Sandbox {
       template: opts.template ?? "python", timeout: opts.timeout ?? "5m",
       metadata: opts.metadata ?? {}, env: opts.env ?? {}, on_timeout: opts.onTimeout ?? "kill",
     };
-    if (opts.vcpus !== undefined) body.vcpus = opts.vcpus;
-    if (opts.memoryMib !== undefined) body.memory_mib = opts.memoryMib;
+    const vcpus = opts.cpus ?? opts.vcpus;
+    if (vcpus !== undefined) body.vcpus = vcpus;
+    const memory = opts.memory === undefined ? opts.memoryMib : mib(opts.memory, "memory");
+    if (memory !== undefined) body.memory_mib = memory;
+    if (opts.disk !== undefined) body.disk_mib = mib(opts.disk, "disk");
+    if (opts.pids !== undefined) body.pids = opts.pids;
     if (opts.network !== undefined) body.network = opts.network;
     if (opts.secrets !== undefined) body.secrets = opts.secrets;
     if (opts.wakeOnRequest !== undefined) body.wake_on_request = opts.wakeOnRequest;

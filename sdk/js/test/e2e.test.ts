@@ -190,7 +190,7 @@ describe("e2e", { skip }, () => {
     }
   });
 
-  test("bad input maps to the error classes: 404, 401, 409, 422", async () => {
+  test("bad input maps to the error classes: 404, 401, 409, 422; limits at create", async () => {
     await assert.rejects(Sandbox.connect("sbx-doesnotexist", conn), (e: CpuosError) =>
       e instanceof NotFound && e.status === 404 && e.code === "not_found");
     await assert.rejects(Sandbox.list({ apiUrl: daemon.url, apiKey: "wrong" }),
@@ -199,7 +199,12 @@ describe("e2e", { skip }, () => {
                          (e: CpuosError) => e instanceof InvalidArgument && e.status === 422);
     await assert.rejects(sbx.files.list("/work/big.bin"), (e: CpuosError) =>
       e instanceof Conflict && e.status === 409 && e.code === "not_a_directory");
-    const gone = await Sandbox.create({ template: "python", timeout: "2m", ...conn });
+    await assert.rejects(Sandbox.create({ memory: "lots", ...conn }), InvalidArgument);
+    const gone = await Sandbox.create({ template: "python", timeout: "2m", cpus: 1,
+                                        memory: "512MiB", disk: "1GiB", pids: 128, ...conn });
+    const limits = await gone.info();
+    assert.deepEqual([limits.vcpus, limits.memory_mib, limits.disk_mib, limits.pids],
+                     [1, 512, 1024, 128]);
     await gone.kill();
     await assert.rejects(gone.exec("true"), (e: CpuosError) =>
       e instanceof Conflict && e.status === 409);
@@ -208,11 +213,15 @@ describe("e2e", { skip }, () => {
 
   test("background: a handle, stdin, wait, reattach from another client, kill", async () => {
     const out: string[] = [];
-    const h = await sbx.exec("echo ready; read line; echo got:$line; echo err >&2; exit 3",
-                             { background: true, onStdout: (l) => { out.push(l); } });
+    // (it reads on to the end of its stdin: a command that exits as soon as it has read
+    // a line can make the daemon answer the write that fed it with "stdin is closed")
+    const h = await sbx.exec(
+      "echo ready; read line; echo got:$line; echo err >&2; cat >/dev/null; exit 3",
+      { background: true, onStdout: (l) => { out.push(l); } });
     assert.ok(Number.isInteger(h.pid) && h.pid > 0);
     assert.ok((await sbx.commands.list()).some((c) => c.pid === h.pid));
     assert.equal(await h.sendStdin("hello\n"), 6);
+    await h.closeStdin();
     const r = await h.wait();
     assert.equal(r.exitCode, 3);
     assert.equal(r.stdout, "ready\ngot:hello\n");

@@ -12,7 +12,7 @@ import { encodeFrame, FrameDecoder, MAX_HEADER, MAX_PAYLOAD, ProtocolError, type
   from "../dist/frames.js";
 import { ExecStreamReader } from "../dist/exec.js";
 import { OutputBuffer, TextSplitter } from "../dist/output.js";
-import { parseDuration } from "../dist/durations.js";
+import { parseDuration, parseSizeMib } from "../dist/durations.js";
 import { resolveConfig } from "../dist/config.js";
 import { HttpClient } from "../dist/http.js";
 import { findPython, REPO_DIR, skipOrFail } from "./helpers.js";
@@ -124,6 +124,19 @@ describe("durations: shared vectors", () => {
   }
   for (const input of DURATIONS.bad) {
     it(`refuses ${JSON.stringify(input)}`, () => assert.throws(() => parseDuration(input), RangeError));
+  }
+});
+
+const SIZES = JSON.parse(readFileSync(join(VECTORS, "sizes.json"), "utf8")) as {
+  ok: [string | number, number][]; bad: unknown[];
+};
+
+describe("sizes: shared vectors", () => {
+  for (const [input, mib] of SIZES.ok) {
+    it(`parses ${JSON.stringify(input)}`, () => assert.equal(parseSizeMib(input), mib));
+  }
+  for (const input of SIZES.bad) {
+    it(`refuses ${JSON.stringify(input)}`, () => assert.throws(() => parseSizeMib(input), RangeError));
   }
 });
 
