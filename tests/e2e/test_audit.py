@@ -69,6 +69,8 @@ def test_every_api_exec_and_file_write_is_in_the_log(daemon: Daemon) -> None:
         blob = os.urandom(3 << 20)
         s.files.write("/work/small.txt", "hello")
         s.files.write("/work/blob.bin", blob)
+        s.files.mkdir("/work/made")
+        s.files.remove("/work/made")
         with daemon.client() as c:
             execs = c.get(f"/sandboxes/{s.id}/execs").json()["execs"]
         assert len(execs) == 3
@@ -95,6 +97,9 @@ def test_every_api_exec_and_file_write_is_in_the_log(daemon: Daemon) -> None:
         assert writes["/work/blob.bin"]["size"] == len(blob)
         assert writes["/work/blob.bin"]["sha256"] == hashlib.sha256(blob).hexdigest()
         assert all(w["ok"] for w in writes.values())
+        changes = [(r["detail"].get("op"), r["detail"]["path"])
+                   for r in rows(daemon, s.id, kind="file_write") if r["detail"].get("op")]
+        assert changes == [("mkdir", "/work/made"), ("remove", "/work/made")]
 
         everything = rows(daemon, s.id)
         assert "v-secret-123" not in json.dumps(everything)  # env names, never values

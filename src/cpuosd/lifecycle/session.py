@@ -285,7 +285,21 @@ class Session:
         return FileStream(self, lv, st, path, size if exact else None)
 
     async def file_call(self: Manager, lv: Live, op: str, path: str, **extra: Any) -> Any:
-        h, payload = await lv.chan.call_full({"t": op, "path": path, **extra})
+        if op in ("remove", "mkdir"):  # changes: on the audit trail, as file writes are
+            error = "cancelled"
+            try:
+                h, payload = await lv.chan.call_full({"t": op, "path": path, **extra})
+                error = ""
+            except ApiError as e:
+                error = e.message
+                raise
+            finally:
+                self.events.emit(SandboxEvent(
+                    "file_write", lv.row.id, lv.row.workspace_id, None,
+                    fields={"op": op, "path": path, "ok": not error, "source": "api",
+                            **({"error": error} if error else {})}))
+        else:
+            h, payload = await lv.chan.call_full({"t": op, "path": path, **extra})
         if op == "list":
             entries = h.get("entries")  # (agents before the listing moved to the payload)
             if entries is None and payload:
