@@ -15,6 +15,7 @@ in namespaces made here (cpuosd.fakenet is the daemon's uplink).
 
 from __future__ import annotations
 
+import shutil
 import socket
 import statistics
 import sys
@@ -120,6 +121,7 @@ def main() -> None:
     finally:
         d.teardown(False)
         inet.stop()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
