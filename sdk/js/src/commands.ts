@@ -40,7 +40,8 @@ export interface FollowOptions extends ExecOutputOptions {
   offset?: number;
 }
 
-function stdinBody(data: StdinSource): { body: Uint8Array } | { stream: Readable } {
+/** @internal */
+export function stdinBody(data: StdinSource): { body: Uint8Array } | { stream: Readable } {
   if (typeof data === "string") return { body: new TextEncoder().encode(data) };
   if (data instanceof Uint8Array) return { body: data };
   const src = data;

@@ -103,7 +103,8 @@ export class ExecStreamReader {
   private exit: ExecExitFrame | null = null;
   private execId: string | null = null;
 
-  constructor(opts: ExecOutputOptions = {}) {
+  constructor(opts: ExecOutputOptions = {},
+              private readonly onStarted?: (execId: string) => void) {
     this.sink = new OutputSink(opts);
   }
 
@@ -121,6 +122,7 @@ export class ExecStreamReader {
         await this.sink.out(h.fd, payload);
       } else if (h.t === "started") {
         this.execId = typeof h.exec_id === "string" ? h.exec_id : null;
+        if (this.execId !== null) this.onStarted?.(this.execId);
       } else if (h.t === "exit") {
         this.exit = h as unknown as ExecExitFrame;
       } else if (h.t === "error") {

@@ -1,9 +1,10 @@
 /** `Sandbox`: a disposable, isolated Linux machine. Mirrors the Python SDK's AsyncSandbox. */
+import type { IncomingMessage } from "node:http";
 import type { ConnectionOptions } from "./config.js";
 import { parseDuration, parseSizeMib, type Duration, type Size } from "./durations.js";
-import { CpuosError, InvalidArgument } from "./errors.js";
+import { Conflict, CpuosError, InvalidArgument, NotFound } from "./errors.js";
 import { ExecStreamReader, type ExecResult, type OutputCallback } from "./exec.js";
-import { Commands, CommandHandle, type StdinSource } from "./commands.js";
+import { Commands, CommandHandle, stdinBody, type StdinSource } from "./commands.js";
 import { Files } from "./files.js";
 import { CONTENT_TYPE } from "./frames.js";
 import { HttpClient, iterate } from "./http.js";
@@ -49,7 +50,10 @@ export interface ExecOptions {
   env?: Record<string, string>;
   /** Default: the template's workdir (/work). */
   cwd?: string;
-  stdin?: string | Uint8Array;
+  /** Text or bytes; or an (async) iterable of them, streamed while the command runs (no
+   * faster than it reads) and then closed: the command may answer one line before the
+   * next is produced. */
+  stdin?: StdinSource;
   /** Each line of stdout, without its newline (or, with `lines: false`, text as it comes). */
   onStdout?: OutputCallback;
   onStderr?: OutputCallback;
@@ -246,26 +250,54 @@ export class Sandbox {
       if (stdin !== undefined) await h.sendStdin(stdin);
       return h;
     }
-    if (opts.stdin !== undefined && typeof opts.stdin !== "string" &&
-        !(opts.stdin instanceof Uint8Array)) {
-      throw new InvalidArgument("a foreground exec takes stdin as a string or Uint8Array");
-    }
-    const stdin = opts.stdin as string | Uint8Array | undefined;
+    const stdin = opts.stdin;
+    const streamed = stdin !== undefined && typeof stdin !== "string" &&
+      !(stdin instanceof Uint8Array);
     const body: ExecBody = { cmd, env: opts.env ?? {}, cwd: opts.cwd ?? null,
                              timeout: seconds(opts.timeout, "timeout") ?? null };
     if (typeof stdin === "string") body.stdin = stdin;
-    else if (stdin !== undefined) body.stdin_b64 = Buffer.from(stdin).toString("base64");
-    const reader = new ExecStreamReader(opts);
+    else if (stdin instanceof Uint8Array) body.stdin_b64 = Buffer.from(stdin).toString("base64");
+    else if (streamed) body.stdin_stream = true;
     const signal = opts.signal;
-    const res = await this._http.open("POST", `${this.path}/exec`, {
-      json: body, headers: { Accept: CONTENT_TYPE }, signal,
+    // a streamed stdin goes in a request of its own, beside the output, once the exec has
+    // an id; it ends with the exec at the latest
+    const pumpStop = new AbortController();
+    const stopPump = () => pumpStop.abort();
+    signal?.addEventListener("abort", stopPump, { once: true });
+    let pump: Promise<void> | undefined;
+    let pumpError: unknown;
+    let res: IncomingMessage | undefined;
+    const reader = new ExecStreamReader(opts, (execId) => {
+      if (!streamed || pump !== undefined) return;
+      pump = this._http.request(
+        "POST", `${this.path}/execs/${encodeURIComponent(execId)}/stdin`,
+        { query: { close: true }, ...stdinBody(stdin as StdinSource), signal: pumpStop.signal },
+      ).then(() => undefined, (e: unknown) => {
+        // the command stopped reading (it exited, closed its stdin), or the exec is over:
+        // the rest is not sent, and that is no error of the exec's
+        if (pumpStop.signal.aborted || e instanceof InvalidArgument || e instanceof NotFound ||
+            e instanceof Conflict) return;
+        // else the command would wait for the end of its stdin for ever: the exec fails
+        pumpError = e;
+        res?.destroy();
+      });
     });
     try {
-      for await (const chunk of iterate(res, "exec", signal)) await reader.feed(chunk);
-      signal?.throwIfAborted();
-    } catch (e) {
-      res.destroy();  // the daemon sees the client leave and kills the command
-      throw e;
+      res = await this._http.open("POST", `${this.path}/exec`, {
+        json: body, headers: { Accept: CONTENT_TYPE }, signal,
+      });
+      try {
+        for await (const chunk of iterate(res, "exec", signal)) await reader.feed(chunk);
+        signal?.throwIfAborted();
+      } catch (e) {
+        res.destroy();  // the daemon sees the client leave and kills the command
+        throw pumpError ?? e;
+      }
+      if (pumpError !== undefined) throw pumpError;
+    } finally {
+      signal?.removeEventListener("abort", stopPump);
+      pumpStop.abort();
+      if (pump !== undefined) await pump;
     }
     return reader.finish();
   }

@@ -118,6 +118,41 @@ describe("e2e", { skip }, () => {
     assert.equal(r.stdout, "hello\n/tmp\nfrom stdin");
   });
 
+  test("stdin streamed from an async iterable: hashed, answered line by line, cut short",
+       async () => {
+    const parts = [...Array(8).keys()].map(() => randomBytes(1 << 20));
+    const sum = await sbx.exec("sha256sum", { stdin: (async function* () { yield* parts; })() });
+    assert.equal(sum.stdout.split(" ")[0],
+                 createHash("sha256").update(Buffer.concat(parts)).digest("hex"));
+
+    // each line is produced only once the command has answered the one before
+    const answers: string[] = [];
+    let answered: (() => void) | undefined;
+    async function* questions() {
+      for (const q of ["a", "b", "c"]) {
+        yield `${q}\n`;
+        await new Promise<void>((r) => { answered = r; });
+      }
+    }
+    const repl = await sbx.exec("while read l; do echo got:$l; done", {
+      stdin: questions(), onStdout: (l) => { answers.push(l); answered?.(); } });
+    assert.deepEqual(answers, ["got:a", "got:b", "got:c"]);
+    assert.equal(repl.exitCode, 0);
+
+    // the command stops reading early: the rest is not sent, and the exec is fine
+    let produced = 0;
+    async function* endless() {
+      for (let i = 0; i < 256; i++) {  // 64 MiB at most
+        produced++;
+        yield new Uint8Array(256 << 10).fill(120);
+      }
+    }
+    const head = await sbx.exec("head -c 5", { stdin: endless() });
+    assert.equal(head.stdout, "xxxxx");
+    assert.equal(head.exitCode, 0);
+    assert.ok(produced < 256, `all ${produced} chunks were produced`);
+  });
+
   test("an exec timeout kills the command: exit 137, timedOut, sandbox usable", async () => {
     const r = await sbx.exec("echo started; sleep 60; echo never", { timeout: "1s" });
     assert.equal(r.timedOut, true);
