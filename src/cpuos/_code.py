@@ -94,11 +94,14 @@ class CodeResult:
         marker), ``result`` (the cell's value as text), ``images`` (how many PNGs: send
         ``images`` themselves as image content)."""
         error = None
-        if self.error is not None:
-            error = clip(f"{self.error}\n{self.error.traceback}".rstrip(), stderr_chars)
-        elif self.timed_out:
+        if self.timed_out:
             error = "TimeoutError: the cell was interrupted at its timeout" + (
-                " (the kernel was restarted: its variables are gone)" if self.restarted else "")
+                " (the kernel was restarted: its variables are gone)" if self.restarted else
+                " (the kernel's variables are kept)")
+            if self.error is not None:
+                error = clip(f"{error}\n{self.error.traceback}".rstrip(), stderr_chars)
+        elif self.error is not None:
+            error = clip(f"{self.error}\n{self.error.traceback}".rstrip(), stderr_chars)
         out: dict[str, Any] = {
             "error": error,
             "stdout": clip(self.stdout, stdout_chars,

@@ -64,6 +64,9 @@ def test_timeout_interrupts_the_cell_and_keeps_state(box: Sandbox) -> None:
     r = box.run_code("while True: pass", timeout=2)
     assert r.timed_out and not r.restarted
     assert r.error is not None and r.error.name == "KeyboardInterrupt"
+    fm = r.for_model()
+    assert fm["timed_out"] and fm["error"].startswith("TimeoutError: the cell was interrupted")
+    assert "variables are kept" in fm["error"] and "while True" in fm["error"]
     assert box.run_code("kept").text == "123"
 
 
@@ -102,8 +105,10 @@ def test_restart_kernel_forgets(box: Sandbox) -> None:
 
 
 def test_unknown_language_is_refused(box: Sandbox) -> None:
-    with pytest.raises(InvalidArgument):
-        box.run_code("1", language="javascript")
+    with pytest.raises(InvalidArgument, match="no javascript kernel"):
+        box.run_code("1", language="javascript")  # no template has a Node kernel
+    with pytest.raises(InvalidArgument, match="language"):
+        box.run_code("1", language="../etc")
 
 
 def test_result_type(box: Sandbox) -> None:

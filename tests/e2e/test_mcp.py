@@ -64,3 +64,49 @@ def test_mcp_over_stdio_runs_code_with_an_image(daemon: Daemon) -> None:
     # the server killed its sandbox when the client went
     sid = got["created"]["sandbox_id"]  # type: ignore[index]
     assert all(s.id != sid for s in Sandbox.list(**kw))
+
+
+def test_mcp_over_streamable_http(daemon: Daemon) -> None:
+    import socket
+    import subprocess
+
+    from mcp.client.streamable_http import streamable_http_client
+
+    from cpuosd.testing import wait_until
+
+    kw = daemon.sdk_kwargs()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"CPUOS_API_URL": str(kw["api_url"]), "CPUOS_API_KEY": str(kw["api_key"]),
+           "PATH": "/usr/bin:/bin"}
+    proc = subprocess.Popen([sys.executable, "-m", "cpuos.cli.main", "mcp", "--http",
+                             "--port", str(port), "--timeout", "5m"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    got: dict[str, object] = {}
+    before = {x.id for x in Sandbox.list(**kw)}
+
+    def listening() -> bool:
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else b""
+        with socket.socket() as c:
+            return c.connect_ex(("127.0.0.1", port)) == 0
+
+    async def session() -> None:
+        with anyio.fail_after(240):
+            async with streamable_http_client(f"http://127.0.0.1:{port}/mcp") as (read, write), \
+                    ClientSession(read, write) as s:
+                await s.initialize()
+                got["tools"] = {t.name for t in (await s.list_tools()).tools}
+                r = await s.call_tool("exec", {"command": "echo over-http"})
+                got["exec"] = json.loads(r.content[0].text)  # type: ignore[union-attr]
+
+    try:
+        wait_until(listening, "the MCP server listens", timeout=60)
+        anyio.run(session)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    assert "run_code" in got["tools"]  # type: ignore[operator]
+    assert got["exec"] == {"exit_code": 0, "stdout": "over-http\n", "stderr": "", "images": 0}
+    # the server made a sandbox on first use, and killed it when it was stopped
+    assert {x.id for x in Sandbox.list(**kw)} - before == set()

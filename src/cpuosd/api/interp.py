@@ -14,12 +14,18 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from cpuos_agent import protocol as P
 from cpuos_agent.protocol import parse_duration
 
-from ..lifecycle.kernel import check_language, restart_kernel, run_code
+from ..lifecycle.kernel import LANGUAGE_RE, restart_kernel, run_code
 from ..lifecycle.manager import Manager
 from .auth import Ws
 
 router = APIRouter()
 MAX_CODE = 1_000_000  # characters of one cell
+
+
+def _language(v: str) -> str:
+    if not LANGUAGE_RE.fullmatch(v):
+        raise ValueError("language must be a kernel language such as 'python'")
+    return v
 
 
 class RunCode(BaseModel):
@@ -37,7 +43,7 @@ class RunCode(BaseModel):
     @field_validator("language")
     @classmethod
     def _lang(cls, v: str) -> str:
-        return check_language(v)
+        return _language(v)
 
 
 class RestartKernel(BaseModel):
@@ -47,7 +53,7 @@ class RestartKernel(BaseModel):
     @field_validator("language")
     @classmethod
     def _lang(cls, v: str) -> str:
-        return check_language(v)
+        return _language(v)
 
 
 def _mgr(request: Request) -> Manager:

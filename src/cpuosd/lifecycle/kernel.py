@@ -64,12 +64,6 @@ START_DRIVER = ("python3 -c 'import ipykernel, jupyter_client' 2>/dev/null || ex
                 "cpuos_agent.kernel >/tmp/cpuos-kernel.log 2>&1 &")
 
 
-def check_language(language: str) -> str:
-    if not LANGUAGE_RE.fullmatch(language):
-        raise invalid("language must be a kernel language such as 'python'", field="language")
-    return language
-
-
 async def _dial(mgr: Manager, lv: Live, req: dict[str, Any]) -> Any:
     """A stream to the driver with the request sent; starts the driver if none answers
     (a template without it in its snapshot, or one that code inside killed)."""
