@@ -170,3 +170,21 @@ def test_1000_calls_do_not_grow_the_kernel(box: Sandbox) -> None:
     after = int(box.run_code(rss).text or 0)
     assert before > 0
     assert after - before < 32 * 1024, (before, after)  # KiB
+
+
+def test_kernel_state_survives_pause_resume_and_fork(daemon: Daemon) -> None:
+    s = Sandbox.create(template="python", timeout="10m", **daemon.sdk_kwargs())
+    forks: list[Sandbox] = []
+    try:
+        s.run_code("import math\nkept = math.tau")
+        s.pause()
+        s = Sandbox.resume(s.id, **daemon.sdk_kwargs())
+        assert s.run_code("kept").text == repr(6.283185307179586)
+        forks = s.fork(n=1)
+        forks[0].run_code("kept = 'fork'")
+        assert s.run_code("kept").text == repr(6.283185307179586)
+        assert forks[0].run_code("kept").text == "'fork'"
+    finally:
+        for x in [s, *forks]:
+            x.kill()
+            x.close()
