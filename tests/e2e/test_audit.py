@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import contextlib
 import os
-import select
+import queue
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -273,19 +275,22 @@ def test_cli_follow_prints_rows_as_they_come(daemon: Daemon) -> None:
     p = subprocess.Popen([sys.executable, "-m", "cpuos.cli.main", "audit", s.id, "--follow",
                           "--json", "--kind", "command"], env=env, stdout=subprocess.PIPE,
                          text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    assert p.stdout is not None
+    def read() -> None:
+        for line in p.stdout or ():
+            lines.put(line)
+
+    threading.Thread(target=read, daemon=True).start()
     try:
-        assert p.stdout is not None
         s.exec(["/bin/echo", "followed"])
         deadline = time.monotonic() + 60
         seen: list[dict[str, Any]] = []
         while not any(x["detail"].get("source") == "api" for x in seen):
             left = deadline - time.monotonic()
             assert left > 0, f"no row of the exec followed: {seen}"
-            ready, _, _ = select.select([p.stdout], [], [], left)
-            if ready:
-                line = p.stdout.readline()
-                assert line, "cpuos audit --follow ended"
-                seen.append(json.loads(line))
+            with contextlib.suppress(queue.Empty):
+                seen.append(json.loads(lines.get(timeout=left)))
         assert {x["kind"] for x in seen} == {"command"}
         assert ["/bin/echo", "followed"] in [x["detail"].get("argv") for x in seen]
         assert p.poll() is None  # still following
