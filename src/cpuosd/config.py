@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,6 +55,11 @@ class Config:
     microvm_standby: int = field(default_factory=lambda: _int("CPUOS_MICROVM_STANDBY", 1))
     # Restored sandboxes kept ready per template (0 turns the warm pool off).
     pool_size: int = field(default_factory=lambda: _int("CPUOS_POOL_SIZE", 1))
+    # The templates whose pool is filled at start (comma-separated; e.g. "python,browser":
+    # a pooled browser sandbox holds a running chromium); a pool is refilled as it is used.
+    pool_templates: list[str] = field(default_factory=lambda: [
+        t for t in (x.strip() for x in os.environ.get("CPUOS_POOL_TEMPLATES", "python")
+                    .split(",")) if re.fullmatch(r"[a-z0-9][a-z0-9-]{0,63}", t)])
     # Boot each template once, checkpoint it, and create sandboxes by restoring that.
     template_snapshots: bool = field(
         default_factory=lambda: os.environ.get("CPUOS_TEMPLATE_SNAPSHOTS", "1") != "0")

@@ -76,7 +76,8 @@ CASES = {
                    "10 execs inside, monitored vs not, median", "audit store, rows/s"]),
     "browser": Case("browser", "browser", "13. browser: create → first screenshot",
                     ["ours_s", "ours_create_s", "floor_s", "floor_create_s", "warm_shot_s"],
-                    ["browser create → first screenshot, p50"]),
+                    ["browser create → first screenshot, p50",
+                     "browser create from warm pool → first screenshot, p50"]),
     "limits": Case("limits", "limits", "14. noisy neighbour", ["idle_s"],
                    [f"neighbour exec p99 beside {x}" for x in
                     ("fork bomb", "memory balloon", "disk fill",
@@ -138,6 +139,9 @@ def check_figures(module: str, data: dict[str, Any]) -> None:
                 xs = data[part][k]
                 assert len(xs) == data[part][n] and all(x > 0 for x in xs), (part, k, xs)
         assert data["download"]["bytes"] > 0 and data["address"].startswith("10.")
+    if module == "browser":
+        p = data["pool"]
+        assert len(p["ours_s"]) == p["n"] and all(x > 0 for x in p["ours_s"]), p
     if module == "network":
         for part, (keys, n) in NETWORK.items():
             for k in keys:

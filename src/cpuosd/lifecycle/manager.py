@@ -156,8 +156,9 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
         await self.reconcile()
         self._spawn(self._reaper())
         self._spawn(procs.reap_loop())  # the runsc/QEMU processes we adopted
-        if self.cfg.pool_size > 0 and template_info(self.cfg.templates_dir, "python"):
-            self._spawn(self._fill_pool("python"))
+        for template in self.cfg.pool_templates if self.cfg.pool_size > 0 else []:
+            if template_info(self.cfg.templates_dir, template):
+                self._spawn(self._fill_pool(template))
 
     async def shutdown(self) -> None:
         background = list(self._tasks)
