@@ -181,7 +181,9 @@ class Page:
 
 
 # the page target each sandbox's helpers drove last (by sandbox and address: a restored
-# sandbox has a new address), so the next call skips asking for /json/list
+# sandbox has a new address), and the one last driven in any sandbox of the same template
+# and workspace (clones of one template snapshot have the same target ids): a call tries
+# them before asking for /json/list, a round trip through the sandbox's relay
 _TARGETS: dict[str, str] = {}
 MAX_TARGETS = 4096
 
@@ -193,17 +195,30 @@ async def _connect(addr: str, target: str) -> ClientConnection:
                              open_timeout=CONNECT_TIMEOUT, ping_interval=None)
 
 
+def _remember(key: str, target: str) -> None:
+    _TARGETS.pop(key, None)
+    _TARGETS[key] = target
+    while len(_TARGETS) > MAX_TARGETS:
+        del _TARGETS[next(iter(_TARGETS))]
+
+
 @contextlib.asynccontextmanager
-async def open_page(addr: str, sid: str, timeout: float) -> AsyncIterator[Page]:
+async def open_page(addr: str, sid: str, timeout: float, family: str = ""
+                    ) -> AsyncIterator[Page]:
+    """A connection to the page to drive. ``family``: the sandbox's workspace and template
+    (whose clones share target ids), or empty."""
     deadline = time.monotonic() + timeout
     key = f"{sid}@{addr}"
     ws: ClientConnection | None = None
-    cached = _TARGETS.get(key)
-    if cached is not None:
+    target = ""
+    tried = [t for t in dict.fromkeys((_TARGETS.get(key), _TARGETS.get("family:" + family)
+                                       if family else None)) if t]
+    for cached in tried:
         try:
-            ws = await _connect(addr, cached)
+            ws, target = await _connect(addr, cached), cached
+            break
         except (OSError, TimeoutError, WebSocketException):
-            _TARGETS.pop(key, None)  # the page is gone (closed, or the browser restarted)
+            pass  # the page is gone (closed, or the browser restarted)
     if ws is None:
         target = await page_target(addr, sid)
         try:
@@ -211,10 +226,9 @@ async def open_page(addr: str, sid: str, timeout: float) -> AsyncIterator[Page]:
         except (OSError, TimeoutError, WebSocketException) as e:
             raise no_browser(sid, f"page {target}: {type(e).__name__}: {str(e)[:200]}"
                              ) from None
-        _TARGETS.pop(key, None)
-        _TARGETS[key] = target
-        while len(_TARGETS) > MAX_TARGETS:
-            del _TARGETS[next(iter(_TARGETS))]
+    _remember(key, target)
+    if family:
+        _remember("family:" + family, target)
     try:
         yield Page(ws, deadline)
     finally:
@@ -230,12 +244,13 @@ def check_url(url: str) -> None:
                       f"{MAX_URL} characters)", field="url")
 
 
-async def goto(addr: str, sid: str, url: str, timeout: float) -> dict[str, Any]:
+async def goto(addr: str, sid: str, url: str, timeout: float, family: str = ""
+               ) -> dict[str, Any]:
     """Navigate and wait for the page's load event: {url, status, title}. A navigation the
     browser cannot make (a name that does not resolve, a connection refused by the egress
     policy...) is ``unavailable`` with chromium's error (``net::ERR_...``)."""
     check_url(url)
-    async with open_page(addr, sid, timeout) as p:
+    async with open_page(addr, sid, timeout, family) as p:
         await p.call("Page.enable")
         await p.call("Network.enable", maxTotalBufferSize=0, maxResourceBufferSize=0)
         r = await p.call("Page.navigate", url=url)
@@ -253,8 +268,9 @@ async def goto(addr: str, sid: str, url: str, timeout: float) -> dict[str, Any]:
                 "status": status}
 
 
-async def screenshot(addr: str, sid: str, timeout: float, full_page: bool = False) -> bytes:
-    async with open_page(addr, sid, timeout) as p:
+async def screenshot(addr: str, sid: str, timeout: float, full_page: bool = False,
+                     family: str = "") -> bytes:
+    async with open_page(addr, sid, timeout, family) as p:
         params: dict[str, Any] = {"format": "png"}
         if full_page:
             m = await p.call("Page.getLayoutMetrics")
@@ -275,8 +291,8 @@ async def screenshot(addr: str, sid: str, timeout: float, full_page: bool = Fals
     return png
 
 
-async def content(addr: str, sid: str, timeout: float) -> str:
-    async with open_page(addr, sid, timeout) as p:
+async def content(addr: str, sid: str, timeout: float, family: str = "") -> str:
+    async with open_page(addr, sid, timeout, family) as p:
         html = await p.evaluate(
             "(document.doctype ? new XMLSerializer().serializeToString(document.doctype) : '')"
             " + document.documentElement.outerHTML")
@@ -316,11 +332,12 @@ def _sel(selector: str) -> str:
     return json.dumps(selector)
 
 
-async def click(addr: str, sid: str, selector: str, timeout: float) -> None:
+async def click(addr: str, sid: str, selector: str, timeout: float, family: str = ""
+                ) -> None:
     """A real mouse click (pressed and released) at the centre of the first element the CSS
     selector matches, scrolled into view."""
     sel = _sel(selector)
-    async with open_page(addr, sid, timeout) as p:
+    async with open_page(addr, sid, timeout, family) as p:
         at = await p.evaluate(_LOCATE % sel)
         if not isinstance(at, dict) or "error" in at:
             why = at.get("error") if isinstance(at, dict) else "not_found"
@@ -336,11 +353,12 @@ async def click(addr: str, sid: str, selector: str, timeout: float) -> None:
             await p.call("Input.dispatchMouseEvent", type=kind, x=x, y=y, **extra)
 
 
-async def fill(addr: str, sid: str, selector: str, text: str, timeout: float) -> None:
+async def fill(addr: str, sid: str, selector: str, text: str, timeout: float,
+               family: str = "") -> None:
     """Replace the value of an input, textarea or contenteditable element with ``text``,
     typed as one insertion (``input`` events fire), then a ``change`` event."""
     sel = _sel(selector)
-    async with open_page(addr, sid, timeout) as p:
+    async with open_page(addr, sid, timeout, family) as p:
         r = await p.evaluate(_FILL % sel)
         if r != "ok":
             raise ApiError("not_found" if r == "not_found" else "conflict",
