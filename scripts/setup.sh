@@ -16,7 +16,7 @@ if [ "$(id -u)" -ne 0 ]; then
 fi
 
 need_pkgs=(runsc mmdebstrap iproute2 nftables python3 python3-venv python3-pip ca-certificates procps
-           qemu-system-x86 busybox-static cpio lz4 e2fsprogs zstd xz-utils)
+           qemu-system-x86 busybox-static cpio lz4 e2fsprogs zstd xz-utils tmux)
 missing=()
 for p in "${need_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -9,6 +9,7 @@
 from ._async.browser import AsyncBrowser
 from ._async.sandbox import AsyncFiles, AsyncNetwork, AsyncSandbox
 from ._async.commands import AsyncCommandHandle, AsyncCommands
+from ._async.pty import AsyncPty, AsyncTerminal
 from ._async.templates import AsyncTemplates
 from ._async.workspace import AsyncWorkspace
 from ._durations import parse_duration
@@ -27,6 +28,7 @@ from ._errors import (
 )
 from ._models import CommandInfo, ExecResult, FileEntry, SandboxInfo, TemplateInfo
 from ._sync.commands import CommandHandle, Commands
+from ._sync.pty import Pty, Terminal
 from ._sync.browser import Browser
 from ._sync.sandbox import Files, Sandbox, SandboxNetwork
 from ._sync.templates import Templates
@@ -40,8 +42,10 @@ __all__ = [
     "AsyncCommands",
     "AsyncFiles",
     "AsyncNetwork",
+    "AsyncPty",
     "AsyncSandbox",
     "AsyncTemplates",
+    "AsyncTerminal",
     "AsyncWorkspace",
     "AuthError",
     "Browser",
@@ -58,12 +62,14 @@ __all__ = [
     "NoSpace",
     "NotFound",
     "PermissionDenied",
+    "Pty",
     "Sandbox",
     "SandboxInfo",
     "SandboxNetwork",
     "ServerError",
     "TemplateInfo",
     "Templates",
+    "Terminal",
     "Timeout",
     "Unavailable",
     "Workspace",

@@ -30,7 +30,7 @@ from .bg import Background, Reader
 from .cgroups import Cgroups
 from .conn import Conn
 from .dial import Dial
-from .exec import MAX_BG_KEPT, Exec
+from .exec import MAX_BG_KEPT, Exec, set_winsize
 from .files import _errcode, _list, _remove, _stat, _unlink_quiet, create_beside, open_regular
 from .identity import apply_identity, drop_inheritable_caps, not_dumpable, read_key
 from .memguard import MemGuard
@@ -235,6 +235,14 @@ class Agent:
             rd = Reader(bg, conn, sid, off if isinstance(off, int) else 0,
                         h.get("follow") is True, self.readers)
             threading.Thread(target=rd.run, name=f"bg-read-{sid}", daemon=True).start()
+        elif t == "bg_resize":
+            fd = bg.ex.pty_fd
+            if fd is None or bg.result is not None:
+                conn.send({"t": "err", "id": sid, "code": P.E_INVALID,
+                           "message": f"{pid} is not a running terminal"})
+            else:
+                set_winsize(fd, h.get("cols"), h.get("rows"))
+                conn.send({"t": "ok", "id": sid})
         elif t == "bg_signal":
             self._bg_signal(conn, sid, bg, h.get("signal"))
         elif t == "bg_wait":

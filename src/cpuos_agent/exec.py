@@ -12,6 +12,8 @@ import os
 import re
 import selectors
 import signal
+import struct
+import termios
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -50,6 +52,13 @@ SIMPLE = re.compile(r"^[A-Za-z0-9_./,:+@%-]+( +[A-Za-z0-9_./,:=+@%-]+)*$")
 SHELL_WORDS = {"cd", "export", "source", ".", "exit", "set", "unset", "alias", "exec", "eval",
                "read", "ulimit", "umask", "wait", "trap", "shopt", "type", "hash", "command",
                "builtin", "declare", "local", "let", "times", "jobs", "fg", "bg", "history"}
+
+
+def set_winsize(fd: int, cols: object, rows: object) -> None:
+    """A terminal's size (its foreground process group gets SIGWINCH); bounded."""
+    c = cols if isinstance(cols, int) and 1 <= cols <= 1000 else 80
+    r = rows if isinstance(rows, int) and 1 <= rows <= 1000 else 24
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", r, c, 0, 0))
 
 
 def _argv_for(h: P.Header) -> list[list[str]]:
@@ -97,6 +106,7 @@ class Exec:
         # requested and not yet spawned: what arrives is kept for when it is
         self.stdin_open = bool(h.get("stdin"))
         self.background = bool(h.get("background"))
+        self.pty_fd: int | None = None  # a terminal's master (for resizes)
         self.bg: Background | None = None
         self._out: tuple[int, int] | None = None
         self._spawned_by = 0
@@ -180,12 +190,27 @@ class Exec:
                 self.cgroup = cgroups.take()
             except OSError:
                 self.cgroup = None  # tracked by the process-tree scan instead
-        out_r, out_w = os.pipe2(os.O_CLOEXEC)
-        err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        if h.get("stdin"):
-            in_r, self._stdin_w = os.pipe2(os.O_CLOEXEC)
+        term = h.get("pty")
+        if isinstance(term, dict):
+            # a terminal: the command's stdin, stdout and stderr are a pty's slave, in a
+            # session of its own whose controlling terminal it is (setsid -c: job control,
+            # ^C, SIGWINCH); its output is what the master reads, its input what we write
+            master, slave = os.openpty()
+            set_winsize(master, term.get("cols"), term.get("rows"))
+            out_r, out_w = master, slave
+            err_r, w = os.pipe2(os.O_CLOEXEC)
+            os.close(w)  # nothing comes this way: EOF at once
+            err_w, in_r = os.dup(slave), os.dup(slave)
+            self._stdin_w, self.pty_fd = os.dup(master), os.dup(master)
+            self.stdin_open = True
+            self.argvs = [["setsid", "-w", "-c", *a] for a in self.argvs]
         else:
-            in_r = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            out_r, out_w = os.pipe2(os.O_CLOEXEC)
+            err_r, err_w = os.pipe2(os.O_CLOEXEC)
+            if h.get("stdin"):
+                in_r, self._stdin_w = os.pipe2(os.O_CLOEXEC)
+            else:
+                in_r = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         for fd in (out_r, err_r, self._stdin_w):
             if fd is None:
                 continue
@@ -210,6 +235,9 @@ class Exec:
                 os.close(self._stdin_w)
                 self._stdin_w = None
                 self.stdin_open = False
+            if self.pty_fd is not None:
+                os.close(self.pty_fd)
+                self.pty_fd = None
             if e.errno == errno.EAGAIN:  # a fork past the sandbox's process limit
                 return {"code": P.E_LIMIT, "message": f"cannot start {self.argvs[0][0]!r}: "
                         f"the sandbox is at its process limit (pids)"}
@@ -403,6 +431,9 @@ class Exec:
             sel.close()
             for fd in (out_r, err_r):
                 os.close(fd)
+            if self.pty_fd is not None:
+                os.close(self.pty_fd)
+                self.pty_fd = None
             if self.bg is None:
                 self.conn.close_stream(self.sid)
             elif self.bg.result is None:  # ended without a status (an error of ours)

@@ -31,9 +31,10 @@ import struct
 from typing import Any
 
 # 2: the hello carries the per-sandbox agent key (the host refuses other versions)
-# 3: background commands (exec ``background``; bg_list, bg_attach, bg_signal, bg_wait,
-#    bg_stdin), stdin with flow control (``stdin`` frames carry ``close``/``ack``; the agent
-#    answers ``stdin_credit``)
+# 3: background commands (exec ``background``; bg_list, bg_info, bg_attach, bg_signal,
+#    bg_wait, bg_stdin, bg_resize), terminals (exec ``pty``: {cols, rows}), stdin with flow
+#    control (``stdin`` frames carry ``close``/``ack``; the agent answers ``stdin_credit``
+#    and ``stdin_closed``)
 PROTOCOL_VERSION = 3
 # where the host leaves the agent its key before a cold boot; it removes the file once the
 # agent has said hello, before any command runs (the agent keeps the key in memory, which

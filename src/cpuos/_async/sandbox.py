@@ -23,6 +23,7 @@ from .._code import CodeResult
 from .._models import DEFAULT_MAX_OUTPUT, ExecResult, FileEntry, SandboxInfo
 from .._pumps import AsyncBeside
 from .browser import AsyncBrowser
+from .pty import AsyncPty
 from .commands import AsyncCommandHandle, AsyncCommands, OutputSink, StdinSource, stdin_chunks
 from .interp import AsyncInterpreter, OutputCallback as _Out, ResultCallback
 
@@ -302,6 +303,7 @@ class AsyncSandbox:
         self.ports = AsyncPorts(self)
         self.audit = AsyncAudit(self)
         self.commands = AsyncCommands(self)
+        self.pty = AsyncPty(self)
         self.browser = AsyncBrowser(self)
         self.interpreter = AsyncInterpreter(self)
 

@@ -24,6 +24,7 @@ from .._code import CodeResult
 from .._models import DEFAULT_MAX_OUTPUT, ExecResult, FileEntry, SandboxInfo
 from .._pumps import Beside
 from .browser import Browser
+from .pty import Pty
 from .commands import CommandHandle, Commands, OutputSink, StdinSource, stdin_chunks
 from .interp import Interpreter, OutputCallback as _Out, ResultCallback
 
@@ -303,6 +304,7 @@ class Sandbox:
         self.ports = Ports(self)
         self.audit = Audit(self)
         self.commands = Commands(self)
+        self.pty = Pty(self)
         self.browser = Browser(self)
         self.interpreter = Interpreter(self)
 

@@ -35,6 +35,7 @@ from .._models import SandboxInfo, TemplateInfo
 from .._sync.sandbox import Sandbox
 from .._sync.templates import Templates
 from . import audit as _audit
+from . import shell as _shell
 from .._sync.workspace import Workspace
 from . import mcp as _mcp
 
@@ -673,6 +674,7 @@ def template_rm(
 
 _audit.register(app)
 _mcp.register(app)
+_shell.register(app)
 
 
 # ---- usage and live metrics ---------------------------------------------------------------

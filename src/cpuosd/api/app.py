@@ -37,6 +37,7 @@ from .templates import TemplateBuilds, router as templates_router
 from .audit import router as audit_router, start_audit
 from ..accounting.trace import Traced
 from .commands import router as commands_router
+from .pty import router as pty_router
 from .usage import router as usage_router, sandbox_metrics
 from ..proxy.preview import Preview
 from ..backends.microvm.selection import BackendUnavailable, select_backend
@@ -378,6 +379,7 @@ def create_app(cfg: Config | None = None) -> FastAPI:
     app.include_router(templates_router)
     app.include_router(audit_router)
     app.include_router(commands_router)
+    app.include_router(pty_router)
     app.include_router(browser_router)
     app.include_router(interp_router)
     document(app)  # the answers' schemas in /openapi.json (sdk/js's types)

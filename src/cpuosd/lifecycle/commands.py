@@ -127,15 +127,20 @@ def _close_quietly(st: Stream, lv: Live, spawn: Any) -> None:
 
 
 async def start(lv: Live, cmd: str | list[str], env: dict[str, str], cwd: str | None,
-                timeout: float | None, buffer: int | None, stdin: bool) -> dict[str, Any]:
-    """Start a background command; its record."""
+                timeout: float | None, buffer: int | None, stdin: bool,
+                pty: dict[str, int] | None = None) -> dict[str, Any]:
+    """Start a background command (``pty``: {cols, rows}: on a terminal of its own); its
+    record."""
     st = lv.chan.open()
     try:
         target = {"shell": cmd} if isinstance(cmd, str) else {"argv": cmd}
-        await st.send({"t": "exec", **target, "env": {**_base_env(lv.row), **env},
+        base = _base_env(lv.row)
+        if pty is not None:
+            base["TERM"] = "xterm-256color"
+        await st.send({"t": "exec", **target, "env": {**base, **env},
                        "cwd": cwd or lv.row.spec.get("workdir") or "/work",
                        "timeout": timeout, "stdin": stdin, "background": True,
-                       "buffer": buffer})
+                       "buffer": buffer, "pty": pty})
         try:
             h, _ = await st.get(START_WAIT)
         except TimeoutError:
@@ -170,6 +175,48 @@ async def list_(lv: Live) -> list[dict[str, Any]]:
 async def signal(lv: Live, pid: int, sig: int) -> dict[str, Any]:
     await lv.chan.call({"t": "bg_signal", "pid": pid, "signal": sig}, CALL_WAIT)
     return await info(lv, pid)
+
+
+async def resize(lv: Live, pid: int, cols: int, rows: int) -> None:
+    await lv.chan.call({"t": "bg_resize", "pid": pid, "cols": cols, "rows": rows}, CALL_WAIT)
+
+
+async def attach(lv: Live, pid: int, offset: int, spawn: Any) -> tuple[Stream, P.Header]:
+    """A following read of the command's output (the agent's stream, and its ``ok``)."""
+    st = lv.chan.open()
+    try:
+        await st.send({"t": "bg_attach", "pid": pid, "offset": offset, "follow": True})
+        try:
+            h, _ = await st.get(CALL_WAIT)
+        except TimeoutError:
+            raise ApiError("timeout", "sandbox agent did not answer") from None
+        raise_for_agent_error(h)
+        if h["t"] != "ok":
+            raise ApiError("internal", f"unexpected agent answer {h['t']!r}")
+    except BaseException:
+        _close_quietly(st, lv, spawn)
+        raise
+    return st, h
+
+
+async def open_stdin(lv: Live, pid: int, spawn: Any) -> Stream:
+    """A stream to the command's stdin (``Stream.send_stdin``), open until closed."""
+    st = lv.chan.open()
+    try:
+        await st.send({"t": "bg_stdin", "pid": pid})
+        try:
+            h, _ = await st.get(CALL_WAIT)
+        except TimeoutError:
+            raise ApiError("timeout", "sandbox agent did not answer") from None
+        raise_for_agent_error(h)
+    except BaseException:
+        _close_quietly(st, lv, spawn)
+        raise
+    return st
+
+
+def close_stream(st: Stream, lv: Live, spawn: Any) -> None:
+    _close_quietly(st, lv, spawn)
 
 
 async def wait(lv: Live, pid: int, timeout: float) -> dict[str, Any]:

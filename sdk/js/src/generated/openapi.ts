@@ -665,6 +665,44 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/sandboxes/{sid}/pty": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Create Pty
+         * @description Start a command on a new terminal of ``cols`` x ``rows``; attach with the
+         *     WebSocket.
+         */
+        post: operations["create_pty_sandboxes__sid__pty_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/sandboxes/{sid}/pty/{pid}/resize": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** Resize Pty */
+        post: operations["resize_pty_sandboxes__sid__pty__pid__resize_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/sandboxes/{sid}/resume": {
         parameters: {
             query?: never;
@@ -1308,6 +1346,13 @@ export interface components {
             /** Removed */
             removed: string;
         };
+        /** Resize */
+        Resize: {
+            /** Cols */
+            cols: number;
+            /** Rows */
+            rows: number;
+        };
         /** RestartKernel */
         RestartKernel: {
             /**
@@ -1475,6 +1520,54 @@ export interface components {
             env?: {
                 [key: string]: string;
             };
+            /**
+             * Stdin
+             * @description keep a pipe to its stdin (else /dev/null)
+             * @default true
+             */
+            stdin?: boolean;
+            /**
+             * Timeout
+             * @description kill it after this long (default: none; the sandbox's life bounds it)
+             */
+            timeout?: number | string | null;
+        };
+        /** StartPty */
+        StartPty: {
+            /**
+             * Buffer
+             * @description bytes of its output kept for a client that attaches later
+             * @default 262144
+             */
+            buffer?: number;
+            /**
+             * Cmd
+             * @description default: a login bash
+             * @default [
+             *       "/bin/bash",
+             *       "-l"
+             *     ]
+             */
+            cmd?: string | string[];
+            /**
+             * Cols
+             * @default 80
+             */
+            cols?: number;
+            /**
+             * Cwd
+             * @description default: the template's workdir (/work)
+             */
+            cwd?: string | null;
+            /** Env */
+            env?: {
+                [key: string]: string;
+            };
+            /**
+             * Rows
+             * @default 24
+             */
+            rows?: number;
             /**
              * Stdin
              * @description keep a pipe to its stdin (else /dev/null)
@@ -3139,6 +3232,79 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    create_pty_sandboxes__sid__pty_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                sid: string;
+            };
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["StartPty"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            201: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["CommandInfo"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    resize_pty_sandboxes__sid__pty__pid__resize_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                pid: number;
+                sid: string;
+            };
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["Resize"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": {
+                        [key: string]: unknown;
+                    };
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
                 };
             };
         };
