@@ -82,6 +82,12 @@ CASES = {
                    [f"neighbour exec p99 beside {x}" for x in
                     ("fork bomb", "memory balloon", "disk fill",
                      "empty files to the inode limit, removed, again", "CPU spin, 4 processes")]),
+    "interactive": Case("interactive", "interactive", "16. interactive: keystroke echo",
+                        ["ours_echo_s", "floor_exec_s", "ours_reattach_s",
+                         "ours_pty_reattach_s", "ours_stdin_MBps", "floor_stdin_MBps"],
+                        ["keystroke echo through a terminal, p50", "streamed stdin, median",
+                         "reattach to a command → first byte, p50",
+                         "reattach to a terminal → first byte, p50"]),
 }
 # (sample lists, the key of their N) of the network case's parts
 NETWORK = {"download": (["ours_on_MBps", "ours_allow_MBps", "floor_MBps"], "runs"),
@@ -121,7 +127,8 @@ def check_figures(module: str, data: dict[str, Any]) -> None:
     figures say about the sandboxes holds (a heap is in the images that should hold it)."""
     for k in CASES[module].samples:
         n = data["peer_n"] if k.startswith("peer_") else data["n_create"] if (
-            module == "run_code" and "create" in k) else data.get("n", data.get("runs"))
+            module == "run_code" and "create" in k) else data["runs"] if (
+            module == "interactive" and "MBps" in k) else data.get("n", data.get("runs"))
         assert len(data[k]) == n and all(x > 0 for x in data[k]), (k, data[k])
     if module == "snap_create":
         assert data["image_bytes"] > 0
