@@ -129,12 +129,24 @@ def measure(ctx: Context) -> dict[str, Any]:
             fork100(sbx, per_run)  # warmup
         f_on: list[float] = []
         f_off: list[float] = []
+        # ... and the CPU time the sandbox's cgroup used for each run (the Sentry's work,
+        # monitoring included: less swayed by a loaded host than the wall time)
+        c_on: list[float] = []
+        c_off: list[float] = []
         for i in range(runs):
-            for sbx, xs in ((s_on, f_on), (s_off, f_off))[::1 if i % 2 else -1]:
+            for sbx, xs, cs in ((s_on, f_on, c_on), (s_off, f_off, c_off))[
+                    ::1 if i % 2 else -1]:
+                cpu0 = sbx.metrics().get("cpu_seconds")
                 xs.append(fork100(sbx, per_run))
+                cpu1 = sbx.metrics().get("cpu_seconds")
+                if cpu0 is not None and cpu1 is not None:
+                    cs.append(cpu1 - cpu0)
         out["on_fork100_s"], out["off_fork100_s"] = f_on, f_off
+        out["on_fork100_cpu_s"], out["off_fork100_cpu_s"] = c_on, c_off
         console.print(f"  {per_run} execs of /bin/true inside: monitored "
-                      f"{ms(median(f_on))}, not {ms(median(f_off))}")
+                      f"{ms(median(f_on))}, not {ms(median(f_off))}"
+                      + (f"; sandbox CPU {ms(median(c_on))} vs {ms(median(c_off))}"
+                         if c_on and c_off else ""))
         # did every exec of /bin/true reach the log (and was anything dropped)?
         recorded = dropped = after_seq = 0
         with on.client() as c:
@@ -199,6 +211,10 @@ def report(e: dict[str, Any]) -> list[Row]:
     fork_row["note"] = (f"{(f_on / f_off - 1) * 100:+.1f}% (median of paired ratios "
                         f"{(fpaired - 1) * 100:+.1f}%); {rr['recorded']} of "
                         f"{rr['expected']} execs recorded")
+    if e.get("on_fork100_cpu_s") and e.get("off_fork100_cpu_s"):
+        c_on, c_off = median(e["on_fork100_cpu_s"]), median(e["off_fork100_cpu_s"])
+        fork_row["note"] += (f"; the sandbox's CPU time per run {ms(c_on)} vs {ms(c_off)} "
+                             f"({(c_on / c_off - 1) * 100:+.1f}%)")
     return [exec_row, fork_row,
             info_row("audit store, rows/s", f"{st['ours_rows_per_s']:.0f}/s",
                      f"{st['floor_rows_per_s']:.0f}/s")]
