@@ -6,7 +6,7 @@ import type { Readable } from "node:stream";
 import { resolveConfig, type ConnectionOptions } from "./config.js";
 import { errorFrom, ServerError, Timeout, Unavailable } from "./errors.js";
 
-/** Seconds to connect to the daemon before giving up. */
+/** How long to try to connect to the daemon before giving up. */
 const CONNECT_TIMEOUT_MS = 60_000;
 /** An error answer's body is read up to this much. */
 const MAX_ERROR_BODY = 1 << 20;
@@ -57,7 +57,7 @@ export class HttpClient {
     const replayable = opts.stream === undefined;
     for (let attempt = 0; ; attempt++) {
       try {
-        const res = await this.send(method, path, opts);
+        const res = await this.send(method, path, opts, attempt > 0);
         const status = res.statusCode ?? 0;
         if (status >= 400) throw await errorOf(res, `${method} ${path}`, opts.signal);
         return res;
@@ -66,6 +66,7 @@ export class HttpClient {
         // it as idle (a busy event loop here may not have seen that yet) and dropped the
         // request unread, so it is sent once more on a new connection, a POST too. (A
         // daemon that died mid-request is not there to take it again: that is Unavailable.)
+        // The retry has a connection of its own: the pool may hold more such.
         if (replayable && attempt === 0 && (e as { reusedSocket?: boolean }).reusedSocket) {
           continue;
         }
@@ -74,7 +75,8 @@ export class HttpClient {
     }
   }
 
-  private send(method: string, path: string, opts: RequestOptions): Promise<IncomingMessage> {
+  private send(method: string, path: string, opts: RequestOptions, fresh = false):
+      Promise<IncomingMessage> {
     const url = new URL(this.url + path);
     for (const [k, v] of Object.entries(opts.query ?? {})) {
       if (v !== undefined) url.searchParams.set(k, String(v));
@@ -95,7 +97,7 @@ export class HttpClient {
     if (body !== undefined) headers["Content-Length"] = String(body.length);
     const signal = opts.signal;
     const mod = url.protocol === "https:" ? https : http;
-    const agent = agents[url.protocol as "http:" | "https:"];
+    const agent = fresh ? false : agents[url.protocol as "http:" | "https:"];
     return new Promise<IncomingMessage>((resolve, reject) => {
       signal?.throwIfAborted();
       const req = mod.request(url, { method, headers, agent, signal });
