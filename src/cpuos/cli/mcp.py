@@ -34,10 +34,14 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Serve the sandbox tools (create_sandbox, run_code, exec, files, ports, pause,
         resume, kill) to an MCP client; over stdio unless --http."""
-        import anyio
+        try:
+            import anyio
 
+            from ..mcp_server import serve_http, serve_stdio
+        except ImportError as e:  # the optional dependency (cpuos[mcp])
+            typer.echo(f"error: unavailable: {e}", err=True)
+            raise typer.Exit(1) from None
         from .._async.tools import AsyncTools
-        from ..mcp_server import serve_http, serve_stdio
 
         tools = AsyncTools(template=template, timeout=timeout, api_url=api_url,
                            api_key=api_key)
