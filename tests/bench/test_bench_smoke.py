@@ -12,7 +12,8 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from cpuosd.testing import e2e_unavailable
+from cpuosd.templates.builder import template_info
+from cpuosd.testing import TEMPLATES, e2e_unavailable
 
 REPO = Path(__file__).resolve().parents[2]
 OUT = REPO / ".cache" / "bench"
@@ -183,6 +184,9 @@ def test_case_smoke(module: str) -> None:
     """bench/cases/<module>.py --smoke by itself: its own daemon, its table, its summary
     rows and samples, and nothing left behind."""
     case = CASES[module]
+    if module == "browser" and template_info(TEMPLATES, "browser") is None:
+        pytest.skip(f"the browser template is not built in {TEMPLATES} "
+                    "(`cpuosd template build browser`; scripts/test.sh builds it)")
     r, res = run([f"bench/cases/{module}.py", "--smoke"], OUT / f"case-{case.section}-smoke.json")
     check_clean_run(res)
     assert res["meta"]["sections"] == [case.section]
