@@ -18,13 +18,14 @@ import json
 import os
 import signal
 import stat as stat_mod
+import tarfile
 import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from . import privs
+from . import privs, tarx
 from . import protocol as P
 from .bg import Background, Reader
 from .cgroups import Cgroups
@@ -210,6 +211,11 @@ class Agent:
         elif t == "remove":
             path, recursive = h["path"], bool(h.get("recursive", True))
             self._in_thread(conn, sid, lambda: _remove(path, recursive))
+        elif t == "untar":
+            archive, dest = h["archive"], h["path"]
+            self._in_thread(conn, sid, lambda: _untar(archive, dest))
+        elif t == "tar":
+            threading.Thread(target=self._tar, args=(conn, sid, h["path"]), daemon=True).start()
         elif t == "mkdir":
             os.makedirs(h["path"], mode=0o755, exist_ok=True)
             conn.send({"t": "ok", "id": sid, "stat": _stat(h["path"])})
@@ -330,6 +336,34 @@ class Agent:
             return
         conn.send({"t": "ok", "id": sid, "stat": _stat(path)})
 
+    def _tar(self, conn: Conn, sid: int, path: str) -> None:
+        """Stream a tar of the directory at path: ``ok`` (length unknown), ``data``...,
+        ``eof`` or ``err`` (as a file read; the host ends one early with ``kill``)."""
+        def send(b: bytes) -> None:
+            for i in range(0, len(b), P.CHUNK):
+                conn.send_data(sid, {"t": "data", "id": sid}, b[i:i + P.CHUNK])
+        try:
+            try:
+                if not stat_mod.S_ISDIR(os.stat(path).st_mode):
+                    raise NotADirectoryError(errno.ENOTDIR, "not a directory", path)
+            except OSError as e:
+                conn.send({"t": "err", "id": sid, "code": _errcode(e),
+                           "message": f"{path}: {e.strerror}"})
+                return
+            conn.open_stream(sid)
+            try:
+                conn.send({"t": "ok", "id": sid, "size": 0, "exact": False})
+                tarx.pack(path, send)
+                conn.send({"t": "eof", "id": sid})
+            finally:
+                conn.close_stream(sid)
+        except Closed:
+            pass
+        except OSError as e:
+            with contextlib.suppress(Closed):
+                conn.send({"t": "err", "id": sid, "code": _errcode(e),
+                           "message": f"{path}: {e.strerror or e}"})
+
     def _read(self, conn: Conn, sid: int, path: str) -> None:
         """Stream a regular file. ``exact`` in the answer: the file has real blocks, so its
         size is its length, and exactly ``size`` bytes follow (a file that grows is cut
@@ -368,6 +402,19 @@ class Agent:
             with contextlib.suppress(Closed):
                 conn.send({"t": "err", "id": sid, "code": _errcode(e),
                            "message": f"{path}: {e.strerror or e}"})
+
+
+def _untar(archive: str, dest: str) -> dict[str, Any]:
+    """Extract the uploaded archive into dest (every entry checked first: a refused
+    archive writes nothing); the archive is removed either way."""
+    try:
+        return {"extracted": tarx.extract(archive, dest)}
+    except tarx.Refused as e:
+        raise OSError(errno.EINVAL, f"archive refused, nothing written: {e}") from None
+    except tarfile.TarError as e:
+        raise OSError(errno.EINVAL, f"not a readable tar archive: {e}") from None
+    finally:
+        _unlink_quiet(archive)
 
 
 def _listing(path: str) -> tuple[dict[str, Any], bytes]:

@@ -136,7 +136,7 @@ class Files:
                                           content=chunks())
         return FileEntry.from_json(d)
 
-    def _chunks(self, path: str) -> Iterator[bytes]:
+    def _chunks(self, path: str, sub: str = "") -> Iterator[bytes]:
         """The file's bytes as they arrive. A read that fails part-way (the sandbox could
         not read on, its agent went away, the connection broke) raises a CpuosError: the
         daemon ends the stream with an ``error`` frame (or without its ``eof``), never with
@@ -147,7 +147,7 @@ class Files:
         ended = False
         try:
             for chunk in self._sbx._http.stream(
-                    "GET", self._base, meta, params={"path": path},
+                    "GET", self._base + sub, meta, params={"path": path},
                     headers={"Accept": CONTENT_TYPE}):
                 if not meta.get("content_type", "").startswith(CONTENT_TYPE):
                     yield chunk  # raw bytes (a daemon without framed reads)
@@ -197,6 +197,59 @@ class Files:
         except BaseException:
             Path(local_path).unlink(missing_ok=True)
             raise
+        return n
+
+    def upload_dir(self, local_dir: str | Path, path: str) -> dict[str, Any]:
+        """Copy a local directory tree into the sandbox directory ``path`` (created) as
+        one tar stream: files, directories and symlinks, with their modes. The daemon
+        refuses the whole archive (writing nothing) if an entry would land outside
+        ``path``. Returns the counts: files, dirs, links, bytes."""
+        import tarfile
+        import tempfile
+
+        if not Path(local_dir).is_dir():
+            raise InvalidArgument(f"{local_dir} is not a directory")
+        with tempfile.TemporaryFile() as tmp:
+            with tarfile.open(fileobj=tmp, mode="w", format=tarfile.PAX_FORMAT) as tf:
+                tf.add(str(local_dir), arcname=".", recursive=True)
+            tmp.seek(0)
+
+            def chunks() -> Iterator[bytes]:
+                while True:
+                    b = tmp.read(1 << 20)
+                    if not b:
+                        return
+                    yield b
+
+            d: dict[str, Any] = self._sbx._http.request(
+                "PUT", self._base + "/tar", params={"path": path}, content=chunks())
+        return d
+
+    def download_dir(self, path: str, local_dir: str | Path) -> int:
+        """Copy the sandbox directory ``path`` into ``local_dir`` (created) as one tar
+        stream; an archive with an entry that would land outside ``local_dir`` is refused
+        before anything is written. Returns the archive's size in bytes."""
+        import tarfile
+        import tempfile
+
+        from cpuos_agent.tarx import Refused, check_members
+
+        n = 0
+        with tempfile.TemporaryFile() as tmp:
+            for chunk in self._chunks(path, "/tar"):
+                tmp.write(chunk)
+                n += len(chunk)
+            tmp.seek(0)
+            with tarfile.open(fileobj=tmp, mode="r:") as tf:
+                try:
+                    check_members(tf.getmembers())
+                except Refused as e:
+                    raise ServerError(f"the archive of {path} was refused: {e}") from None
+                Path(local_dir).mkdir(parents=True, exist_ok=True)
+                if hasattr(tarfile, "data_filter"):
+                    tf.extractall(local_dir, filter="fully_trusted")  # checked above
+                else:  # pragma: no cover (Python < 3.11.4)
+                    tf.extractall(local_dir)
         return n
 
     def list(self, path: str = "/work") -> builtins.list[FileEntry]:

@@ -428,10 +428,21 @@ def files_put(
     remote: Annotated[str, typer.Argument(
         metavar="REMOTE", help="Path in the sandbox (relative: under /work; ending in /: a "
         "directory, the file keeps its name).")],
+    recursive: Annotated[bool, typer.Option(
+        "--recursive", "-r", help="LOCAL is a directory: copy its tree into the directory "
+        "REMOTE (one tar stream).")] = False,
     api_url: ApiUrl = None,
     api_key: ApiKey = None,
 ) -> None:
-    """Upload a local file into the sandbox."""
+    """Upload a local file (or with -r a directory tree) into the sandbox."""
+    if recursive:
+        if not local.is_dir():
+            raise CliError("not_found", f"local directory {str(local)!r} does not exist")
+        with _connect(sandbox_id, api_url, api_key, resume=True) as sbx:
+            n = sbx.files.upload_dir(local, remote)
+        typer.echo(f"{n['path']} ({n['files']} files, {n['dirs']} directories, "
+                   f"{n['links']} links, {n['bytes']} bytes)")
+        return
     if not local.is_file():
         raise CliError("not_found", f"local file {str(local)!r} does not exist or is not a file")
     if remote.endswith("/"):
@@ -447,10 +458,21 @@ def files_get(
     remote: Annotated[str, typer.Argument(metavar="REMOTE", help="Path in the sandbox.")],
     local: Annotated[str | None, typer.Argument(
         metavar="LOCAL", help="Local file or directory; '-' or omitted: stdout.")] = None,
+    recursive: Annotated[bool, typer.Option(
+        "--recursive", "-r", help="REMOTE is a directory: copy its tree into the local "
+        "directory LOCAL (created).")] = False,
     api_url: ApiUrl = None,
     api_key: ApiKey = None,
 ) -> None:
-    """Download a file from the sandbox (to stdout, raw bytes, without LOCAL)."""
+    """Download a file (or with -r a directory tree) from the sandbox (a file goes to
+    stdout, raw bytes, without LOCAL)."""
+    if recursive:
+        if local is None or local == "-":
+            raise CliError("invalid_argument", "get -r needs a LOCAL directory")
+        with _connect(sandbox_id, api_url, api_key, resume=True) as sbx:
+            sbx.files.download_dir(remote, local)
+        typer.echo(local, err=True)
+        return
     with _connect(sandbox_id, api_url, api_key, resume=True) as sbx:
         if local is None or local == "-":
             data = sbx.files.read(remote)

@@ -38,6 +38,7 @@ from .audit import router as audit_router, start_audit
 from ..accounting.trace import Traced
 from .commands import router as commands_router
 from .pty import router as pty_router
+from .dirs import router as dirs_router
 from .usage import router as usage_router, sandbox_metrics
 from ..proxy.preview import Preview
 from ..backends.microvm.selection import BackendUnavailable, select_backend
@@ -380,6 +381,7 @@ def create_app(cfg: Config | None = None) -> FastAPI:
     app.include_router(audit_router)
     app.include_router(commands_router)
     app.include_router(pty_router)
+    app.include_router(dirs_router)
     app.include_router(browser_router)
     app.include_router(interp_router)
     document(app)  # the answers' schemas in /openapi.json (sdk/js's types)

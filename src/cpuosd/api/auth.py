@@ -22,7 +22,7 @@ from ..errors import ApiError
 
 MAX_JSON_BODY = 8 << 20  # exec stdin rides in the JSON body
 OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
-STREAMED = (("PUT", re.compile(r"^/sandboxes/[^/]+/files$")),
+STREAMED = (("PUT", re.compile(r"^/sandboxes/[^/]+/files(/tar)?$")),
             ("POST", re.compile(r"^/templates/build$")),
             # stdin streams: unbounded by design, read only as fast as the command takes
             # them (cpuosd.agentconn.Stream.send_stdin: a window of flow control)

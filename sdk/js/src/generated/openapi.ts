@@ -527,6 +527,27 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/sandboxes/{sid}/files/tar": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** Get Tar */
+        get: operations["get_tar_sandboxes__sid__files_tar_get"];
+        /**
+         * Put Tar
+         * @description Extract the tar in the body into the directory ``path`` (all or nothing).
+         */
+        put: operations["put_tar_sandboxes__sid__files_tar_put"];
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/sandboxes/{sid}/fork": {
         parameters: {
             query?: never;
@@ -1148,6 +1169,19 @@ export interface components {
              * @description no token needed (default: as it was, else false)
              */
             public?: boolean | null;
+        };
+        /** Extracted */
+        Extracted: {
+            /** Bytes */
+            bytes: number;
+            /** Dirs */
+            dirs: number;
+            /** Files */
+            files: number;
+            /** Links */
+            links: number;
+            /** Path */
+            path: string;
         };
         /**
          * FileDataFrame
@@ -2902,6 +2936,74 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    get_tar_sandboxes__sid__files_tar_get: {
+        parameters: {
+            query: {
+                path: string;
+            };
+            header?: never;
+            path: {
+                sid: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description a tar of the directory (raw; or frames with Accept: application/x-cpuos-frames: data..., then eof or error) */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": unknown;
+                    "application/x-cpuos-frames": unknown;
+                    "application/x-tar": unknown;
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    put_tar_sandboxes__sid__files_tar_put: {
+        parameters: {
+            query: {
+                path: string;
+            };
+            header?: never;
+            path: {
+                sid: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["Extracted"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
                 };
             };
         };
