@@ -34,7 +34,7 @@ from rich.table import Table
 
 from cpuos import Sandbox
 from cpuosd.backends.base import SandboxSpec
-from cpuosd.backends.gvisor import SANDBOX_GID, SANDBOX_UID, oci_spec
+from cpuosd.backends.gvisor import SANDBOX_GID, SANDBOX_UID, oci_spec, overlay_flag
 from cpuosd.backends.runsc import Runsc, find_runsc
 from cpuosd.testing import TEMPLATES, Daemon, e2e_unavailable, new_daemon, wait_until
 
@@ -304,7 +304,7 @@ class RawRunsc:
     cleanup)."""
 
     # a sandbox's size as the API reports it and SandboxSpec takes it
-    SIZE = ("vcpus", "memory_mib", "pids")
+    SIZE = ("vcpus", "memory_mib", "pids", "disk_mib")
 
     def __init__(self, rootfs: Path) -> None:
         self.rootfs = rootfs
@@ -333,13 +333,15 @@ class RawRunsc:
     def global_flags(self) -> list[str]:
         return [runsc().path, "--root", str(self.root), f"--platform={runsc().platform}"]
 
-    def sandbox_flags(self, network: bool = False) -> list[str]:
-        """The daemon's backend flags (GVisorBackend): --overlay2=root:memory, so that a
-        checkpoint carries the writable layer; ``network``: gVisor's netstack
-        (``--network=sandbox``) in the network namespace the bundle names, as the daemon
-        runs a sandbox that has one."""
+    def sandbox_flags(self, sdir: Path, network: bool = False) -> list[str]:
+        """The daemon's backend flags (GVisorBackend): its writable layer (``overlay_flag``:
+        a file of the daemon's disk size in the sandbox dir ``sdir``); ``network``: gVisor's
+        netstack (``--network=sandbox``) in the network namespace the bundle names, as the
+        daemon runs a sandbox that has one."""
+        spec = SandboxSpec(id=sdir.name, rootfs=self.rootfs, dir=sdir,
+                           agent_dir=self.agent_dir, **self.size)
         return [*self.global_flags(), "--network=sandbox" if network else "--network=none",
-                "--host-uds=open", "--overlay2=root:memory", *runsc().gofer_flags()]
+                "--host-uds=open", overlay_flag(spec, runsc()), *runsc().gofer_flags()]
 
     def new_id(self, what: str) -> str:
         self.n += 1
@@ -372,8 +374,8 @@ class RawRunsc:
         cid = self.new_id("raw")
         sdir = self.bundle(cid, ["/bin/true"], hostname=cid)
         t0 = now()
-        rc, _, err = PROCS.run([*self.sandbox_flags(), "run", "--bundle", str(sdir / "bundle"),
-                                cid], timeout=60)
+        rc, _, err = PROCS.run([*self.sandbox_flags(sdir), "run", "--bundle",
+                                str(sdir / "bundle"), cid], timeout=60)
         t1 = now()
         PROCS.run([*self.global_flags(), "delete", "--force", cid], timeout=60)
         t2 = now()
@@ -389,12 +391,12 @@ class RawRunsc:
             raise RuntimeError(f"raw runsc {what} failed (rc={rc}): {log}")
 
     def run_detached(self, cid: str, sdir: Path, network: bool = False) -> None:
-        rc = PROCS.run_logged([*self.sandbox_flags(network), "run", "--detach", "--bundle",
+        rc = PROCS.run_logged([*self.sandbox_flags(sdir, network), "run", "--detach", "--bundle",
                                str(sdir / "bundle"), cid], sdir / "runsc.log")
         self._check(rc, "run --detach", sdir)
 
     def restore(self, cid: str, sdir: Path, image: Path, network: bool = False) -> None:
-        rc = PROCS.run_logged([*self.sandbox_flags(network), "restore", "--detach",
+        rc = PROCS.run_logged([*self.sandbox_flags(sdir, network), "restore", "--detach",
                                f"--image-path={image}", "--bundle", str(sdir / "bundle"), cid],
                               sdir / "runsc.log")
         self._check(rc, "restore --detach", sdir)

@@ -36,6 +36,20 @@ BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 SPEC_VERSION = 3
 
 
+def overlay_flag(spec: SandboxSpec, runsc: Runsc) -> str:
+    """The writable layer: a file of disk_mib in the sandbox's host directory (gVisor's
+    "anonymous" overlay file store: created and unlinked there, memory-mapped by the sentry,
+    carried by a checkpoint; past its size, ENOSPC inside), with an inode limit where the
+    runsc has cpuos's patch; a sandbox made before disk limits existed keeps its layer in
+    sandbox memory. A restore needs the flag its checkpoint was made with."""
+    if not spec.disk_mib:
+        return "--overlay2=root:memory"
+    size = f"{spec.disk_mib}m"
+    if runsc.overlay_inodes:
+        size += f"/{disk_inodes(spec.disk_mib, spec.memory_mib)}"
+    return f"--overlay2=root:dir={spec.dir},size={size}"
+
+
 def disk_inodes(disk_mib: int, memory_mib: int) -> int:
     """Files (inodes) the writable layer may hold: one per 16 KiB of disk (ext4's default
     ratio), at most what the host cgroup's headroom above the sandbox's memory can carry
@@ -172,22 +186,12 @@ class GVisorBackend:
         return bundle
 
     def _sandbox_flags(self, spec: SandboxSpec) -> list[str]:
-        # The writable layer: a file of disk_mib in the sandbox's host directory (gVisor's
-        # "anonymous" overlay file store: created and unlinked there, memory-mapped by the
-        # sentry, carried by a checkpoint; past its size, ENOSPC inside); a sandbox made
-        # before disk limits existed keeps its layer in sandbox memory.
         # --gofer-network-namespace=new: each gofer in an empty netns of its own (runsc's
         # default, one shared netns bind-mounted at <root>/null-netns, is never unmounted).
         # With a network namespace (cpuosd.network): gVisor's own netstack in it.
         net = "--network=sandbox" if spec.netns else "--network=none"
         trace = [f"--pod-init-config={spec.trace_config}"] if spec.trace_config else []
-        overlay = "--overlay2=root:memory"
-        if spec.disk_mib:
-            size = f"{spec.disk_mib}m"
-            if self.info.overlay_inodes:
-                size += f"/{disk_inodes(spec.disk_mib, spec.memory_mib)}"
-            overlay = f"--overlay2=root:dir={spec.dir},size={size}"
-        return [*self._global_flags(), net, "--host-uds=open", overlay,
+        return [*self._global_flags(), net, "--host-uds=open", overlay_flag(spec, self.info),
                 *trace, *self.info.gofer_flags()]
 
     async def _run_detached(self, spec: SandboxSpec, *args: str, timeout: float
