@@ -20,6 +20,8 @@ from .files import _unlink_quiet, create_beside, read_small
 from .privs import privileged
 
 MACHINE_ID_PATH = "/run/cpuos/machine-id"  # /etc/machine-id links here (templates)
+HOSTS_PATH = "/etc/hosts"
+HOSTS_MARK = "# cpuos"  # the lines of /etc/hosts the agent keeps
 # the sandbox's egress CA (secrets: the proxy ends TLS for a secret's hosts), alone and
 # with the template's bundle: what SSL_CERT_FILE and the like name (cpuosd.network.secrets)
 CA_DIR = "/run/cpuos"
@@ -54,6 +56,11 @@ def apply_identity(h: P.Header) -> list[str]:
                 applied.append("hostname")
             except OSError:
                 pass
+        try:
+            if write_hosts(name):
+                applied.append("hosts")
+        except OSError:
+            pass
     mid = h.get("machine_id")
     if isinstance(mid, str) and re.fullmatch(r"[0-9a-f]{32}", mid):
         # a directory the user may write (microVM): as the user, never blocking on what
@@ -119,6 +126,39 @@ def apply_identity(h: P.Header) -> list[str]:
         except (OSError, OverflowError):
             pass
     return applied
+
+
+def write_hosts(name: str, path: str | None = None) -> bool:
+    """/etc/hosts names localhost and this sandbox (``127.0.1.1 <hostname>``, as Debian
+    does), or ``localhost`` and ``gethostbyname(gethostname())`` would go to DNS — refused
+    with the network off, answered by nobody on the internet. The template's own lines are
+    kept; the agent's (marked) are rewritten. True if the file changed."""
+    path = path or HOSTS_PATH
+    try:
+        current = read_small(path, 1 << 16).decode(errors="replace")
+    except OSError:
+        current = ""
+    lines = [ln for ln in current.splitlines() if not ln.rstrip().endswith(HOSTS_MARK)]
+    names = {(fields[0], n) for ln in lines if (fields := ln.split("#", 1)[0].split())
+             for n in fields[1:]}
+    if ("127.0.0.1", "localhost") not in names:
+        lines.append(f"127.0.0.1\tlocalhost {HOSTS_MARK}")
+    if ("::1", "localhost") not in names:
+        lines.append(f"::1\tlocalhost ip6-localhost ip6-loopback {HOSTS_MARK}")
+    lines.append(f"127.0.1.1\t{name} {HOSTS_MARK}")
+    text = "\n".join(lines) + "\n"
+    if text == current:
+        return False
+    with privileged():
+        fd, tmp = create_beside(path, 0o644)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            _unlink_quiet(tmp)
+            raise
+    return True
 
 
 # linux/sockios.h, linux/if.h, linux/route.h

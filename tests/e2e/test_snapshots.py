@@ -140,6 +140,10 @@ def test_clones_share_no_writable_state_or_randomness(daemon: Daemon) -> None:
         idb = b.exec("hostname; cat /etc/machine-id").stdout.split()
         assert ida[0] == a.id and idb[0] == b.id
         assert len(ida[1]) == 32 and ida[1] != idb[1]
+        # its name and localhost resolve locally (/etc/hosts), whatever its network
+        for x in (a, b):
+            r = x.exec("getent hosts localhost $(hostname)")
+            assert r.exit_code == 0 and f"127.0.1.1       {x.id}" in r.stdout, r
         # and the clock is the host's, not the snapshot's
         assert abs(float(a.exec("date +%s.%N").stdout) - time.time()) < 5
     finally:

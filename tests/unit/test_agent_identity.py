@@ -26,6 +26,7 @@ def calls(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, Any]:
     monkeypatch.setattr(time, "clock_settime",
                         lambda clk, t: seen.__setitem__("clock", (clk, t)))
     monkeypatch.setattr(A, "MACHINE_ID_PATH", str(tmp_path / "machine-id"))
+    monkeypatch.setattr(A, "HOSTS_PATH", str(tmp_path / "hosts"))  # never the host's
     real_open = os.open
 
     def fake_open(path: str, flags: int, *a: Any) -> int:
@@ -42,15 +43,32 @@ def test_identity_is_applied(calls: dict[str, Any]) -> None:
     seed = bytes(range(64))
     applied = A.apply_identity({"t": "identity", "hostname": "sbx-abc123", "machine_id": MID,
                                 "seed": seed.hex(), "time": time.time() + 3600})
-    assert applied == ["hostname", "machine-id", "rng", "clock"]  # no rng-reseed: not a tty
+    # no rng-reseed: not a tty
+    assert applied == ["hostname", "hosts", "machine-id", "rng", "clock"]
     assert calls["hostname"] == "sbx-abc123"
+    assert Path(A.HOSTS_PATH).read_text().splitlines() == [
+        "127.0.0.1\tlocalhost # cpuos", "::1\tlocalhost ip6-localhost ip6-loopback # cpuos",
+        "127.0.1.1\tsbx-abc123 # cpuos"]
     assert Path(A.MACHINE_ID_PATH).read_text() == MID + "\n"
     assert calls["urandom_path"].read_bytes() == seed
     assert abs(calls["clock"][1] - (time.time() + 3600)) < 5
     # the same again: nothing left to change but the randomness
     applied = A.apply_identity({"hostname": os.uname().nodename, "machine_id": MID,
                                 "seed": seed.hex(), "time": time.time()})
+    assert applied == ["hosts", "rng"]  # (its hostname is this host's name now)
+    applied = A.apply_identity({"hostname": os.uname().nodename, "machine_id": MID,
+                                "seed": seed.hex(), "time": time.time()})
     assert applied == ["rng"]
+
+
+def test_hosts_keeps_the_templates_lines(tmp_path: Path) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 localhost\n10.1.2.3 db.internal\n127.0.1.1 old # cpuos\n")
+    assert A.write_hosts("sbx-new", str(hosts))
+    assert hosts.read_text().splitlines() == [
+        "127.0.0.1 localhost", "10.1.2.3 db.internal",
+        "::1\tlocalhost ip6-localhost ip6-loopback # cpuos", "127.0.1.1\tsbx-new # cpuos"]
+    assert not A.write_hosts("sbx-new", str(hosts))
 
 
 @pytest.mark.parametrize("bad", [
