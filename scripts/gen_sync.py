@@ -29,6 +29,7 @@ REPLACEMENTS = {
     "AsyncCommandHandle": "CommandHandle",
     "AsyncBeside": "Beside",
     "AsyncPty": "Pty",
+    "AsyncWatchHandle": "WatchHandle",
     "AsyncTerminal": "Terminal",
     "AsyncWsConn": "WsConn",
     "ws_connect_async": "ws_connect",

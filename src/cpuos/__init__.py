@@ -26,7 +26,7 @@ from ._errors import (
     Timeout,
     Unavailable,
 )
-from ._models import CommandInfo, ExecResult, FileEntry, SandboxInfo, TemplateInfo
+from ._models import CommandInfo, ExecResult, FileEvent, FileEntry, SandboxInfo, TemplateInfo
 from ._sync.commands import CommandHandle, Commands
 from ._sync.pty import Pty, Terminal
 from ._sync.browser import Browser
@@ -56,6 +56,7 @@ __all__ = [
     "CpuosError",
     "ExecResult",
     "FileEntry",
+    "FileEvent",
     "Files",
     "InvalidArgument",
     "LimitExceeded",

@@ -181,3 +181,16 @@ class CommandInfo:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> CommandInfo:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+@dataclass
+class FileEvent:
+    """A change under a watched directory (``sbx.files.watch``): ``type`` is create,
+    modify, delete or rename (``from_path``: where it was); one per path per short window
+    (the last change); ``overflow`` (on an event with type "overflow"): changes were
+    lost, rescan."""
+
+    type: str
+    path: str
+    is_dir: bool = False
+    from_path: str | None = None

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import privs, tarx
+from . import privs, tarx, watch
 from . import protocol as P
 from .bg import Background, Reader
 from .cgroups import Cgroups
@@ -61,6 +61,7 @@ class Agent:
         self.bg: dict[int, Background] = {}
         self.readers: dict[int, Reader] = {}
         self.stdin_to: dict[int, Exec] = {}
+        self.watches: dict[int, watch.Watch] = {}
         # gVisor: the sandbox's OOM killer (memguard.py); the host sends the limit
         self.memguard = MemGuard(cgroups, self._running) if (
             cgroups is not None and cgroups.kind != "v2" and cgroups.mem_root) else None
@@ -109,6 +110,9 @@ class Agent:
                 for rd in list(self.readers.values()):
                     rd.cancel()
                 self.readers.clear()
+                for w in list(self.watches.values()):
+                    w.cancel()
+                self.watches.clear()
                 for ssid, ex in list(self.stdin_to.items()):
                     ex.drop_stdin(ssid)
                 self.stdin_to.clear()
@@ -171,6 +175,8 @@ class Agent:
                 ex.kill(str(h.get("reason") or "killed"))
             elif sid in self.readers:
                 self.readers.pop(sid).cancel()
+            elif sid in self.watches:
+                self.watches.pop(sid).cancel()
             elif sid in self.stdin_to:
                 self.stdin_to.pop(sid).drop_stdin(sid)
             else:  # a file read or a dial the host gave up on: its sender stops
@@ -211,6 +217,8 @@ class Agent:
         elif t == "remove":
             path, recursive = h["path"], bool(h.get("recursive", True))
             self._in_thread(conn, sid, lambda: _remove(path, recursive))
+        elif t == "watch":
+            watch.start(conn, sid, h, self.watches)
         elif t == "untar":
             archive, dest = h["archive"], h["path"]
             self._in_thread(conn, sid, lambda: _untar(archive, dest))

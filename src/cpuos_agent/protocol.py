@@ -34,7 +34,7 @@ from typing import Any
 # 3: background commands (exec ``background``; bg_list, bg_info, bg_attach, bg_signal,
 #    bg_wait, bg_stdin, bg_resize), terminals (exec ``pty``: {cols, rows}), stdin with flow
 #    control (``stdin`` frames carry ``close``/``ack``; the agent answers ``stdin_credit``
-#    and ``stdin_closed``)
+#    and ``stdin_closed``), directories (``tar``, ``untar``), ``watch`` (``events``)
 PROTOCOL_VERSION = 3
 # where the host leaves the agent its key before a cold boot; it removes the file once the
 # agent has said hello, before any command runs (the agent keeps the key in memory, which

@@ -30,7 +30,7 @@ CREDIT_BATCH = 1 << 20
 # What one stream may have queued here: the agent's send window, plus a margin for the
 # control frames that need no credit. More is a protocol violation and drops the agent.
 MAX_QUEUED = P.WINDOW + 2 * P.MAX_PAYLOAD
-DATA_TYPES = ("out", "data")
+DATA_TYPES = ("out", "data", "events")
 # s a device agent (a microVM's: it cannot hang up itself) gets to see the host hang up after
 # a quiesce: whoever checkpoints one waits this long after disconnect()
 DEVICE_SETTLE = 0.1

@@ -24,6 +24,7 @@ from .._models import DEFAULT_MAX_OUTPUT, ExecResult, FileEntry, SandboxInfo
 from .._pumps import AsyncBeside
 from .browser import AsyncBrowser
 from .pty import AsyncPty
+from .watch import AsyncWatchHandle, EventCallback
 from .commands import AsyncCommandHandle, AsyncCommands, OutputSink, StdinSource, stdin_chunks
 from .interp import AsyncInterpreter, OutputCallback as _Out, ResultCallback
 
@@ -250,6 +251,21 @@ class AsyncFiles:
                 else:  # pragma: no cover (Python < 3.11.4)
                     tf.extractall(local_dir)
         return n
+
+    async def watch(self, path: str, on_event: EventCallback, *, recursive: bool = True
+                    ) -> AsyncWatchHandle:
+        """Changes under the directory ``path`` (the file API's path rules), to
+        ``on_event`` as they happen (``FileEvent``: create, modify, delete, rename; one
+        per path per 50 ms; type ``overflow``: some were lost, rescan), until ``stop()``
+        on the handle. Returns once the watch is in place."""
+        http = _AsyncHTTP(self._sbx._http.url, self._sbx._http.key)
+        handle = AsyncWatchHandle(http, path, on_event)
+        try:
+            await handle._start(self._sbx.id, recursive)
+        except BaseException:
+            await http.close()
+            raise
+        return handle
 
     async def list(self, path: str = "/work") -> builtins.list[FileEntry]:
         d = await self._sbx._http.request("GET", self._base + "/list", params={"path": path})

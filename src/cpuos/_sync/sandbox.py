@@ -25,6 +25,7 @@ from .._models import DEFAULT_MAX_OUTPUT, ExecResult, FileEntry, SandboxInfo
 from .._pumps import Beside
 from .browser import Browser
 from .pty import Pty
+from .watch import WatchHandle, EventCallback
 from .commands import CommandHandle, Commands, OutputSink, StdinSource, stdin_chunks
 from .interp import Interpreter, OutputCallback as _Out, ResultCallback
 
@@ -251,6 +252,21 @@ class Files:
                 else:  # pragma: no cover (Python < 3.11.4)
                     tf.extractall(local_dir)
         return n
+
+    def watch(self, path: str, on_event: EventCallback, *, recursive: bool = True
+                    ) -> WatchHandle:
+        """Changes under the directory ``path`` (the file API's path rules), to
+        ``on_event`` as they happen (``FileEvent``: create, modify, delete, rename; one
+        per path per 50 ms; type ``overflow``: some were lost, rescan), until ``stop()``
+        on the handle. Returns once the watch is in place."""
+        http = _SyncHTTP(self._sbx._http.url, self._sbx._http.key)
+        handle = WatchHandle(http, path, on_event)
+        try:
+            handle._start(self._sbx.id, recursive)
+        except BaseException:
+            http.close()
+            raise
+        return handle
 
     def list(self, path: str = "/work") -> builtins.list[FileEntry]:
         d = self._sbx._http.request("GET", self._base + "/list", params={"path": path})

@@ -8,11 +8,18 @@
 - ``GET /sandboxes/{id}/files/tar?path=DIR``: a tar (PAX) of DIR, links stored as links;
   raw bytes, or with ``Accept: application/x-cpuos-frames`` frames (``data``..., ``eof`` or
   ``error``) as for a file read.
+- ``GET /sandboxes/{id}/files/watch?path=DIR&recursive=true``: changes under DIR (inotify
+  inside the sandbox; the path rules of the file API), as frames: ``watching`` (path,
+  watches), then ``events`` (n, overflow: events were lost, rescan; the payload a JSON
+  array of {type: create|modify|delete|rename, path, dir, from?}; one per path per 50 ms
+  window) until the client leaves, then ``eof`` (DIR is gone) or ``error``.
 """
 
 from __future__ import annotations
 
+import json
 import secrets
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -21,7 +28,8 @@ from pydantic import BaseModel
 
 from cpuos_agent import protocol as P
 
-from ..agentconn import raise_for_agent_error
+from ..agentconn import AgentGone, Stream, raise_for_agent_error
+from ..lifecycle.commands import gone_message
 from ..errors import ApiError
 from ..lifecycle.manager import Manager
 from ..lifecycle.session import FileStream
@@ -84,3 +92,90 @@ async def get_tar(sid: str, path: str, request: Request, ws: Ws) -> StreamingRes
         st.close()
         raise
     return file_response(FileStream(m, lv, st, src, None), request.headers.get("accept", ""))
+
+
+EVENT_TYPES = ("create", "modify", "delete", "rename")
+MAX_EVENTS = 1000  # per frame, as the agent batches them
+
+
+def _clean_events(payload: bytes) -> list[dict[str, Any]]:
+    try:
+        raw = json.loads(payload)
+    except ValueError:
+        raise ApiError("internal", "sandbox agent sent malformed events") from None
+    if not isinstance(raw, list):
+        raise ApiError("internal", "sandbox agent sent malformed events")
+    out = []
+    for e in raw[:MAX_EVENTS]:
+        if not isinstance(e, dict) or e.get("type") not in EVENT_TYPES:
+            continue
+        path = e.get("path")
+        if not isinstance(path, str) or not path.startswith("/") or "\x00" in path \
+                or len(path) > 4096:
+            continue
+        ev: dict[str, Any] = {"type": e["type"], "path": path, "dir": e.get("dir") is True}
+        src = e.get("from")
+        if e["type"] == "rename" and isinstance(src, str) and src.startswith("/") \
+                and "\x00" not in src and len(src) <= 4096:
+            ev["from"] = src
+        out.append(ev)
+    return out
+
+
+@router.get("/sandboxes/{sid}/files/watch",
+            responses={200: {"content": {P.CONTENT_TYPE: {}},
+                             "description": "frames: watching, events (JSON array "
+                             "payload)..., then eof or error"}})
+async def watch(sid: str, path: str, request: Request, ws: Ws, recursive: bool = True
+                ) -> StreamingResponse:
+    """Changes under a directory as they happen (until the client leaves)."""
+    m: Manager = request.app.state.mgr
+    lv = await m.ready(ws, sid, "files")
+    root = check_path(path)
+    st = lv.chan.open()
+    try:
+        await st.send({"t": "watch", "path": root, "recursive": recursive})
+        try:
+            h, _ = await st.get(60.0)
+        except TimeoutError:
+            raise ApiError("timeout", f"sandbox agent did not watch {root}") from None
+        raise_for_agent_error(h)
+        if h.get("t") != "ok":
+            raise ApiError("internal", f"unexpected agent answer {h.get('t')!r}")
+    except BaseException:
+        st.close()
+        raise
+    watches = h.get("watches")
+    return StreamingResponse(_watch_frames(m, lv, st, root, watches),
+                             media_type=P.CONTENT_TYPE, headers={"Cache-Control": "no-store"})
+
+
+async def _watch_frames(m: Manager, lv: Any, st: Stream, root: str, watches: Any
+                        ) -> AsyncIterator[bytes]:
+    done = False
+    try:
+        yield P.encode({"t": "watching", "path": root,
+                        "watches": watches if isinstance(watches, int) else 0})
+        while True:
+            h, payload = await st.get()
+            if h["t"] == "events":
+                evs = _clean_events(payload)
+                yield P.encode({"t": "events", "n": len(evs),
+                                "overflow": h.get("overflow") is True},
+                               json.dumps(evs, separators=(",", ":")).encode())
+            elif h["t"] == "eof":
+                done = True
+                yield P.encode({"t": "eof"})
+                return
+            else:
+                raise_for_agent_error(h)
+                raise ApiError("internal", f"unexpected agent frame {h['t']!r}")
+    except AgentGone as e:
+        yield P.encode({"t": "error", "code": "unavailable",
+                        "message": gone_message(m.store, lv, e)})
+    except ApiError as e:
+        yield P.encode({"t": "error", "code": e.code, "message": e.message})
+    finally:
+        st.close()
+        if not done:
+            m._spawn(lv.chan.send({"t": "kill", "id": st.id, "reason": "cancelled"}))
