@@ -175,5 +175,5 @@ async def pty_socket(websocket: WebSocket, sid: str, pid: int, offset: int = 0) 
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         C.close_stream(out, lv, m._spawn)
-        if inp is not None:
-            C.close_stream(inp, lv, m._spawn)
+        if inp is not None:  # what was typed before the client left still goes in
+            await C.release_stdin(inp, lv, m._spawn)

@@ -5,6 +5,7 @@ the streams in flight, and checks and rebuilds everything the agent sends."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -217,6 +218,17 @@ async def open_stdin(lv: Live, pid: int, spawn: Any) -> Stream:
 
 def close_stream(st: Stream, lv: Live, spawn: Any) -> None:
     _close_quietly(st, lv, spawn)
+
+
+async def release_stdin(st: Stream, lv: Live, spawn: Any) -> None:
+    """Let go of a stdin stream without losing what was sent on it (a client that typed
+    and detached): the agent writes what it has queued, then forgets the stream."""
+    try:
+        await asyncio.wait_for(st.send_stdin(b"", ack=True), 5.0)
+    except (ApiError, TimeoutError):
+        _close_quietly(st, lv, spawn)
+        return
+    st.close()
 
 
 async def wait(lv: Live, pid: int, timeout: float) -> dict[str, Any]:
