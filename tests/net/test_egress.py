@@ -189,6 +189,19 @@ def test_allowlist_reaches_allowed_names_only(netd: Daemon, inet: FakeInternet) 
                    and r["verdict"] == "denied" for r in tcp)
         sni = [e for e in inet.seen() if e["listener"] == f"{WEB}:443"]
         assert len(sni) == 1 and "allowed.test" in sni[0]["data"]
+        # a CONNECT tunnel to an allowed name carries TLS for that name only (no fronting)
+        tunnel = ("import socket, ssl, sys\n"
+                  "c = socket.create_connection((sys.argv[1], 80), timeout=5)\n"
+                  "c.sendall(b'CONNECT allowed.test:443 HTTP/1.1\\r\\n"
+                  "Host: allowed.test:443\\r\\n\\r\\n')\n"
+                  "print(c.recv(200))\n"
+                  "try: ssl.create_default_context().wrap_socket(c, server_hostname='x.test')\n"
+                  "except OSError as e: print(type(e).__name__)\n")
+        r = s.exec(["python3", "-c", tunnel, WEB], timeout="1m")
+        assert "200 Connection established" in r.stdout, r
+        assert not [e for e in inet.seen() if "x.test" in e.get("data", "")]
+        assert any(r.get("rule") == "allowlist: TLS SNI 'x.test' in a tunnel to 'allowed.test'"
+                   and r["verdict"] == "denied" for r in records(netd, s.id))
     finally:
         s.kill()
 

@@ -240,6 +240,19 @@ class EgressProxy:
             if not head:
                 async with asyncio.timeout(NAME_WAIT):
                     head = await reader.read(MAX_HELLO)
+            # allowlist: the TLS inside the tunnel names the approved host, or nothing (no
+            # fronting another name through an allowed one)
+            sni: str | bool | None = None
+            if policy.mode == "allowlist" and head[:1] == b"\x16":
+                head, sni = await self._client_hello(reader, head)
+            if sni is False or (isinstance(sni, str) and name and
+                                sni.rstrip(".").lower() != name.rstrip(".").lower()):
+                up.close()
+                what = f"TLS SNI {sni[:253]!r}" if isinstance(sni, str) else "a bad ClientHello"
+                self.record(sid, verdict="denied", rule=f"allowlist: {what} in a tunnel to "
+                            f"{name!r}", **rec)
+                reset(sock)
+                return
         # secrets only into TLS we end and re-open to the name itself, verified: never on
         # plaintext (the sandbox chooses where a plaintext connection goes)
         subs = self._substitutions(policy, name) if head[:1] == b"\x16" else {}
@@ -257,6 +270,28 @@ class EgressProxy:
         sent, got = await self._relay(reader, writer, ur, uw, head,
                                       sniff=policy.mode == "on", rec=rec, rewrite=check)
         self.record(sid, verdict="allowed", bytes_out=sent, bytes_in=got, **rec)
+
+    @staticmethod
+    async def _client_hello(reader: asyncio.StreamReader, head: bytes
+                            ) -> tuple[bytes, str | bool | None]:
+        """The first bytes of a tunnel, read on until its TLS ClientHello is whole (within
+        MAX_HELLO and NAME_WAIT): (bytes, its SNI or None; False if it is not a whole
+        ClientHello)."""
+        try:
+            async with asyncio.timeout(NAME_WAIT):
+                while True:
+                    try:
+                        sni = tls_sni(head)
+                    except ValueError:
+                        return head, False
+                    if sni is not False or len(head) >= MAX_HELLO:
+                        return head, sni
+                    more = await reader.read(MAX_HELLO - len(head))
+                    if not more:
+                        return head, False
+                    head += more
+        except TimeoutError:
+            return head, False
 
     @staticmethod
     def _host_guard(policy: Policy, name: str | None) -> Callable[[str | None], None] | None:
