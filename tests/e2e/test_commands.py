@@ -119,3 +119,18 @@ def test_stdin_ring_and_errors(sbx: Sandbox) -> None:
         sbx.commands.connect(999999)
     with pytest.raises(InvalidArgument):
         sbx.commands.kill(h.pid, "NOSUCHSIG")
+
+
+def test_background_survives_pause_resume(daemon: Daemon, sbx: Sandbox) -> None:
+    """A checkpoint carries the agent, its background commands and their rings: after a
+    resume the command still runs and its output is there from offset 0."""
+    h = sbx.exec("echo before; read line; echo got=$line", background=True)
+    wait_until(lambda: h.output()[0] != b"", "its first line")
+    sbx.pause()
+    back = Sandbox.resume(sbx.id, **daemon.sdk_kwargs())
+    h2 = back.commands.connect(h.pid)
+    assert h2.info().running
+    h2.send_stdin("after-resume\n")
+    res = h2.wait()
+    back.close()
+    assert (res.exit_code, res.stdout) == (0, "before\ngot=after-resume\n"), res

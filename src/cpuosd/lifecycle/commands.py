@@ -248,9 +248,16 @@ async def write_stdin(lv: Live, pid: int, body: AsyncIterator[bytes], close: boo
         await st.send({"t": "bg_stdin", "pid": pid})
         h, _ = await st.get(CALL_WAIT)
         raise_for_agent_error(h)
+        # the last piece carries the ack: a command that reads it and exits at once has
+        # taken everything, which a separate ack arriving after its end could not say
+        held = b""
         async for chunk in body:
-            await st.send_stdin(chunk)
-        await st.send_stdin(b"", close=close, ack=True)
+            if not chunk:  # (the server's stream ends with an empty piece)
+                continue
+            if held:
+                await st.send_stdin(held)
+            held = chunk
+        await st.send_stdin(held, close=close, ack=True)
         try:
             h, _ = await st.get(STDIN_ACK_WAIT)
         except TimeoutError:
