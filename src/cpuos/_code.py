@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._for_model import clip
+from ._models import _Output
 
 
 @dataclass
@@ -47,7 +48,7 @@ class CodeError:
 
 
 @dataclass
-class CodeResult:
+class CodeResult(_Output):
     stdout_bytes: bytes = b""
     stderr_bytes: bytes = b""
     results: list[Result] = field(default_factory=list)
@@ -61,14 +62,6 @@ class CodeResult:
     stderr_total: int = 0
     exec_id: str | None = None
     dropped_results: int = 0
-
-    @property
-    def stdout(self) -> str:
-        return self.stdout_bytes.decode("utf-8", errors="replace")
-
-    @property
-    def stderr(self) -> str:
-        return self.stderr_bytes.decode("utf-8", errors="replace")
 
     @property
     def text(self) -> str | None:

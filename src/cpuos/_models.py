@@ -48,8 +48,23 @@ class OutputBuffer:
         return bytes(self.head) + tail[len(tail) - self._tail_keep:]
 
 
+class _Output:
+    """``stdout`` and ``stderr`` as text, of a result holding them as bytes."""
+
+    stdout_bytes: bytes
+    stderr_bytes: bytes
+
+    @property
+    def stdout(self) -> str:
+        return self.stdout_bytes.decode("utf-8", errors="replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_bytes.decode("utf-8", errors="replace")
+
+
 @dataclass
-class ExecResult:
+class ExecResult(_Output):
     exit_code: int
     stdout_bytes: bytes
     stderr_bytes: bytes
@@ -62,14 +77,6 @@ class ExecResult:
     exec_id: str | None = None
     stdout_total: int = 0
     stderr_total: int = 0
-
-    @property
-    def stdout(self) -> str:
-        return self.stdout_bytes.decode("utf-8", errors="replace")
-
-    @property
-    def stderr(self) -> str:
-        return self.stderr_bytes.decode("utf-8", errors="replace")
 
     @property
     def ok(self) -> bool:

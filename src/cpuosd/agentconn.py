@@ -18,6 +18,7 @@ import os
 import socket
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from cpuos_agent import protocol as P
@@ -395,3 +396,29 @@ def raise_for_agent_error(h: P.Header) -> None:
     msg = h.get("message")
     msg = msg[:500] if isinstance(msg, str) else "sandbox agent error"
     raise ApiError(code if code in P.AGENT_ERROR_CODES else "internal", msg)
+
+
+async def open_stream(chan: AgentChannel, msg: P.Header, wait: float, what: str,
+                      on_error: Callable[[Stream], None] | None = None
+                      ) -> tuple[Stream, P.Header]:
+    """A new stream on chan: msg sent and its first answer awaited, which must be ``ok``
+    (an agent error is raised as such; no answer within ``wait``: a timeout saying the
+    agent did not ``what``). On any failure the stream is let go (``on_error``, else
+    closed) and the error raised."""
+    st = chan.open()
+    try:
+        await st.send(msg)
+        try:
+            h, _ = await st.get(wait)
+        except TimeoutError:
+            raise ApiError("timeout", f"sandbox agent did not {what}") from None
+        raise_for_agent_error(h)
+        if h.get("t") != "ok":
+            raise ApiError("internal", f"unexpected agent answer {h.get('t')!r}")
+    except BaseException:
+        if on_error is not None:
+            on_error(st)
+        else:
+            st.close()
+        raise
+    return st, h

@@ -11,14 +11,8 @@ from typing import Annotated, Any
 import typer
 
 from .._sync.sandbox import _SyncHTTP
+from ._options import ApiKey, ApiUrl
 
-# (as in cli.main, which imports this module)
-ApiUrl = Annotated[str | None, typer.Option(
-    "--api-url", envvar="CPUOS_API_URL", show_envvar=True,
-    help="cpuosd address (default http://127.0.0.1:7770).")]
-ApiKey = Annotated[str | None, typer.Option(
-    "--api-key", envvar="CPUOS_API_KEY", show_envvar=True,
-    help="API key (default: the local daemon's admin.key).")]
 
 
 def _summary(row: dict[str, Any]) -> str:

@@ -38,6 +38,7 @@ from . import audit as _audit
 from . import shell as _shell
 from .._sync.workspace import Workspace
 from . import mcp as _mcp
+from ._options import ApiKey, ApiUrl, JsonOut, SandboxId
 
 
 class CliError(Exception):
@@ -91,14 +92,6 @@ app.add_typer(files_app, name="files")
 app.add_typer(template_app, name="template")
 app.add_typer(port_app, name="port")
 
-ApiUrl = Annotated[str | None, typer.Option(
-    "--api-url", envvar="CPUOS_API_URL", show_envvar=True,
-    help="cpuosd address (default http://127.0.0.1:7770).")]
-ApiKey = Annotated[str | None, typer.Option(
-    "--api-key", envvar="CPUOS_API_KEY", show_envvar=True,
-    help="API key (default: the local daemon's admin.key).")]
-JsonOut = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
-SandboxId = Annotated[str, typer.Argument(metavar="ID", help="Sandbox id.")]
 
 
 def _out() -> Console:

@@ -17,13 +17,8 @@ import typer
 
 from .._errors import CpuosError
 from .._sync.sandbox import Sandbox
+from ._options import ApiKey, ApiUrl
 
-ApiUrl = Annotated[str | None, typer.Option(
-    "--api-url", envvar="CPUOS_API_URL", show_envvar=True,
-    help="cpuosd address (default http://127.0.0.1:7770).")]
-ApiKey = Annotated[str | None, typer.Option(
-    "--api-key", envvar="CPUOS_API_KEY", show_envvar=True,
-    help="API key (default: the local daemon's admin.key).")]
 
 DETACH = b"\x1d"  # Ctrl-]
 REPLAY = 64 << 10  # bytes of a terminal's recent output shown on attach

@@ -28,7 +28,7 @@ from pydantic import BaseModel
 
 from cpuos_agent import protocol as P
 
-from ..agentconn import AgentGone, Stream, raise_for_agent_error
+from ..agentconn import AgentGone, Stream, open_stream, raise_for_agent_error
 from ..lifecycle.commands import gone_message
 from ..errors import ApiError
 from ..lifecycle.manager import Manager
@@ -78,19 +78,7 @@ async def get_tar(sid: str, path: str, request: Request, ws: Ws) -> StreamingRes
     m: Manager = request.app.state.mgr
     lv = await m.ready(ws, sid, "files")
     src = check_path(path)
-    st = lv.chan.open()
-    try:
-        await st.send({"t": "tar", "path": src})
-        try:
-            h, _ = await st.get(30.0)
-        except TimeoutError:
-            raise ApiError("timeout", f"sandbox agent did not open {src}") from None
-        raise_for_agent_error(h)
-        if h.get("t") != "ok":
-            raise ApiError("internal", f"unexpected agent answer {h.get('t')!r}")
-    except BaseException:
-        st.close()
-        raise
+    st, _ = await open_stream(lv.chan, {"t": "tar", "path": src}, 30.0, f"open {src}")
     return file_response(FileStream(m, lv, st, src, None), request.headers.get("accept", ""))
 
 
@@ -132,19 +120,8 @@ async def watch(sid: str, path: str, request: Request, ws: Ws, recursive: bool =
     m: Manager = request.app.state.mgr
     lv = await m.ready(ws, sid, "files")
     root = check_path(path)
-    st = lv.chan.open()
-    try:
-        await st.send({"t": "watch", "path": root, "recursive": recursive})
-        try:
-            h, _ = await st.get(60.0)
-        except TimeoutError:
-            raise ApiError("timeout", f"sandbox agent did not watch {root}") from None
-        raise_for_agent_error(h)
-        if h.get("t") != "ok":
-            raise ApiError("internal", f"unexpected agent answer {h.get('t')!r}")
-    except BaseException:
-        st.close()
-        raise
+    st, h = await open_stream(lv.chan, {"t": "watch", "path": root, "recursive": recursive},
+                              60.0, f"watch {root}")
     watches = h.get("watches")
     return StreamingResponse(_watch_frames(m, lv, st, root, watches),
                              media_type=P.CONTENT_TYPE, headers={"Cache-Control": "no-store"})

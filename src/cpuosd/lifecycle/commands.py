@@ -14,7 +14,7 @@ from typing import Any
 
 from cpuos_agent import protocol as P
 
-from ..agentconn import AgentGone, Stream, raise_for_agent_error
+from ..agentconn import AgentGone, Stream, open_stream, raise_for_agent_error
 from ..errors import ApiError
 from ..store import Store
 from .common import Live, _base_env
@@ -184,20 +184,14 @@ async def resize(lv: Live, pid: int, cols: int, rows: int) -> None:
 
 async def attach(lv: Live, pid: int, offset: int, spawn: Any) -> tuple[Stream, P.Header]:
     """A following read of the command's output (the agent's stream, and its ``ok``)."""
-    st = lv.chan.open()
-    try:
-        await st.send({"t": "bg_attach", "pid": pid, "offset": offset, "follow": True})
-        try:
-            h, _ = await st.get(CALL_WAIT)
-        except TimeoutError:
-            raise ApiError("timeout", "sandbox agent did not answer") from None
-        raise_for_agent_error(h)
-        if h["t"] != "ok":
-            raise ApiError("internal", f"unexpected agent answer {h['t']!r}")
-    except BaseException:
-        _close_quietly(st, lv, spawn)
-        raise
-    return st, h
+    return await _attach(lv, pid, offset, True, spawn)
+
+
+async def _attach(lv: Live, pid: int, offset: int, follow: bool, spawn: Any
+                  ) -> tuple[Stream, P.Header]:
+    return await open_stream(
+        lv.chan, {"t": "bg_attach", "pid": pid, "offset": offset, "follow": follow},
+        CALL_WAIT, "answer", lambda st: _close_quietly(st, lv, spawn))
 
 
 async def open_stdin(lv: Live, pid: int, spawn: Any) -> Stream:
@@ -334,17 +328,5 @@ async def output(store: Store, lv: Live, pid: int, offset: int, follow: bool, sp
                  ) -> Output:
     """Open a read of the command's output: errors up to here (no such pid) are HTTP
     errors; after, they are frames."""
-    st = lv.chan.open()
-    try:
-        await st.send({"t": "bg_attach", "pid": pid, "offset": offset, "follow": follow})
-        try:
-            h, _ = await st.get(CALL_WAIT)
-        except TimeoutError:
-            raise ApiError("timeout", "sandbox agent did not answer") from None
-        raise_for_agent_error(h)
-        if h["t"] != "ok":
-            raise ApiError("internal", f"unexpected agent answer {h['t']!r}")
-    except BaseException:
-        _close_quietly(st, lv, spawn)
-        raise
+    st, h = await _attach(lv, pid, offset, follow, spawn)
     return Output(store, lv, st, h, spawn)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from cpuos_agent import protocol as P
 
-from ..agentconn import AgentGone, raise_for_agent_error
+from ..agentconn import AgentGone, open_stream, raise_for_agent_error
 from ..errors import ApiError
 from ..events import SandboxEvent
 from . import commands
@@ -267,19 +267,7 @@ class Session:
     async def read_file(self: Manager, lv: Live, path: str) -> FileStream:
         """Open a file for reading: errors up to here are proper HTTP errors; what happens
         after (the body is on its way) is the FileStream's to report."""
-        st = lv.chan.open()
-        try:
-            await st.send({"t": "read", "path": path})
-            h, _ = await st.get(30.0)
-            raise_for_agent_error(h)
-            if h.get("t") != "ok":
-                raise ApiError("internal", f"unexpected agent answer {h.get('t')!r}")
-        except TimeoutError:
-            st.close()
-            raise ApiError("timeout", f"sandbox agent did not open {path}") from None
-        except BaseException:
-            st.close()
-            raise
+        st, h = await open_stream(lv.chan, {"t": "read", "path": path}, 30.0, f"open {path}")
         size = h.get("size")
         exact = h.get("exact") is True and isinstance(size, int) and 0 < size <= MAX_FILE
         return FileStream(self, lv, st, path, size if exact else None)
