@@ -9,6 +9,7 @@ run under .cache/test-artifacts/.
 from __future__ import annotations
 
 import json
+import fcntl
 import os
 import shutil
 import signal
@@ -74,6 +75,28 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+NET_SLOTS = 6400
+NET_LOCKS = Path("/tmp/cpuos-test-net-slots")
+
+
+def _claim_net_slot(start: int) -> tuple[int, int]:
+    """A network slot (names, addresses, NFLOG group: ``Daemon.net_env``) no other live
+    test daemon on this host holds, from ``start`` on: (slot, the fd of its lock, held until
+    ``release_net_slot``). Daemons of other test runs share the host: a slot derived from
+    the port alone collided now and then (NFLOG group busy: the daemon refused to start)."""
+    NET_LOCKS.mkdir(mode=0o700, exist_ok=True)
+    for i in range(NET_SLOTS):
+        k = (start + i) % NET_SLOTS
+        fd = os.open(NET_LOCKS / f"{k}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        return k, fd
+    raise RuntimeError("no free network slot for a test daemon")
+
+
 class Daemon:
     """One cpuosd process, restartable (SIGKILL and start again on the same home)."""
 
@@ -82,6 +105,7 @@ class Daemon:
         self.extra_env = env or {}
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.net_slot, self._net_lock = _claim_net_slot(self.port % NET_SLOTS)
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = home / "cpuosd.log"
 
@@ -111,7 +135,7 @@ class Daemon:
         """Each test daemon owns its network names and addresses (daemons share the host),
         and its sandboxes have no way out unless a test gives them one (its own fake
         internet, CPUOS_UPLINK_NETNS): the network safety rule."""
-        k = self.port % 6400
+        k = self.net_slot
         return {"CPUOS_NET_ID": f"t{k:03x}"[-4:], "CPUOS_DEFAULT_NETWORK": "off",
                 "CPUOS_NET_POOL": f"10.{100 + k // 64}.{(k % 64) * 4}.0/22",
                 "CPUOS_NETNS_POOL": "1", "CPUOS_NFLOG_GROUP": str(1000 + k),
@@ -129,6 +153,11 @@ class Daemon:
                           capture_output=True).returncode == 0:
             out.append(f"nft table cpuos_{tag}")
         return out
+
+    def release_net_slot(self) -> None:
+        if self._net_lock >= 0:
+            os.close(self._net_lock)
+            self._net_lock = -1
 
     def remove_network_leftovers(self) -> None:
         """What a daemon killed with SIGKILL (and not restarted) leaves of its network."""
@@ -223,6 +252,7 @@ class Daemon:
         for m in reversed(mounts_under(self.home)):
             subprocess.run(["umount", "--lazy", m], capture_output=True)
         self.remove_network_leftovers()
+        self.release_net_slot()
         if failed and self.log.exists():
             ARTIFACTS.mkdir(parents=True, exist_ok=True)
             shutil.copy(self.log, ARTIFACTS / f"cpuosd-{self.home.name}.log")
