@@ -112,6 +112,14 @@ export class HttpClient {
       });
       req.on("response", (res) => {
         clearTimeout(connectTimer);
+        const src = opts.stream;
+        if (src !== undefined && !src.readableEnded) {
+          // answered before the upload ended (a command's stdin closed, an error): the
+          // rest is not wanted; stop reading the source and end the request cleanly
+          src.unpipe(req);
+          src.destroy();
+          req.end();
+        }
         resolve(res);
       });
       req.on("error", (e: Error & { code?: string }) => {
