@@ -477,8 +477,11 @@ class MicroVMBackend:
 
     async def close(self) -> None:
         """End the standby VMs and drop the template memfds (sandboxes keep running)."""
-        for t in list(self._tasks):
+        tasks = list(self._tasks)
+        for t in tasks:
             t.cancel()
+        if tasks:  # a standby being spawned ends its QEMU before it lets go (bounded)
+            await asyncio.wait(tasks, timeout=30)
         for tr in self._rams.values():
             while tr.standby:
                 sb = tr.standby.pop()
@@ -650,6 +653,8 @@ class MicroVMBackend:
                                      ram_fd=tr.fd)
         except BaseException:
             listener.close()
+            # (cancelled while the jailer ran: a QEMU it started must not outlive us)
+            await self._end(jid, None)
             shutil.rmtree(d, ignore_errors=True)
             raise
         self.vms.pop(jid, None)  # not a sandbox until handed out
