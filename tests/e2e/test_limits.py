@@ -119,9 +119,11 @@ def test_pids_limit_stops_a_fork_bomb_and_the_neighbour_keeps_answering(
         s.exec("pkill -f bomb.py; true")
         assert s.exec("echo alive").stdout == "alive\n"
         # a bomb that keeps the sandbox at its limit: an exec cannot start, and says why
+        # (its processes outlive the test: the sandbox is killed at its end)
         s.files.write("/work/hold.py", bomb.replace("print(n, e.errno); break",
                                                     "open('/tmp/full', 'w').close(); "
-                                                    "time.sleep(120)"))
+                                                    "time.sleep(900)")
+                      .replace("time.sleep(30)", "time.sleep(900)"))
         s.exec("nohup python3 /work/hold.py >/dev/null 2>&1 &")
         wait_until(lambda: s.files.exists("/tmp/full"), "the sandbox to be at its limit")
         with pytest.raises(LimitExceeded, match="process limit") as e:
