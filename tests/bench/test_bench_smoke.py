@@ -89,6 +89,13 @@ CASES = {
                         ["keystroke echo through a terminal, p50", "streamed stdin, median",
                          "reattach to a command → first byte, p50",
                          "reattach to a terminal → first byte, p50"]),
+    "density": Case("density", "density", "17. density:", [],
+                    ["host memory per idle sandbox", "host CPU per idle sandbox",
+                     "exec 'true' with 2 idle, p50", "exec 'true' with 2 idle, p99",
+                     "back-to-back create → first exec with 2 idle, p50",
+                     "back-to-back create → first exec with 2 idle, p95",
+                     "pause, idle sandbox, p50", "resume → first exec, idle sandbox, p50",
+                     "paused snapshot on disk, idle sandbox"]),
 }
 # (sample lists, the key of their N) of the network case's parts
 NETWORK = {"download": (["ours_on_MBps", "ours_allow_MBps", "floor_MBps"], "runs"),
@@ -171,6 +178,26 @@ def check_figures(module: str, data: dict[str, Any]) -> None:
         assert len(data["loads"]) == 5 and data["daemon_healthy"]
         for load in data["loads"]:
             assert len(load["samples_s"]) == data["n"] and load["noisy_alive"], load["name"]
+    if module == "density":
+        n = data["n"]
+        mem, cpu = data["memory"], data["cpu"]
+        assert mem["ours_drop_bytes"] >= 0 and mem["floor_drop_bytes"] >= 0
+        for k in ("ours_cgroup_bytes", "floor_cgroup_bytes", "ours_host_tasks",
+                  "floor_host_tasks"):
+            assert len(mem[k]) == n and all(x > 0 for x in mem[k]), (k, mem[k])
+        # the agent and its spawner were found inside
+        assert mem["agent"]["agent_rss_kib"] > 0, mem["agent"]
+        assert len(cpu["ours_core_share"]) == n == len(cpu["floor_core_share"])
+        assert all(x >= 0 for x in cpu["ours_core_share"] + cpu["floor_core_share"])
+        for part, keys in (("exec", ["ours_s", "floor_s"]), ("creates", ["ours_s", "floor_s"]),
+                           ("pause", ["ours_pause_s", "ours_resume_exec_s",
+                                      "floor_checkpoint_s", "floor_restore_exec_s",
+                                      "ours_du_allocated"])):
+            for k in keys:
+                xs = data[part][k]
+                want = data[part]["n_floor"] if part == "exec" and k == "floor_s" \
+                    else data[part]["n"]
+                assert len(xs) == want and all(x > 0 for x in xs), (part, k, xs)
     if module == "microvm":
         assert set(data["probe"]) == {"ok", "reason", "seconds"}
         assert data["gvisor"]["ours_create_s"] and data["gvisor"]["floor_restore_s"]

@@ -1,0 +1,525 @@
+"""Benchmark 17: density. N idle ``python`` sandboxes on one host (the daemon's defaults:
+template snapshot, warm pool) beside N raw runsc containers of the same rootfs whose PID 1
+sleeps (``sleep infinity``, same flags and OCI config, no cpuos): host memory per sandbox,
+host CPU per idle sandbox, exec round trip on one of them, back-to-back creates with them
+live, pause / resume of an idle one and its snapshot's size.
+
+    .venv/bin/python bench/cases/density.py [--quick | --smoke] [--n N] [--thousand]
+
+``--thousand``: 1000 sandboxes created with ``idle_timeout="30s"`` (they pause themselves
+when idle), then an exec in 100 of them picked at random (resumes included); creates go on
+while the disk lasts (and the host keeps 2 GiB of memory), and none may be refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `cases`
+
+from cpuos import LimitExceeded, Sandbox
+from cpuosd.config import Config
+from cpuosd.testing import Daemon, wait_until
+
+from cases._common import (Context, RawRunsc, Row, case_main, console, du, info_row,
+                           kill_quietly, mib, ms, now, pct, table)
+from cases.runtimes import mem_available, wait_settled
+
+SECTION = KEY = "density"
+TITLE = "17. density: idle sandboxes on one host"
+DAEMON: dict[str, str] = {}  # the daemon's defaults (template snapshot, warm pool)
+
+SLEEPER = ["/bin/sleep", "infinity"]
+CGROUP = Path("/sys/fs/cgroup")
+# inside a sandbox: every process but this one (command line, resident memory, threads:
+# gVisor's /proc; its smaps says Pss = Rss, so no PSS) and the sandbox's memory in use as
+# gVisor accounts it (/proc/meminfo: MemTotal - MemFree), as JSON
+AGENT_MEMORY = r"""
+import json, os
+out = []
+for p in os.listdir("/proc"):
+    if not p.isdigit() or int(p) == os.getpid():
+        continue
+    try:
+        cmd = open(f"/proc/{p}/cmdline", "rb").read().split(b"\0")
+        st = dict(l.split(":", 1) for l in open(f"/proc/{p}/status").read().splitlines()
+                  if ":" in l)
+    except OSError:
+        continue
+    out.append({"pid": int(p), "cmd": b" ".join(cmd).decode(errors="replace").strip()[:120],
+                "rss_kib": int(st.get("VmRSS", "0 kB").split()[0]),
+                "threads": int(st.get("Threads", "1"))})
+mem = {l.split(":")[0]: int(l.split()[1]) for l in open("/proc/meminfo")}
+print(json.dumps({"processes": out, "used_kib": mem["MemTotal"] - mem["MemFree"]}))
+"""
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--n", type=int, default=None,
+                    help="idle sandboxes (default: 100 full, 10 quick, 2 smoke)")
+    ap.add_argument("--thousand", action="store_true",
+                    help="1000 sandboxes with idle_timeout=30s, then exec in 100 at random "
+                         "(needs auto-pause: Sandbox.create(idle_timeout=...))")
+
+
+# ---- the host's view of a sandbox or container (its cgroups) -----------------------------
+
+def _read_int(*paths: Path) -> int | None:
+    for p in paths:
+        try:
+            return int(p.read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return None
+
+
+def cgroup_cpu_ns(name: str) -> int:
+    """CPU time of the runsc container ``name`` (sentry, gofer, stubs) in ns."""
+    got = _read_int(CGROUP / "cpuacct/cpuos" / name / "cpuacct.usage")
+    if got is not None:
+        return got
+    try:
+        for line in (CGROUP / "cpuos" / name / "cpu.stat").read_text().splitlines():
+            k, _, v = line.partition(" ")
+            if k == "usage_usec":
+                return int(v) * 1000
+    except (OSError, ValueError):
+        pass
+    raise RuntimeError(f"no CPU accounting for container {name}")
+
+
+def cgroup_memory(name: str) -> int:
+    return _read_int(CGROUP / "memory/cpuos" / name / "memory.usage_in_bytes",
+                     CGROUP / "cpuos" / name / "memory.current") or 0
+
+
+def cgroup_tasks(name: str) -> int:
+    """Host tasks (processes and threads) of the container: pids.current."""
+    return _read_int(CGROUP / "pids/cpuos" / name / "pids.current",
+                     CGROUP / "cpuos" / name / "pids.current") or 0
+
+
+def daemon_cpu_s(d: Daemon) -> float:
+    """CPU time of the cpuosd process (user + system)."""
+    assert d.proc is not None
+    fields = Path(f"/proc/{d.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def containers(d: Daemon) -> int:
+    """runsc containers of the daemon (its sandboxes and the warm pool's)."""
+    return len(d.runsc_containers())
+
+
+# ---- pieces of the run ------------------------------------------------------------------
+
+def create_idle(d: Daemon, n: int) -> list[Sandbox]:
+    """n python sandboxes, each answering an exec (really up), then left alone."""
+    out: list[Sandbox] = []
+    for i in range(n):
+        s = Sandbox.create(template="python", timeout="60m", **d.sdk_kwargs())
+        out.append(s)
+        if s.exec("true").exit_code != 0:
+            raise RuntimeError(f"exec true failed in {s.id}")
+        if (i + 1) % 10 == 0:
+            console.print(f"  {i + 1}/{n} idle sandboxes")
+    return out
+
+
+def start_sleepers(raw: RawRunsc, n: int) -> list[str]:
+    ids = []
+    for i in range(n):
+        cid = raw.new_id("sleep")
+        ns = raw.netns() if raw.networked else None
+        sdir = raw.bundle(cid, SLEEPER, hostname=cid, netns=ns)
+        raw.run_detached(cid, sdir, network=ns is not None)
+        ids.append(cid)
+        if (i + 1) % 10 == 0:
+            console.print(f"  {i + 1}/{n} raw sleepers")
+    return ids
+
+
+def settled_drop(before: int) -> int:
+    wait_settled()
+    return max(0, before - mem_available())
+
+
+def agent_memory(s: Sandbox) -> dict[str, Any]:
+    """The agent's own processes inside s (not the measuring one)."""
+    r = s.exec(["python3", "-c", AGENT_MEMORY], timeout=60)
+    if r.exit_code != 0:
+        return {"error": r.stderr[-300:]}
+    got = json.loads(r.stdout)
+    procs = got["processes"]
+    agent = [p for p in procs if p["cmd"].endswith("-m cpuos_agent")]  # agent, spawner
+    return {"processes": procs, "agent_rss_kib": sum(p["rss_kib"] for p in agent),
+            "agent_threads": sum(p["threads"] for p in agent),
+            "guest_processes": len(procs), "guest_threads": sum(p["threads"] for p in procs),
+            "guest_used_kib": got["used_kib"]}
+
+
+def cpu_window(ours: list[str], floor: list[str], d: Daemon, seconds: float
+               ) -> dict[str, Any]:
+    """Both sets and the daemon over the same window: CPU share of one core per container."""
+    a0 = {c: cgroup_cpu_ns(c) for c in ours}
+    b0 = {c: cgroup_cpu_ns(c) for c in floor}
+    d0, t0 = daemon_cpu_s(d), now()
+    time.sleep(seconds)
+    a1 = {c: cgroup_cpu_ns(c) for c in ours}
+    b1 = {c: cgroup_cpu_ns(c) for c in floor}
+    d1, t1 = daemon_cpu_s(d), now()
+    wall = t1 - t0
+    return {"seconds": wall,
+            "ours_core_share": [(a1[c] - a0[c]) / 1e9 / wall for c in ours],
+            "floor_core_share": [(b1[c] - b0[c]) / 1e9 / wall for c in floor],
+            "daemon_core_share": (d1 - d0) / wall}
+
+
+def exec_latency(s: Sandbox, raw: RawRunsc, cid: str, n: int, n_floor: int
+                 ) -> dict[str, Any]:
+    for _ in range(5):
+        s.exec("true")
+    ours = []
+    for _ in range(n):
+        t0 = now()
+        r = s.exec("true")
+        ours.append(now() - t0)
+        if r.exit_code != 0:
+            raise RuntimeError(f"exec true failed: {r}")
+    floor = []
+    for _ in range(n_floor):
+        t0 = now()
+        raw.exec_true(cid)
+        floor.append(now() - t0)
+    return {"n": n, "ours_s": ours, "n_floor": n_floor, "floor_s": floor}
+
+
+def back_to_back(d: Daemon, raw: RawRunsc, n: int) -> dict[str, Any]:
+    """n creates in a row, each to its first exec result (none killed until all are made);
+    then n raw ``runsc run --detach`` + ``runsc exec true`` in a row."""
+    made: list[Sandbox] = []
+    ours, ours_create = [], []
+    try:
+        for _ in range(n):
+            t0 = now()
+            s = Sandbox.create(template="python", timeout="10m", **d.sdk_kwargs())
+            t1 = now()
+            made.append(s)
+            r = s.exec("true")
+            t2 = now()
+            if r.exit_code != 0:
+                raise RuntimeError(f"exec true failed: {r}")
+            ours.append(t2 - t0)
+            ours_create.append(t1 - t0)
+    finally:
+        for s in made:
+            kill_quietly(s)
+    floor: list[float] = []
+    made_raw: list[str] = []
+    try:
+        for _ in range(n):
+            cid = raw.new_id("b2b")
+            ns = raw.netns() if raw.networked else None
+            sdir = raw.bundle(cid, SLEEPER, hostname=cid, netns=ns)
+            t0 = now()
+            raw.run_detached(cid, sdir, network=ns is not None)
+            made_raw.append(cid)
+            raw.exec_true(cid)
+            floor.append(now() - t0)
+    finally:
+        for cid in made_raw:
+            raw.delete(cid)
+    return {"n": n, "ours_s": ours, "ours_create_s": ours_create, "floor_s": floor}
+
+
+def pause_resume(d: Daemon, s: Sandbox, raw: RawRunsc, cid: str, n: int
+                 ) -> tuple[Sandbox, dict[str, Any]]:
+    """Cycles of pause, then resume + exec, on the idle sandbox s (after one warmup cycle);
+    then the same on the raw container cid (checkpoint, delete, restore + exec)."""
+    kw = d.sdk_kwargs()
+    res: dict[str, Any] = {"n": n, "ours_pause_s": [], "ours_resume_s": [],
+                           "ours_resume_exec_s": [], "ours_resident_bytes": [],
+                           "ours_snapshot_bytes": [], "ours_du_allocated": [],
+                           "floor_checkpoint_s": [], "floor_restore_exec_s": [],
+                           "floor_resident_bytes": [], "floor_du_allocated": []}
+    for i in range(n + 1):
+        resident = cgroup_memory(s.id)
+        t0 = now()
+        sid = s.pause()
+        t1 = now()
+        info = s.info()
+        allocated = du(d.snapshots_dir / sid)[1]
+        paused = s
+        t2 = now()
+        s = Sandbox.resume(sid, **kw)
+        t3 = now()
+        paused.close()
+        r = s.exec("true")
+        t4 = now()
+        if r.exit_code != 0:
+            raise RuntimeError(f"exec true after resume failed: {r}")
+        if i == 0:
+            continue
+        for k, v in (("ours_pause_s", t1 - t0), ("ours_resume_s", t3 - t2),
+                     ("ours_resume_exec_s", t4 - t2), ("ours_resident_bytes", resident),
+                     ("ours_snapshot_bytes", info.snapshot_bytes or 0),
+                     ("ours_du_allocated", allocated)):
+            res[k].append(v)
+    sdir = raw.tmp / cid
+    for i in range(n + 1):
+        image = raw.tmp / f"{cid}-image"
+        resident = cgroup_memory(cid)
+        f0 = now()
+        raw.checkpoint(cid, sdir, image)
+        f1 = now()
+        raw.delete(cid)
+        allocated = du(image)[1]
+        f2 = now()
+        raw.restore(cid, sdir, image, network=raw.networked)
+        raw.exec_true(cid)
+        f3 = now()
+        shutil.rmtree(image, ignore_errors=True)
+        if i == 0:
+            continue
+        res["floor_checkpoint_s"].append(f1 - f0)
+        res["floor_restore_exec_s"].append(f3 - f2)
+        res["floor_resident_bytes"].append(resident)
+        res["floor_du_allocated"].append(allocated)
+    return s, res
+
+
+def measure(ctx: Context) -> dict[str, Any]:
+    if ctx.args.thousand:
+        return thousand(ctx)
+    d, raw = ctx.daemon(DAEMON), ctx.raw
+    n = ctx.args.n or ctx.pick(100, 10, 2)
+    window = ctx.pick(30.0, 30.0, 2.0)
+    out: dict[str, Any] = {"n": n, "mode": "idle"}
+    # untimed: makes the template snapshot; the pool refills
+    first = Sandbox.create(template="python", timeout="10m", **d.sdk_kwargs())
+    raw.match(d, first.id)
+    kill_quietly(first)
+    pooled = Config().pool_size  # the daemon's (DAEMON sets no size)
+    wait_until(lambda: containers(d) >= pooled, "the warm pool", timeout=120)
+    sandboxes: list[Sandbox] = []
+    sleepers: list[str] = []
+    try:
+        wait_settled()
+        before = mem_available()
+        sandboxes = create_idle(d, n)
+        wait_until(lambda: containers(d) >= n + pooled, "the pool to refill", timeout=120)
+        ours_drop = settled_drop(before)
+        ids = [s.id for s in sandboxes]
+        agent = agent_memory(sandboxes[0])
+        out["memory"] = {
+            "ours_drop_bytes": ours_drop,
+            "ours_cgroup_bytes": [cgroup_memory(c) for c in ids],
+            "ours_host_tasks": [cgroup_tasks(c) for c in ids], "agent": agent}
+        console.print(f"  {n} idle sandboxes: MemAvailable -{mib(ours_drop)} "
+                      f"({mib(ours_drop / n)} each); agent RSS "
+                      f"{agent.get('agent_rss_kib', 0) / 1024:.1f} MiB")
+        before = mem_available()
+        sleepers = start_sleepers(raw, n)
+        floor_drop = settled_drop(before)
+        out["memory"].update({"floor_drop_bytes": floor_drop,
+                              "floor_cgroup_bytes": [cgroup_memory(c) for c in sleepers],
+                              "floor_host_tasks": [cgroup_tasks(c) for c in sleepers]})
+        console.print(f"  {n} raw sleepers: MemAvailable -{mib(floor_drop)} "
+                      f"({mib(floor_drop / n)} each)")
+        time.sleep(min(window, 5.0))  # the last ones' start-up is not idle time
+        out["cpu"] = cpu_window(ids, sleepers, d, window)
+        out["exec"] = exec_latency(sandboxes[-1], raw, sleepers[-1], ctx.pick(200, 100, 3),
+                                   ctx.pick(30, 10, 2))
+        out["creates"] = back_to_back(d, raw, ctx.pick(20, 20, 2))
+        sandboxes[-1], out["pause"] = pause_resume(d, sandboxes[-1], raw, sleepers[-1],
+                                                   ctx.pick(10, 5, 1))
+    finally:
+        for s in sandboxes:
+            kill_quietly(s)
+        for cid in sleepers:
+            raw.delete(cid)
+    return out
+
+
+# ---- --thousand ---------------------------------------------------------------------------
+
+def thousand(ctx: Context) -> dict[str, Any]:
+    """1000 sandboxes with idle_timeout=30s (smoke: 4, quick: 200), then an exec in 100 (2,
+    50) picked at random. Creates stop early (and say why) when the snapshots' disk has
+    less than 5 GiB free or the host less than 2 GiB of memory available."""
+    if "idle_timeout" not in inspect.signature(Sandbox.create).parameters:
+        raise RuntimeError("--thousand needs auto-pause on idle (Sandbox.create(idle_timeout="
+                           "...), issue 22): this build has no idle_timeout")
+    d = ctx.daemon(DAEMON)
+    n, picks = ctx.args.n or ctx.pick(1000, 200, 4), ctx.pick(100, 50, 2)
+    idle: dict[str, Any] = {"idle_timeout": "30s"}
+    made: list[Sandbox] = []
+    refused: list[str] = []
+    create_s: list[float] = []
+    stopped = ""
+    try:
+        for i in range(n):
+            free = shutil.disk_usage(d.snapshots_dir if d.snapshots_dir.exists()
+                                     else d.home).free
+            if free < 5 << 30:
+                stopped = f"disk: {mib(free)} free after {i} creates"
+                break
+            if mem_available() < 2 << 30:
+                stopped = f"memory: {mib(mem_available())} available after {i} creates"
+                break
+            t0 = now()
+            try:
+                s = Sandbox.create(template="python", timeout="60m", **idle, **d.sdk_kwargs())
+            except LimitExceeded as e:
+                refused.append(str(e)[:200])
+                continue
+            create_s.append(now() - t0)
+            made.append(s)
+            if (i + 1) % 50 == 0:
+                console.print(f"  {i + 1}/{n} created, {len(refused)} refused")
+        chosen = random.Random(17).sample(made, min(picks, len(made)))
+        states, exec_s = [], []
+        for s in chosen:
+            states.append(s.info().state)
+            t0 = now()
+            r = s.exec("true")
+            exec_s.append(now() - t0)
+            if r.exit_code != 0:
+                raise RuntimeError(f"exec true failed in {s.id}: {r}")
+    finally:
+        for s in made:
+            kill_quietly(s)
+    return {"mode": "thousand", "n": n, "created": len(made), "refused": refused,
+            "stopped": stopped, "create_s": create_s, "exec_s": exec_s,
+            "exec_states": states}
+
+
+# ---- report -------------------------------------------------------------------------------
+
+def pct_core(xs: list[float]) -> str:
+    return f"{100 * sum(xs) / max(1, len(xs)):.3f} %"
+
+
+def report(r: dict[str, Any]) -> list[Row]:
+    if r.get("mode") == "thousand":
+        return report_thousand(r)
+    n = r["n"]
+    mem, cpu, ex, cr, pr = r["memory"], r["cpu"], r["exec"], r["creates"], r["pause"]
+    ours_mem, floor_mem = mem["ours_drop_bytes"] / n, mem["floor_drop_bytes"] / n
+    ours_cg = sum(mem["ours_cgroup_bytes"]) / n
+    floor_cg = sum(mem["floor_cgroup_bytes"]) / n
+    ours_cpu = sum(cpu["ours_core_share"]) / n
+    floor_cpu = sum(cpu["floor_core_share"]) / n
+    agent = mem["agent"]
+    t = table(f"17. density: {n} idle python sandboxes (daemon defaults) beside {n} raw "
+              f"runsc containers whose PID 1 sleeps", ["", "ours", "floor (raw runsc)"])
+    t.add_row("host memory per sandbox (MemAvailable drop / N)", mib(ours_mem), mib(floor_mem))
+    t.add_row("  its cgroup's memory, mean", mib(ours_cg), mib(floor_cg))
+    t.add_row("  host tasks (pids.current), mean",
+              f"{sum(mem['ours_host_tasks']) / n:.1f}", f"{sum(mem['floor_host_tasks']) / n:.1f}")
+    t.add_row("  inside one: agent + spawner RSS, threads; all processes, threads",
+              f"{agent.get('agent_rss_kib', 0) / 1024:.1f} MiB, "
+              f"{agent.get('agent_threads', 0)}; {agent.get('guest_processes', 0)}, "
+              f"{agent.get('guest_threads', 0)}", "—")
+    t.add_row("  inside one: memory in use as gVisor counts it",
+              f"{agent.get('guest_used_kib', 0) / 1024:.1f} MiB", "—")
+    t.add_row(f"host CPU per idle sandbox ({cpu['seconds']:.0f} s, % of a core)",
+              pct_core(cpu["ours_core_share"]), pct_core(cpu["floor_core_share"]))
+    t.add_row("  cpuosd's own CPU over the window, per sandbox",
+              f"{100 * cpu['daemon_core_share'] / n:.3f} %", "—")
+    t.add_row(f"exec 'true' on one, p50 / p99 (N={ex['n']}; floor: runsc exec, "
+              f"N={ex['n_floor']})", f"{ms(pct(ex['ours_s'], 50))} / {ms(pct(ex['ours_s'], 99))}",
+              f"{ms(pct(ex['floor_s'], 50))} / {ms(pct(ex['floor_s'], 99))}")
+    t.add_row(f"{cr['n']} back-to-back creates → first exec, p50 / p95 (floor: runsc run "
+              f"--detach + exec)", f"{ms(pct(cr['ours_s'], 50))} / {ms(pct(cr['ours_s'], 95))}",
+              f"{ms(pct(cr['floor_s'], 50))} / {ms(pct(cr['floor_s'], 95))}")
+    t.add_row(f"pause, p50 (N={pr['n']}; floor: runsc checkpoint)",
+              ms(pct(pr["ours_pause_s"], 50)), ms(pct(pr["floor_checkpoint_s"], 50)))
+    t.add_row("resume → first exec, p50 (floor: runsc restore + exec)",
+              ms(pct(pr["ours_resume_exec_s"], 50)), ms(pct(pr["floor_restore_exec_s"], 50)))
+    t.add_row("  of which Sandbox.resume", ms(pct(pr["ours_resume_s"], 50)), "—")
+    snap = pct(pr["ours_du_allocated"], 50)
+    resident = pct(pr["ours_resident_bytes"], 50)
+    t.add_row("paused snapshot on disk (du, allocated) / resident memory before",
+              f"{mib(snap)} / {mib(resident)}",
+              f"{mib(pct(pr['floor_du_allocated'], 50))} / "
+              f"{mib(pct(pr['floor_resident_bytes'], 50))}")
+    console.print(t)
+
+    def row(metric: str, ours: str, floor: str, target: str, met: bool, note: str = "") -> Row:
+        out = {"metric": metric, "ours": ours, "floor": floor, "target": target,
+               "met": "yes" if met else "no"}
+        if note:
+            out["note"] = note
+        return out
+
+    return [
+        row("host memory per idle sandbox", mib(ours_mem), mib(floor_mem),
+            "≤ 40 MiB and ≤ 1.3× floor",
+            ours_mem <= 40 * (1 << 20) and ours_mem <= 1.3 * max(floor_mem, 1),
+            f"{ours_mem / max(floor_mem, 1):.2f}× floor; cgroups {mib(ours_cg)} vs "
+            f"{mib(floor_cg)}"),
+        row("host CPU per idle sandbox", pct_core(cpu["ours_core_share"]),
+            pct_core(cpu["floor_core_share"]), "≤ 0.2 % of a core", ours_cpu <= 0.002,
+            f"{n} idle: {100 * ours_cpu * n:.1f} % of a core in all (floor "
+            f"{100 * floor_cpu * n:.1f} %)"),
+        row(f"exec 'true' with {n} idle, p50", ms(pct(ex["ours_s"], 50)),
+            ms(pct(ex["floor_s"], 50)), "≤ 15 ms", pct(ex["ours_s"], 50) <= 0.015),
+        row(f"exec 'true' with {n} idle, p99", ms(pct(ex["ours_s"], 99)),
+            ms(pct(ex["floor_s"], 99)), "≤ 40 ms", pct(ex["ours_s"], 99) <= 0.040),
+        row(f"back-to-back create → first exec with {n} idle, p50", ms(pct(cr["ours_s"], 50)),
+            ms(pct(cr["floor_s"], 50)), "≤ 150 ms", pct(cr["ours_s"], 50) <= 0.150),
+        row(f"back-to-back create → first exec with {n} idle, p95", ms(pct(cr["ours_s"], 95)),
+            ms(pct(cr["floor_s"], 95)), "≤ 300 ms", pct(cr["ours_s"], 95) <= 0.300),
+        row("pause, idle sandbox, p50", ms(pct(pr["ours_pause_s"], 50)),
+            ms(pct(pr["floor_checkpoint_s"], 50)), "≤ 300 ms",
+            pct(pr["ours_pause_s"], 50) <= 0.300),
+        row("resume → first exec, idle sandbox, p50", ms(pct(pr["ours_resume_exec_s"], 50)),
+            ms(pct(pr["floor_restore_exec_s"], 50)), "≤ 250 ms",
+            pct(pr["ours_resume_exec_s"], 50) <= 0.250),
+        row("paused snapshot on disk, idle sandbox", mib(snap),
+            mib(pct(pr["floor_du_allocated"], 50)), "≤ its resident memory",
+            snap <= resident, f"resident before pause {mib(resident)}"),
+    ]
+
+
+def report_thousand(r: dict[str, Any]) -> list[Row]:
+    t = table(f"17. density --thousand: {r['n']} sandboxes with idle_timeout=30s",
+              ["", "value"])
+    t.add_row("created", str(r["created"]))
+    t.add_row("refused", str(len(r["refused"])))
+    t.add_row("stopped early", r["stopped"] or "no")
+    if r["create_s"]:
+        t.add_row("create, p50 / p95", f"{ms(pct(r['create_s'], 50))} / "
+                  f"{ms(pct(r['create_s'], 95))}")
+    if r["exec_s"]:
+        t.add_row(f"exec in {len(r['exec_s'])} at random, p50 / p99",
+                  f"{ms(pct(r['exec_s'], 50))} / {ms(pct(r['exec_s'], 99))}")
+        t.add_row("  of which paused before the exec",
+                  str(sum(1 for s in r["exec_states"] if s == "paused")))
+    console.print(t)
+    p99 = pct(r["exec_s"], 99) if r["exec_s"] else float("nan")
+    return [
+        {"metric": "sandboxes created with idle_timeout=30s", "ours": str(r["created"]),
+         "floor": "—", "target": f"{r['n']}, none refused",
+         "met": "yes" if r["created"] == r["n"] and not r["refused"] else "no",
+         "note": r["stopped"] or f"{len(r['refused'])} refused"},
+        info_row(f"exec in {len(r['exec_s'])} picked at random, p50", ms(pct(r["exec_s"], 50))
+                 if r["exec_s"] else "—", "—"),
+        {"metric": f"exec in {len(r['exec_s'])} picked at random, p99",
+         "ours": ms(p99) if r["exec_s"] else "—", "floor": "—", "target": "≤ 2 s",
+         "met": "yes" if p99 <= 2.0 else "no"},
+    ]
+
+
+if __name__ == "__main__":
+    sys.exit(case_main(__name__))
