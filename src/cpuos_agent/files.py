@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import errno
 import os
-import secrets
 import stat as stat_mod
 from typing import Any
 
@@ -87,7 +86,7 @@ def create_beside(path: str, mode: int = 0o644) -> tuple[int, str]:
     parent = os.path.dirname(path) or "/"
     stem = os.path.basename(path)[:200]
     for _ in range(8):
-        tmp = os.path.join(parent, f".{stem}.cpuos-{secrets.token_hex(8)}.tmp")
+        tmp = os.path.join(parent, f".{stem}.cpuos-{os.urandom(8).hex()}.tmp")
         try:
             fd = os.open(tmp, TMP_FLAGS, mode)
         except FileExistsError:

@@ -12,7 +12,9 @@ into the exec's cgroup, so the command starts there.
 
 Commands can signal the spawner (same uid) but not the agent: a spawner that is killed,
 stopped or gone silent is killed and replaced, and the commands it started (reparented
-to the agent) are reaped by the agent.
+to the agent) are reaped by the agent. Nothing polls for that: the agent is the
+spawner's parent, so its reaper hears of a stop (``waitpid`` with WUNTRACED) and of an
+exit, and the spawner's end of the event socket closing says it is gone.
 
 In legacy mode (the agent is the user) commands are started by the agent itself.
 
@@ -28,7 +30,6 @@ import os
 import select
 import signal
 import socket
-import subprocess
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -49,6 +50,8 @@ def popen(argvs: list[list[str]], cwd: str, env: dict[str, str], fds: tuple[int,
           ) -> int:
     """Start the first argv that can be started (a later one only if cwd is a directory:
     otherwise the error is about cwd); its pid. Raises the last OSError."""
+    import subprocess  # (the spawner's, or a legacy agent's: not resident in a root agent)
+
     for i, argv in enumerate(argvs):
         try:
             p = subprocess.Popen(argv, cwd=cwd, env=env, stdin=fds[0], stdout=fds[1],
@@ -100,14 +103,15 @@ def _spawner_main(req: socket.socket, events: socket.socket, uid: int) -> None:
         os.closerange(keep[1] + 1, 1 << 16)
     except BaseException:
         os._exit(71)
-    kids = threading.Semaphore(0)
+    import subprocess  # noqa: F401  (popen's, loaded now rather than on the first spawn)
+    kids = threading.Semaphore(0)  # released after each start: no wakeup while none runs
 
     def reap() -> None:
         while True:
             try:
                 pid, status = os.waitpid(-1, 0)
             except ChildProcessError:
-                kids.acquire(timeout=5.0)
+                kids.acquire()
                 continue
             except InterruptedError:
                 continue
@@ -177,13 +181,26 @@ class Spawner:
         self.sock, self._events, self.pid = a, ea, pid
         self._gone = threading.Event()
         if self.reaper is not None:
+            self.reaper.kick()
             self._start_reader()
 
     def attach(self, reaper: Reaper, cgroups: Cgroups | None) -> None:
-        """Exit statuses go to reaper from now on; commands start in their exec's cgroup."""
+        """Exit statuses go to reaper from now on; commands start in their exec's cgroup;
+        a stop of the spawner, which reaper sees, ends it."""
         self.reaper, self.cgroups = reaper, cgroups
+        reaper.on_stop = self._on_stop
         if self.sock is not None:
             self._start_reader()
+
+    def _on_stop(self, pid: int) -> None:
+        """A child of the agent stopped: if it is the spawner, it cannot report exits any
+        more: it is killed (what it started is reparented to the agent and reaped there;
+        the next spawn forks a new one). Other children (orphans) are left alone."""
+        if pid == self.pid and not self._gone.is_set():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
 
     def _start_reader(self) -> None:
         threading.Thread(target=self._read, args=(self._events, self._gone),
@@ -236,20 +253,11 @@ class Spawner:
         self.restarts += 1
         self.fork()
 
-    def check(self) -> None:
-        """Called while commands run: a spawner stopped from inside cannot reap them (their
-        exits would never be reported), so it is killed (the agent reaps them then)."""
-        if not self._lock.acquire(blocking=False):
-            return  # a spawn is under way: it looks itself
-        try:
-            if self.sock is not None and not self._gone.is_set() and self._stopped():
-                self._retire()
-        finally:
-            self._lock.release()
-
     def spawn(self, argvs: list[list[str]], cwd: str, env: dict[str, str],
-              fds: tuple[int, int, int], cgroup: Cgroup | None) -> int:
-        """Start a command through the spawner (in cgroup, if given); its pid. Raises
+              fds: tuple[int, int, int], cgroup: Cgroup | None
+              ) -> tuple[int, threading.Event]:
+        """Start a command through the spawner (in cgroup, if given); its pid, and the event
+        set once the spawner that started it is gone (``lost``). Raises
         OSError: the command could not be started, or the spawner was stopped or killed
         before it answered (it is replaced; the command is not retried: it may have
         started, and the caller kills what is in its cgroup)."""
@@ -283,7 +291,7 @@ class Spawner:
                                   "from inside the sandbox before it reported the start (it "
                                   "was replaced; what had started was killed)")
                 if isinstance(reply.get("pid"), int):
-                    return int(reply["pid"])
+                    return int(reply["pid"]), self._gone
                 e = reply.get("errno")
                 raise OSError(e if isinstance(e, int) else 0,
                               str(reply.get("strerror") or "cannot start"))

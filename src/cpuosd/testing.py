@@ -303,6 +303,9 @@ class FakeBackend:
     def memory_usage(self, sandbox_id: str) -> int | None:
         return None
 
+    def memory_watch(self, sandbox_id: str, threshold: int) -> int | None:
+        return None
+
     def stats(self, sandbox_id: str) -> dict[str, int | float]:
         return {}
 

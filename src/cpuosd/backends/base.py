@@ -94,6 +94,11 @@ class Backend(Protocol):
     def memory_usage(self, sandbox_id: str) -> int | None:
         """Host memory the sandbox holds, or None if unknown."""
 
+    def memory_watch(self, sandbox_id: str, threshold: int) -> int | None:
+        """An eventfd the host signals each time the sandbox's host memory crosses
+        ``threshold`` bytes (the caller owns it), or None where there is no such event
+        (cpuosd.lifecycle.memwatch: the gVisor agent's OOM guard sleeps until it)."""
+
     def stats(self, sandbox_id: str) -> dict[str, int | float]:
         """What the host measures of the sandbox now (those it can): cpu_seconds,
         memory_bytes, memory_limit_bytes, pids, pids_limit, net_tx_bytes, net_rx_bytes."""

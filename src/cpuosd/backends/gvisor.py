@@ -335,6 +335,28 @@ class GVisorBackend:
                     continue
         return None
 
+    @staticmethod
+    def memory_watch(sandbox_id: str, threshold: int) -> int | None:
+        """An eventfd the host kernel signals each time the sandbox's memory (its host
+        cgroup's usage) crosses ``threshold`` bytes, either way (cgroup v1's memory
+        thresholds: ``cgroup.event_control``); the caller owns it (closing it removes the
+        watch). None where the host has no such notification (cgroup v2)."""
+        base = Path(f"/sys/fs/cgroup/memory/cpuos/{sandbox_id}")
+        try:
+            usage = os.open(base / "memory.usage_in_bytes", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        efd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        try:
+            with open(base / "cgroup.event_control", "w") as f:
+                f.write(f"{efd} {usage} {int(threshold)}")
+        except OSError:
+            os.close(efd)
+            return None
+        finally:
+            os.close(usage)
+        return efd
+
     def memory_usage(self, sandbox_id: str) -> int | None:
         """Bytes the sandbox's cgroup holds (an upper bound of its checkpoint image)."""
         for p in (Path(f"/sys/fs/cgroup/memory/cpuos/{sandbox_id}/memory.usage_in_bytes"),

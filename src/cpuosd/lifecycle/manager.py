@@ -34,7 +34,7 @@ from ..store import LIVE_STATES, SandboxRow, Store
 from ..accounting.quotas import Admission
 from ..network.policy import Policy
 from ..templates.builder import template_info
-from . import states
+from . import memwatch, states
 from .common import (KILL_LOCK_WAIT, KILL_RETRY_INTERVAL, KILL_TIMEOUT, RECONNECT_GRACE, Live,
                      _now)
 from .deadlines import Deadlines
@@ -241,6 +241,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
             key_file.unlink(missing_ok=True)
             t2 = time.monotonic()
             await self._identity(lv)
+            lv.mem = memwatch.start(chan, row.id, int(row.spec["memory_mib"]), self.backend)
             log.info("%s of %s: backend %.0f ms, agent hello %.0f ms, identity %.0f ms",
                      "boot" if image is None else "restore", row.id, (t1 - t0) * 1e3,
                      (t2 - t1) * 1e3, (time.monotonic() - t2) * 1e3)
@@ -460,6 +461,8 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
     async def _teardown(self, sid: str) -> None:
         lv = self.live.pop(sid, None)
         if lv is not None:
+            if lv.mem is not None:
+                lv.mem.close()
             await lv.chan.close()
         await self.backend.kill(sid)
         shutil.rmtree(self.cfg.sandboxes_dir / sid, ignore_errors=True)

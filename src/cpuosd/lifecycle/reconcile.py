@@ -14,6 +14,7 @@ from ..agentconn import AgentChannel
 from ..errors import ApiError
 from ..store import LIVE_STATES, SandboxRow
 from ..templates.builder import list_templates
+from . import memwatch
 from .common import (Live, _du, _now)
 
 if TYPE_CHECKING:
@@ -101,6 +102,10 @@ class Reconcile:
         except ApiError:
             log.warning("sandbox %s: agent did not reconnect; killing it", sid)
             await self.kill(sid, reason="lost", final_state="error")
+            return
+        if self.live.get(sid) is lv and lv.mem is None:
+            lv.mem = memwatch.start(lv.chan, sid, int(lv.row.spec["memory_mib"]),
+                                    self.backend)
 
     def _on_disconnect(self: Manager, sid: str) -> None:
         self._spawn(self._check_alive(sid))

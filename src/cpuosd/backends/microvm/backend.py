@@ -710,6 +710,10 @@ class MicroVMBackend:
         m = self.memory_usage(sandbox_id)
         return {} if m is None else {"memory_bytes": m}
 
+    def memory_watch(self, sandbox_id: str, threshold: int) -> int | None:
+        """None: a guest kernel has its own OOM killer (no guard in the agent to wake)."""
+        return None
+
     def memory_usage(self, sandbox_id: str) -> int | None:
         """Bytes charged to the VM's jail cgroup (QEMU and its guest's RAM), or None."""
         try:
