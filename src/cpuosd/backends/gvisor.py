@@ -218,7 +218,9 @@ class GVisorBackend:
 
     async def checkpoint(self, sandbox_id: str, image_dir: Path) -> None:
         """Save the sandbox (memory, processes, writable layer) to image_dir. The sandbox
-        stops, whether the checkpoint succeeded or not (runsc 2022-12)."""
+        stops, whether the checkpoint succeeded or not (runsc 2022-12); its container is
+        left for ``kill`` to delete (the caller's teardown: for a pause, after it has
+        answered)."""
         image_dir.mkdir(parents=True, exist_ok=True)
         rc, _, err = await self._run(*self._global_flags(), "checkpoint",
                                      f"--image-path={image_dir}", sandbox_id, timeout=120)
@@ -227,7 +229,6 @@ class GVisorBackend:
             line = next((x for x in msg.splitlines() if "checkpoint failed" in x), msg[-300:])
             code = "no_space" if "no space left" in msg else "internal"
             raise ApiError(code, f"runsc checkpoint failed: {line[:300]}")
-        await self._delete_reaping(sandbox_id)
 
     async def _delete_reaping(self, sandbox_id: str) -> None:
         """runsc delete waits for the sandbox process (our adopted orphan) to be reaped:

@@ -58,6 +58,9 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
         self.admission = Admission(store)
         self.live: dict[str, Live] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+        # what a pause leaves of a sandbox on the host (its stopped runsc container, its
+        # directory), removed after the pause has answered; a boot of the id waits for it
+        self._teardowns: dict[str, asyncio.Task[None]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         # creates in progress (cancelled by a DELETE of their sandbox)
         self._inflight: dict[str, asyncio.Task[Any] | None] = {}
@@ -161,6 +164,8 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
                 self._spawn(self._fill_pool(template))
 
     async def shutdown(self) -> None:
+        if self._teardowns:
+            await asyncio.wait(list(self._teardowns.values()), timeout=KILL_TIMEOUT)
         background = list(self._tasks)
         for t in background:
             t.cancel()
@@ -208,10 +213,13 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
         return row
 
     async def _boot(self, row: SandboxRow, image: Path | None, *,
-                    template_boot: bool = False) -> Live:
+                    template_boot: bool = False, resume: bool = False) -> Live:
         """Start (image None) or restore a sandbox for row; returns it with its agent
-        connected and told who it is. On failure everything made for it is removed and
+        connected and told who it is (``resume``: its own pause image, on a backend whose
+        sandboxes take the time and randomness from the host (gVisor): nothing in its
+        identity changed, none is sent). On failure everything made for it is removed and
         the error raised."""
+        await self._settle_teardown(row.id)  # (a pause's, of the same id: its directory)
         spec = self._spec(row)
         key = self._agent_key(row, image)
         chan = AgentChannel(spec.sock_path, key)
@@ -240,8 +248,10 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
             await chan.wait_connected(self.cfg.agent_connect_timeout)
             key_file.unlink(missing_ok=True)
             t2 = time.monotonic()
-            await self._identity(lv)
-            lv.mem = memwatch.start(chan, row.id, int(row.spec["memory_mib"]), self.backend)
+            if not resume or self.backend.capabilities.guest_net:
+                await self._identity(lv)
+            self._spawn(self._watch_memory(lv))  # off the critical path (the agent looks
+            # for itself until the host's watch is there)
             log.info("%s of %s: backend %.0f ms, agent hello %.0f ms, identity %.0f ms",
                      "boot" if image is None else "restore", row.id, (t1 - t0) * 1e3,
                      (t2 - t1) * 1e3, (time.monotonic() - t2) * 1e3)
@@ -459,6 +469,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
                 log.warning("kill of %s: retry failed: %s", sid, e)
 
     async def _teardown(self, sid: str) -> None:
+        await self._settle_teardown(sid)
         lv = self.live.pop(sid, None)
         if lv is not None:
             if lv.mem is not None:
@@ -466,6 +477,45 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
             await lv.chan.close()
         await self.backend.kill(sid)
         shutil.rmtree(self.cfg.sandboxes_dir / sid, ignore_errors=True)
+
+    async def _watch_memory(self, lv: Live) -> None:
+        """The host's watch on the sandbox's memory (cpuosd.lifecycle.memwatch), if it is
+        still live by then."""
+        if self.live.get(lv.row.id) is not lv or lv.mem is not None:
+            return
+        lv.mem = memwatch.start(lv.chan, lv.row.id, int(lv.row.spec["memory_mib"]),
+                                self.backend)
+
+    def _teardown_later(self, sid: str) -> None:
+        """``_teardown`` for a sandbox that stopped at its checkpoint (a pause): it is no
+        longer live from now on; deleting its stopped container and its directory goes on
+        in the background, off the pause's critical path. ``_boot`` and ``_teardown`` of
+        the same id wait for it."""
+        lv = self.live.pop(sid, None)
+        if lv is not None and lv.mem is not None:
+            lv.mem.close()
+            lv.mem = None
+
+        async def rest() -> None:
+            try:
+                if lv is not None:
+                    await lv.chan.close()
+                await asyncio.wait_for(self.backend.kill(sid), KILL_TIMEOUT)
+                shutil.rmtree(self.cfg.sandboxes_dir / sid, ignore_errors=True)
+            except Exception as e:  # a restarted daemon's reconcile ends what is left
+                log.warning("teardown of %s after its checkpoint failed: %s", sid, e)
+            finally:
+                if self._teardowns.get(sid) is task:
+                    del self._teardowns[sid]
+
+        task = asyncio.get_running_loop().create_task(rest())
+        self._teardowns[sid] = task
+
+    async def _settle_teardown(self, sid: str) -> None:
+        """Wait for a background teardown of sid (its errors are its own)."""
+        t = self._teardowns.get(sid)
+        if t is not None:
+            await asyncio.wait([t])
 
     def _set_state(self, sid: str, to: str, **fields: Any) -> None:
         """The one way a sandbox changes state: checked against the table

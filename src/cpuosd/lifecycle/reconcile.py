@@ -14,7 +14,6 @@ from ..agentconn import AgentChannel
 from ..errors import ApiError
 from ..store import LIVE_STATES, SandboxRow
 from ..templates.builder import list_templates
-from . import memwatch
 from .common import (Live, _du, _now)
 
 if TYPE_CHECKING:
@@ -103,9 +102,7 @@ class Reconcile:
             log.warning("sandbox %s: agent did not reconnect; killing it", sid)
             await self.kill(sid, reason="lost", final_state="error")
             return
-        if self.live.get(sid) is lv and lv.mem is None:
-            lv.mem = memwatch.start(lv.chan, sid, int(lv.row.spec["memory_mib"]),
-                                    self.backend)
+        await self._watch_memory(lv)
 
     def _on_disconnect(self: Manager, sid: str) -> None:
         self._spawn(self._check_alive(sid))
