@@ -39,6 +39,9 @@ TITLE = "17. density: idle sandboxes on one host"
 DAEMON: dict[str, str] = {}  # the daemon's defaults (template snapshot, warm pool)
 
 SLEEPER = ["/bin/sleep", "infinity"]
+# a second floor, for memory only: PID 1 a Python interpreter that sleeps (what any agent
+# written in the template's python3 costs at least; the agent is run with -s too)
+PY_SLEEPER = ["/usr/bin/python3", "-s", "-c", "import time; time.sleep(1e9)"]
 CGROUP = Path("/sys/fs/cgroup")
 # inside a sandbox: every process but this one (command line, resident memory, threads:
 # gVisor's /proc; its smaps says Pss = Rss, so no PSS) and the sandbox's memory in use as
@@ -155,12 +158,12 @@ def create_idle(d: Daemon, n: int) -> list[Sandbox]:
     return out
 
 
-def start_sleepers(raw: RawRunsc, n: int) -> list[str]:
+def start_sleepers(raw: RawRunsc, n: int, argv: list[str] = SLEEPER) -> list[str]:
     ids = []
     for i in range(n):
         cid = raw.new_id("sleep")
         ns = raw.netns() if raw.networked else None
-        sdir = raw.bundle(cid, SLEEPER, hostname=cid, netns=ns)
+        sdir = raw.bundle(cid, argv, hostname=cid, netns=ns)
         raw.run_detached(cid, sdir, network=ns is not None)
         ids.append(cid)
         if (i + 1) % 10 == 0:
@@ -346,6 +349,7 @@ def measure(ctx: Context) -> dict[str, Any]:
         out["memory"] = {
             "ours_drop_bytes": ours_drop,
             "ours_cgroup_bytes": [cgroup_memory(c) for c in ids],
+            "ours_own_bytes": [cgroup_own_memory(c) for c in ids],
             "ours_host_tasks": [cgroup_tasks(c) for c in ids], "agent": agent}
         console.print(f"  {n} idle sandboxes: MemAvailable -{mib(ours_drop)} "
                       f"({mib(ours_drop / n)} each); agent RSS "
@@ -355,9 +359,18 @@ def measure(ctx: Context) -> dict[str, Any]:
         floor_drop = settled_drop(before)
         out["memory"].update({"floor_drop_bytes": floor_drop,
                               "floor_cgroup_bytes": [cgroup_memory(c) for c in sleepers],
+                              "floor_own_bytes": [cgroup_own_memory(c) for c in sleepers],
                               "floor_host_tasks": [cgroup_tasks(c) for c in sleepers]})
         console.print(f"  {n} raw sleepers: MemAvailable -{mib(floor_drop)} "
                       f"({mib(floor_drop / n)} each)")
+        py = start_sleepers(raw, ctx.pick(10, 5, 1), PY_SLEEPER)
+        try:
+            wait_settled()
+            out["memory"].update({"pyfloor_cgroup_bytes": [cgroup_memory(c) for c in py],
+                                  "pyfloor_own_bytes": [cgroup_own_memory(c) for c in py]})
+        finally:
+            for cid in py:
+                raw.delete(cid)
         time.sleep(min(window, 5.0))  # the last ones' start-up is not idle time
         out["cpu"] = cpu_window(ids, sleepers, d, window)
         out["exec"] = exec_latency(sandboxes[-1], raw, sleepers[-1], ctx.pick(200, 100, 3),
@@ -440,6 +453,9 @@ def report(r: dict[str, Any]) -> list[Row]:
     ours_mem, floor_mem = mem["ours_drop_bytes"] / n, mem["floor_drop_bytes"] / n
     ours_cg = sum(mem["ours_cgroup_bytes"]) / n
     floor_cg = sum(mem["floor_cgroup_bytes"]) / n
+    ours_own = sum(mem["ours_own_bytes"]) / n
+    floor_own = sum(mem["floor_own_bytes"]) / n
+    py_own = sum(mem["pyfloor_own_bytes"]) / max(1, len(mem["pyfloor_own_bytes"]))
     ours_cpu = sum(cpu["ours_core_share"]) / n
     floor_cpu = sum(cpu["floor_core_share"]) / n
     agent = mem["agent"]
@@ -447,6 +463,9 @@ def report(r: dict[str, Any]) -> list[Row]:
               f"runsc containers whose PID 1 sleeps", ["", "ours", "floor (raw runsc)"])
     t.add_row("host memory per sandbox (MemAvailable drop / N)", mib(ours_mem), mib(floor_mem))
     t.add_row("  its cgroup's memory, mean", mib(ours_cg), mib(floor_cg))
+    t.add_row("  of which its own (anon + shmem + kernel: no shared file cache), mean",
+              mib(ours_own), mib(floor_own))
+    t.add_row("  floor with PID 1 a sleeping python3 -s: its own, mean", "—", mib(py_own))
     t.add_row("  host tasks (pids.current), mean",
               f"{sum(mem['ours_host_tasks']) / n:.1f}", f"{sum(mem['floor_host_tasks']) / n:.1f}")
     t.add_row("  inside one: agent + spawner RSS, threads; all processes, threads",
@@ -490,7 +509,9 @@ def report(r: dict[str, Any]) -> list[Row]:
             "≤ 40 MiB and ≤ 1.3× floor",
             ours_mem <= 40 * (1 << 20) and ours_mem <= 1.3 * max(floor_mem, 1),
             f"{ours_mem / max(floor_mem, 1):.2f}× floor; cgroups {mib(ours_cg)} vs "
-            f"{mib(floor_cg)}"),
+            f"{mib(floor_cg)}, their own {mib(ours_own)} vs {mib(floor_own)} "
+            f"({ours_own / max(floor_own, 1):.2f}×; python3 PID 1: {mib(py_own)}, "
+            f"{ours_own / max(py_own, 1):.2f}×)"),
         row("host CPU per idle sandbox", pct_core(cpu["ours_core_share"]),
             pct_core(cpu["floor_core_share"]), "≤ 0.2 % of a core", ours_cpu <= 0.002,
             f"{n} idle: {100 * ours_cpu * n:.1f} % of a core in all (floor "

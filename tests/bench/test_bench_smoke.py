@@ -182,7 +182,8 @@ def check_figures(module: str, data: dict[str, Any]) -> None:
         n = data["n"]
         mem, cpu = data["memory"], data["cpu"]
         assert mem["ours_drop_bytes"] >= 0 and mem["floor_drop_bytes"] >= 0
-        for k in ("ours_cgroup_bytes", "floor_cgroup_bytes", "ours_host_tasks",
+        for k in ("ours_cgroup_bytes", "floor_cgroup_bytes", "ours_own_bytes",
+                  "floor_own_bytes", "ours_host_tasks",
                   "floor_host_tasks"):
             assert len(mem[k]) == n and all(x > 0 for x in mem[k]), (k, mem[k])
         # the agent and its spawner were found inside

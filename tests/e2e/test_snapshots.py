@@ -69,8 +69,8 @@ def test_pause_resume_three_times_keeps_memory_processes_files(daemon: Daemon) -
             assert info.state == "paused" and info.snapshot_bytes and info.snapshot_bytes > 0
             # no process left while paused (the stopped container is deleted once the
             # pause has answered)
-            wait_until(lambda: sid not in daemon.runsc_containers(), "the container's removal",
-                       30)
+            wait_until(lambda sid=sid: sid not in daemon.runsc_containers(),  # type: ignore[misc]
+                       "the container's removal", 30)
             with pytest.raises(Conflict):
                 sbx.exec("true")
             sbx.close()
