@@ -27,6 +27,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `cases`
 
 from cpuos import CpuosError, LimitExceeded, Sandbox
+from cpuos_agent.spawner import IDLE_EXIT
 from cpuosd.config import Config
 from cpuosd.testing import Daemon, wait_until
 
@@ -169,6 +170,25 @@ def start_sleepers(raw: RawRunsc, n: int, argv: list[str] = SLEEPER) -> list[str
         if (i + 1) % 10 == 0:
             console.print(f"  {i + 1}/{n} raw sleepers")
     return ids
+
+
+def guest_processes(s: Sandbox) -> int:
+    """Processes inside s, counted through the files API (nothing is started)."""
+    return sum(1 for e in s.files.list("/proc") if e.name.isdigit())
+
+
+def wait_idle(sandboxes: list[Sandbox]) -> float:
+    """Until every sandbox runs only its agent (a spawner exits after a spell with nothing
+    running: cpuos_agent.spawner.IDLE_EXIT), at most that spell and a minute more (an agent
+    that keeps it is measured as it is). Returns the seconds waited."""
+    t0 = now()
+    deadline = t0 + IDLE_EXIT + 60
+    left = list(sandboxes)
+    while left and now() < deadline:
+        left = [s for s in left if guest_processes(s) > 1]
+        if left:
+            time.sleep(1.0)
+    return now() - t0
 
 
 def settled_drop(before: int) -> int:
@@ -343,14 +363,17 @@ def measure(ctx: Context) -> dict[str, Any]:
         before = mem_available()
         sandboxes = create_idle(d, n)
         wait_until(lambda: containers(d) >= n + pooled, "the pool to refill", timeout=120)
+        out["idle_wait_s"] = wait_idle(sandboxes)
         ours_drop = settled_drop(before)
         ids = [s.id for s in sandboxes]
-        agent = agent_memory(sandboxes[0])
         out["memory"] = {
             "ours_drop_bytes": ours_drop,
             "ours_cgroup_bytes": [cgroup_memory(c) for c in ids],
             "ours_own_bytes": [cgroup_own_memory(c) for c in ids],
-            "ours_host_tasks": [cgroup_tasks(c) for c in ids], "agent": agent}
+            "ours_host_tasks": [cgroup_tasks(c) for c in ids],
+            "ours_guest_processes": [guest_processes(s) for s in sandboxes]}
+        # (an exec: the sandbox's spawner comes back, so after the figures above)
+        agent = out["memory"]["agent"] = agent_memory(sandboxes[0])
         console.print(f"  {n} idle sandboxes: MemAvailable -{mib(ours_drop)} "
                       f"({mib(ours_drop / n)} each); agent RSS "
                       f"{agent.get('agent_rss_kib', 0) / 1024:.1f} MiB")
@@ -468,7 +491,10 @@ def report(r: dict[str, Any]) -> list[Row]:
     t.add_row("  floor with PID 1 a sleeping python3 -s: its own, mean", "—", mib(py_own))
     t.add_row("  host tasks (pids.current), mean",
               f"{sum(mem['ours_host_tasks']) / n:.1f}", f"{sum(mem['floor_host_tasks']) / n:.1f}")
-    t.add_row("  inside one: agent + spawner RSS, threads; all processes, threads",
+    t.add_row("  processes inside when measured (the agent alone: its spawner has gone)",
+              f"{sum(mem['ours_guest_processes']) / n:.1f}", "1")
+    t.add_row("  inside one, running a command: agent + spawner RSS, threads; all "
+              "processes, threads",
               f"{agent.get('agent_rss_kib', 0) / 1024:.1f} MiB, "
               f"{agent.get('agent_threads', 0)}; {agent.get('guest_processes', 0)}, "
               f"{agent.get('guest_threads', 0)}", "—")
@@ -507,7 +533,11 @@ def report(r: dict[str, Any]) -> list[Row]:
     return [
         row("host memory per idle sandbox", mib(ours_mem), mib(floor_mem),
             "≤ 40 MiB and ≤ 1.3× floor",
-            ours_mem <= 40 * (1 << 20) and ours_mem <= 1.3 * max(floor_mem, 1),
+            # MemAvailable is the issue's measure; on a host others use at the same time it
+            # can move either way by more than N sandboxes take: a drop below what their
+            # cgroups hold is noise, and then the cgroups' own figure decides
+            max(ours_mem, ours_own) <= 40 * (1 << 20)
+            and max(ours_mem, ours_own) <= 1.3 * max(floor_mem, floor_own, 1),
             f"{ours_mem / max(floor_mem, 1):.2f}× floor; cgroups {mib(ours_cg)} vs "
             f"{mib(floor_cg)}, their own {mib(ours_own)} vs {mib(floor_own)} "
             f"({ours_own / max(floor_own, 1):.2f}×; python3 PID 1: {mib(py_own)}, "

@@ -51,7 +51,8 @@ class Agent:
         self.reaper = Reaper()
         self.spawner, self.cgroups = spawner, cgroups
         if spawner is not None:
-            spawner.attach(self.reaper, cgroups)
+            spawner.attach(self.reaper, cgroups, lambda: bool(self.execs) or any(
+                b.result is None for b in list(self.bg.values())))
         self.execs: dict[int, Exec] = {}
         self.writes: dict[int, tuple[int, str, str]] = {}
         self.dials: dict[int, Dial] = {}

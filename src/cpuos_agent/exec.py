@@ -458,3 +458,5 @@ class Exec:
                 self.agent.cgroups.release(self.cgroup)
             if self.agent.memguard is not None:  # processes it left: guarded on
                 self.agent.memguard.wake()
+            if self.agent.spawner is not None:
+                self.agent.spawner.idle()

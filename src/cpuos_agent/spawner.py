@@ -16,6 +16,11 @@ to the agent) are reaped by the agent. Nothing polls for that: the agent is the
 spawner's parent, so its reaper hears of a stop (``waitpid`` with WUNTRACED) and of an
 exit, and the spawner's end of the event socket closing says it is gone.
 
+An idle sandbox has no spawner: once nothing has run for IDLE_EXIT seconds the agent
+closes its end of the request socket and the spawner exits (~7 MiB of host memory per
+sandbox); the next command forks a new one from the agent first (a fork of the agent:
+~10-20 ms under gVisor, once per busy spell).
+
 In legacy mode (the agent is the user) commands are started by the agent itself.
 
 Stdlib only: it runs inside every sandbox."""
@@ -32,6 +37,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import privs
@@ -43,6 +49,7 @@ if TYPE_CHECKING:
 MAX_REQUEST = 1 << 18  # an exec request's argv and env (the frame header is at most 64 KiB)
 MAX_REPLY = 1 << 12
 REPLY_WAIT = 10.0  # s: a spawner that has not answered by then is replaced
+IDLE_EXIT = 30.0  # s with nothing running after which the spawner exits
 CHECK_EVERY = 0.2  # s: how often a waiting spawn looks whether the spawner was stopped
 
 
@@ -85,13 +92,15 @@ def _recv(sock: socket.socket, size: int, nfds: int = 0
 
 
 # ---- the spawner process ----------------------------------------------------------------
-def _spawner_main(req: socket.socket, events: socket.socket, uid: int) -> None:
+def _spawner_main(req: socket.socket, events: socket.socket, uid: int,
+                  pdeathsig: bool = True) -> None:
     """The spawner's life (never returns): requests on ``req`` (each answered there), exit
     statuses of what it started on ``events``. It owns nothing secret and holds no
     capability; it ends when the agent's end of ``req`` closes."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if pdeathsig:  # (it fires when the forking *thread* ends: see Spawner.fork)
+            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
         privs.become_user(uid)
         libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: no command may read it or its fds
         null = os.open("/dev/null", os.O_RDWR)
@@ -159,20 +168,31 @@ class Spawner:
         self.reaper: Reaper | None = None
         self.cgroups: Cgroups | None = None
         self.restarts = 0
+        self.idle_exits = 0
         self._lock = threading.Lock()  # one spawn at a time (the spawner moves cgroups)
         self._events: socket.socket | None = None
         self._gone = threading.Event()
+        # idle exit: whether a command runs (the agent's), since when nothing has
+        self.busy: Callable[[], bool] = lambda: True
+        self._idle_cv = threading.Condition()
+        self._idle_since: float | None = None
+        self._exited_idle = False
 
     def fork(self) -> None:
         """Start a spawner process (at start: before any thread and before the key is
         read; later: to replace one)."""
         a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         ea, eb = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        main_thread = threading.current_thread() is threading.main_thread()
         pid = os.fork()
         if pid == 0:
             a.close()
             ea.close()
-            _spawner_main(b, eb, self.uid)
+            # the parent-death signal follows the thread that forked: only a fork from
+            # the main thread may ask for it (a later one, from an exec's thread, would
+            # be killed when that exec ends); the agent is PID 1, so its death ends every
+            # process of the sandbox anyway
+            _spawner_main(b, eb, self.uid, main_thread)
             os._exit(0)
         b.close()
         eb.close()
@@ -184,13 +204,51 @@ class Spawner:
             self.reaper.kick()
             self._start_reader()
 
-    def attach(self, reaper: Reaper, cgroups: Cgroups | None) -> None:
+    def attach(self, reaper: Reaper, cgroups: Cgroups | None,
+               busy: Callable[[], bool] | None = None) -> None:
         """Exit statuses go to reaper from now on; commands start in their exec's cgroup;
-        a stop of the spawner, which reaper sees, ends it."""
+        a stop of the spawner, which reaper sees, ends it. ``busy``: whether a command of
+        the agent's runs (without it the spawner never exits when idle)."""
         self.reaper, self.cgroups = reaper, cgroups
         reaper.on_stop = self._on_stop
+        if busy is not None:
+            self.busy = busy
+            threading.Thread(target=self._idle_loop, name="spawner-idle", daemon=True).start()
+            self.idle()
         if self.sock is not None:
             self._start_reader()
+
+    def idle(self) -> None:
+        """A command ended (or none ran yet): the spawner exits after IDLE_EXIT seconds
+        in which none started."""
+        with self._idle_cv:
+            self._idle_since = time.monotonic()
+            self._idle_cv.notify()
+
+    def _idle_loop(self) -> None:
+        """Sleeps (no timeout) while commands run or there is no spawner; once, IDLE_EXIT
+        after the last one ended, ends the spawner."""
+        while True:
+            with self._idle_cv:
+                while self._idle_since is None or self.sock is None:
+                    self._idle_cv.wait()
+                left = self._idle_since + IDLE_EXIT - time.monotonic()
+                if left > 0:
+                    self._idle_cv.wait(left)
+                    continue
+                self._idle_since = None
+            self._exit_if_idle()
+
+    def _exit_if_idle(self) -> None:
+        with self._lock:  # (no spawn under way)
+            if self.sock is None or self._gone.is_set() or self.busy():
+                return
+            # its recv ends: it exits, and its event socket's end closes (our reader
+            # settles what is left); it started nothing that still runs
+            self.sock.close()
+            self.sock = None
+            self._exited_idle = True
+            self.idle_exits += 1
 
     def _on_stop(self, pid: int) -> None:
         """A child of the agent stopped: if it is the spawner, it cannot report exits any
@@ -263,6 +321,14 @@ class Spawner:
         started, and the caller kills what is in its cgroup)."""
         req = {"argvs": argvs, "cwd": cwd, "env": env}
         with self._lock:
+            with self._idle_cv:
+                self._idle_since = None  # (the agent calls idle() when it has ended)
+            if self.sock is None and self._exited_idle:
+                self._exited_idle = False
+                # what the new spawner runs is loaded here, before the fork: a thread of
+                # ours importing it meanwhile would leave its import lock held there
+                import subprocess  # noqa: F401
+                self.fork()
             for _ in range(3):
                 if self.sock is None or self._gone.is_set() or self._stopped():
                     self._replace()

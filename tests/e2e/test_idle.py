@@ -69,9 +69,10 @@ def test_an_idle_python_sandbox_makes_no_wakeups(box: Sandbox) -> None:
     procs = _processes(box)
     # the agent and its spawner, nothing else (the template starts nothing); the agent's
     # threads: the one serving the host, its reaper, its OOM guard, its spawner's reader
-    # (+ the exec thread of the ps just run); the spawner's: its own and its reaper
+    # and idle timer (+ the exec thread of the ps just run); the spawner's: its own and
+    # its reaper
     assert [a for _, _, a in procs] == ["/usr/bin/python3 -s -m cpuos_agent"] * 2, procs
-    assert sum(n for _, n, _ in procs) <= 7, procs
+    assert sum(n for _, n, _ in procs) <= 8, procs
     used = quiet_window(box)
     tasks = box.metrics().get("pids")
     print(f"idle python sandbox: {used * 1e3:.2f} ms of CPU in {WINDOW:.0f} s; "
@@ -134,3 +135,20 @@ def test_an_idle_code_interpreter_stays_quiet(daemon: Daemon) -> None:
     finally:
         s.kill()
         s.close()
+
+
+def test_an_idle_sandbox_lets_its_spawner_go(box: Sandbox) -> None:
+    """Nothing run for a while (spawner.IDLE_EXIT, 30 s): the spawner exits (the files API
+    lists /proc without starting anything), leaving the agent alone; the next command
+    forks a new one and runs."""
+    from cpuos_agent.spawner import IDLE_EXIT
+
+    assert box.exec("true").exit_code == 0
+
+    def processes() -> int:
+        return sum(1 for e in box.files.list("/proc") if e.name.isdigit())
+
+    wait_until(lambda: processes() == 1, "the spawner to exit", IDLE_EXIT + 90)
+    r = box.exec("echo $PPID; exit 3")
+    assert r.exit_code == 3 and r.stdout.strip() not in ("", "1"), r
+    assert processes() == 2
