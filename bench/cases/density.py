@@ -32,7 +32,7 @@ from cpuosd.config import Config
 from cpuosd.testing import Daemon, wait_until
 
 from cases._common import (Context, RawRunsc, Row, case_main, console, du, info_row,
-                           kill_quietly, mib, ms, now, pct, table)
+                           kill_quietly, mib, ms, now, pause_resume_exec, pct, table)
 from cases.runtimes import mem_available, wait_settled
 
 SECTION = KEY = "density"
@@ -299,26 +299,19 @@ def pause_resume(d: Daemon, s: Sandbox, raw: RawRunsc, cid: str, n: int
                            "floor_resident_bytes": [], "floor_du_allocated": []}
     for i in range(n + 1):
         resident = cgroup_memory(s.id)
-        t0 = now()
-        sid = s.pause()
-        t1 = now()
-        info = s.info()
-        allocated = du(d.snapshots_dir / sid)[1]
-        paused = s
-        t2 = now()
-        s = Sandbox.resume(sid, **kw)
-        t3 = now()
-        paused.close()
-        r = s.exec("true")
-        t4 = now()
-        if r.exit_code != 0:
-            raise RuntimeError(f"exec true after resume failed: {r}")
+        seen: dict[str, int] = {}
+
+        def sizes(sid: str, paused: Sandbox = s, seen: dict[str, int] = seen) -> None:
+            seen["snapshot"] = paused.info().snapshot_bytes or 0
+            seen["allocated"] = du(d.snapshots_dir / sid)[1]
+
+        s, (pause_s, resume_s, resume_exec_s) = pause_resume_exec(s, kw, sizes)
         if i == 0:
             continue
-        for k, v in (("ours_pause_s", t1 - t0), ("ours_resume_s", t3 - t2),
-                     ("ours_resume_exec_s", t4 - t2), ("ours_resident_bytes", resident),
-                     ("ours_snapshot_bytes", info.snapshot_bytes or 0),
-                     ("ours_du_allocated", allocated)):
+        for k, v in (("ours_pause_s", pause_s), ("ours_resume_s", resume_s),
+                     ("ours_resume_exec_s", resume_exec_s), ("ours_resident_bytes", resident),
+                     ("ours_snapshot_bytes", seen["snapshot"]),
+                     ("ours_du_allocated", seen["allocated"])):
             res[k].append(v)
     sdir = raw.tmp / cid
     for i in range(n + 1):

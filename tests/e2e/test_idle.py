@@ -10,7 +10,6 @@ and what runs inside is the agent and its spawner alone."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -56,39 +55,31 @@ def _host_memory_events(sid: str) -> bool:
     return Path(f"/sys/fs/cgroup/memory/cpuos/{sid}/cgroup.event_control").exists()
 
 
-@pytest.fixture
-def box(daemon: Daemon) -> Iterator[Sandbox]:
-    s = Sandbox.create(template="python", timeout="10m", **daemon.sdk_kwargs())
-    yield s
-    s.kill()
-    s.close()
-
-
-def test_an_idle_python_sandbox_makes_no_wakeups(box: Sandbox) -> None:
-    assert box.exec("true").exit_code == 0
-    procs = _processes(box)
+def test_an_idle_python_sandbox_makes_no_wakeups(sbx: Sandbox) -> None:
+    assert sbx.exec("true").exit_code == 0
+    procs = _processes(sbx)
     # the agent and its spawner, nothing else (the template starts nothing); the agent's
     # threads: the one serving the host, its reaper, its OOM guard, its spawner's reader
     # and idle timer (+ the exec thread of the ps just run); the spawner's: its own and
     # its reaper
     assert [a for _, _, a in procs] == ["/usr/bin/python3 -s -m cpuos_agent"] * 2, procs
     assert sum(n for _, n, _ in procs) <= 8, procs
-    used = quiet_window(box)
-    tasks = box.metrics().get("pids")
+    used = quiet_window(sbx)
+    tasks = sbx.metrics().get("pids")
     print(f"idle python sandbox: {used * 1e3:.2f} ms of CPU in {WINDOW:.0f} s; "
           f"{len(procs)} processes, {sum(n for _, n, _ in procs)} threads inside; "
           f"{tasks} host tasks")
     assert used <= QUIET, f"{used * 1e3:.1f} ms of CPU in a {WINDOW:.0f} s idle window"
 
 
-def test_a_process_left_running_costs_no_guard_wakeups(box: Sandbox) -> None:
+def test_a_process_left_running_costs_no_guard_wakeups(sbx: Sandbox) -> None:
     """A server or kernel left behind (nohup ... &) used to keep the agent's OOM guard
     looking every 50 ms; with the host watching the sandbox's memory it sleeps."""
-    if not _host_memory_events(box.id):
+    if not _host_memory_events(sbx.id):
         pytest.skip("the host has no memory threshold events (cgroup v1's "
                     "cgroup.event_control): the agent's guard looks while anything runs")
-    box.exec("nohup sleep 600 >/dev/null 2>&1 &")
-    used = quiet_window(box)
+    sbx.exec("nohup sleep 600 >/dev/null 2>&1 &")
+    used = quiet_window(sbx)
     assert used <= QUIET, f"{used * 1e3:.1f} ms of CPU in a {WINDOW:.0f} s window"
 
 
@@ -137,18 +128,18 @@ def test_an_idle_code_interpreter_stays_quiet(daemon: Daemon) -> None:
         s.close()
 
 
-def test_an_idle_sandbox_lets_its_spawner_go(box: Sandbox) -> None:
+def test_an_idle_sandbox_lets_its_spawner_go(sbx: Sandbox) -> None:
     """Nothing run for a while (spawner.IDLE_EXIT, 30 s): the spawner exits (the files API
     lists /proc without starting anything), leaving the agent alone; the next command
     forks a new one and runs."""
     from cpuos_agent.spawner import IDLE_EXIT
 
-    assert box.exec("true").exit_code == 0
+    assert sbx.exec("true").exit_code == 0
 
     def processes() -> int:
-        return sum(1 for e in box.files.list("/proc") if e.name.isdigit())
+        return sum(1 for e in sbx.files.list("/proc") if e.name.isdigit())
 
     wait_until(lambda: processes() == 1, "the spawner to exit", IDLE_EXIT + 90)
-    r = box.exec("echo $PPID; exit 3")
+    r = sbx.exec("echo $PPID; exit 3")
     assert r.exit_code == 3 and r.stdout.strip() not in ("", "1"), r
     assert processes() == 2
