@@ -155,6 +155,11 @@ class Agent:
             if self.memguard is not None and isinstance(limit, int):
                 self.memguard.set_limit(limit)
                 applied.append("memory_limit")
+            idle_exit = h.get("spawner_idle_exit")
+            if (self.spawner is not None and isinstance(idle_exit, (int, float))
+                    and 0 <= idle_exit <= 86400):
+                self.spawner.set_idle_exit(float(idle_exit))
+                applied.append("spawner_idle_exit")
             conn.send({"t": "identity_ok", "id": sid, "applied": applied})
         elif t == "memory":  # the host's watch on the sandbox's memory (memguard.py)
             if self.memguard is not None:

@@ -16,10 +16,10 @@ to the agent) are reaped by the agent. Nothing polls for that: the agent is the
 spawner's parent, so its reaper hears of a stop (``waitpid`` with WUNTRACED) and of an
 exit, and the spawner's end of the event socket closing says it is gone.
 
-An idle sandbox has no spawner: once nothing has run for IDLE_EXIT seconds the agent
+An idle sandbox has no spawner: once nothing has run for ``idle_exit`` seconds the agent
 closes its end of the request socket and the spawner exits (~7 MiB of host memory per
 sandbox); the next command forks a new one from the agent first (a fork of the agent:
-~10-20 ms under gVisor, once per busy spell).
+40-100 ms here under gVisor, once per busy spell).
 
 In legacy mode (the agent is the user) commands are started by the agent itself.
 
@@ -49,7 +49,8 @@ if TYPE_CHECKING:
 MAX_REQUEST = 1 << 18  # an exec request's argv and env (the frame header is at most 64 KiB)
 MAX_REPLY = 1 << 12
 REPLY_WAIT = 10.0  # s: a spawner that has not answered by then is replaced
-IDLE_EXIT = 30.0  # s with nothing running after which the spawner exits
+IDLE_EXIT = 120.0  # s with nothing running after which the spawner exits (the host's
+# identity message may say otherwise: CPUOS_SPAWNER_IDLE_EXIT; 0: never)
 CHECK_EVERY = 0.2  # s: how often a waiting spawn looks whether the spawner was stopped
 
 
@@ -174,6 +175,7 @@ class Spawner:
         self._gone = threading.Event()
         # idle exit: whether a command runs (the agent's), since when nothing has
         self.busy: Callable[[], bool] = lambda: True
+        self.idle_exit = IDLE_EXIT
         self._idle_cv = threading.Condition()
         self._idle_since: float | None = None
         self._exited_idle = False
@@ -218,21 +220,26 @@ class Spawner:
         if self.sock is not None:
             self._start_reader()
 
+    def set_idle_exit(self, seconds: float) -> None:
+        with self._idle_cv:
+            self.idle_exit = seconds
+            self._idle_cv.notify()
+
     def idle(self) -> None:
-        """A command ended (or none ran yet): the spawner exits after IDLE_EXIT seconds
+        """A command ended (or none ran yet): the spawner exits after ``idle_exit`` seconds
         in which none started."""
         with self._idle_cv:
             self._idle_since = time.monotonic()
             self._idle_cv.notify()
 
     def _idle_loop(self) -> None:
-        """Sleeps (no timeout) while commands run or there is no spawner; once, IDLE_EXIT
-        after the last one ended, ends the spawner."""
+        """Sleeps (no timeout) while commands run or there is no spawner; once,
+        ``idle_exit`` after the last one ended, ends the spawner."""
         while True:
             with self._idle_cv:
-                while self._idle_since is None or self.sock is None:
+                while self._idle_since is None or self.sock is None or self.idle_exit <= 0:
                     self._idle_cv.wait()
-                left = self._idle_since + IDLE_EXIT - time.monotonic()
+                left = self._idle_since + self.idle_exit - time.monotonic()
                 if left > 0:
                     self._idle_cv.wait(left)
                     continue

@@ -128,18 +128,22 @@ def test_an_idle_code_interpreter_stays_quiet(daemon: Daemon) -> None:
         s.close()
 
 
-def test_an_idle_sandbox_lets_its_spawner_go(sbx: Sandbox) -> None:
-    """Nothing run for a while (spawner.IDLE_EXIT, 30 s): the spawner exits (the files API
-    lists /proc without starting anything), leaving the agent alone; the next command
-    forks a new one and runs."""
-    from cpuos_agent.spawner import IDLE_EXIT
-
+@pytest.mark.parametrize("fresh_daemon", [{"CPUOS_SPAWNER_IDLE_EXIT": "2"}], indirect=True)
+def test_an_idle_sandbox_lets_its_spawner_go(fresh_daemon: Daemon) -> None:
+    """Nothing run for a while (CPUOS_SPAWNER_IDLE_EXIT: 2 s here, 120 by default): the
+    spawner exits (the files API lists /proc without starting anything), leaving the agent
+    alone; the next command forks a new one and runs."""
+    sbx = Sandbox.create(template="python", timeout="5m", **fresh_daemon.sdk_kwargs())
     assert sbx.exec("true").exit_code == 0
 
     def processes() -> int:
         return sum(1 for e in sbx.files.list("/proc") if e.name.isdigit())
 
-    wait_until(lambda: processes() == 1, "the spawner to exit", IDLE_EXIT + 90)
-    r = sbx.exec("echo $PPID; exit 3")
-    assert r.exit_code == 3 and r.stdout.strip() not in ("", "1"), r
-    assert processes() == 2
+    try:
+        wait_until(lambda: processes() == 1, "the spawner to exit", 60)
+        r = sbx.exec("echo $PPID; exit 3")
+        assert r.exit_code == 3 and r.stdout.strip() not in ("", "1"), r
+        assert processes() == 2
+    finally:
+        sbx.kill()
+        sbx.close()

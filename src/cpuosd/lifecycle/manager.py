@@ -290,7 +290,8 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
         msg: dict[str, Any] = {"t": "identity", "hostname": lv.row.id,
                                "machine_id": lv.row.spec["machine_id"],
                                "seed": secrets.token_hex(64), "time": time.time(),
-                               "memory_limit": int(lv.row.spec["memory_mib"]) << 20}
+                               "memory_limit": int(lv.row.spec["memory_mib"]) << 20,
+                               "spawner_idle_exit": self.cfg.spawner_idle_exit}
         if self.backend.capabilities.guest_net and lv.spec.address and lv.spec.gateway:
             # a VM's interface: every restore and clone has an address of its own
             msg["net"] = {"address": lv.spec.address, "gateway": lv.spec.gateway,
