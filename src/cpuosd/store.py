@@ -168,8 +168,10 @@ class Store:
         r = self._exec("SELECT id FROM workspaces WHERE name=?", (name,)).fetchone()
         return r[0] if r else None
 
-    def add_key(self, workspace_id: str, label: str) -> str:
-        key = new_key()
+    def add_key(self, workspace_id: str, label: str, key: str | None = None) -> str:
+        """A new key of the workspace (``key``: one made by the caller in another format,
+        e.g. the E2B surface's ``e2b_<hex>``), stored hashed; returned once."""
+        key = key or new_key()
         self._exec("INSERT INTO api_keys VALUES (?,?,?,?,?)",
                    ("key-" + secrets.token_hex(6), workspace_id, hash_key(key), label, time.time()))
         return key

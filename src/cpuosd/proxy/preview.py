@@ -31,7 +31,8 @@ import re
 import secrets
 import socket
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import parse_qsl, urlencode
 
 from ..errors import ApiError, invalid, not_found
@@ -51,6 +52,15 @@ PATH_RE = re.compile(r"^/sandboxes/(sbx-[a-z0-9]{12})/ports/(\d{1,5})(/.*)?$")
 DROP_HEADERS = {b"authorization", b"x-cpuos-token"}
 
 
+class Route(NamedTuple):
+    """A surface's own rule for one port of its sandbox (``Preview.route``, e.g.
+    cpuosd.e2b.ports): reachable without a cpuos token, at ``upstream`` (None: the
+    sandbox's own port), with these request headers dropped and added."""
+    upstream: tuple[str, int] | None = None
+    drop: frozenset[bytes] = frozenset()
+    add: tuple[tuple[bytes, bytes], ...] = ()
+
+
 def domain() -> str:
     return os.environ.get("CPUOS_PREVIEW_DOMAIN", "localhost")
 
@@ -66,6 +76,10 @@ class Preview:
         self.host, self.port = host, port
         self._server: asyncio.Server | None = None
         self.conns: set[asyncio.Task[None]] = set()
+        # (row, port, request headers) -> a Route, an answer (status, message) or None
+        # (cpuos's own rules): another surface's ports (cpuosd.e2b)
+        self.route: Callable[[Any, int, dict[bytes, bytes]],
+                             Route | tuple[int, str] | None] | None = None
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._handle, self.host, self.port,
@@ -180,6 +194,11 @@ class Preview:
             sid, port, rest, form = pm.group(1), int(pm.group(2)), pm.group(3) or "/", "path"
         row = self.mgr.store.get_sandbox(sid)
         exposed = ((row.spec.get("ports") or {}).get(str(port)) if row else None)
+        routed = self.route(row, port, hdr) if self.route is not None and row else None
+        if isinstance(routed, tuple):
+            return await _reply(writer, *routed)
+        if routed is not None:
+            exposed = {"public": True}  # (the surface's rule has been applied)
         if row is None or exposed is None:
             return await _reply(writer, 404, f"port {port} of {sid} is not exposed")
         # the token: query (once: a redirect sets the cookie), header, or cookie
@@ -212,14 +231,18 @@ class Preview:
                 return await _reply(writer, 403, "wrong preview token")
         elif given is not None:
             query = urlencode([(k, v) for k, v in q if k != "cpuos_token"])
-        addr = await self._running_address(row.id, row.workspace_id, row.state, row.spec)
+        to_port = port
+        if routed is not None and routed.upstream is not None:
+            addr, to_port = routed.upstream
+        else:
+            addr = await self._running_address(row.id, row.workspace_id, row.state, row.spec)
         if isinstance(addr, tuple):
             return await _reply(writer, *addr)
         self._event(row.id, row.workspace_id, port, "connect",
                     peer=str((writer.get_extra_info("peername") or ("",))[0]))
         try:
             async with asyncio.timeout(CONNECT_TIMEOUT):
-                ur, uw = await asyncio.open_connection(addr, port, limit=CHUNK)
+                ur, uw = await asyncio.open_connection(addr, to_port, limit=CHUNK)
         except (OSError, TimeoutError):
             return await _reply(writer, 502, f"nothing answers on port {port} in {sid}")
         # the request as the sandbox's server sees it
@@ -228,7 +251,7 @@ class Preview:
                + b" " + version]
         for k, v in headers:
             lk = k.lower()
-            if lk in DROP_HEADERS:
+            if lk in DROP_HEADERS or (routed is not None and lk in routed.drop):
                 continue
             if lk == b"cookie":
                 v = _drop_cookie(v, cookie_name(port))
@@ -240,6 +263,7 @@ class Preview:
         peer = writer.get_extra_info("peername")
         out.append(b"X-Forwarded-For: " + str(peer[0] if peer else "").encode())
         out.append(b"X-Forwarded-Host: " + host.encode())
+        out.extend(k + b": " + v for k, v in (routed.add if routed is not None else ()))
         if form == "path" and not upgrade:
             out.append(b"Connection: close")  # the next request has its prefix to remove
         uw.write(b"\r\n".join(out) + b"\r\n\r\n")
