@@ -132,9 +132,9 @@ class E2BRouter:
             if port == JUPYTER_PORT:
                 await self.plain.jupyter(sub, receive, send)
             elif path.startswith("/process.Process/"):
-                await self.process(sub, receive, send)  # type: ignore[arg-type]
+                await self.process(sub, receive, send)
             elif path.startswith("/filesystem.Filesystem/"):
-                await self.filesystem(sub, receive, send)  # type: ignore[arg-type]
+                await self.filesystem(sub, receive, send)
             else:
                 await self.plain.envd(sub, receive, send)
         finally:

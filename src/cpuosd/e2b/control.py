@@ -170,8 +170,9 @@ def build(e2b: E2B) -> FastAPI:
         template = e2b.template_for(body.template_id)
         try:
             # cpuos's own request model checks names, environment and metadata
-            req = CreateSandbox(template=template, timeout=timeout,
-                                metadata=body.metadata or {}, env=body.env_vars or {})
+            req = CreateSandbox.model_validate({"template": template, "timeout": timeout,
+                                                "metadata": body.metadata or {},
+                                                "env": body.env_vars or {}})
         except ValidationError as err:
             raise E2BError(400, "; ".join(str(x.get("msg")) for x in err.errors())
                            ) from None

@@ -16,6 +16,7 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import re
 import secrets
 import signal as signal_mod
 import stat as stat_mod
@@ -63,8 +64,14 @@ CODES = {"not_found": Code.NOT_FOUND, "invalid_argument": Code.INVALID_ARGUMENT,
          "no_space": Code.RESOURCE_EXHAUSTED, "timeout": Code.DEADLINE_EXCEEDED,
          "unavailable": Code.UNAVAILABLE, "unauthorized": Code.UNAUTHENTICATED,
          "internal": Code.INTERNAL}
+TEMP_RE = re.compile(r"/\.[^/]*\.cpuos-[0-9a-f]+\.tmp$")
 EVENT_TYPES = {"create": F.EventType.CREATE, "modify": F.EventType.WRITE,
                "delete": F.EventType.REMOVE, "rename": F.EventType.RENAME}
+
+
+def one(field: str, value: Any) -> Any:
+    """A oneof's value (typed per field by the generated code; built here by name)."""
+    return Oneof(field, value)
 
 
 def connect_error(e: ApiError | E2BError) -> ConnectError:
@@ -268,7 +275,7 @@ class ProcessService:
         self._track(t.sid, pid, {"cmd": p.cmd, "args": list(p.args), "envs": env,
                                  "cwd": cwd, "pty": pty is not None,
                                  "tag": request.tag if request.has_field("tag") else None})
-        yield PP.StartResponse(event=_ev(Oneof("start", PP.ProcessEvent.StartEvent(pid=pid))))
+        yield PP.StartResponse(event=_ev(one("start", PP.ProcessEvent.StartEvent(pid=pid))))
         async for ev in self._follow(lv, pid, 0, pty is not None, _interval(ctx)):
             yield PP.StartResponse(event=ev)
 
@@ -290,15 +297,15 @@ class ProcessService:
 
         async for item in with_keepalive(events(), interval):
             if item is None:
-                yield _ev(Oneof("keepalive", PP.ProcessEvent.KeepAlive()))
+                yield _ev(one("keepalive", PP.ProcessEvent.KeepAlive()))
                 continue
             h, payload = item
             if h["t"] == "out":
                 field = "pty" if pty else ("stderr" if h.get("fd") == 2 else "stdout")
-                yield _ev(Oneof("data", PP.ProcessEvent.DataEvent(
-                    output=Oneof(field, payload))))
+                yield _ev(one("data", PP.ProcessEvent.DataEvent(
+                    output=one(field, payload))))
             elif h["t"] == "exit":
-                yield _ev(Oneof("end", _end(h)))
+                yield _ev(one("end", _end(h)))
                 return
             elif h["t"] == "error":
                 # (a killed sandbox: the SDK then asks /health, which says it is gone)
@@ -315,7 +322,7 @@ class ProcessService:
         lv = await t.ready()
         pid = await self._pid(lv, request.process)
         cfg = self.e2b.processes.get(t.sid, {}).get(pid) or {}
-        yield PP.ConnectResponse(event=_ev(Oneof("start",
+        yield PP.ConnectResponse(event=_ev(one("start",
                                                  PP.ProcessEvent.StartEvent(pid=pid))))
         pty = cfg.get("pty") is True
         async for ev in self._follow(lv, pid, -1, pty, _interval(ctx)):
@@ -558,13 +565,13 @@ class FilesystemService:
         check_user(ctx)
         t = CURRENT.get()
         lv, st, root = await self._open_watch(t, request.path, request.recursive)
-        yield F.WatchDirResponse(event=Oneof("start", F.WatchDirResponse.StartEvent()))
+        yield F.WatchDirResponse(event=one("start", F.WatchDirResponse.StartEvent()))
         async for ev in with_keepalive(watch_events(self.e2b, lv, st, root), _interval(ctx)):
             if ev is None:
-                yield F.WatchDirResponse(event=Oneof("keepalive",
+                yield F.WatchDirResponse(event=one("keepalive",
                                                      F.WatchDirResponse.KeepAlive()))
             else:
-                yield F.WatchDirResponse(event=Oneof("filesystem", ev))
+                yield F.WatchDirResponse(event=one("filesystem", ev))
 
     async def create_watcher(self, request: F.CreateWatcherRequest,
                              ctx: RequestContext[Any, Any]) -> F.CreateWatcherResponse:
@@ -622,9 +629,13 @@ async def watch_events(e2b: E2B, lv: Live, st: Stream, root: str
                     path = ev["path"]
                     if not path.startswith(prefix):
                         continue
-                    if ev["type"] == "rename" and str(ev.get("from", "")).startswith(prefix):
-                        yield F.FilesystemEvent(name=ev["from"][len(prefix):],
-                                                type=F.EventType.RENAME)
+                    if TEMP_RE.search(path):
+                        continue  # (cpuos's atomic writes: a temporary name, renamed)
+                    src = str(ev.get("from", ""))
+                    if ev["type"] == "rename" and src.startswith(prefix):
+                        if not TEMP_RE.search(src):
+                            yield F.FilesystemEvent(name=src[len(prefix):],
+                                                    type=F.EventType.RENAME)
                         yield F.FilesystemEvent(name=path[len(prefix):],
                                                 type=F.EventType.CREATE)
                         continue

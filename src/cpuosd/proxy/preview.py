@@ -195,7 +195,7 @@ class Preview:
         row = self.mgr.store.get_sandbox(sid)
         exposed = ((row.spec.get("ports") or {}).get(str(port)) if row else None)
         routed = self.route(row, port, hdr) if self.route is not None and row else None
-        if isinstance(routed, tuple):
+        if routed is not None and not isinstance(routed, Route):  # refused: (status, why)
             return await _reply(writer, *routed)
         if routed is not None:
             exposed = {"public": True}  # (the surface's rule has been applied)
@@ -231,13 +231,14 @@ class Preview:
                 return await _reply(writer, 403, "wrong preview token")
         elif given is not None:
             query = urlencode([(k, v) for k, v in q if k != "cpuos_token"])
-        to_port = port
+        to_port, addr = port, ""
         if routed is not None and routed.upstream is not None:
             addr, to_port = routed.upstream
         else:
-            addr = await self._running_address(row.id, row.workspace_id, row.state, row.spec)
-        if isinstance(addr, tuple):
-            return await _reply(writer, *addr)
+            found = await self._running_address(row.id, row.workspace_id, row.state, row.spec)
+            if isinstance(found, tuple):
+                return await _reply(writer, *found)
+            addr = found
         self._event(row.id, row.workspace_id, port, "connect",
                     peer=str((writer.get_extra_info("peername") or ("",))[0]))
         try:
