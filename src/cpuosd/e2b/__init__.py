@@ -71,6 +71,15 @@ class E2BRouter:
         path: str = scope["path"]
         if sid is not None:
             await self._sandbox(scope, receive, send, sid, path)
+        elif path in ("/files", PREFIX + "/files") and b"signature=" in scope.get(
+                "query_string", b""):
+            # a signed file URL (download_url/upload_url): no headers, the signature says
+            if self._expired(scope):
+                return await _reply(send, E2BError(401, "signature is already expired"))
+            found = self._signature(scope, None)
+            if found is None:
+                return await _reply(send, E2BError(401, "invalid or expired signature"))
+            await self._sandbox(scope, receive, send, found, path, signed=True)
         elif path == PREFIX or path.startswith(PREFIX + "/"):
             await self._control(scope, receive, send, path[len(PREFIX):] or "/")
         else:
@@ -105,8 +114,33 @@ class E2BRouter:
                "state": {**scope.get("state", {}), "workspace": wid}}
         await self.control(sub, bounded, send)
 
+    @staticmethod
+    def _expired(scope: Scope) -> bool:
+        import time
+        from urllib.parse import parse_qs
+
+        q = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        exp = (q.get("signature_expiration") or [""])[0]
+        return exp.lstrip("-").isdigit() and int(exp) < time.time()
+
+    def _signature(self, scope: Scope, sid: str | None) -> str | None:
+        """The sandbox a signed /files request is for (``sid``: the one its headers name),
+        or None."""
+        from urllib.parse import parse_qs
+
+        q = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        sig, path = (q.get("signature") or [""])[0], (q.get("path") or [""])[0]
+        if not sig or not path:
+            return None
+        op = "write" if scope["method"] == "POST" else "read"
+        user, exp = (q.get("username") or [None])[0], (q.get("signature_expiration")
+                                                      or [None])[0]
+        if sid is not None:
+            return sid if self.e2b.signed(sid, path, op, user, sig, exp) else None
+        return self.e2b.find_signed(path, op, user, sig, exp)
+
     async def _sandbox(self, scope: Scope, receive: Receive, send: Send, sid: str,
-                       path: str) -> None:
+                       path: str, signed: bool = False) -> None:
         from .envd import CURRENT
 
         if path == PREFIX or path.startswith(PREFIX + "/"):
@@ -121,9 +155,15 @@ class E2BRouter:
                 400, f"port {port}: on this listener only envd ({ENVD_PORT}) and the code "
                 f"interpreter ({JUPYTER_PORT}); reach your own ports through get_host(port) "
                 "(the preview proxy)"))
+        token = _header(scope, b"x-access-token")
+        if not signed and path == "/files" and not self.e2b.check_token(sid, token) \
+                and b"signature=" in scope.get("query_string", b""):
+            if self._expired(scope):
+                return await _reply(send, E2BError(401, "signature is already expired"))
+            signed = self._signature(scope, sid) is not None
         try:
-            target = self.e2b.target(sid, port, _header(scope, b"x-access-token"),
-                                     _header(scope, b"e2b-traffic-access-token"))
+            target = self.e2b.target(sid, port, token,
+                                     _header(scope, b"e2b-traffic-access-token"), signed)
         except E2BError as e:
             return await _reply(send, e)
         sub = {**scope, "path": path, "raw_path": path.encode(), "root_path": ""}

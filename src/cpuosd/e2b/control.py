@@ -60,6 +60,12 @@ class TimeoutBody(BaseModel):
     timeout: int = Field(ge=0)
 
 
+class ForkBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    timeout: int | None = Field(None, ge=0)
+    count: int = Field(1, ge=1, le=16)
+
+
 class ConnectBody(BaseModel):
     model_config = ConfigDict(extra="allow")
     timeout: int | None = Field(None, ge=0)
@@ -194,7 +200,8 @@ def build(e2b: E2B) -> FastAPI:
         return await create(request, body)
 
     def listed(request: Request, states: str | None, metadata: str | None,
-               order: str | None) -> list[SandboxRow]:
+               order: str | None, started_after: str | None = None,
+               template: str | None = None) -> list[SandboxRow]:
         want = {s.strip() for s in (states or "running,paused").split(",") if s.strip()}
         if want - {"running", "paused"}:
             raise E2BError(400, "state must be running and/or paused")
@@ -202,19 +209,31 @@ def build(e2b: E2B) -> FastAPI:
         if metadata:
             filt = {unquote(k): unquote(v) for k, v in parse_qsl(metadata,
                                                                  keep_blank_values=True)}
+        after = 0.0
+        if started_after:
+            try:
+                after = dt.datetime.fromisoformat(started_after.replace("Z", "+00:00")
+                                                  ).timestamp()
+            except ValueError:
+                raise E2BError(400, "startedAfter must be an RFC 3339 time") from None
         rows = [r for r in e2b.store.list_sandboxes(ws_of(request), tuple(E2B_STATES))
                 if E2B_STATES[r.state] in want
-                and all(r.metadata.get(k) == v for k, v in filt.items())]
-        rows.sort(key=lambda r: (r.created_at, r.id), reverse=order != "asc")
+                and all(r.metadata.get(k) == v for k, v in filt.items())
+                and (r.started_at or r.created_at) >= after - 1e-6
+                and (template is None
+                     or template in (r.template, (e2b.facts(r.id) or {}).get("alias")))]
+        # (a sandbox from the warm pool was made before it was handed out: its start counts)
+        rows.sort(key=lambda r: (r.started_at or r.created_at, r.id), reverse=order != "asc")
         return rows
 
     @app.get("/v2/sandboxes")
     async def list_v2(request: Request, state: str | None = None,
                       metadata: str | None = None, order: str | None = None,
                       limit: int = Query(100, ge=1, le=MAX_LIST),
-                      next_token: str | None = Query(None, alias="nextToken")
-                      ) -> Response:
-        rows = listed(request, state, metadata, order)
+                      next_token: str | None = Query(None, alias="nextToken"),
+                      started_after: str | None = Query(None, alias="startedAfter"),
+                      template: str | None = None) -> Response:
+        rows = listed(request, state, metadata, order, started_after, template)
         start = 0
         if next_token:
             ids = [r.id for r in rows]
@@ -296,11 +315,35 @@ def build(e2b: E2B) -> FastAPI:
         resp.status_code = 201
         return resp
 
+    @app.post("/sandboxes/{sid}/fork", status_code=201)
+    async def fork(sid: str, request: Request, body: ForkBody | None = None
+                   ) -> JSONResponse:
+        """cpuos's fork: one checkpoint, restored as many times (memory, processes, files);
+        the forks are E2B sandboxes as their parent is."""
+        body = body or ForkBody.model_validate({})
+        ws = ws_of(request)
+        parent = get(request, sid)
+        rows = await e2b.mgr.fork(ws, sid, body.count)
+        facts = e2b.facts(sid) or {}
+        out = []
+        for r in rows:
+            e2b.remember(r.id, facts.get("alias") or parent.template,
+                         bool(facts.get("public", True)), {})
+            if body.timeout is not None:
+                r = e2b.mgr.set_timeout(ws, r.id, float(body.timeout))
+            out.append({"sandbox": sandbox(r)})
+        return JSONResponse(out, status_code=201)
+
     @app.get("/sandboxes/{sid}/metrics")
-    async def metrics(sid: str, request: Request) -> list[dict[str, Any]]:
+    async def metrics(sid: str, request: Request, start: int | None = None,
+                      end: int | None = None) -> list[dict[str, Any]]:
+        """One point: what the host measures now (cpuos keeps no history); none when the
+        range asked for does not hold now."""
         row = get(request, sid)
-        m = await sandbox_metrics(e2b.mgr, row)
         now = time.time()
+        if (start is not None and now < start - 10) or (end is not None and now > end + 10):
+            return []
+        m = await sandbox_metrics(e2b.mgr, row)
         vcpus = int(row.spec.get("vcpus") or 0)
         return [{"timestamp": _iso(now), "timestampUnix": int(now), "cpuCount": vcpus,
                  "cpuUsedPct": float(m.get("cpu_percent_avg") or 0.0),

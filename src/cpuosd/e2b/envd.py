@@ -16,6 +16,7 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import posixpath
 import re
 import secrets
 import signal as signal_mod
@@ -44,7 +45,7 @@ from .gen.filesystem import filesystem_pb as F
 from .gen.filesystem.filesystem_connect import FilesystemASGIApplication
 from .gen.process import process_pb as PP
 from .gen.process.process_connect import ProcessASGIApplication
-from .state import E2B, HOME, USER, E2BError, Target
+from .state import E2B, HOME, SETTLE, USER, E2BError, Target
 
 CURRENT: ContextVar[Target] = ContextVar("e2b_target")
 T = TypeVar("T")
@@ -276,16 +277,20 @@ class ProcessService:
                                  "cwd": cwd, "pty": pty is not None,
                                  "tag": request.tag if request.has_field("tag") else None})
         yield PP.StartResponse(event=_ev(one("start", PP.ProcessEvent.StartEvent(pid=pid))))
-        async for ev in self._follow(lv, pid, 0, pty is not None, _interval(ctx)):
+        async for ev in self._follow(lv, pid, 0, pty is not None, _interval(ctx),
+                                     deadline=timeout is not None):
             yield PP.StartResponse(event=ev)
 
     def _audit(self, t: Target, fields: dict[str, Any]) -> None:
         self.e2b.mgr.events.emit(SandboxEvent("command", t.sid, t.ws, None, fields=fields))
 
-    async def _follow(self, lv: Live, pid: int, offset: int, pty: bool, interval: float
-                      ) -> AsyncIterator[PP.ProcessEvent]:
+    async def _follow(self, lv: Live, pid: int, offset: int, pty: bool, interval: float,
+                      deadline: bool = False) -> AsyncIterator[PP.ProcessEvent]:
         """The process's output from offset on, then its end: cpuos's command output
-        (the agent's ring; lifecycle.commands.Output checks every frame)."""
+        (the agent's ring; lifecycle.commands.Output checks every frame). ``deadline``:
+        this stream started it with a Connect timeout, which ended it: the stream ends
+        with deadline_exceeded (as envd's, whose process lives in the request's context),
+        not an end event."""
         m = self.e2b.mgr
         out = await C.output(m.store, lv, pid, offset, True, m._spawn)
 
@@ -305,6 +310,9 @@ class ProcessService:
                 yield _ev(one("data", PP.ProcessEvent.DataEvent(
                     output=one(field, payload))))
             elif h["t"] == "exit":
+                self.e2b.touch(lv.row.id)
+                if deadline and h.get("timed_out") is True:
+                    raise ConnectError(Code.DEADLINE_EXCEEDED, "context deadline exceeded")
                 yield _ev(one("end", _end(h)))
                 return
             elif h["t"] == "error":
@@ -452,13 +460,31 @@ class FilesystemService:
         d: dict[str, Any] = await self.e2b.mgr.file_call(lv, "stat", path)
         return d
 
+    async def _resolved(self, lv: Live, d: dict[str, Any]) -> dict[str, Any]:
+        """A symlink as envd reports it: the type of what it points to and the absolute
+        path of that (a dangling or looping link stays a symlink)."""
+        if d["type"] != "symlink":
+            return d
+        cur = d
+        for _ in range(8):
+            target = posixpath.normpath(posixpath.join(posixpath.dirname(cur["path"]),
+                                                       str(cur.get("target") or "")))
+            try:
+                cur = await self._stat(lv, target)
+            except ApiError:
+                return d
+            if cur["type"] != "symlink":
+                return {**d, "type": cur["type"], "target": target}
+        return d
+
     async def stat(self, request: F.StatRequest, ctx: RequestContext[Any, Any]
                    ) -> F.StatResponse:
         async def go() -> F.StatResponse:
             check_user(ctx)
             t = CURRENT.get()
             lv = await t.ready()
-            return F.StatResponse(entry=entry(await self._stat(lv, t.path(request.path))))
+            d = await self._resolved(lv, await self._stat(lv, t.path(request.path)))
+            return F.StatResponse(entry=entry(d))
         return await _call(go)
 
     async def make_dir(self, request: F.MakeDirRequest, ctx: RequestContext[Any, Any]
@@ -471,6 +497,7 @@ class FilesystemService:
             with contextlib.suppress(ApiError):
                 await self._stat(lv, path)
                 raise ConnectError(Code.ALREADY_EXISTS, f"{path} already exists")
+            self.e2b.touch(t.sid)
             d: dict[str, Any] = await self.e2b.mgr.file_call(lv, "mkdir", path)
             return F.MakeDirResponse(entry=entry(d))
         return await _call(go)
@@ -484,6 +511,7 @@ class FilesystemService:
             src, dst = t.path(request.source, "source"), t.path(request.destination,
                                                                 "destination")
             await self._stat(lv, src)  # (not_found as E2B says it)
+            self.e2b.touch(t.sid)
             # a rename is a command of the sandbox's user, through cpuos's exec (audited)
             frames = await self.e2b.mgr.exec_start(lv, ["mv", "-T", "--", src, dst], {},
                                                    "/", 60.0, None)
@@ -524,7 +552,7 @@ class FilesystemService:
                 for d in entries:
                     if len(out) >= MAX_ENTRIES:
                         return
-                    out.append(entry(d))
+                    out.append(entry(await self._resolved(lv, d)))
                     if d["type"] == "dir" and level < depth:
                         await walk(d["path"], level + 1)
             await walk(root, 1)
@@ -540,7 +568,12 @@ class FilesystemService:
             path = t.path(request.path)
             if path == "/":
                 raise ConnectError(Code.INVALID_ARGUMENT, "refusing to remove /")
-            await self.e2b.mgr.file_call(lv, "remove", path, recursive=True)
+            self.e2b.touch(t.sid)
+            try:
+                await self.e2b.mgr.file_call(lv, "remove", path, recursive=True)
+            except ApiError as e:
+                if e.code != "not_found":  # (envd: removing what is not there succeeds)
+                    raise
             return F.RemoveResponse()
         return await _call(go)
 
@@ -566,7 +599,8 @@ class FilesystemService:
         t = CURRENT.get()
         lv, st, root = await self._open_watch(t, request.path, request.recursive)
         yield F.WatchDirResponse(event=one("start", F.WatchDirResponse.StartEvent()))
-        async for ev in with_keepalive(watch_events(self.e2b, lv, st, root), _interval(ctx)):
+        async for ev in with_keepalive(watch_events(self.e2b, lv, st, root,
+                                                    request.include_entry), _interval(ctx)):
             if ev is None:
                 yield F.WatchDirResponse(event=one("keepalive",
                                                      F.WatchDirResponse.KeepAlive()))
@@ -583,7 +617,7 @@ class FilesystemService:
                                    "watchers per sandbox")
             lv, st, root = await self._open_watch(t, request.path, request.recursive)
             wid = "w-" + secrets.token_hex(12)
-            w = Watcher(t.sid, watch_events(self.e2b, lv, st, root))
+            w = Watcher(t.sid, watch_events(self.e2b, lv, st, root, request.include_entry))
             self.watchers[wid] = w
             w.task.add_done_callback(lambda _: None)
             return F.CreateWatcherResponse(watcher_id=wid)
@@ -598,6 +632,11 @@ class FilesystemService:
     async def get_watcher_events(self, request: F.GetWatcherEventsRequest,
                                  ctx: RequestContext[Any, Any]) -> F.GetWatcherEventsResponse:
         w = self._watcher(request.watcher_id)
+        # a change made through this surface just before: its events are on their way
+        # (the agent coalesces each path's events for 50 ms)
+        due = self.e2b.touched.get(w.sid, 0.0) + SETTLE - time.monotonic()
+        if due > 0:
+            await asyncio.sleep(min(due, SETTLE))
         if w.error is not None and not w.events:
             self.watchers.pop(request.watcher_id, None)
             raise connect_error(w.error) if isinstance(w.error, ApiError | E2BError) \
@@ -614,13 +653,23 @@ class FilesystemService:
         return F.RemoveWatcherResponse()
 
 
-async def watch_events(e2b: E2B, lv: Live, st: Stream, root: str
+async def watch_events(e2b: E2B, lv: Live, st: Stream, root: str, with_entry: bool = False
                        ) -> AsyncIterator[F.FilesystemEvent]:
     """The agent's inotify events (checked by cpuos.api.dirs' rules) as E2B's: a name
     relative to the watched directory; a rename is the old name's RENAME and the new
-    name's CREATE, as envd reports it."""
+    name's CREATE, as envd reports it; a file written through cpuos (a temporary name
+    renamed over it) is the CREATE and WRITE of its name; ``with_entry``: each event's
+    entry, where the path still exists."""
     done = False
     prefix = root.rstrip("/") + "/"
+
+    async def ev_(path: str, kind: F.EventType) -> F.FilesystemEvent:
+        out = F.FilesystemEvent(name=path[len(prefix):], type=kind)
+        if with_entry and kind not in (F.EventType.REMOVE, F.EventType.RENAME):
+            with contextlib.suppress(ApiError, AgentGone):
+                out.entry = entry(await e2b.mgr.file_call(lv, "stat", path))
+        return out
+
     try:
         while True:
             h, payload = await st.get()
@@ -632,16 +681,21 @@ async def watch_events(e2b: E2B, lv: Live, st: Stream, root: str
                     if TEMP_RE.search(path):
                         continue  # (cpuos's atomic writes: a temporary name, renamed)
                     src = str(ev.get("from", ""))
-                    if ev["type"] == "rename" and src.startswith(prefix):
-                        if not TEMP_RE.search(src):
-                            yield F.FilesystemEvent(name=src[len(prefix):],
-                                                    type=F.EventType.RENAME)
-                        yield F.FilesystemEvent(name=path[len(prefix):],
-                                                type=F.EventType.CREATE)
+                    if ev["type"] == "rename" and TEMP_RE.search(src):
+                        # (what envd reports of its own write: create, chown, write)
+                        for k in (F.EventType.CREATE, F.EventType.CHMOD, F.EventType.WRITE):
+                            yield await ev_(path, k)
                         continue
-                    yield F.FilesystemEvent(name=path[len(prefix):],
-                                            type=EVENT_TYPES.get(ev["type"],
-                                                                 F.EventType.WRITE))
+                    if ev["type"] == "rename" and src.startswith(prefix):
+                        yield await ev_(src, F.EventType.RENAME)
+                        yield await ev_(path, F.EventType.CREATE)
+                        continue
+                    kind = EVENT_TYPES.get(ev["type"], F.EventType.WRITE)
+                    if ev["type"] == "create" and not ev.get("dir"):
+                        # (a file made and written within the agent's 50 ms window)
+                        yield await ev_(path, kind)
+                        kind = F.EventType.WRITE
+                    yield await ev_(path, kind)
             elif h["t"] == "eof":
                 done = True
                 return

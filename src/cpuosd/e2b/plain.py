@@ -118,7 +118,11 @@ class Plain:
         t = CURRENT.get()
         try:
             _user(request)
+            if any(k.lower().startswith("x-metadata-") for k in request.headers):
+                raise E2BError(400, "file metadata (X-Metadata-*, xattrs) is not supported "
+                               "by cpuos")
             lv = await t.ready()
+            self.e2b.touch(t.sid)
             ctype, opts = parse_options_header(request.headers.get("content-type", ""))
             if ctype == b"multipart/form-data":
                 boundary = opts.get(b"boundary")
@@ -138,6 +142,7 @@ class Plain:
                     raise E2BError(400, f"unsupported Content-Encoding {enc!r}")
                 await self.e2b.mgr.write_file(lv, path, body)
                 written = [path]
+            self.e2b.touch(t.sid)
             if not written:
                 raise E2BError(400, "no file in the upload")
         except (ApiError, E2BError) as e:

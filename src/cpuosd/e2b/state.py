@@ -39,9 +39,11 @@ log = logging.getLogger("cpuosd.e2b")
 
 ENVD_PORT = 49983
 JUPYTER_PORT = 49999
-# the envd version cpuos answers: >= 0.5.7 gives the SDKs their modern behaviour (the
-# server's default user, octet-stream uploads, close_stdin) without file metadata (0.6.2)
-ENVD_VERSION = "0.5.7"
+# the envd version cpuos answers: the SDKs' modern behaviour (the server's default user,
+# octet-stream uploads, close_stdin, entries in watch events); file metadata (0.6.2:
+# xattrs) is refused by the server with a clear error
+ENVD_VERSION = "0.6.4"
+SETTLE = 0.2  # s: a watcher polled this soon after a change through this surface waits
 HOME = "/home/user"
 USER = "user"
 KEY_RE = re.compile(r"^e2b_[0-9a-f]{40}$")
@@ -131,6 +133,9 @@ class E2B:
         # per sandbox: pid -> (cmd, args, envs, cwd, tag) of processes started here
         self.processes: dict[str, dict[int, dict[str, Any]]] = {}
         self._public: dict[str, bool] = {}
+        # per sandbox: when a change went through this surface last (monotonic): a polled
+        # watcher asked right after waits for its events (the agent coalesces for 50 ms)
+        self.touched: dict[str, float] = {}
         self.on_end: list[Callable[[str], None]] = []
         self._unsubscribe: Callable[[], None] | None = None
 
@@ -180,6 +185,7 @@ class E2B:
         if ev.kind not in ("killed", "error"):
             return
         self.processes.pop(ev.sandbox, None)
+        self.touched.pop(ev.sandbox, None)
         for fn in list(self.on_end):
             fn(ev.sandbox)
 
@@ -196,6 +202,37 @@ class E2B:
     def check_token(self, sid: str, given: str | None, kind: str = "envd") -> bool:
         return given is not None and hmac.compare_digest(
             given.encode("latin-1", "replace"), self._token(kind, sid).encode())
+
+    def touch(self, sid: str) -> None:
+        import time
+
+        self.touched[sid] = time.monotonic()
+
+    def signed(self, sid: str, path: str, op: str, user: str | None, signature: str,
+               expiration: str | None) -> bool:
+        """E2B's signed file URLs (``download_url``/``upload_url``): v1_ + the base64 of
+        sha256("path:op:user:<envd token>[:expiration]"), unexpired."""
+        import base64
+        import time
+
+        if expiration:
+            if not expiration.isdigit() or int(expiration) < time.time():
+                return False
+        raw = f"{path}:{op}:{user or ''}:{self.envd_token(sid)}" + (
+            f":{expiration}" if expiration else "")
+        want = "v1_" + base64.b64encode(hashlib.sha256(raw.encode()).digest()).rstrip(
+            b"=").decode()
+        return hmac.compare_digest(signature.encode("latin-1", "replace"), want.encode())
+
+    def find_signed(self, path: str, op: str, user: str | None, signature: str,
+                    expiration: str | None) -> str | None:
+        """The sandbox a signed URL without routing headers is for (the SDK's signed URLs
+        drop E2B_SANDBOX_URL's path and headers): each live sandbox's token is tried."""
+        for row in self.store.list_sandboxes(None, ("running", "paused", "resuming",
+                                                    "pausing", "creating")):
+            if self.signed(row.id, path, op, user, signature, expiration):
+                return row.id
+        return None
 
     # -- the sandboxes it created ---------------------------------------------------------
     def remember(self, sid: str, alias: str, public: bool, extra: dict[str, Any]) -> None:
@@ -251,12 +288,13 @@ class E2B:
 
     # -- a request of the sandbox plane ---------------------------------------------------
     def target(self, sid: str, port: int, token: str | None,
-               traffic: str | None = None) -> Target:
+               traffic: str | None = None, signed: bool = False) -> Target:
         """Which sandbox: the id must be a sandbox's and the token its own (E2B's
-        ``X-Access-Token``; for the code interpreter its traffic token is accepted too)."""
+        ``X-Access-Token``; for the code interpreter its traffic token is accepted too;
+        ``signed``: a file URL whose signature was checked)."""
         if not SID_RE.fullmatch(sid):
             raise not_running(sid[:80])
-        ok = self.check_token(sid, token) or (
+        ok = signed or self.check_token(sid, token) or (
             port == JUPYTER_PORT and self.check_token(sid, traffic, "traffic"))
         if not ok:
             raise E2BError(401, "missing or wrong access token (X-Access-Token)")
