@@ -18,12 +18,13 @@ from typing import Any
 from cpuos_agent import protocol as P
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, Router
 
-from ..api.streams import file_response
+from ..api.streams import CutOnFailure, file_response
 from ..errors import STATUS, ApiError
 from ..lifecycle.kernel import LANGUAGE_RE, restart_kernel, run_code
+from ..lifecycle.session import StreamCut
 from .envd import CURRENT
 from .state import E2B, HOME, E2BError, Target
 
@@ -241,8 +242,14 @@ class Plain:
             frames = await run_code(self.e2b.mgr, lv, code, language, None)
         except (ApiError, E2BError) as e:
             return _error(e)
-        return StreamingResponse(_ndjson(frames), media_type="application/x-ndjson",
-                                 headers={"Cache-Control": "no-store"})
+        def gone() -> bool:
+            row = self.e2b.store.get_sandbox(t.sid)
+            return row is None or row.state in ("killing", "killed", "error")
+
+        # a sandbox that ends mid-cell cuts the response (as E2B's does: the SDK then asks
+        # /health and says the sandbox was killed)
+        return CutOnFailure(_ndjson(frames, gone), media_type="application/x-ndjson",
+                            headers={"Cache-Control": "no-store"})
 
     def _context(self, language: str) -> dict[str, Any]:
         return {"id": language, "language": language, "cwd": HOME}
@@ -312,8 +319,9 @@ MIME_KEYS = {"text/plain": "text", "text/html": "html", "text/markdown": "markdo
              "application/javascript": "javascript", "application/pdf": "pdf"}
 
 
-async def _ndjson(frames: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """cpuos's cell frames (lifecycle.kernel) as the E2B code interpreter's lines."""
+async def _ndjson(frames: AsyncIterator[bytes], gone: Any = None) -> AsyncIterator[bytes]:
+    """cpuos's cell frames (lifecycle.kernel) as the E2B code interpreter's lines
+    (``gone()``: the sandbox ended: the stream is cut, StreamCut)."""
     dec = P.FrameDecoder()
     item: dict[str, Any] | None = None
     item_n: int | None = None
@@ -372,6 +380,8 @@ async def _ndjson(frames: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
                                 "value": "the cell was interrupted at its timeout",
                                 "traceback": ""})
             elif t == "error":
+                if h.get("code") == "unavailable" and gone is not None and gone():
+                    raise StreamCut(str(h.get("message")))
                 yield line({"type": "error", "name": str(h.get("code") or "Error"),
                             "value": str(h.get("message") or ""), "traceback": ""})
     for b in flush():
