@@ -8,7 +8,7 @@ run on the same daemon and sandbox:
 * ``Sandbox.create()`` → first ``commands.run("true")`` beside the cpuos SDK's create →
   first ``exec("true")`` (template snapshot, CPUOS_POOL_SIZE=0).
 
-    .venv/bin/python bench/cases/e2b.py [--quick | --smoke]
+    .venv/bin/python bench/cases/e2b_sdk.py [--quick | --smoke]
 """
 
 from __future__ import annotations
