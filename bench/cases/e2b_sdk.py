@@ -6,7 +6,8 @@ run on the same daemon and sandbox:
   cpuos SDK's ``exec(["/bin/bash", "-l", "-c", "true"])`` — the same work inside, so the
   difference is the surface's overhead (target p50 ≤ 3 ms) — and ``exec("true")``;
 * ``Sandbox.create()`` → first ``commands.run("true")`` beside the cpuos SDK's create →
-  first ``exec("true")`` (template snapshot, CPUOS_POOL_SIZE=0).
+  first ``exec(["/bin/bash", "-l", "-c", "true"])`` (template snapshot, CPUOS_POOL_SIZE=0;
+  alternating; creates vary by hundreds of ms on a loaded host: read p50 of many).
 
     .venv/bin/python bench/cases/e2b_sdk.py [--quick | --smoke]
 """
@@ -55,8 +56,8 @@ def _create_then(d: Any, sdk: str) -> tuple[float, float]:
     c = Sandbox.create(template="python", timeout="5m", **d.sdk_kwargs())
     try:
         t1 = now()
-        if c.exec("true").exit_code != 0:
-            raise RuntimeError("exec('true') failed")
+        if c.exec(LOGIN_TRUE).exit_code != 0:
+            raise RuntimeError("exec(bash -l -c true) failed")
         t2 = now()
     finally:
         kill_quietly(c)
@@ -122,7 +123,8 @@ def report(e: dict[str, Any]) -> list[Row]:
          ("  cpuos exec('true')  (bash -c true)", e["floor_exec_s"]),
          ("ours: e2b Sandbox.create → first commands.run", e["ours_create_run_s"]),
          ("  of which Sandbox.create", e["ours_create_s"]),
-         ("floor: cpuos Sandbox.create → first exec", e["floor_create_exec_s"]),
+         ("floor: cpuos Sandbox.create → first exec (bash -l -c true)",
+          e["floor_create_exec_s"]),
          ("  of which Sandbox.create", e["floor_create_s"])])
     ours, floor = median(e["ours_run_s"]), median(e["floor_exec_login_s"])
     r1 = target_row("e2b commands.run('true') round trip, p50", ours, floor, floor + 0.003,
