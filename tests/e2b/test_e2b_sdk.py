@@ -349,3 +349,43 @@ def test_code_contexts(cbx: Any) -> None:
     assert cbx.run_code("y", context=ctx).text == "5"
     cbx.restart_code_context(ctx)
     assert cbx.run_code("'y' in dir()", context=ctx).text == "False"
+
+
+def test_host_form_reaches_envd_and_private_ports(env: dict[str, str]) -> None:
+    """The E2B_DOMAIN form: ``<port>-<id>.<domain>`` through the preview proxy, for envd
+    (49983: handed to the listener, the same token check) and for a sandbox created with
+    ``allowPublicTraffic: false`` (its ports need its traffic token)."""
+    s = Sandbox.create(timeout=120, network={"allow_public_traffic": False})
+    try:
+        preview = int(s.get_host(1).rsplit(":", 1)[1])
+        envd = f"49983-{s.sandbox_id}.localhost:{preview}"
+        url = f"http://127.0.0.1:{preview}/filesystem.Filesystem/Stat"
+        body = {"path": "/home/user"}
+        r = httpx.post(url, json=body, headers={"Host": envd})
+        assert r.status_code == 401
+        r = httpx.post(url, json=body, headers={"Host": envd, "X-Access-Token":
+                                                s._envd_access_token or ""})
+        assert r.status_code == 200 and r.json()["entry"]["type"] == "FILE_TYPE_DIRECTORY"
+        # a routing header of the client's own cannot point the request elsewhere
+        r = httpx.post(url, json=body, headers={"Host": envd, "E2b-Sandbox-Id": "sbx-" + "z" * 12,
+                                                "X-Access-Token": s._envd_access_token or ""})
+        assert r.status_code == 200
+        srv = s.commands.run("cd /tmp && exec python3 -m http.server 8002", background=True,
+                             timeout=0)
+        host = s.get_host(8002)
+
+        def status(headers: dict[str, str]) -> int:
+            try:
+                return httpx.get(f"http://127.0.0.1:{preview}/", timeout=5,
+                                 headers={"Host": host, **headers}).status_code
+            except httpx.TransportError:
+                return 0
+
+        token = s.traffic_access_token or ""
+        wait_until(lambda: status({"e2b-traffic-access-token": token}) == 200,
+                   "the private server", 60)
+        assert status({}) == 403
+        assert status({"e2b-traffic-access-token": "wrong"}) == 403
+        srv.kill()
+    finally:
+        s.kill()
