@@ -389,3 +389,27 @@ def test_host_form_reaches_envd_and_private_ports(env: dict[str, str]) -> None:
         srv.kill()
     finally:
         s.kill()
+
+
+def test_bad_input_gets_e2b_errors(sbx: Sandbox, daemon: Daemon) -> None:
+    hdr = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49983",
+           "X-Access-Token": sbx._envd_access_token or ""}
+    files = daemon.url + "/e2b/files"
+    r = httpx.post(files, headers={**hdr, "Content-Type": "multipart/form-data; boundary=xx"},
+                   content=b"--xx\r\nContent-Disposition: form-data; name=\"file\"; "
+                           b"filename=\"/tmp/cut.txt\"\r\n\r\nno end")
+    assert r.status_code == 400 and set(r.json()) == {"code", "message"}
+    r = httpx.get(files, headers=hdr, params={"path": "/home/user/../../etc/passwd"})
+    assert r.status_code == 400 and "'..'" in r.json()["message"]
+    r = httpx.get(files, headers=hdr, params={"path": "/tmp"})
+    assert r.status_code == 400  # a directory
+    r = httpx.post(daemon.url + "/e2b/v2/sandboxes", headers={"X-API-Key": daemon.key},
+                   json={"templateID": "no-such-template"})
+    assert r.status_code == 404 and set(r.json()) == {"code", "message"}
+    r = httpx.post(daemon.url + "/e2b/v2/sandboxes", headers={"X-API-Key": daemon.key},
+                   json={"timeout": "soon"})
+    assert r.status_code == 400 and r.json()["code"] == 400
+    r = httpx.post(daemon.url + "/e2b/process.Process/Start",
+                   headers={**hdr, "Content-Type": "application/json"},
+                   json={"process": {"cmd": "true"}})
+    assert r.status_code >= 400  # a server stream asked for as unary: refused, not run

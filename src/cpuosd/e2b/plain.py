@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from cpuos_agent import protocol as P
+from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -193,7 +194,10 @@ class Plain:
 
         try:
             async for chunk in request.stream():
-                parser.write(chunk)
+                try:
+                    parser.write(chunk)
+                except MultipartParseError as e:
+                    raise E2BError(400, f"malformed multipart body: {e}") from None
                 for kind, v in events:
                     if kind == "begin":
                         _, opts = parse_options_header(v.get("content-disposition", b""))
@@ -215,7 +219,12 @@ class Plain:
                         await task
                         queue, task = None, None
                 events.clear()
-            parser.finalize()
+            try:
+                parser.finalize()
+            except MultipartParseError as e:
+                raise E2BError(400, f"malformed multipart body: {e}") from None
+            if task is not None:
+                raise E2BError(400, "the multipart body ended inside a part")
         finally:
             if task is not None and not task.done():
                 task.cancel()
