@@ -267,7 +267,7 @@ class ProcessService:
                                 "cwd": cwd, "env": sorted(env)}
         try:
             info = await C.start(lv, argv, env, cwd, timeout, OUTPUT_BUFFER, bool(stdin),
-                                 pty)
+                                 pty, record=False)
         except ApiError as e:
             self._audit(t, {**what, "error": e.message})
             raise
