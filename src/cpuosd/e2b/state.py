@@ -186,6 +186,7 @@ class E2B:
             return
         self.processes.pop(ev.sandbox, None)
         self.touched.pop(ev.sandbox, None)
+        self.forget(ev.sandbox)  # (an ended sandbox is a 404 on this surface)
         for fn in list(self.on_end):
             fn(ev.sandbox)
 
