@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,12 @@ SECTION = KEY = "e2b"
 TITLE = "18. E2B SDK on cpuos"
 DAEMON = FROM_SNAPSHOT
 LOGIN_TRUE = ["/bin/bash", "-l", "-c", "true"]  # what E2B's commands.run("true") runs
+
+
+def _daemon_cpu(d: Any) -> float:
+    """CPU seconds (user + system) of the daemon's process so far."""
+    f = Path(f"/proc/{d.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _e2b_env(d: Any) -> None:
@@ -105,6 +112,20 @@ def measure(ctx: Context) -> dict[str, Any]:
             ours.append(t1 - t0)
             floor.append(t2 - t1)
             plain.append(t3 - t2)
+        # CPU per call (the client's, the daemon's) in blocks of each: what the surface costs,
+        # whatever the host's load does to wall time
+        cpu: dict[str, list[float]] = {"ours_client": [], "ours_daemon": [],
+                                       "floor_client": [], "floor_daemon": []}
+        block = max(1, n // 3)
+        for _ in range(3):
+            for name, fn in (("ours", lambda: s.commands.run("true")),
+                             ("floor", lambda: c.exec(LOGIN_TRUE))):
+                p0, d0 = time.process_time(), _daemon_cpu(d)
+                for _ in range(block):
+                    fn()
+                cpu[f"{name}_client"].append((time.process_time() - p0) / block)
+                cpu[f"{name}_daemon"].append((_daemon_cpu(d) - d0) / block)
+        out["cpu_per_call_s"] = cpu
         c.close()
     finally:
         s.kill()
@@ -135,6 +156,14 @@ def report(e: dict[str, Any]) -> list[Row]:
                     floor + 0.003, f"≤ floor + 3 ms ({ms(floor + 0.003)})")
     r1["note"] = (f"overhead {ms(paired)} (median of paired differences; p50s: ours "
                   f"{ms(ours)}, floor {ms(floor)})")
+    cpu = e.get("cpu_per_call_s")
+    if cpu:
+        console.print("  CPU per call (median of 3 blocks): client "
+                      f"{ms(median(cpu['ours_client']))} vs {ms(median(cpu['floor_client']))}; "
+                      f"daemon {ms(median(cpu['ours_daemon']))} vs "
+                      f"{ms(median(cpu['floor_daemon']))} (e2b vs cpuos)")
+        r1["note"] += (f"; daemon CPU/call {ms(median(cpu['ours_daemon']))} vs "
+                       f"{ms(median(cpu['floor_daemon']))}")
     oc, fc = median(e["ours_create_run_s"]), median(e["floor_create_exec_s"])
     r2 = target_row("e2b create → first command, p50", oc, fc, fc + 0.003,
                     f"≤ floor + 3 ms ({ms(fc + 0.003)})")
