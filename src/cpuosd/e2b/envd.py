@@ -57,6 +57,7 @@ MAX_ENTRIES = 10000
 KEEPALIVE = 50.0  # s, unless the client asks for another interval
 MAX_WATCHERS = 64  # polled watchers per sandbox
 MAX_WATCH_EVENTS = 10000  # held per polled watcher between polls
+AGENT_WINDOW = 0.1  # s: the agent's coalescing window (50 ms) and its way here
 CODES = {"not_found": Code.NOT_FOUND, "invalid_argument": Code.INVALID_ARGUMENT,
          "permission_denied": Code.PERMISSION_DENIED, "conflict": Code.FAILED_PRECONDITION,
          "already_exists": Code.ALREADY_EXISTS, "is_a_directory": Code.INVALID_ARGUMENT,
@@ -634,9 +635,9 @@ class FilesystemService:
         w = self._watcher(request.watcher_id)
         # a change made through this surface just before: its events are on their way
         # (the agent coalesces each path's events for 50 ms)
-        due = self.e2b.touched.get(w.sid, 0.0) + SETTLE - time.monotonic()
-        if due > 0:
-            await asyncio.sleep(min(due, SETTLE))
+        touched = self.e2b.touched.get(w.sid, 0.0)
+        if time.monotonic() < touched + SETTLE:
+            await w.settle(touched)
         if w.error is not None and not w.events:
             self.watchers.pop(request.watcher_id, None)
             raise connect_error(w.error) if isinstance(w.error, ApiError | E2BError) \
@@ -719,16 +720,34 @@ class Watcher:
         self.events: deque[F.FilesystemEvent] = deque(maxlen=MAX_WATCH_EVENTS)
         self.error: BaseException | None = None
         self.created = time.monotonic()
+        self.last_event = 0.0
+        self._arrived = asyncio.Event()
         self.task = asyncio.ensure_future(self._run(events))
 
     async def _run(self, events: AsyncIterator[F.FilesystemEvent]) -> None:
         try:
             async for ev in events:
                 self.events.append(ev)
+                self.last_event = time.monotonic()
+                self._arrived.set()
         except asyncio.CancelledError:
             raise
         except Exception as e:
             self.error = e
+
+    async def settle(self, since: float) -> None:
+        """Wait (until ``since`` + SETTLE at most) for the events of a change made at
+        ``since`` through this surface: the first batch after it, then one more window of
+        the agent's (it sends each path's events after 50 ms; a loaded host is slower)."""
+        deadline = since + SETTLE
+        while self.last_event <= since and not self.task.done():
+            self._arrived.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._arrived.wait(), left)
+        await asyncio.sleep(max(0.0, min(AGENT_WINDOW, deadline - time.monotonic())))
 
     def stop(self) -> None:
         self.task.cancel()

@@ -43,7 +43,9 @@ JUPYTER_PORT = 49999
 # octet-stream uploads, close_stdin, entries in watch events); file metadata (0.6.2:
 # xattrs) is refused by the server with a clear error
 ENVD_VERSION = "0.6.4"
-SETTLE = 0.2  # s: a watcher polled this soon after a change through this surface waits
+# s: a polled watcher asked this soon after a change made through this surface waits (at
+# most this long) for that change's events
+SETTLE = 1.0
 HOME = "/home/user"
 USER = "user"
 KEY_RE = re.compile(r"^e2b_[0-9a-f]{40}$")
