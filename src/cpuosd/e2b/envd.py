@@ -23,9 +23,9 @@ import signal as signal_mod
 import stat as stat_mod
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextvars import ContextVar
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
@@ -92,10 +92,14 @@ async def _call(fn: Callable[[], Awaitable[T]]) -> T:
         raise ConnectError(Code.UNAVAILABLE, e.message) from None
 
 
-async def _guarded(gen: AsyncIterator[T]) -> AsyncIterator[T]:
+async def _guarded(gen: AsyncGenerator[T, None]) -> AsyncIterator[T]:
+    """gen's items, cpuos's errors as Connect's; gen is closed when this is (a client
+    that left: the agent's streams it holds are let go at once, not at garbage
+    collection)."""
     try:
-        async for x in gen:
-            yield x
+        async with contextlib.aclosing(gen):
+            async for x in gen:
+                yield x
     except (ApiError, E2BError) as e:
         raise connect_error(e) from None
     except AgentGone as e:
@@ -126,7 +130,8 @@ def _interval(ctx: RequestContext[Any, Any]) -> float:
         return KEEPALIVE
 
 
-async def with_keepalive(gen: AsyncIterator[T], interval: float) -> AsyncIterator[T | None]:
+async def with_keepalive(gen: AsyncIterator[T], interval: float
+                         ) -> AsyncGenerator[T | None, None]:
     """gen's items, and None whenever it has been silent for ``interval`` seconds."""
     it = gen.__aiter__()
     nxt: asyncio.Future[T] | None = None
@@ -240,7 +245,7 @@ class ProcessService:
         return _guarded(self._start(request, ctx))
 
     async def _start(self, request: PP.StartRequest, ctx: RequestContext[Any, Any]
-                     ) -> AsyncIterator[PP.StartResponse]:
+                     ) -> AsyncGenerator[PP.StartResponse, None]:
         check_user(ctx)
         t = CURRENT.get()
         p = request.process
@@ -278,15 +283,17 @@ class ProcessService:
                                  "cwd": cwd, "pty": pty is not None,
                                  "tag": request.tag if request.has_field("tag") else None})
         yield PP.StartResponse(event=_ev(one("start", PP.ProcessEvent.StartEvent(pid=pid))))
-        async for ev in self._follow(lv, pid, 0, pty is not None, _interval(ctx),
-                                     deadline=timeout is not None):
-            yield PP.StartResponse(event=ev)
+        follow = self._follow(lv, pid, 0, pty is not None, _interval(ctx),
+                              deadline=timeout is not None)
+        async with contextlib.aclosing(follow):
+            async for ev in follow:
+                yield PP.StartResponse(event=ev)
 
     def _audit(self, t: Target, fields: dict[str, Any]) -> None:
         self.e2b.mgr.events.emit(SandboxEvent("command", t.sid, t.ws, None, fields=fields))
 
     async def _follow(self, lv: Live, pid: int, offset: int, pty: bool, interval: float,
-                      deadline: bool = False) -> AsyncIterator[PP.ProcessEvent]:
+                      deadline: bool = False) -> AsyncGenerator[PP.ProcessEvent, None]:
         """The process's output from offset on, then its end: cpuos's command output
         (the agent's ring; lifecycle.commands.Output checks every frame). ``deadline``:
         this stream started it with a Connect timeout, which ended it: the stream ends
@@ -294,48 +301,54 @@ class ProcessService:
         not an end event."""
         m = self.e2b.mgr
         out = await C.output(m.store, lv, pid, offset, True, m._spawn)
+        frames = cast(AsyncGenerator[bytes, None], out.frames())
 
         async def events() -> AsyncIterator[tuple[P.Header, bytes]]:
             dec = P.FrameDecoder()
-            async for raw in out.frames():
+            async for raw in frames:
                 for h, payload in dec.feed(raw):
                     yield h, payload
 
-        async for item in with_keepalive(events(), interval):
-            if item is None:
-                yield _ev(one("keepalive", PP.ProcessEvent.KeepAlive()))
-                continue
-            h, payload = item
-            if h["t"] == "out":
-                field = "pty" if pty else ("stderr" if h.get("fd") == 2 else "stdout")
-                yield _ev(one("data", PP.ProcessEvent.DataEvent(
-                    output=one(field, payload))))
-            elif h["t"] == "exit":
-                self.e2b.touch(lv.row.id)
-                if deadline and h.get("timed_out") is True:
-                    raise ConnectError(Code.DEADLINE_EXCEEDED, "context deadline exceeded")
-                yield _ev(one("end", _end(h)))
-                return
-            elif h["t"] == "error":
-                # (a killed sandbox: the SDK then asks /health, which says it is gone)
-                raise ConnectError(CODES.get(str(h.get("code")), Code.UNAVAILABLE),
-                                   str(h.get("message") or "the command's stream ended"))
+        async with contextlib.aclosing(frames):
+            async for item in with_keepalive(events(), interval):
+                if item is None:
+                    yield _ev(one("keepalive", PP.ProcessEvent.KeepAlive()))
+                    continue
+                h, payload = item
+                if h["t"] == "out":
+                    field = "pty" if pty else ("stderr" if h.get("fd") == 2 else "stdout")
+                    yield _ev(one("data", PP.ProcessEvent.DataEvent(
+                        output=one(field, payload))))
+                elif h["t"] == "exit":
+                    # the agent's stream is let go before the client hears of the end (a
+                    # pause right after must not find it open)
+                    await frames.aclose()
+                    self.e2b.touch(lv.row.id)
+                    if deadline and h.get("timed_out") is True:
+                        raise ConnectError(Code.DEADLINE_EXCEEDED, "context deadline exceeded")
+                    yield _ev(one("end", _end(h)))
+                    return
+                elif h["t"] == "error":
+                    # (a killed sandbox: the SDK then asks /health, which says it is gone)
+                    raise ConnectError(CODES.get(str(h.get("code")), Code.UNAVAILABLE),
+                                       str(h.get("message") or "the command's stream ended"))
 
     def connect(self, request: PP.ConnectRequest, ctx: RequestContext[Any, Any]
                 ) -> AsyncIterator[PP.ConnectResponse]:
         return _guarded(self._connect(request, ctx))
 
     async def _connect(self, request: PP.ConnectRequest, ctx: RequestContext[Any, Any]
-                       ) -> AsyncIterator[PP.ConnectResponse]:
+                       ) -> AsyncGenerator[PP.ConnectResponse, None]:
         t = CURRENT.get()
         lv = await t.ready()
         pid = await self._pid(lv, request.process)
         cfg = self.e2b.processes.get(t.sid, {}).get(pid) or {}
         yield PP.ConnectResponse(event=_ev(one("start",
                                                  PP.ProcessEvent.StartEvent(pid=pid))))
-        pty = cfg.get("pty") is True
-        async for ev in self._follow(lv, pid, -1, pty, _interval(ctx)):
-            yield PP.ConnectResponse(event=ev)
+        follow = self._follow(lv, pid, -1, cfg.get("pty") is True, _interval(ctx))
+        async with contextlib.aclosing(follow):
+            async for ev in follow:
+                yield PP.ConnectResponse(event=ev)
 
     async def update(self, request: PP.UpdateRequest, ctx: RequestContext[Any, Any]
                      ) -> PP.UpdateResponse:
@@ -595,18 +608,20 @@ class FilesystemService:
         return _guarded(self._watch_dir(request, ctx))
 
     async def _watch_dir(self, request: F.WatchDirRequest, ctx: RequestContext[Any, Any]
-                         ) -> AsyncIterator[F.WatchDirResponse]:
+                         ) -> AsyncGenerator[F.WatchDirResponse, None]:
         check_user(ctx)
         t = CURRENT.get()
         lv, st, root = await self._open_watch(t, request.path, request.recursive)
         yield F.WatchDirResponse(event=one("start", F.WatchDirResponse.StartEvent()))
-        async for ev in with_keepalive(watch_events(self.e2b, lv, st, root,
-                                                    request.include_entry), _interval(ctx)):
-            if ev is None:
-                yield F.WatchDirResponse(event=one("keepalive",
-                                                     F.WatchDirResponse.KeepAlive()))
-            else:
-                yield F.WatchDirResponse(event=one("filesystem", ev))
+        events = with_keepalive(watch_events(self.e2b, lv, st, root, request.include_entry),
+                                _interval(ctx))
+        async with contextlib.aclosing(events):
+            async for ev in events:
+                if ev is None:
+                    yield F.WatchDirResponse(event=one("keepalive",
+                                                       F.WatchDirResponse.KeepAlive()))
+                else:
+                    yield F.WatchDirResponse(event=one("filesystem", ev))
 
     async def create_watcher(self, request: F.CreateWatcherRequest,
                              ctx: RequestContext[Any, Any]) -> F.CreateWatcherResponse:
