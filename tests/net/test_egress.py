@@ -609,14 +609,36 @@ print(c.recv(200))
 import ssl
 try: ssl.create_default_context().wrap_socket(c, server_hostname="x.test")
 except OSError as e: print(type(e).__name__)
+def hello(name):
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = name is not None
+    inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
+    try: ctx.wrap_bio(inc, out, server_hostname=name).do_handshake()
+    except ssl.SSLWantReadError: pass
+    return out.read()[5:]
+def record(b):
+    return b"\x16\x03\x01" + len(b).to_bytes(2, "big") + b
+# a ClientHello for allowed.test.x in two records, the first ending after "allowed.test";
+# then one with no server name, in a tunnel
+hs = hello("allowed.test.x")
+cut = hs.index(b"allowed.test") + len(b"allowed.test")
+for pre, first in ((b"", record(hs[:cut]) + record(hs[cut:])),
+                   (b"CONNECT allowed.test:443 HTTP/1.1\r\n\r\n", record(hello(None)))):
+    c = socket.create_connection(("198.51.100.10", 443 if not pre else 80), timeout=10)
+    if pre:
+        c.sendall(pre); c.recv(200)
+    c.sendall(first)
+    try: print(c.recv(200))
+    except OSError as e: print(type(e).__name__)
 '''
 
 
-def test_allowlist_refuses_silent_clients_and_checks_a_tunnel_before_connecting(
+def test_allowlist_refuses_silent_clients_and_checks_tls_before_connecting(
         netd: Daemon, inet: FakeInternet) -> None:
     """(f) a protocol whose server speaks first (an SSH-like banner on WEB:2222) is refused
     on the first-byte wait, directly and inside a tunnel, and the server never hears of it;
-    (g) a tunnel whose TLS names another host is refused before a connection is made."""
+    (g) a tunnel whose TLS names another host is refused before a connection is made; a
+    ClientHello split over records is read whole; a tunnel's TLS must name its host."""
     s = create(netd, {"allow": ["allowed.test"]})
     try:
         n = len(inet.seen())
@@ -634,6 +656,11 @@ def test_allowlist_refuses_silent_clients_and_checks_a_tunnel_before_connecting(
         assert any(x.startswith("allowlist: nothing sent in the tunnel to 'allowed.test' "
                                 "within 2 s") for x in rules), recs
         assert "allowlist: TLS SNI 'x.test' in a tunnel to 'allowed.test'" in rules, recs
+        # a name split over two TLS records is read whole (it was read as allowed.test)
+        assert any(r.get("name") == "allowed.test.x" and r["verdict"] == "denied"
+                   and r.get("rule") == "not in the allowlist" for r in recs), recs
+        assert "allowlist: a ClientHello without a server name in a tunnel to " \
+               "'allowed.test'" in rules, recs
     finally:
         s.kill()
 

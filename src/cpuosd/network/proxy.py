@@ -33,6 +33,7 @@ import ssl
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 from .dns import Upstream
 from .httpflow import (CHUNK, Outcome, PlainStream, Rules, TlsServerStream, parse_authority,
@@ -62,42 +63,90 @@ def original_dst(sock: socket.socket) -> tuple[str, int]:
     return socket.inet_ntoa(addr), port
 
 
-def tls_sni(data: bytes) -> str | bool | None:
+def tls_sni(data: bytes) -> str | Literal[False] | None:
     """The server name of a TLS ClientHello: the name, None if it has none, False if more
-    bytes are needed; raises ValueError if this is not a ClientHello."""
-    if len(data) < 5:
-        return False
-    if data[0] != 0x16:
-        raise ValueError("not TLS")
-    rec_len = struct.unpack_from("!H", data, 3)[0]
-    if len(data) < 5 + rec_len:
-        return False if 5 + rec_len <= MAX_HELLO else None
-    p = data[5:5 + rec_len]
-    if len(p) < 4 or p[0] != 1:
-        raise ValueError("not a ClientHello")
-    i = 4 + 2 + 32  # handshake header, version, random
-    try:
-        i += 1 + p[i]  # session id
-        i += 2 + struct.unpack_from("!H", p, i)[0]  # cipher suites
-        i += 1 + p[i]  # compression methods
-        end = i + 2 + struct.unpack_from("!H", p, i)[0]
-        i += 2
-        while i + 4 <= min(end, len(p)):
-            etype, elen = struct.unpack_from("!HH", p, i)
-            i += 4
-            if etype == 0:  # server_name
-                j = i + 2
-                while j + 3 <= i + elen:
-                    ntype, nlen = p[j], struct.unpack_from("!H", p, j + 1)[0]
-                    j += 3
-                    if ntype == 0:
-                        return p[j:j + nlen].decode("ascii", "strict").lower()
-                    j += nlen
-                return None
-            i += elen
-    except (IndexError, struct.error, UnicodeDecodeError):
-        return None
-    return None
+    bytes are needed; raises ValueError if this is not a ClientHello, or not one that reads
+    one way only. The handshake message is put together from as many records as it spans (a
+    server does so: a name cut at a record's end must not read as a shorter one), and every
+    length is checked against what holds it."""
+    msg, off = b"", 0
+    while True:
+        if len(data) < off + 5:
+            if off + 5 > MAX_HELLO:
+                raise ValueError("a ClientHello over 16 KiB")
+            return False
+        if data[off] != 0x16:
+            raise ValueError("not TLS" if off == 0 else "a ClientHello broken by another record")
+        rec_len = struct.unpack_from("!H", data, off + 3)[0]
+        if rec_len == 0 or off + 5 + rec_len > MAX_HELLO:
+            raise ValueError("not a ClientHello the proxy reads (empty or over 16 KiB)")
+        if len(data) < off + 5 + rec_len:
+            return False
+        msg += data[off + 5:off + 5 + rec_len]
+        off += 5 + rec_len
+        if len(msg) >= 4:
+            if msg[0] != 1:
+                raise ValueError("not a ClientHello")
+            end = 4 + int.from_bytes(msg[1:4], "big")
+            if end > MAX_HELLO:
+                raise ValueError("a ClientHello over 16 KiB")
+            if len(msg) >= end:
+                if len(msg) > end:
+                    raise ValueError("more than a ClientHello in its records")
+                return _sni(msg[4:end])
+
+
+def _sni(hello: bytes) -> str | None:
+    """The server name in a ClientHello's body (ValueError if any length is off)."""
+    r = _Reader(hello)
+    r.take(2 + 32)  # version, random
+    r.take(r.int(1))  # session id
+    r.take(r.int(2))  # cipher suites
+    r.take(r.int(1))  # compression methods
+    if r.left() == 0:
+        return None  # (no extensions)
+    exts = _Reader(r.take(r.int(2)))
+    r.end()
+    name: str | None = None
+    seen: set[int] = set()
+    while exts.left():
+        etype, body = exts.int(2), _Reader(exts.take(exts.int(2)))
+        if etype in seen:
+            raise ValueError(f"extension {etype} twice")
+        seen.add(etype)
+        if etype != 0:  # server_name
+            continue
+        names = _Reader(body.take(body.int(2)))
+        body.end()
+        while names.left():
+            ntype, value = names.int(1), names.take(names.int(2))
+            if ntype == 0:
+                if name is not None:
+                    raise ValueError("two host names")
+                name = value.decode("ascii").lower()  # (UnicodeDecodeError is a ValueError)
+    return name
+
+
+class _Reader:
+    def __init__(self, b: bytes) -> None:
+        self.b, self.i = b, 0
+
+    def left(self) -> int:
+        return len(self.b) - self.i
+
+    def take(self, n: int) -> bytes:
+        if n > self.left():
+            raise ValueError("a length past its end")
+        out = self.b[self.i:self.i + n]
+        self.i += n
+        return out
+
+    def int(self, n: int) -> int:
+        return int.from_bytes(self.take(n), "big")
+
+    def end(self) -> None:
+        if self.left():
+            raise ValueError("bytes after the end")
 
 
 def http_target(data: bytes) -> tuple[str | None, int | None, bool] | bool:
@@ -313,13 +362,16 @@ class EgressProxy:
             head, sni = await self._client_hello(reader, head)
             if sni is False:
                 return head, f"allowlist: a bad ClientHello in a tunnel to {name!r}"
-            if isinstance(sni, str) and not same_name(sni, name):
+            if sni is None:  # (what it routes by would be up to the server)
+                return head, f"allowlist: a ClientHello without a server name in a tunnel " \
+                             f"to {name!r}"
+            if not same_name(sni, name):
                 return head, f"allowlist: TLS SNI {sni[:253]!r} in a tunnel to {name!r}"
         return head, None
 
     @staticmethod
     async def _client_hello(reader: asyncio.StreamReader, head: bytes
-                            ) -> tuple[bytes, str | bool | None]:
+                            ) -> tuple[bytes, str | Literal[False] | None]:
         """The first bytes of a tunnel, read on until its TLS ClientHello is whole (within
         MAX_HELLO and NAME_WAIT): (bytes, its SNI or None; False if it is not a whole
         ClientHello)."""
@@ -330,9 +382,9 @@ class EgressProxy:
                         sni = tls_sni(head)
                     except ValueError:
                         return head, False
-                    if sni is not False or len(head) >= MAX_HELLO:
+                    if sni is not False:
                         return head, sni
-                    more = await reader.read(MAX_HELLO - len(head))
+                    more = await reader.read(max(0, MAX_HELLO - len(head)))
                     if not more:
                         return head, False
                     head += more
