@@ -24,7 +24,8 @@ from .dns import Resolver, Upstream
 from .secrets import SecretStore
 from .nflog import Dropped, NflogReader
 from .policy import Policy
-from .proxy import CHUNK, EgressProxy
+from .httpflow import CHUNK
+from .proxy import EgressProxy
 from .uplink import Uplink
 
 log = logging.getLogger("cpuosd.network")
