@@ -1,0 +1,105 @@
+"""The API's HTTP listener: uvicorn's protocol with the bounds it lacks (issue 25).
+
+uvicorn holds a connection that sends nothing for ever (its keep-alive timeout starts only
+after a first response), lets a request head grow without bound (httptools has no limit),
+and ``limit_concurrency`` answers 503 only once a request has arrived, the connection
+already held. Here:
+
+- at most ``CPUOS_API_MAX_CONNECTIONS`` connections (WebSockets included) at once, and only
+  while the daemon's descriptor budget (``cpuosd.fdbudget``) has room: past either, a new
+  connection is closed at once;
+- a request head must arrive whole within ``HEAD_TIMEOUT`` s of its first byte (of the
+  connection, for the first one) and be at most ``MAX_HEAD`` bytes, else the connection is
+  closed;
+- between requests uvicorn's keep-alive timeout applies (5 s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any
+
+from ..fdbudget import BUDGET
+
+try:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _Base
+except ImportError:  # pragma: no cover - uvicorn[standard] brings httptools
+    from uvicorn.protocols.http.h11_impl import H11Protocol as _Base  # type: ignore[assignment]
+
+log = logging.getLogger("cpuosd.api")
+
+MAX_CONNECTIONS = int(os.environ.get("CPUOS_API_MAX_CONNECTIONS") or 2048)
+HEAD_TIMEOUT = float(os.environ.get("CPUOS_API_HEAD_TIMEOUT") or 10.0)
+MAX_HEAD = 64 * 1024
+LOG_INTERVAL = 10.0
+
+_state: dict[str, Any] = {"registered": None, "logged": -LOG_INTERVAL, "refused": 0}
+
+
+def _note_refusal(why: str) -> None:
+    _state["refused"] += 1
+    now = time.monotonic()
+    if now - _state["logged"] >= LOG_INTERVAL:
+        _state["logged"] = now
+        log.warning("API connection closed: %s (%d so far)", why, _state["refused"])
+
+
+class GuardedHTTP(_Base):
+    """uvicorn's HTTP protocol with a connection cap, a head deadline and a head size."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        conns = self.connections
+        if _state["registered"] is not conns:
+            # every API connection (HTTP, and WebSockets once upgraded: uvicorn keeps both
+            # in this one set) counts against the descriptor budget
+            _state["registered"] = conns
+            BUDGET.count(lambda: len(conns))
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._head_bytes = 0
+        if len(conns) >= MAX_CONNECTIONS or not BUDGET.room():
+            _note_refusal(f"{len(conns)} connections open (at most {MAX_CONNECTIONS})"
+                          if len(conns) >= MAX_CONNECTIONS else "descriptor budget spent")
+            transport.abort()
+            return
+        super().connection_made(transport)
+        self._start_head()
+
+    def _start_head(self) -> None:
+        self._head_bytes = 0
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(HEAD_TIMEOUT, self._head_timeout)
+
+    def _end_head(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timeout(self) -> None:
+        self._head_timer = None
+        _note_refusal(f"no whole request head within {HEAD_TIMEOUT:.0f}s")
+        self.transport.abort()
+
+    def data_received(self, data: bytes) -> None:
+        idle = self.cycle is None or self.cycle.response_complete
+        if idle and self._head_timer is None:
+            self._start_head()  # the first bytes of the next request on this connection
+        if self._head_timer is not None:
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD:
+                self._end_head()
+                _note_refusal(f"request head over {MAX_HEAD} bytes")
+                self.transport.abort()
+                return
+        before = self.cycle
+        super().data_received(data)
+        if self.cycle is not before or self.transport.get_protocol() is not self:
+            self._end_head()  # a request began (or the connection became a WebSocket)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._end_head()
+        if getattr(self, "transport", None) is None:
+            return  # refused in connection_made
+        super().connection_lost(exc)
