@@ -1,14 +1,15 @@
 """The daemon's descriptors: what connections others open may hold, and the reserve kept for
 the daemon itself.
 
-Every listener the daemon opens to others (the API, the preview proxy, each sandbox's agent
-socket) takes a descriptor from one budget per connection it accepts (and the preview proxy
-one more per connection it opens into a sandbox), gives it back when the connection closes,
-and closes a connection at once when the budget is spent. The budget is half of the
-process's RLIMIT_NOFILE (``raise_nofile`` lifts its soft limit to the hard one at start):
-the other half is the reserve for what the daemon needs for itself — SQLite, the audit
-writer, runsc and its pipes, the sandboxes' own sockets, /health — so that no sandbox or
-client can bring the daemon to EMFILE (issue 25).
+Every listener the daemon opens for sandboxes and their visitors (the preview proxy, each
+sandbox's agent socket, the egress proxy) takes a descriptor from one budget per connection
+it accepts (and the proxies one more per connection they open onward), gives it back when
+the connection closes, and closes a connection at once when the budget is spent. The
+budget is half of the process's RLIMIT_NOFILE (``raise_nofile`` lifts its soft limit to the
+hard one at start): the other half is the reserve for what the daemon needs for itself —
+SQLite, the audit writer, runsc and its pipes, the sandboxes' own sockets, and the API
+(whose connections have a cap of their own within the reserve, ``cpuosd.api.listener``) —
+so that no sandbox or client can bring the daemon to EMFILE or shut its API out (issue 25).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class Budget:
     ``CPUOS_CONN_FDS`` overrides it)."""
 
     def __init__(self, nofile: int) -> None:
-        self.limit = 0
+        self.limit = self.nofile = 0
         self.in_use = 0
         self.refused = 0
         self._logged = -LOG_INTERVAL
@@ -62,7 +63,13 @@ class Budget:
 
     def resize(self, nofile: int) -> None:
         env = os.environ.get("CPUOS_CONN_FDS")
+        self.nofile = nofile
         self.limit = int(env) if env else max(64, nofile // 2)
+
+    @property
+    def reserve(self) -> int:
+        """Descriptors kept for the daemon itself (its API's connections among them)."""
+        return max(0, self.nofile - self.limit)
 
     def count(self, source: Callable[[], int]) -> None:
         """Also count what ``source`` says is held (a listener that keeps its own count)."""

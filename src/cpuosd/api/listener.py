@@ -5,9 +5,10 @@ after a first response), lets a request head grow without bound (httptools has n
 and ``limit_concurrency`` answers 503 only once a request has arrived, the connection
 already held. Here:
 
-- at most ``CPUOS_API_MAX_CONNECTIONS`` connections (WebSockets included) at once, and only
-  while the daemon's descriptor budget (``cpuosd.fdbudget``) has room: past either, a new
-  connection is closed at once;
+- at most ``CPUOS_API_MAX_CONNECTIONS`` connections (WebSockets included) at once, and at
+  most a quarter of the descriptors the daemon keeps for itself (``cpuosd.fdbudget``: what
+  sandboxes and preview visitors hold never counts here, so they cannot shut the API out):
+  past that a new connection is closed at once;
 - a request head must arrive whole within ``HEAD_TIMEOUT`` s of its first byte (of the
   connection, for the first one) and be at most ``MAX_HEAD`` bytes, else the connection is
   closed;
@@ -36,7 +37,7 @@ HEAD_TIMEOUT = float(os.environ.get("CPUOS_API_HEAD_TIMEOUT") or 10.0)
 MAX_HEAD = 64 * 1024
 LOG_INTERVAL = 10.0
 
-_state: dict[str, Any] = {"registered": None, "logged": -LOG_INTERVAL, "refused": 0}
+_state: dict[str, Any] = {"logged": -LOG_INTERVAL, "refused": 0}
 
 
 def _note_refusal(why: str) -> None:
@@ -51,17 +52,14 @@ class GuardedHTTP(_Base):
     """uvicorn's HTTP protocol with a connection cap, a head deadline and a head size."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        # every API connection: HTTP, and WebSockets once upgraded (uvicorn keeps both in
+        # this one set)
         conns = self.connections
-        if _state["registered"] is not conns:
-            # every API connection (HTTP, and WebSockets once upgraded: uvicorn keeps both
-            # in this one set) counts against the descriptor budget
-            _state["registered"] = conns
-            BUDGET.count(lambda: len(conns))
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_bytes = 0
-        if len(conns) >= MAX_CONNECTIONS or not BUDGET.room():
-            _note_refusal(f"{len(conns)} connections open (at most {MAX_CONNECTIONS})"
-                          if len(conns) >= MAX_CONNECTIONS else "descriptor budget spent")
+        cap = min(MAX_CONNECTIONS, max(16, BUDGET.reserve // 4))
+        if len(conns) >= cap:
+            _note_refusal(f"{len(conns)} connections open (at most {cap})")
             transport.abort()
             return
         super().connection_made(transport)
