@@ -98,6 +98,13 @@ class Peak:
     def sample(self) -> None:
         self.fds, self.rss = max(self.fds, fds(self.d)), max(self.rss, rss(self.d))
 
+    def sampling(self, cond: Callable[[], bool]) -> Callable[[], bool]:
+        """cond, sampling each time it is asked (for wait_until)."""
+        def check() -> bool:
+            self.sample()
+            return cond()
+        return check
+
 
 @pytest.fixture(scope="module")
 def fd() -> Iterator[Daemon]:
@@ -161,11 +168,11 @@ def test_agent_socket_flood_from_inside(fd: Daemon) -> None:
                                                  else "{}")
                 return out
 
-            wait_until(lambda: bool(counts().get("running")) or bool(before.sample()),
+            wait_until(before.sampling(lambda: bool(counts().get("running"))),
                        f"the {mode} flood to reach 600 connections", 120)
             # the daemon closes what it will not keep: the flood keeps reconnecting
             n = counts()["connects"]
-            wait_until(lambda: counts()["connects"] > n + 600 or bool(before.sample()),
+            wait_until(before.sampling(lambda: counts()["connects"] > n + 600),
                        f"the {mode} flood to go on", 120)
             return counts
 

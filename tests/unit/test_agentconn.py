@@ -97,9 +97,10 @@ def test_keyed_channel_refuses_impostors_and_old_agents() -> None:
         await chan.listen()
         # no key, a wrong key, an old protocol: refused, nothing connected
         # (one after the other: at most two connections may wait for their hello at once)
-        for i, fields in enumerate(({}, {"key": "cd" * 32}, {"key": key, "version": 1})):
+        bad: list[dict[str, object]] = [{}, {"key": "cd" * 32}, {"key": key, "version": 1}]
+        for i, fields in enumerate(bad, 1):
             await hello(chan.sock_path, **fields)
-            await _until(lambda: chan.refusals == i + 1)
+            await _until(lambda n=i: chan.refusals == n)
         assert not chan.connected
         with pytest.raises(Exception, match="protocol version 1"):
             await chan.wait_connected(0.1)

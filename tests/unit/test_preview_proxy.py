@@ -41,7 +41,8 @@ def _fakes(port: int, public: bool) -> tuple[Any, Any]:
     return mgr, net
 
 
-Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+# an upstream server: (reader, writer, the request heads it got, to append to)
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, list[bytes]], Awaitable[None]]
 
 
 @asynccontextmanager
@@ -52,24 +53,13 @@ async def proxied(handler: Handler, public: bool = False
 
     async def upstream(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         try:
-            await handler(r, w)
+            await handler(r, w, heads)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
             w.close()
 
-    async def recording(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        orig = r.readuntil
-
-        async def readuntil(sep: bytes = b"\n") -> bytes:
-            b = await orig(sep)
-            if sep == b"\r\n\r\n":
-                heads.append(b)
-            return b
-        r.readuntil = readuntil  # type: ignore[method-assign]
-        await upstream(r, w)
-
-    srv = await asyncio.start_server(recording, "127.0.0.1", 0)
+    srv = await asyncio.start_server(upstream, "127.0.0.1", 0)
     port = srv.sockets[0].getsockname()[1]
     mgr, net = _fakes(port, public)
     pv = preview.Preview(cast(Any, mgr), cast(Any, net), 0)
@@ -81,11 +71,12 @@ async def proxied(handler: Handler, public: bool = False
         srv.close()
 
 
-async def echo(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+async def echo(r: asyncio.StreamReader, w: asyncio.StreamWriter, heads: list[bytes]) -> None:
     """Keep-alive: answers each request with its path, headers and body (Content-Length);
     /chunked in chunks, /close to the end of the connection, /empty with 204."""
     while True:
         head = await r.readuntil(b"\r\n\r\n")
+        heads.append(head)
         lines = head.decode().split("\r\n")
         path = lines[0].split(" ")[1]
         hdrs = {k.lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:] if x)}
@@ -128,7 +119,7 @@ def run(coro: Awaitable[None]) -> None:
 
 def test_each_request_checked_and_bodies_framed() -> None:
     async def main() -> None:
-        async with proxied(echo) as (pv, url, heads):
+        async with proxied(echo) as (_, url, heads):
             tok = {"X-Cpuos-Token": TOKEN}
             async with httpx.AsyncClient(timeout=30) as c:
                 r = await c.get(url + "a?cpuos_token=" + TOKEN + "&x=1")
@@ -169,7 +160,7 @@ def test_each_request_checked_and_bodies_framed() -> None:
 
 def test_pipelined_requests_and_bad_heads() -> None:
     async def main() -> None:
-        async with proxied(echo) as (pv, url, heads):
+        async with proxied(echo) as (_, url, heads):
             u = httpx.URL(url)
             r, w = await asyncio.open_connection(u.host, u.port)
             w.write(f"GET {u.path}one HTTP/1.1\r\nHost: h\r\nX-Cpuos-Token: {TOKEN}\r\n\r\n"
