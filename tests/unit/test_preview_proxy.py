@@ -235,3 +235,32 @@ def test_connections_waiting_for_a_head_are_bounded(monkeypatch: pytest.MonkeyPa
                 extra.close()
 
     run(main())
+
+
+def test_host_form_cookie_and_redirects() -> None:
+    async def main() -> None:
+        async with proxied(echo) as (_, url, heads):
+            assert not heads
+            u = httpx.URL(url)
+            port = u.path.rstrip("/").rsplit("/", 1)[1]
+            host = {"Host": f"{port}-{SID}.localhost:{u.port}"}
+            nav = {"Sec-Fetch-Mode": "navigate"}
+            base = f"http://{u.host}:{u.port}"
+            async with httpx.AsyncClient(timeout=30) as c:
+                r = await c.get(base + f"//evil.example/x?cpuos_token={TOKEN}",
+                                headers={**host, **nav})
+                assert r.status_code == 303 and r.headers["location"] == "/evil.example/x"
+                r = await c.get(url + f"/evil.example/x?cpuos_token={TOKEN}", headers=nav)
+                assert r.headers["location"].startswith(f"//{port}-{SID}.localhost:{u.port}"
+                                                        "/evil.example/x?")
+                c.cookies.clear()  # (the redirect's cookie: sent by hand below)
+                # the cookie may come in a second Cookie header; none reaches the server
+                r = await c.get(base + "/k", headers=[
+                    *host.items(), ("Cookie", "a=1"),
+                    ("Cookie", f"cpuos_token_{port}={TOKEN}")])
+                assert r.status_code == 200, r.text
+                assert r.json()["headers"]["cookie"] == "a=1"
+                assert (await c.get(base + "/k", headers=host)).status_code == 401
+            assert len(heads) == 1 and TOKEN.encode() not in heads[0]
+
+    run(main())

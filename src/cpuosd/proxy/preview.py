@@ -429,8 +429,8 @@ class Preview:
                     if not _same(offered, token):
                         return await _reply(c.writer, 403, "wrong preview token")
                 else:
-                    cookies = (_cookies(hdr.get(b"cookie", b""), cookie_name(port))
-                               if form == "host" else [])
+                    cookies = (_cookies(b"; ".join(v for k, v in lower if k == b"cookie"),
+                                        cookie_name(port)) if form == "host" else [])
                     if not cookies:
                         return await _reply(c.writer, 401, "this preview needs its token "
                                             "(?cpuos_token=..., or the X-Cpuos-Token "
@@ -441,14 +441,14 @@ class Preview:
         if form == "path" and navigate:
             # a browser is served the sandbox's own origin only
             hp = host.rsplit(":", 1)[1] if ":" in host and not host.endswith("]") else ""
-            loc = (f"//{port}-{sid}.{domain()}{':' + hp if hp.isdigit() else ''}{rest}"
-                   + ("?" + query if query else ""))
+            loc = (f"//{port}-{sid}.{domain()}{':' + hp if hp.isdigit() else ''}"
+                   f"{_local(rest)}" + ("?" + query if query else ""))
             return await _reply(c.writer, 303, "", extra=[("Location", loc)])
         if form == "host" and given is not None and not upgrade and navigate \
                 and not exposed.get("public"):
             # the token once in the query: a host-only cookie, and the URL without it
             return await _reply(c.writer, 303, "", extra=[
-                ("Location", path + ("?" + clean if clean else "")),
+                ("Location", _local(path) + ("?" + clean if clean else "")),
                 ("Set-Cookie", f"{cookie_name(port)}={exposed.get('token')}; Path=/; "
                                "HttpOnly; SameSite=Lax")])
         addr = await self._running_address(row.id, row.workspace_id, row.state, row.spec)
@@ -727,6 +727,12 @@ class Preview:
         if a is None:
             return 503, f"{sid} has no network here (previews need it)"
         return a.slot.address
+
+
+def _local(path: str) -> str:
+    """A path for a Location on this host: one leading slash (``//x`` would be another
+    host)."""
+    return "/" + path.lstrip("/\\")
 
 
 def _same(given: str, token: str) -> bool:
