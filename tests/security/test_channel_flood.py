@@ -269,7 +269,6 @@ def test_preview_flood_from_one_client(fd: Daemon) -> None:
             s.close()
         socks.clear()
         wait_until(lambda: served("127.0.0.9"), "previews after the flood", 60)
-        # an idle kept-alive connection makes room for a new client
     finally:
         for s in socks:
             s.close()
