@@ -84,17 +84,17 @@ class GuardedHTTP(_Base):
         idle = self.cycle is None or self.cycle.response_complete
         if idle and self._head_timer is None:
             self._start_head()  # the first bytes of the next request on this connection
-        if self._head_timer is not None:
+        before = self.cycle
+        super().data_received(data)
+        if self.cycle is not before or self.transport.get_protocol() is not self:
+            self._end_head()  # a request began (or the connection became a WebSocket)
+        elif self._head_timer is not None:
+            # still in the head: what the parser holds of it (its headers) grows with it
             self._head_bytes += len(data)
             if self._head_bytes > MAX_HEAD:
                 self._end_head()
                 _note_refusal(f"request head over {MAX_HEAD} bytes")
                 self.transport.abort()
-                return
-        before = self.cycle
-        super().data_received(data)
-        if self.cycle is not before or self.transport.get_protocol() is not self:
-            self._end_head()  # a request began (or the connection became a WebSocket)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._end_head()
