@@ -35,6 +35,7 @@ log = logging.getLogger("cpuosd.api")
 MAX_CONNECTIONS = int(os.environ.get("CPUOS_API_MAX_CONNECTIONS") or 2048)
 HEAD_TIMEOUT = float(os.environ.get("CPUOS_API_HEAD_TIMEOUT") or 10.0)
 MAX_HEAD = 64 * 1024
+HEAD_SLICE = 8 * 1024
 LOG_INTERVAL = 10.0
 
 _state: dict[str, Any] = {"logged": -LOG_INTERVAL, "refused": 0}
@@ -67,7 +68,7 @@ class GuardedHTTP(_Base):
 
     def _start_head(self) -> None:
         self._head_bytes = 0
-        if self._head_timer is None:
+        if self._head_timer is None and not self.transport.is_closing():
             self._head_timer = self.loop.call_later(HEAD_TIMEOUT, self._head_timeout)
 
     def _end_head(self) -> None:
@@ -84,17 +85,39 @@ class GuardedHTTP(_Base):
         idle = self.cycle is None or self.cycle.response_complete
         if idle and self._head_timer is None:
             self._start_head()  # the first bytes of the next request on this connection
-        before = self.cycle
-        super().data_received(data)
-        if self.cycle is not before or self.transport.get_protocol() is not self:
-            self._end_head()  # a request began (or the connection became a WebSocket)
-        elif self._head_timer is not None:
-            # still in the head: what the parser holds of it (its headers) grows with it
-            self._head_bytes += len(data)
+        if self._head_timer is None:  # a body, or a WebSocket's frames: as they come
+            super().data_received(data)
+            return
+        # in a head: fed in slices, each counted while the head goes on (httptools keeps
+        # an unfinished header inside itself, where no callback shows it)
+        view = memoryview(data)
+        for i in range(0, len(data), HEAD_SLICE):
+            before = self.cycle
+            super().data_received(bytes(view[i:i + HEAD_SLICE]))
+            if self.transport.is_closing() or self.transport.get_protocol() is not self:
+                self._end_head()
+                return
+            if self._head_timer is None or self.cycle is not before:
+                self._end_head()  # the head is whole: the rest as it is
+                if len(data) > i + HEAD_SLICE:
+                    super().data_received(bytes(view[i + HEAD_SLICE:]))
+                return
+            self._head_bytes += min(HEAD_SLICE, len(data) - i)
             if self._head_bytes > MAX_HEAD:
                 self._end_head()
                 _note_refusal(f"request head over {MAX_HEAD} bytes")
                 self.transport.abort()
+                return
+
+    # httptools' callbacks (h11, the fallback, has none and bounds a head itself): a head
+    # begins (also one pipelined behind a request in progress) and ends
+    def on_message_begin(self) -> None:
+        self._start_head()
+        super().on_message_begin()
+
+    def on_headers_complete(self) -> None:
+        self._end_head()
+        super().on_headers_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._end_head()
