@@ -28,19 +28,15 @@ def serve(host: str | None = None, port: int | None = None, home: str | None = N
               file=sys.stderr)
         raise SystemExit(2)
     logs.setup(path=log_file)  # JSON lines, rate-limited, rotated with CPUOS_LOG_FILE
-    # descriptors: every sandbox's proxied connections, agent channels, runsc pipes
-    import resource
+    # descriptors: the soft limit up to the hard one (root: 65536 at least), half of it kept
+    # in reserve for the daemon itself (cpuosd.fdbudget)
+    from .api.listener import MAX_CONNECTIONS, GuardedHTTP
+    from .fdbudget import raise_nofile
 
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = max(soft, 1 << 20 if hard == resource.RLIM_INFINITY else hard, 65536)
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (want, max(want, hard)
-                                                    if hard != resource.RLIM_INFINITY
-                                                    else hard))
-    except (ValueError, OSError):
-        pass
+    raise_nofile()
     uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning",
-                log_config=None, access_log=False, timeout_graceful_shutdown=5)
+                log_config=None, access_log=False, timeout_graceful_shutdown=5,
+                http=GuardedHTTP, limit_concurrency=MAX_CONNECTIONS + 1)
 
 
 def audit_verify(argv: list[str]) -> int:

@@ -189,7 +189,10 @@ export class Sandbox {
     return this._http.request<Record<string, unknown>>("GET", `${this.path}/metrics`);
   }
 
-  /** The host-form preview URL of `port`, exposing it if needed. */
+  /** The host-form preview URL of `port` (`http://<port>-<id>.localhost:...`), exposing it
+   * if needed: the port's own origin, the form browsers are served; send its token as
+   * `X-Cpuos-Token`, or once as `?cpuos_token=` from a browser (a cookie of that host from
+   * then on). */
   async getHost(port: number): Promise<string> {
     return (await this.ports.info(port)).host_url;
   }

@@ -331,9 +331,11 @@ class AsyncPorts:
         self._sbx = sbx
 
     async def expose(self, port: int, *, public: bool | None = None) -> str:
-        """The URL at which ``port`` inside is served: with its token in the query (a
-        browser gets a cookie on first use; programs may send ``X-Cpuos-Token``), or
-        without one for a ``public`` port."""
+        """The URL at which ``port`` inside is served (the path form), its token in the
+        query (none for a ``public`` port). A program uses it as it is (or sends the
+        token as ``X-Cpuos-Token``); a browser that opens it is sent on to the port's own
+        origin, ``<port>-<id>.<domain>`` (``get_host``), where the token becomes a cookie
+        of that origin only: no two sandboxes or ports share an origin or a cookie."""
         p = await self.info(port, public=public)
         return str(p["url"]) if p["public"] else f"{p['url']}?cpuos_token={p['token']}"
 
@@ -492,7 +494,9 @@ class AsyncSandbox:
 
     async def get_host(self, port: int) -> str:
         """The host-form preview URL of ``port`` (``http://<port>-<id>.localhost:...``),
-        exposing it if needed; send its token as ``X-Cpuos-Token`` or ``?cpuos_token=``."""
+        exposing it if needed: the port's own origin, the form browsers are served; send
+        its token as ``X-Cpuos-Token``, or once as ``?cpuos_token=`` from a browser (a
+        cookie of that host from then on)."""
         p = await self.ports.info(port)
         return str(p["host_url"])
 

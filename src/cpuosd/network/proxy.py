@@ -40,6 +40,7 @@ from .httpflow import (CHUNK, Outcome, PlainStream, Rules, TlsServerStream, pars
                        relay_http, relay_raw, same_name)
 from .secrets import SecretStore
 from .policy import NAME_RE, Policy, denied_address, denied_port
+from ..fdbudget import BUDGET
 from ..proxy.preview import quickack
 from .uplink import Uplink
 
@@ -206,6 +207,8 @@ class EgressProxy:
         self.by_sid: dict[str, set[asyncio.Task[None]]] = {}
         self.open_count: dict[str, int] = {}
         self._upstream_tls: ssl.SSLContext | None = None
+        # each relayed connection holds two descriptors (issue 25: cpuosd.fdbudget)
+        BUDGET.count(lambda: 2 * sum(self.open_count.values()))
 
     def _denied(self, addr: str) -> str | None:
         """The deny sets, and the daemon's own host: its API and services are not for
@@ -241,9 +244,10 @@ class EgressProxy:
         sock = writer.get_extra_info("socket")
         dst, port = original_dst(sock)
         rec: dict[str, object] = {"proto": "tcp", "dst": dst, "port": port}
-        if self.open_count.get(sid, 0) >= MAX_CONNS:
-            self.record(sid, verdict="denied", rule=f"over {MAX_CONNS} open connections",
-                        **rec)
+        if self.open_count.get(sid, 0) >= MAX_CONNS or not BUDGET.room(2):
+            self.record(sid, verdict="denied", rule=f"over {MAX_CONNS} open connections"
+                        if self.open_count.get(sid, 0) >= MAX_CONNS
+                        else "the daemon's descriptor budget is spent", **rec)
             reset(sock)
             return
         self.open_count[sid] = self.open_count.get(sid, 0) + 1
