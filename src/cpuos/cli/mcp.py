@@ -55,12 +55,13 @@ def register(app: typer.Typer) -> None:
         tools = AsyncTools(template=template, timeout=timeout, api_url=api_url,
                            api_key=api_key)
         if http:
+            where = f"[{host}]" if ":" in host else host
             if token is None:
                 token = new_token()
-                typer.echo(f"cpuos mcp: http://{host}:{port}/mcp; send 'Authorization: Bearer "
+                typer.echo(f"cpuos mcp: http://{where}:{port}/mcp; send 'Authorization: Bearer "
                            f"{token}'", err=True)
             else:
-                typer.echo(f"cpuos mcp: http://{host}:{port}/mcp (bearer token as given)",
+                typer.echo(f"cpuos mcp: http://{where}:{port}/mcp (bearer token as given)",
                            err=True)
             serve_http(tools, token.strip(), host=host, port=port, keep=keep)
         else:
