@@ -41,7 +41,7 @@ from ..paths import ID_RE
 from ..procs import Child, spawn
 from ..store import ACTIVE_STATES
 from ..templates.builder import disk_usage, list_templates, remove_template, template_info
-from .auth import Ws, require_admin
+from .auth import Ws, is_admin, require_admin
 
 log = logging.getLogger("cpuosd.templates")
 router = APIRouter()
@@ -117,14 +117,25 @@ def _check_name(name: str, what: str = "name") -> str:
     return name
 
 
+# what of a template's record is the host's business (where it lives on the host's disk,
+# the file it was made from): shown to the admin only
+HOST_FIELDS = ("rootfs", "tarball")
+
+
+def _shown(info: dict[str, Any], admin: bool) -> dict[str, Any]:
+    return info if admin else {k: v for k, v in info.items() if k not in HOST_FIELDS}
+
+
 @router.get("/templates")
 async def list_(request: Request, ws: Ws) -> dict[str, Any]:
+    """The templates built on the daemon's host (host paths for the admin only)."""
     tdir = request.app.state.mgr.cfg.templates_dir
     items = await asyncio.to_thread(lambda: list_templates(tdir) if tdir.is_dir() else [])
     for i in items:
         if not i.get("size_bytes"):
             i["size_bytes"] = await asyncio.to_thread(disk_usage, Path(i["rootfs"]))
-    return {"templates": items}
+    admin = is_admin(request, ws)
+    return {"templates": [_shown(i, admin) for i in items]}
 
 
 @router.get("/templates/{name}")
@@ -132,7 +143,7 @@ async def get(name: str, request: Request, ws: Ws) -> dict[str, Any]:
     info = template_info(request.app.state.mgr.cfg.templates_dir, _check_name(name))
     if info is None:
         raise not_found("template", name)
-    return info
+    return _shown(info, is_admin(request, ws))
 
 
 @router.delete("/templates/{name}")
