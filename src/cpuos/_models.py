@@ -143,6 +143,34 @@ class SandboxInfo:
 
 
 @dataclass
+class ApiKeyInfo:
+    """An API key of a workspace (``Workspace().keys()``): never the key itself, except in
+    what ``create_key`` returns (``key``, shown that once). ``current``: the key asking."""
+
+    id: str
+    workspace_id: str
+    label: str
+    created_at: float
+    revoked_at: float | None = None
+    current: bool = False
+    key: str | None = None
+
+    @property
+    def revoked(self) -> bool:
+        return self.revoked_at is not None
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ApiKeyInfo:
+        kw = {k: d[k] for k in cls.__dataclass_fields__ if k in d and d[k] is not None}
+        return cls(**kw)
+
+    def __repr__(self) -> str:  # the key, if any, stays out of logs and tracebacks
+        state = "revoked" if self.revoked else "live"
+        mine = ", current" if self.current else ""
+        return f"ApiKeyInfo({self.id}, {self.label!r}, {state}{mine})"
+
+
+@dataclass
 class TemplateInfo:
     """A template built on the daemon's host (``cpuos template ls``)."""
 

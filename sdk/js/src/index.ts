@@ -20,6 +20,10 @@ export { ExecResult, type OutputCallback } from "./exec.js";
 export { Files, type CallOptions } from "./files.js";
 export { Ports } from "./ports.js";
 export {
+  Workspace, type ApiKeyInfo, type KeyOptions, type NewWorkspace, type WorkspaceDeleted,
+  type WorkspaceRecord,
+} from "./workspace.js";
+export {
   CpuosError, AuthError, PermissionDenied, NotFound, Conflict, InvalidArgument, LimitExceeded,
   NoSpace, Timeout, Unavailable, ServerError, type ErrorOptions,
 } from "./errors.js";

@@ -8,7 +8,8 @@ import { join, resolve } from "node:path";
 import { after, before, describe, it } from "node:test";
 import { promisify } from "node:util";
 import {
-  AuthError, Conflict, CpuosError, InvalidArgument, NotFound, Sandbox,
+  AuthError, Conflict, CpuosError, InvalidArgument, NotFound, PermissionDenied, Sandbox,
+  Workspace,
 } from "@cpuos/sdk";
 import { REPO_DIR, SDK_DIR, startDaemon, waitUntil, type TestDaemon } from "./helpers.js";
 
@@ -309,5 +310,31 @@ describe("e2e", { skip }, () => {
     const url = await sbx.ports.expose(8000);
     assert.match(url, new RegExp(`/sandboxes/${sbx.id}/ports/8000/\\?cpuos_token=\\w+`));
     assert.deepEqual((await sbx.ports.list()).map((p) => p.port), [8000]);
+  });
+
+  test("workspaces: keys made, listed, revoked; a workspace deleted with its sandboxes",
+       async () => {
+    const admin = new Workspace(conn);
+    const made = await admin.createWorkspace(`js-${randomBytes(3).toString("hex")}`);
+    const tconn = { apiUrl: daemon.url, apiKey: made.key };
+    const ws = new Workspace(tconn);
+    const ci = await ws.createKey("ci");
+    assert.ok(ci.key?.startsWith("cpk_"));
+    const keys = await ws.keys();
+    assert.deepEqual(keys.map((k) => k.label), ["default", "ci"]);
+    assert.ok(keys.every((k) => k.key == null) && keys[0]?.current === true);
+    await Sandbox.list({ apiUrl: daemon.url, apiKey: ci.key! });
+    await ws.revokeKey(ci.id);
+    await assert.rejects(Sandbox.list({ apiUrl: daemon.url, apiKey: ci.key! }), AuthError);
+    await assert.rejects(ws.revokeKey(keys[0]!.id), Conflict);  // its own last live key
+    await assert.rejects(ws.listWorkspaces(), PermissionDenied);
+    await assert.rejects(ws.keys({ workspace: "ws-000000000000" }), NotFound);
+    const theirs = await Sandbox.create({ template: "python", timeout: "5m", ...tconn });
+    const gone = await admin.deleteWorkspace(made.id);
+    assert.deepEqual(gone.sandboxes_killed, [theirs.id]);
+    assert.equal(gone.keys_revoked, 1);
+    await assert.rejects(theirs.info(), AuthError);
+    assert.ok(!(await admin.listWorkspaces()).some((w) => w.id === made.id));
+    assert.equal((await sbx.exec("echo still")).stdout, "still\n");  // ours: untouched
   });
 });

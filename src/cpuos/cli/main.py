@@ -38,6 +38,7 @@ from . import audit as _audit
 from . import shell as _shell
 from .._sync.workspace import Workspace
 from . import mcp as _mcp
+from . import workspaces as _workspaces
 from ._options import ApiKey, ApiUrl, JsonOut, SandboxId
 
 
@@ -690,6 +691,7 @@ def template_rm(
 _audit.register(app)
 _mcp.register(app)
 _shell.register(app)
+_workspaces.register(app, _Group)
 
 
 # ---- usage and live metrics ---------------------------------------------------------------

@@ -16,6 +16,7 @@ is written, so two creates cannot both take the last place).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
@@ -23,6 +24,8 @@ from typing import Any
 
 from ..errors import ApiError, invalid
 from ..store import ACTIVE_STATES, Store
+
+log = logging.getLogger("cpuosd.admission")
 
 # states whose sandbox holds host memory and CPU (paused and killing ones do not, or not
 # for long)
@@ -107,14 +110,18 @@ class Admission:
         ws = self.store.workspace(workspace_id)
         return Limits.of(ws["limits"] if ws else {})
 
-    def usage(self, workspace_id: str) -> dict[str, Any]:
+    def usage(self, workspace_id: str, *, host: bool = True) -> dict[str, Any]:
+        """The workspace's maxima and what its sandboxes hold; with ``host`` (the admin's
+        view), the host's capacity and what all sandboxes reserve."""
         vcpus, mem = self._reserved(workspace_id)
         alive = len(self.store.list_sandboxes(workspace_id, ACTIVE_STATES))
-        hv, hm = self._reserved(None)
-        return {"limits": asdict(self.limits(workspace_id)),
-                "used": {"sandboxes": alive, "vcpus": vcpus, "memory_mib": mem},
-                "host": {"capacity": self.capacity(), "reserved": {"vcpus": hv,
-                                                                   "memory_mib": hm}}}
+        out: dict[str, Any] = {"limits": asdict(self.limits(workspace_id)),
+                               "used": {"sandboxes": alive, "vcpus": vcpus, "memory_mib": mem}}
+        if host:
+            hv, hm = self._reserved(None)
+            out["host"] = {"capacity": self.capacity(),
+                           "reserved": {"vcpus": hv, "memory_mib": hm}}
+        return out
 
     def admit(self, workspace_id: str, vcpus: int, memory_mib: int, *, n: int = 1,
               new_sandboxes: bool = True, reserve_host: bool = True,
@@ -122,6 +129,8 @@ class Admission:
         """Raise unless ``n`` sandboxes of this size may start for this workspace.
         ``new_sandboxes``: they add to the workspace's count (not for a resume);
         ``reserve_host``: they take new host capacity (not when handed from the pool)."""
+        if self.store.workspace(workspace_id) is None:  # deleted (its keys are revoked)
+            raise ApiError("unauthorized", "this workspace has been deleted")
         lim = self.limits(workspace_id)
         if self.check_spending is not None:
             self.check_spending(workspace_id, "create" if new_sandboxes else "resume")
@@ -163,11 +172,15 @@ class Admission:
         return hv + vcpus <= cap["vcpus"] and hm + memory_mib <= cap["memory_mib"]
 
     def check_host(self, vcpus: int, memory_mib: int) -> None:
+        """Raise unless the host has room. The error names what the caller asked for, not
+        the host's capacity or what other workspaces hold (the admin's ``GET /workspace``
+        shows those, and the daemon's log)."""
         if not self.host_has_room(vcpus, memory_mib):
             cap = self.capacity()
             hv, hm = self._reserved(None)
-            raise ApiError("limit_exceeded", f"the host is full: sandboxes hold {hv} of "
-                           f"{cap['vcpus']} vCPUs and {hm} of {cap['memory_mib']} MiB it "
-                           f"admits; this needs {vcpus} vCPUs and {memory_mib} MiB more",
-                           {"limit": "host_capacity", "capacity": cap,
-                            "reserved": {"vcpus": hv, "memory_mib": hm}})
+            log.info("admission: host full: sandboxes hold %d of %d vCPUs and %d of %d MiB; "
+                     "refused %d vCPUs and %d MiB more", hv, cap["vcpus"], hm,
+                     cap["memory_mib"], vcpus, memory_mib)
+            raise ApiError("limit_exceeded", f"the host is full: it cannot take {vcpus} vCPUs "
+                           f"and {memory_mib} MiB more now; try again later, or pause or kill "
+                           "sandboxes", {"limit": "host_capacity"})

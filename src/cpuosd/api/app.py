@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cpuos_agent import protocol as P
 from cpuos_agent.protocol import parse_duration
 
-from .auth import Guard, Ws, require_admin
+from .auth import Guard, Ws, bearer_key, is_admin, require_admin
 from .browser import router as browser_router
 from .interp import router as interp_router
 from .templates import TemplateBuilds, router as templates_router
@@ -40,6 +40,7 @@ from .commands import router as commands_router
 from .pty import router as pty_router
 from .dirs import router as dirs_router
 from .usage import router as usage_router, sandbox_metrics
+from .workspaces import router as workspaces_router
 from ..proxy.preview import Preview
 from ..backends.microvm.selection import BackendUnavailable, select_backend
 from ..config import Config
@@ -386,6 +387,7 @@ def create_app(cfg: Config | None = None) -> FastAPI:
     app.include_router(interp_router)
     document(app)  # the answers' schemas in /openapi.json (sdk/js's types)
     app.include_router(usage_router)
+    app.include_router(workspaces_router)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, e: ApiError) -> JSONResponse:
@@ -419,9 +421,15 @@ def create_app(cfg: Config | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health(request: Request) -> dict[str, Any]:
+        """Open to anyone: ok, version, backend; with the admin's key also the runtime
+        (runsc's path and version, platform, network), which is the host's business."""
         backend = mgr(request).backend
-        return {"ok": True, "version": VERSION, "backend": backend.capabilities.name,
-                **backend.runtime()}
+        out = {"ok": True, "version": VERSION, "backend": backend.capabilities.name}
+        key = bearer_key(list(request.scope["headers"]))
+        wid = request.app.state.store.workspace_for_key(key) if key else None
+        if wid is not None and is_admin(request, wid):
+            out.update(backend.runtime())
+        return out
 
     @app.post("/workspaces", status_code=201)
     async def new_workspace(body: NewWorkspace, request: Request, ws: Ws) -> dict[str, Any]:
@@ -477,9 +485,10 @@ def create_app(cfg: Config | None = None) -> FastAPI:
 
     @app.get("/workspace")
     async def my_workspace(request: Request, ws: Ws) -> dict[str, Any]:
-        """The caller's workspace: its maxima, what its sandboxes hold, the host's room."""
+        """The caller's workspace: its maxima and what its sandboxes hold; for the admin
+        also the host's capacity and what all sandboxes reserve (``host``)."""
         info = request.app.state.store.workspace(ws) or {"id": ws}
-        return {**info, **mgr(request).admission.usage(ws)}
+        return {**info, **mgr(request).admission.usage(ws, host=is_admin(request, ws))}
 
     @app.post("/sandboxes", status_code=201)
     async def create(body: CreateSandbox, request: Request, ws: Ws) -> dict[str, Any]:

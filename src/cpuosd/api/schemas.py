@@ -187,6 +187,49 @@ class FileEofFrame(BaseModel):
     size: int = Field(description="the bytes sent in all")
 
 
+class ApiKey(BaseModel):
+    """An API key of a workspace: never the key itself, except ``key`` in the answer that
+    made it (shown once; it is stored hashed)."""
+
+    id: str
+    workspace_id: str
+    label: str
+    created_at: float
+    revoked_at: float | None = Field(description="null while it is live")
+    current: bool = Field(description="the key that asked")
+    key: str | None = Field(None, description="only when just made")
+    requests_ended: int | None = Field(None, description="revocation: its requests in "
+                                       "flight that were ended (streams, terminals)")
+
+
+class ApiKeyList(BaseModel):
+    keys: list[ApiKey]
+
+
+class WorkspaceRecord(BaseModel):
+    id: str
+    name: str
+    created_at: float
+    limits: dict[str, int]
+    settings: dict[str, Any]
+    deleted_at: float | None
+    keys: int = Field(description="live keys")
+    sandboxes: int = Field(description="sandboxes with something on the host")
+
+
+class WorkspaceList(BaseModel):
+    workspaces: list[WorkspaceRecord]
+
+
+class WorkspaceDeleted(BaseModel):
+    id: str
+    name: str
+    deleted_at: float | None
+    keys_revoked: int
+    requests_ended: int
+    sandboxes_killed: list[str]
+
+
 FRAMES: tuple[type[BaseModel], ...] = (ExecStartedFrame, ExecOutFrame, ExecExitFrame,
                                        StreamErrorFrame, FileDataFrame, FileEofFrame)
 
@@ -212,6 +255,14 @@ ANSWERS: dict[tuple[str, str], type[BaseModel]] = {
     ("get", "/usage"): Usage,
     ("get", "/metrics"): MetricsList,
     ("get", "/sandboxes/{sid}/metrics"): Metrics,
+    ("get", "/workspace/keys"): ApiKeyList,
+    ("post", "/workspace/keys"): ApiKey,
+    ("delete", "/workspace/keys/{key_id}"): ApiKey,
+    ("get", "/workspaces/{wid}/keys"): ApiKeyList,
+    ("post", "/workspaces/{wid}/keys"): ApiKey,
+    ("delete", "/workspaces/{wid}/keys/{key_id}"): ApiKey,
+    ("get", "/workspaces"): WorkspaceList,
+    ("delete", "/workspaces/{wid}"): WorkspaceDeleted,
 }
 
 

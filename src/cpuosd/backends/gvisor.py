@@ -69,6 +69,21 @@ def host_pids_limit(pids: int) -> int:
     return 4 * pids + 1024
 
 
+# gVisor's own kernel filesystems (nothing of the host's): every sandbox's, and a template
+# build step's (cpuosd.templates.stepbox)
+KERNEL_MOUNTS: tuple[dict[str, Any], ...] = (
+    {"destination": "/proc", "type": "proc", "source": "proc"},
+    {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+     "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+    {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+     "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
+    {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+     "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
+    {"destination": "/sys", "type": "sysfs", "source": "sysfs",
+     "options": ["nosuid", "noexec", "nodev", "ro"]},
+)
+
+
 def oci_spec(spec: SandboxSpec) -> dict[str, Any]:
     env = {
         "PATH": BASE_PATH,
@@ -105,15 +120,7 @@ def oci_spec(spec: SandboxSpec) -> dict[str, Any]:
         "root": {"path": str(spec.rootfs), "readonly": False},
         "hostname": spec.hostname,
         "mounts": [
-            {"destination": "/proc", "type": "proc", "source": "proc"},
-            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
-             "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
-            {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
-             "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
-            {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
-             "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
-            {"destination": "/sys", "type": "sysfs", "source": "sysfs",
-             "options": ["nosuid", "noexec", "nodev", "ro"]},
+            *KERNEL_MOUNTS,
             {"destination": "/opt/cpuos", "type": "bind", "source": str(spec.agent_dir),
              "options": ["rbind", "ro"]},
             {"destination": "/run/cpuos", "type": "bind", "source": str(spec.sock_dir),

@@ -102,6 +102,8 @@ class Network:
         self.uplink = Uplink()
         self.upstream = Upstream(self.uplink)
         self.sink = sink
+        # where the records of an attachment that is not a sandbox go (a template build's)
+        self.taps: dict[str, RecordSink] = {}
         self.records: RecordWriter | None = None  # (set by the daemon: flushed on reads)
         self.secrets = SecretStore(secrets_dir)
         self.by_sid: dict[str, Attached] = {}
@@ -291,6 +293,6 @@ class Network:
     def record(self, sid: str, **fields: Any) -> None:
         fields.setdefault("time", time.time())
         try:
-            self.sink(sid, fields)
+            self.taps.get(sid, self.sink)(sid, fields)
         except Exception:
             log.exception("recording a connection of %s failed", sid)

@@ -13,7 +13,8 @@ export interface paths {
          * Verify
          * @description Check the whole chain: every row's hash (an HMAC under the daemon's key) and its link
          *     to the row before, the start against the retention anchor, the end against the head the
-         *     writer last recorded. Problems in other workspaces' rows are counted but not named.
+         *     writer last recorded. The admin gets the whole answer (rows, head, every problem);
+         *     another workspace only whether the chain holds for its own sandboxes' rows.
          */
         get: operations["verify_audit_verify_get"];
         put?: never;
@@ -31,7 +32,11 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** Health */
+        /**
+         * Health
+         * @description Open to anyone: ok, version, backend; with the admin's key also the runtime
+         *     (runsc's path and version, platform, network), which is the host's business.
+         */
         get: operations["health_health_get"];
         put?: never;
         post?: never;
@@ -785,7 +790,10 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** List */
+        /**
+         * List
+         * @description The templates built on the daemon's host (host paths for the admin only).
+         */
         get: operations["list__templates_get"];
         put?: never;
         post?: never;
@@ -861,12 +869,57 @@ export interface paths {
         };
         /**
          * My Workspace
-         * @description The caller's workspace: its maxima, what its sandboxes hold, the host's room.
+         * @description The caller's workspace: its maxima and what its sandboxes hold; for the admin
+         *     also the host's capacity and what all sandboxes reserve (``host``).
          */
         get: operations["my_workspace_workspace_get"];
         put?: never;
         post?: never;
         delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/workspace/keys": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * My Keys
+         * @description The caller's workspace's keys (ids, labels, dates; ``current``: the one asking).
+         */
+        get: operations["my_keys_workspace_keys_get"];
+        put?: never;
+        /**
+         * My New Key
+         * @description A new key of the caller's workspace; ``key`` is shown this once.
+         */
+        post: operations["my_new_key_workspace_keys_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/workspace/keys/{key_id}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        post?: never;
+        /**
+         * My Revoke Key
+         * @description Revoke a key of the caller's workspace (itself too, not the last live one).
+         */
+        delete: operations["my_revoke_key_workspace_keys__key_id__delete"];
         options?: never;
         head?: never;
         patch?: never;
@@ -879,11 +932,72 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        get?: never;
+        /**
+         * List Workspaces
+         * @description Every workspace (admin): its record, its live keys and alive sandboxes.
+         */
+        get: operations["list_workspaces_workspaces_get"];
         put?: never;
         /** New Workspace */
         post: operations["new_workspace_workspaces_post"];
         delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/workspaces/{wid}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        post?: never;
+        /**
+         * Delete Workspace
+         * @description Delete a workspace (admin): its keys are revoked and their requests in flight ended,
+         *     its sandboxes killed (paused ones' snapshots removed); its records are kept. Finishes
+         *     even if the client goes away.
+         */
+        delete: operations["delete_workspace_workspaces__wid__delete"];
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/workspaces/{wid}/keys": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** Keys */
+        get: operations["keys_workspaces__wid__keys_get"];
+        put?: never;
+        /** New Key */
+        post: operations["new_key_workspaces__wid__keys_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/workspaces/{wid}/keys/{key_id}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        post?: never;
+        /** Revoke Key */
+        delete: operations["revoke_key_workspaces__wid__keys__key_id__delete"];
         options?: never;
         head?: never;
         patch?: never;
@@ -935,6 +1049,48 @@ export interface paths {
 export type webhooks = Record<string, never>;
 export interface components {
     schemas: {
+        /**
+         * ApiKey
+         * @description An API key of a workspace: never the key itself, except ``key`` in the answer that
+         *     made it (shown once; it is stored hashed).
+         */
+        ApiKey: {
+            /** Created At */
+            created_at: number;
+            /**
+             * Current
+             * @description the key that asked
+             */
+            current: boolean;
+            /** Id */
+            id: string;
+            /**
+             * Key
+             * @description only when just made
+             * @default null
+             */
+            key?: string | null;
+            /** Label */
+            label: string;
+            /**
+             * Requests Ended
+             * @description revocation: its requests in flight that were ended (streams, terminals)
+             * @default null
+             */
+            requests_ended?: number | null;
+            /**
+             * Revoked At
+             * @description null while it is live
+             */
+            revoked_at: number | null;
+            /** Workspace Id */
+            workspace_id: string;
+        };
+        /** ApiKeyList */
+        ApiKeyList: {
+            /** Keys */
+            keys: components["schemas"]["ApiKey"][];
+        };
         /** Click */
         Click: {
             /** Selector */
@@ -1357,6 +1513,15 @@ export interface components {
             /** Time */
             time: number;
         };
+        /** NewKey */
+        NewKey: {
+            /**
+             * Label
+             * @description a name for the key (who or what holds it)
+             * @default default
+             */
+            label?: string;
+        };
         /** NewWorkspace */
         NewWorkspace: {
             /**
@@ -1724,6 +1889,55 @@ export interface components {
             msg: string;
             /** Error Type */
             type: string;
+        };
+        /** WorkspaceDeleted */
+        WorkspaceDeleted: {
+            /** Deleted At */
+            deleted_at: number | null;
+            /** Id */
+            id: string;
+            /** Keys Revoked */
+            keys_revoked: number;
+            /** Name */
+            name: string;
+            /** Requests Ended */
+            requests_ended: number;
+            /** Sandboxes Killed */
+            sandboxes_killed: string[];
+        };
+        /** WorkspaceList */
+        WorkspaceList: {
+            /** Workspaces */
+            workspaces: components["schemas"]["WorkspaceRecord"][];
+        };
+        /** WorkspaceRecord */
+        WorkspaceRecord: {
+            /** Created At */
+            created_at: number;
+            /** Deleted At */
+            deleted_at: number | null;
+            /** Id */
+            id: string;
+            /**
+             * Keys
+             * @description live keys
+             */
+            keys: number;
+            /** Limits */
+            limits: {
+                [key: string]: number;
+            };
+            /** Name */
+            name: string;
+            /**
+             * Sandboxes
+             * @description sandboxes with something on the host
+             */
+            sandboxes: number;
+            /** Settings */
+            settings: {
+                [key: string]: unknown;
+            };
         };
         /**
          * WorkspaceSettings
@@ -3749,6 +3963,158 @@ export interface operations {
             };
         };
     };
+    my_keys_workspace_keys_get: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiKeyList"];
+                };
+            };
+            /** @description an error */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    my_new_key_workspace_keys_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["NewKey"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            201: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiKey"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+            /** @description an error */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    my_revoke_key_workspace_keys__key_id__delete: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                key_id: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiKey"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+            /** @description an error */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    list_workspaces_workspaces_get: {
+        parameters: {
+            query?: {
+                /** @description deleted ones too */
+                deleted?: boolean;
+            };
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["WorkspaceList"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+            /** @description an error */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
     new_workspace_workspaces_post: {
         parameters: {
             query?: never;
@@ -3780,6 +4146,171 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    delete_workspace_workspaces__wid__delete: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                wid: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["WorkspaceDeleted"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+            /** @description an error */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    keys_workspaces__wid__keys_get: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                wid: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiKeyList"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+            /** @description an error */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    new_key_workspaces__wid__keys_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                wid: string;
+            };
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["NewKey"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            201: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiKey"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+            /** @description an error */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    revoke_key_workspaces__wid__keys__key_id__delete: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                key_id: string;
+                wid: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiKey"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+            /** @description an error */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
                 };
             };
         };
