@@ -17,6 +17,18 @@ def _int(name: str, default: int) -> int:
     return int(v) if v else default
 
 
+def _duration_env(name: str, default: float) -> float:
+    """A duration (``"10m"``, seconds; ``0``: none) from the environment."""
+    v = (os.environ.get(name) or "").strip()
+    if not v:
+        return default
+    if v in ("0", "0s", "never"):
+        return 0.0
+    from cpuos_agent.protocol import parse_duration
+
+    return parse_duration(v, name)
+
+
 @dataclass
 class Config:
     home: Path = field(default_factory=lambda: Path(os.environ.get("CPUOS_HOME", DEFAULT_HOME)))
@@ -35,6 +47,10 @@ class Config:
     agent_connect_timeout: float = field(
         default_factory=lambda: float(os.environ.get("CPUOS_AGENT_CONNECT_TIMEOUT") or 15.0))
     reaper_interval: float = 0.5
+    # s without activity before a running sandbox is paused (lifecycle.idle), for sandboxes
+    # that name none in a workspace that sets no default_idle_timeout; 0: never
+    idle_timeout: float = field(default_factory=lambda: _duration_env("CPUOS_IDLE_TIMEOUT",
+                                                                      600.0))
     default_vcpus: int = 2
     default_memory_mib: int = 2048
     # per-sandbox networking (cpuosd.network): on where nftables is installed, unless 0

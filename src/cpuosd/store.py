@@ -70,6 +70,10 @@ MIGRATIONS = [
     CREATE INDEX usage_ws ON usage(workspace_id, start);
     CREATE INDEX usage_open ON usage(sandbox_id, end);
     """,
+    """
+    ALTER TABLE usage ADD COLUMN reason TEXT;
+    CREATE INDEX sandboxes_state ON sandboxes(state, deadline);
+    """,
 ]
 # what is kept of one sandbox's connection record (the oldest go first)
 MAX_CONNECTIONS = 10_000

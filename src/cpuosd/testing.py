@@ -303,6 +303,9 @@ class FakeBackend:
     def memory_usage(self, sandbox_id: str) -> int | None:
         return None
 
+    def cpu_seconds(self, sandbox_id: str) -> float | None:
+        return None
+
     def stats(self, sandbox_id: str) -> dict[str, int | float]:
         return {}
 

@@ -22,6 +22,7 @@ the daemon connects to the sandbox's address.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import hmac
 import json
@@ -217,6 +218,14 @@ class Preview:
             return await _reply(writer, *addr)
         self._event(row.id, row.workspace_id, port, "connect",
                     peer=str((writer.get_extra_info("peername") or ("",))[0]))
+        with self.mgr.using(row.id):  # an open preview connection: the sandbox is not idle
+            await self._forward(reader, writer, addr, port, sid, method, rest, query, version,
+                                headers, hdr, host, form)
+
+    async def _forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                       addr: str, port: int, sid: str, method: bytes, rest: str, query: str,
+                       version: bytes, headers: builtins.list[tuple[bytes, bytes]],
+                       hdr: dict[bytes, bytes], host: str, form: str) -> None:
         try:
             async with asyncio.timeout(CONNECT_TIMEOUT):
                 ur, uw = await asyncio.open_connection(addr, port, limit=CHUNK)
@@ -259,23 +268,21 @@ class Preview:
 
     async def _running_address(self, sid: str, ws: str, state: str, spec: dict[str, Any]
                                ) -> str | tuple[int, str]:
-        """The sandbox's address, resuming it first if it is paused and may be woken."""
-        if state == "paused":
-            if spec.get("wake_on_request") is False:
-                return 503, f"{sid} is paused"
+        """The sandbox's address, resuming it first if it is paused (or pausing, resuming)
+        and may be woken: one resume for any number of requests (Manager.wake)."""
+        if state in ("paused", "pausing", "resuming"):
+            if spec.get("wake_on_request") is False and state != "resuming":
+                return 503, f"{sid} is {state}"
             try:
                 async with asyncio.timeout(WAKE_TIMEOUT):
-                    await self.mgr.resume(ws, sid)  # concurrent callers share its lock
+                    await self.mgr.wake(ws, sid, any_pause=True)
             except Exception as e:
-                return 503, f"{sid} could not be resumed: {e}"
-        elif state not in ("running", "resuming"):
+                return 503, f"{sid} could not be resumed: {getattr(e, 'message', e)}"
+            row = self.mgr.store.get_sandbox(sid)
+            state = row.state if row else "gone"
+        if state != "running":
             return 503, f"{sid} is {state}"
-        if state == "resuming":
-            deadline = time.monotonic() + WAKE_TIMEOUT
-            while (r := self.mgr.store.get_sandbox(sid)) and r.state == "resuming":
-                if time.monotonic() > deadline:
-                    return 503, f"{sid} is still resuming"
-                await asyncio.sleep(0.05)
+        self.mgr.idle.touch(sid)
         a = self.network.by_sid.get(sid) if self.network else None
         if a is None:
             return 503, f"{sid} has no network here (previews need it)"
