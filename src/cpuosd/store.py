@@ -214,6 +214,20 @@ class Store:
         sql += " ORDER BY created_at"
         return [SandboxRow.from_row(r) for r in self._exec(sql, tuple(args)).fetchall()]
 
+    def sandbox_totals(self, workspace_id: str | None, states: tuple[str, ...]
+                       ) -> tuple[int, int, int]:
+        """(how many, their vCPUs, their memory MiB) of the sandboxes in these states (of
+        one workspace, or all): summed by SQLite from the (workspace, state) index."""
+        sql = ("SELECT COUNT(*), COALESCE(SUM(json_extract(spec, '$.vcpus')), 0), "
+               "COALESCE(SUM(json_extract(spec, '$.memory_mib')), 0) FROM sandboxes "
+               f"WHERE state IN ({','.join('?' * len(states))})")
+        args: list[Any] = list(states)
+        if workspace_id is not None:
+            sql += " AND workspace_id=?"
+            args.append(workspace_id)
+        n, v, m = self._exec(sql, tuple(args)).fetchone()
+        return int(n), int(v), int(m)
+
     def expired(self, now: float) -> list[tuple[str, str]]:
         rows = self._exec("SELECT id, on_timeout FROM sandboxes WHERE state='running' "
                           "AND deadline<=?", (now,)).fetchall()

@@ -391,8 +391,9 @@ class AsyncSandbox:
         killing it. ``idle_timeout`` (``"5m"``; ``0``: never; default: the workspace's,
         10 minutes unless set): paused after that long with no call needing the machine,
         no open stream or preview connection and no CPU use inside; any such call (exec,
-        files, commands, ...) or a preview request resumes it transparently. ``network``: ``"off"``, ``"on"``, ``"allowlist"`` or ``{"allow":
-        ["pypi.org", "*.github.com"]}`` (default: the daemon's). ``secrets``: ``{"NAME":
+        files, commands, ...) or a preview request resumes it transparently.
+        ``network``: ``"off"``, ``"on"``, ``"allowlist"`` or ``{"allow": ["pypi.org",
+        "*.github.com"]}`` (default: the daemon's). ``secrets``: ``{"NAME":
         {"value": "...", "hosts": ["api.example.com"]}}``: NAME inside is a placeholder,
         the value goes only into request headers to those hosts. Limits: ``cpus`` (vCPUs),
         ``memory`` and ``disk`` (``"1GiB"``, ``"512MiB"`` or MiB: past ``disk`` a write

@@ -34,7 +34,7 @@ from ..errors import ApiError, not_found
 from ..events import EventBus, SandboxEvent
 from ..paths import check_id
 from ..store import LIVE_STATES, SandboxRow, Store
-from ..accounting.quotas import Admission
+from ..accounting.quotas import Admission, HostMeter, Measure
 from ..network.policy import Policy
 from ..templates.builder import template_info
 from . import states
@@ -55,12 +55,16 @@ __all__ = ["Live", "Manager"]
 
 class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
     def __init__(self, cfg: Config, store: Store, backend: Backend,
-                 events: EventBus | None = None) -> None:
+                 events: EventBus | None = None, measure: Measure | None = None) -> None:
         self.cfg = cfg
         self.store = store
         self.backend = backend
         self.events = events or EventBus()
-        self.admission = Admission(store)
+        # admission by what the host really uses (accounting.quotas): ``measure`` stands in
+        # for the host's measurement in tests
+        self.host_meter = HostMeter([cfg.sandboxes_dir, cfg.snapshots_dir],
+                                    ours=lambda: list(self.live))
+        self.admission = Admission(store, measure or self.host_meter.measure)
         self.live: dict[str, Live] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._locks: dict[str, asyncio.Lock] = {}

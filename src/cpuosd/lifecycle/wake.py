@@ -43,9 +43,12 @@ class Idle:
             self.idle.disarm(ev.sandbox)
 
     async def _idle_loop(self: Manager) -> None:
+        """The daemon's one tick (each TICK s): the idle sandboxes due, and a sample of the
+        sandboxes' CPU for admission (two cgroup reads)."""
         while True:
             await asyncio.sleep(TICK)
             try:
+                self.host_meter.sample_cpu()
                 due = self.idle.due()
             except Exception:
                 log.exception("idle check failed")
