@@ -69,8 +69,12 @@ class Config:
                                                                       "kvm"))
     # microVM backend: QEMUs kept spawned and waiting per template image
     microvm_standby: int = field(default_factory=lambda: _int("CPUOS_MICROVM_STANDBY", 1))
-    # Restored sandboxes kept ready per template (0 turns the warm pool off).
+    # Restored sandboxes kept ready per template (0 turns the warm pool off); with recent
+    # demand (creates in the last 10 s) the pool grows up to pool_max, refilled by at most
+    # pool_parallel restores at once, and shrinks back once demand stops.
     pool_size: int = field(default_factory=lambda: _int("CPUOS_POOL_SIZE", 1))
+    pool_max: int = field(default_factory=lambda: _int("CPUOS_POOL_MAX", 8))
+    pool_parallel: int = field(default_factory=lambda: max(1, _int("CPUOS_POOL_PARALLEL", 2)))
     # The templates whose pool is filled at start (comma-separated; e.g. "python,browser":
     # a pooled browser sandbox holds a running chromium); a pool is refilled as it is used.
     pool_templates: list[str] = field(default_factory=lambda: [

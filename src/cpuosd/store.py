@@ -73,6 +73,7 @@ MIGRATIONS = [
     """
     ALTER TABLE usage ADD COLUMN reason TEXT;
     CREATE INDEX sandboxes_state ON sandboxes(state, deadline);
+    CREATE INDEX usage_ws_end ON usage(workspace_id, end);
     """,
 ]
 # what is kept of one sandbox's connection record (the oldest go first)

@@ -294,10 +294,12 @@ class Admission:
 
     def admit(self, workspace_id: str, vcpus: int, memory_mib: int, *, n: int = 1,
               new_sandboxes: bool = True, reserve_host: bool = True,
-              pids: int | None = None, disk_mib: int | None = None) -> None:
+              pids: int | None = None, disk_mib: int | None = None, pending: int = 0) -> None:
         """Raise unless ``n`` sandboxes of this size may start for this workspace.
         ``new_sandboxes``: they add to the workspace's count (not for a resume);
-        ``reserve_host``: they take new host memory (not when handed from the pool)."""
+        ``reserve_host``: they take new host memory (not when handed from the pool);
+        ``pending``: sandboxes of this workspace admitted and not yet made (creates waiting
+        for the warm pool), counted as made."""
         lim = self.limits(workspace_id)
         if self.check_spending is not None:
             self.check_spending(workspace_id, "create" if new_sandboxes else "resume")
@@ -316,13 +318,14 @@ class Admission:
             raise invalid(f"pids {pids} is over this workspace's maximum of {lim.max_pids} "
                           f"per sandbox", field="pids", max=lim.max_pids)
         if new_sandboxes:
-            alive = self.store.sandbox_totals(workspace_id, ACTIVE_STATES)[0]
+            alive = self.store.sandbox_totals(workspace_id, ACTIVE_STATES)[0] + pending
             if alive + n > lim.max_sandboxes:
                 raise ApiError("limit_exceeded", f"this workspace has {alive} sandboxes alive "
                                f"(paused included); its maximum is {lim.max_sandboxes}",
                                {"limit": "max_sandboxes", "max": lim.max_sandboxes})
         if lim.max_total_vcpus or lim.max_total_memory_mib:
             used_v, used_m = self._reserved(workspace_id)
+            used_v, used_m = used_v + pending * vcpus, used_m + pending * memory_mib
             if lim.max_total_vcpus and used_v + n * vcpus > lim.max_total_vcpus:
                 raise ApiError("limit_exceeded", f"this workspace's running sandboxes hold "
                                f"{used_v} vCPUs; {n * vcpus} more would pass its maximum of "

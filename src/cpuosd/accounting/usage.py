@@ -71,6 +71,8 @@ class Meter:
     def __init__(self, store: Store, prices: Prices | None = None) -> None:
         self.store = store
         self.prices = prices or Prices.from_env()
+        # (workspace, month start) -> (t, cost of the month's intervals that ended by t)
+        self._closed: dict[tuple[str, float], tuple[float, float]] = {}
 
     # ---- recording ----------------------------------------------------------------------
     def on_event(self, ev: SandboxEvent) -> None:
@@ -158,8 +160,35 @@ class Meter:
                 + acc["snapshot_gib_seconds"] * p.snapshot_gib_hour) / 3600
 
     def month_cost(self, workspace_id: str, now: float | None = None) -> float:
+        """This month's cost so far. The intervals that ended are summed once and kept
+        (per workspace and month); each later call reads only the open intervals and those
+        that ended since (an index on their end): O(active), whatever the month holds."""
         now = now or time.time()
-        return float(self.summary(workspace_id, month_start(now), now)["total"]["cost"])
+        since = month_start(now)
+        t0, closed = self._closed.get((workspace_id, since), (since, 0.0))
+        newly, open_ = 0.0, 0.0
+        cols = "kind, start, end, vcpus, memory_mib, snapshot_bytes"
+        for kind, start, end, vcpus, mem, snap in self.store.execute(
+                f"SELECT {cols} FROM usage INDEXED BY usage_ws_end WHERE workspace_id=? AND "
+                f"end IS NULL AND start < ? UNION ALL SELECT {cols} FROM usage INDEXED BY "
+                "usage_ws_end WHERE workspace_id=? AND end > ? AND start < ?",
+                (workspace_id, now, workspace_id, t0, now)).fetchall():
+            ended = end is not None and end <= now
+            secs = max(0.0, min(end if ended else now, now) - max(start, since))
+            acc = _zero()
+            if kind == "running":
+                acc["vcpu_seconds"] = secs * (vcpus or 0)
+                acc["memory_gib_seconds"] = secs * (mem or 0) / 1024
+            else:
+                acc["snapshot_gib_seconds"] = secs * (snap or 0) / GIB
+            if ended:
+                newly += self.cost(acc)
+            else:
+                open_ += self.cost(acc)
+        if len(self._closed) > 10_000:
+            self._closed.clear()
+        self._closed[(workspace_id, since)] = (now, closed + newly)
+        return closed + newly + open_
 
 
 def _zero() -> dict[str, float]:

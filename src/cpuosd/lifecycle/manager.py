@@ -70,8 +70,15 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         self._locks: dict[str, asyncio.Lock] = {}
         # creates in progress (cancelled by a DELETE of their sandbox)
         self._inflight: dict[str, asyncio.Task[Any] | None] = {}
+        # the warm pool (lifecycle.pool): ready sandboxes, refills under way, creates
+        # waiting for one (and per workspace, how many), recent creates, generations
         self.pool: dict[str, list[Live]] = {}
-        self._filling: dict[str, bool] = {}
+        self._pool_inflight: dict[str, int] = {}
+        self._pool_waiters: dict[str, collections.deque[asyncio.Future[Live]]] = {}
+        self._pool_claims: collections.Counter[str] = collections.Counter()
+        self._pool_demand: dict[str, collections.deque[float]] = {}
+        self._pool_gen: dict[str, int] = {}
+        self._pool_retry: dict[str, float] = {}
         # idleness (lifecycle.idle): the watch, the auto-pauses and wakes under way, and
         # what holds a sandbox in use besides its agent streams (preview connections)
         self.idle = IdleWatch(self._idle_cpu, self._idle_in_use)
@@ -188,7 +195,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         self._spawn(procs.reap_loop())  # the runsc/QEMU processes we adopted
         for template in self.cfg.pool_templates if self.cfg.pool_size > 0 else []:
             if template_info(self.cfg.templates_dir, template):
-                self._spawn(self._fill_pool(template))
+                self._pool_want(template)
 
     async def shutdown(self) -> None:
         pausing = list(self._idle_pausing.values())
@@ -352,13 +359,21 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         default_size = (vcpus, memory_mib, pids, disk_mib) == (
             self.cfg.default_vcpus, self.cfg.default_memory_mib, self.cfg.default_pids,
             self.cfg.default_disk_mib)
-        pool = self.pool.get(template)
+        pooled = default_size and self._pool_on(template)
         # no await from here to the row's insert (or the pop): admission is atomic
+        ready = pooled and bool(self.pool.get(template))
+        wait = pooled and not ready and self._pool_can_wait(template)
         self.admission.admit(workspace_id, vcpus, memory_mib, pids=pids, disk_mib=disk_mib,
-                             reserve_host=not (default_size and pool))
-        if default_size and pool:
-            lv = pool.pop()  # no await between the check and the pop: handed out once
-            self._spawn(self._fill_pool(template))
+                             reserve_host=not (ready or wait),
+                             pending=self._pool_claims.get(workspace_id, 0))
+        lv: Live | None = self._pool_take(template) if pooled else None
+        if lv is None and wait:
+            # a refill under way is done sooner than a restore of our own would be
+            lv = await self._pool_wait(template, workspace_id)
+            if lv is None:  # it failed or took too long: our own, admitted as any
+                self.admission.admit(workspace_id, vcpus, memory_mib, pids=pids,
+                                     disk_mib=disk_mib)
+        if lv is not None:
             row = lv.row
             row.workspace_id, row.metadata, row.on_timeout = workspace_id, metadata, on_timeout
             row.spec = {**row.spec, "env": env, "timeout": timeout, "network": network,

@@ -49,6 +49,7 @@ class Idle:
             await asyncio.sleep(TICK)
             try:
                 self.host_meter.sample_cpu()
+                self._pool_tick()
                 due = self.idle.due()
             except Exception:
                 log.exception("idle check failed")
