@@ -14,8 +14,9 @@ so two creates cannot both take the last place).
   new one (as much as a running sandbox holds now, on average, up to its cap). CPU: the
   sandboxes' recent use (their cgroups, over the last minute) under the host's cores ×
   ``CPUOS_ADMIT_CPU`` (0.95). Disk: ``CPUOS_DISK_RESERVE_MIB`` (1024) free where writable
-  layers and snapshots live. A host that is full answers 429 naming what is full
-  (``host_memory``, ``host_cpu``, ``host_disk``). A paused sandbox holds disk only.
+  layers live (a pause checks its snapshot's room itself: ``no_space``). A host that is
+  full answers 429 naming what is full (``host_memory``, ``host_cpu``, ``host_disk``). A
+  paused sandbox holds disk only.
   Operators who want nominal ceilings too set ``CPUOS_MEMORY_OVERCOMMIT`` and/or
   ``CPUOS_CPU_OVERCOMMIT``: the sizes of running sandboxes then stay under the host's memory
   and cores times those ratios (``host_capacity``).
@@ -88,7 +89,7 @@ class HostUse:
     sandboxes: int  # running sandboxes the figures are of
     cpu_cores: float
     cpu_used_cores: float  # the sandboxes' CPU use, averaged over the last window
-    disk_free_mib: int  # free where writable layers and snapshots live
+    disk_free_mib: int  # free where writable layers live
 
 
 Measure = Callable[[], HostUse]
@@ -368,7 +369,7 @@ class Admission:
         if use.disk_free_mib < self.disk_reserve:
             return ApiError(
                 "limit_exceeded", f"the host is full (disk): {use.disk_free_mib} MiB free for "
-                f"sandboxes' writes and snapshots, {self.disk_reserve} MiB kept free",
+                f"sandboxes' writes, {self.disk_reserve} MiB kept free",
                 {"limit": "host_disk", "free_mib": use.disk_free_mib,
                  "reserve_mib": self.disk_reserve})
         if self.cpu_ratio or self.mem_ratio:
@@ -388,6 +389,11 @@ class Admission:
 
     def host_has_room(self, vcpus: int, memory_mib: int, n: int = 1) -> bool:
         return self.host_full(vcpus, memory_mib, n) is None
+
+    def promise(self, memory_mib: int, n: int = 1) -> None:
+        """n sandboxes of this size start now without check_host (the warm pool's, after
+        host_has_room): they count as taking memory until they show."""
+        self._recent.append((self.clock(), self._needs(self.measure(), memory_mib, n)))
 
     def check_host(self, vcpus: int, memory_mib: int, n: int = 1) -> None:
         """Raise (429) unless the host has room for n more; then they are promised it."""

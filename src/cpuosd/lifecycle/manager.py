@@ -62,8 +62,8 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         self.events = events or EventBus()
         # admission by what the host really uses (accounting.quotas): ``measure`` stands in
         # for the host's measurement in tests
-        self.host_meter = HostMeter([cfg.sandboxes_dir, cfg.snapshots_dir],
-                                    ours=lambda: list(self.live))
+        # (disk: where writable layers grow; a pause checks its snapshot's room itself)
+        self.host_meter = HostMeter([cfg.sandboxes_dir], ours=lambda: list(self.live))
         self.admission = Admission(store, measure or self.host_meter.measure)
         self.live: dict[str, Live] = {}
         self._tasks: set[asyncio.Task[Any]] = set()

@@ -144,6 +144,7 @@ class Templates:
             if not self.admission.host_has_room(self.cfg.default_vcpus,
                                                 self.cfg.default_memory_mib, n=2):
                 return  # a pooled sandbox must not take the place of a user's
+            self.admission.promise(self.cfg.default_memory_mib)
             self._pool_inflight[template] = inflight + 1
             self._spawn(self._pool_fill(template, self._pool_gen.get(template, 0)))
 

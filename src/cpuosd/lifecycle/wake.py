@@ -115,6 +115,8 @@ class Idle:
                 self._waking[sid] = t
                 self._tasks.add(t)
                 t.add_done_callback(self._tasks.discard)
+                # (its error goes to the callers waiting; none may be left to take it)
+                t.add_done_callback(lambda done: done.cancelled() or done.exception())
                 t.add_done_callback(lambda done: self._waking.pop(sid, None)
                                     if self._waking.get(sid) is done else None)
             try:
