@@ -51,6 +51,9 @@ class Config:
     # that name none in a workspace that sets no default_idle_timeout; 0: never
     idle_timeout: float = field(default_factory=lambda: _duration_env("CPUOS_IDLE_TIMEOUT",
                                                                       600.0))
+    # idle sandboxes checkpointed at once (the others found idle wait their turn)
+    idle_pause_parallel: int = field(
+        default_factory=lambda: max(1, _int("CPUOS_IDLE_PAUSE_PARALLEL", 2)))
     default_vcpus: int = 2
     default_memory_mib: int = 2048
     # per-sandbox networking (cpuosd.network): on where nftables is installed, unless 0

@@ -83,6 +83,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         # what holds a sandbox in use besides its agent streams (preview connections)
         self.idle = IdleWatch(self._idle_cpu, self._idle_in_use)
         self._idle_pausing: dict[str, asyncio.Task[Any]] = {}
+        self._idle_pauses = asyncio.Semaphore(cfg.idle_pause_parallel)
         self._waking: dict[str, asyncio.Task[Any]] = {}
         self.connections: collections.Counter[str] = collections.Counter()
         self.events.subscribe(self._idle_on_event)

@@ -66,7 +66,8 @@ class Idle:
         self._idle_pausing[sid] = task
         paused = False
         try:
-            async with self._lock(sid):
+            # a few at a time: many sandboxes going idle together must not stall the host
+            async with self._idle_pauses, self._lock(sid):
                 lv = self.live.get(sid)
                 idle = self.idle.idle_for(sid)
                 timeout = self.idle.timeout(sid)
