@@ -4,7 +4,6 @@ workspace maxima as before; and the real meter read from a fake cgroup tree."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,24 +11,10 @@ from pathlib import Path
 import pytest
 
 from cpuosd.accounting import quotas
-from cpuosd.accounting.quotas import Admission, HostMeter, HostUse, Measure
+from cpuosd.accounting.quotas import Admission, HostMeter, Measure
 from cpuosd.errors import ApiError
 from cpuosd.store import SandboxRow, Store
-
-
-class FakeHost:
-    """Stands in for HostMeter.measure (a Measure)."""
-
-    def __init__(self) -> None:
-        self.use = HostUse(memory_total_mib=24000, memory_available_mib=20000, sandbox_mib=40,
-                           sandboxes=10, cpu_cores=2.0, cpu_used_cores=0.1,
-                           disk_free_mib=50000)
-
-    def __call__(self) -> HostUse:
-        return self.use
-
-    def set(self, **kw: float) -> None:
-        self.use = dataclasses.replace(self.use, **kw)  # type: ignore[arg-type]
+from cpuosd.testing import FakeHost
 
 
 class Clock:
@@ -74,6 +59,7 @@ def add_row(store: Store, ws: str, state: str, vcpus: int = 2, memory_mib: int =
 
 def test_memory_admits_what_is_available_and_counts_starting_ones(store: Store) -> None:
     host, clock = FakeHost(), Clock()
+    host.set(sandboxes=10)
     a = admission(store, host, clock)
     ws = store.create_workspace("w", {"max_sandboxes": 1000})
     host.set(memory_available_mib=1800)  # 800 over the reserve: twenty sandboxes of 40

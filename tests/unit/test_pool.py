@@ -8,7 +8,6 @@ themselves run for real in tests/e2e and bench/cases/pool.py.)"""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import os
 from collections.abc import Awaitable, Callable
@@ -16,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from cpuosd.accounting.quotas import HostUse
 from cpuosd.agentconn import AgentChannel
 from cpuosd.config import Config
 from cpuosd.errors import ApiError
@@ -24,17 +22,7 @@ from cpuosd.lifecycle import pool as pool_mod
 from cpuosd.lifecycle.common import Live
 from cpuosd.lifecycle.manager import Manager
 from cpuosd.store import SandboxRow, Store
-from cpuosd.testing import FakeBackend
-
-
-class FakeHost:
-    def __init__(self) -> None:
-        self.use = HostUse(memory_total_mib=24000, memory_available_mib=20000, sandbox_mib=40,
-                           sandboxes=0, cpu_cores=2.0, cpu_used_cores=0.0,
-                           disk_free_mib=50000)
-
-    def __call__(self) -> HostUse:
-        return self.use
+from cpuosd.testing import FakeBackend, FakeHost
 
 
 class PoolManager(Manager):
@@ -146,15 +134,14 @@ def test_the_pool_yields_to_users_and_a_failed_refill_is_not_waited_for(
     async def test(mgr: PoolManager, ws: str, host: FakeHost) -> None:
         pool = mgr.pool.setdefault("python", [])
         # a host with room for one more sandbox only: the pool does not take it
-        host.use = dataclasses.replace(host.use, memory_available_mib=mgr.admission
-                                       .memory_reserve + 60)
+        host.set(memory_available_mib=mgr.admission.memory_reserve + 60)
         mgr._pool_want("python")
         await asyncio.sleep(0.2)
         assert pool == [] and not mgr._pool_inflight.get("python")
         await create(mgr, ws)  # a user's create is admitted, and restores its own
         assert mgr.own_boots == 1
         # room again: the pool fills; a create waiting for a refill that fails makes its own
-        host.use = dataclasses.replace(host.use, memory_available_mib=20000)
+        host.set(memory_available_mib=20000)
         mgr._pool_retry.clear()
         mgr.fail_next_pooled = True
         mgr._pool_want("python")
