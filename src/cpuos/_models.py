@@ -136,6 +136,9 @@ class SandboxInfo:
     pids: int | None = None
     disk_mib: int | None = None  # the root filesystem's writable layer (ENOSPC past it)
     network: dict[str, Any] | None = None  # the egress policy (mode, allow)
+    # s idle before it is paused (0: never); paused for that: reason "idle", and any call
+    # that needs the machine resumes it
+    idle_timeout: float | None = None
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> SandboxInfo:

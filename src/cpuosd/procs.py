@@ -324,7 +324,7 @@ def reap_orphans() -> int:
     return n
 
 
-async def reap_loop(interval: float = 0.5) -> None:
+async def reap_loop(interval: float = 5.0) -> None:
     """Reap adopted orphans now and then (and at once on SIGCHLD where the loop can)."""
     loop = asyncio.get_running_loop()
     wake = asyncio.Event()

@@ -74,6 +74,11 @@ MIGRATIONS = [
     ALTER TABLE api_keys ADD COLUMN revoked_at REAL;
     ALTER TABLE workspaces ADD COLUMN deleted_at REAL;
     """,
+    """
+    ALTER TABLE usage ADD COLUMN reason TEXT;
+    CREATE INDEX sandboxes_state ON sandboxes(state, deadline);
+    CREATE INDEX usage_ws_end ON usage(workspace_id, end);
+    """,
 ]
 # what is kept of one sandbox's connection record (the oldest go first)
 MAX_CONNECTIONS = 10_000
@@ -287,6 +292,20 @@ class Store:
             args.extend(states)
         sql += " ORDER BY created_at"
         return [SandboxRow.from_row(r) for r in self._exec(sql, tuple(args)).fetchall()]
+
+    def sandbox_totals(self, workspace_id: str | None, states: tuple[str, ...]
+                       ) -> tuple[int, int, int]:
+        """(how many, their vCPUs, their memory MiB) of the sandboxes in these states (of
+        one workspace, or all): summed by SQLite from the (workspace, state) index."""
+        sql = ("SELECT COUNT(*), COALESCE(SUM(json_extract(spec, '$.vcpus')), 0), "
+               "COALESCE(SUM(json_extract(spec, '$.memory_mib')), 0) FROM sandboxes "
+               f"WHERE state IN ({','.join('?' * len(states))})")
+        args: list[Any] = list(states)
+        if workspace_id is not None:
+            sql += " AND workspace_id=?"
+            args.append(workspace_id)
+        n, v, m = self._exec(sql, tuple(args)).fetchone()
+        return int(n), int(v), int(m)
 
     def expired(self, now: float) -> list[tuple[str, str]]:
         rows = self._exec("SELECT id, on_timeout FROM sandboxes WHERE state='running' "

@@ -8,6 +8,7 @@ run under .cache/test-artifacts/.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import fcntl
 import os
@@ -26,6 +27,7 @@ from typing import TypedDict
 
 import httpx
 
+from cpuosd.accounting.quotas import HostUse
 from cpuosd.backends.base import Capabilities, SandboxSpec
 from cpuosd.backends.runsc import RunscUnavailable, find_runsc
 from cpuosd.config import Config
@@ -319,11 +321,31 @@ class FakeBackend:
     def memory_usage(self, sandbox_id: str) -> int | None:
         return None
 
+    def cpu_seconds(self, sandbox_id: str) -> float | None:
+        return None
+
     def stats(self, sandbox_id: str) -> dict[str, int | float]:
         return {}
 
     async def close(self) -> None:
         pass
+
+
+class FakeHost:
+    """Stands in for the host's measurement (cpuosd.accounting.quotas.Measure: what
+    HostMeter.measure answers) in tests of admission and the warm pool: a roomy host unless
+    a test ``set``s otherwise."""
+
+    def __init__(self) -> None:
+        self.use = HostUse(memory_total_mib=24000, memory_available_mib=20000, sandbox_mib=40,
+                           sandboxes=0, cpu_cores=2.0, cpu_used_cores=0.0,
+                           disk_free_mib=50000)
+
+    def __call__(self) -> HostUse:
+        return self.use
+
+    def set(self, **kw: float) -> None:
+        self.use = dataclasses.replace(self.use, **kw)  # type: ignore[arg-type]
 
 
 def new_daemon(**env: str) -> Daemon:

@@ -337,4 +337,21 @@ describe("e2e", { skip }, () => {
     assert.ok(!(await admin.listWorkspaces()).some((w) => w.id === made.id));
     assert.equal((await sbx.exec("echo still")).stdout, "still\n");  // ours: untouched
   });
+
+  test("idleTimeout: paused when idle (info does not wake it), an exec resumes it", async () => {
+    const idle = await Sandbox.create({ template: "python", idleTimeout: "2s", ...conn });
+    try {
+      assert.equal((await idle.info()).idle_timeout, 2);
+      await idle.files.write("/work/kept.txt", "kept");
+      await waitUntil(async () => {
+        const i = await idle.info();
+        return i.state === "paused" && i.reason === "idle";
+      }, "paused for idleness", 120_000);
+      assert.equal((await idle.exec("cat /work/kept.txt")).stdout, "kept");
+      assert.equal((await idle.info()).state, "running");
+      assert.equal((await idle.setIdleTimeout(0)).idle_timeout, 0);
+    } finally {
+      await idle.kill();
+    }
+  });
 });

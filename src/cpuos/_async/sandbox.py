@@ -387,10 +387,15 @@ class AsyncSandbox:
                      disk: str | int | None = None, pids: int | None = None,
                      on_timeout: str = "kill", network: Network | None = None,
                      secrets: dict[str, dict[str, Any]] | None = None,
+                     idle_timeout: str | float | None = None,
                      api_url: str | None = None, api_key: str | None = None) -> AsyncSandbox:
         """A new sandbox. ``on_timeout="pause"`` pauses it at its deadline instead of
-        killing it. ``network``: ``"off"``, ``"on"``, ``"allowlist"`` or ``{"allow":
-        ["pypi.org", "*.github.com"]}`` (default: the daemon's). ``secrets``: ``{"NAME":
+        killing it. ``idle_timeout`` (``"5m"``; ``0``: never; default: the workspace's,
+        10 minutes unless set): paused after that long with no call needing the machine,
+        no open stream or preview connection and no CPU use inside; any such call (exec,
+        files, commands, ...) or a preview request resumes it transparently.
+        ``network``: ``"off"``, ``"on"``, ``"allowlist"`` or ``{"allow": ["pypi.org",
+        "*.github.com"]}`` (default: the daemon's). ``secrets``: ``{"NAME":
         {"value": "...", "hosts": ["api.example.com"]}}``: NAME inside is a placeholder,
         the value goes only into request headers to those hosts. Limits: ``cpus`` (vCPUs),
         ``memory`` and ``disk`` (``"1GiB"``, ``"512MiB"`` or MiB: past ``disk`` a write
@@ -411,6 +416,8 @@ class AsyncSandbox:
             body["disk_mib"] = _size(disk, "disk")
         if pids is not None:
             body["pids"] = pids
+        if idle_timeout is not None:
+            body["idle_timeout"] = idle_timeout
         if network is not None:
             body["network"] = network
         if secrets:
@@ -504,6 +511,13 @@ class AsyncSandbox:
         """Kill the sandbox ``timeout`` from now (extends or shortens its life)."""
         d = await self._http.request("POST", f"/sandboxes/{self.id}/timeout",
                                      json={"timeout": timeout})
+        self._info = SandboxInfo.from_json(d)
+        return self._info
+
+    async def set_idle_timeout(self, idle_timeout: str | float) -> SandboxInfo:
+        """Pause the sandbox after ``idle_timeout`` idle (counted from now; ``0``: never)."""
+        d = await self._http.request("POST", f"/sandboxes/{self.id}/timeout",
+                                     json={"idle_timeout": idle_timeout})
         self._info = SandboxInfo.from_json(d)
         return self._info
 

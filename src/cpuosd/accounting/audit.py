@@ -218,6 +218,9 @@ class AuditLog:
         elif ev.kind == "oom":
             self.record(ev.sandbox, "limit", {"limit": "memory", **ev.fields}, ev.workspace,
                         ev.time)
+        elif ev.kind == "idle":  # (the pause that follows is a transition, reason idle)
+            self.record(ev.sandbox, "lifecycle", {"event": "idle", **ev.fields}, ev.workspace,
+                        ev.time)
         elif ev.kind == "network":
             pol = dict(ev.fields.get("network") or {})
             pol.pop("secrets", None)  # names and hosts only, never values

@@ -38,6 +38,9 @@ class Sandbox(BaseModel):
     on_timeout: Literal["kill", "pause"]
     paused_at: float | None
     snapshot_bytes: int | None
+    idle_timeout: float = Field(description="s idle before it is paused (0: never); a "
+                                "sandbox paused for that has reason 'idle' and any call "
+                                "needing the machine resumes it")
 
 
 class SandboxList(BaseModel):
@@ -84,6 +87,8 @@ class UsageFigures(BaseModel):
     vcpu_seconds: float
     memory_gib_seconds: float
     paused_seconds: float
+    idle_paused_seconds: float = Field(description="of paused_seconds: paused for "
+                                       "idleness (idle_timeout)")
     snapshot_gib_seconds: float
     cost: float = Field(description="USD at the daemon's prices")
 

@@ -276,6 +276,23 @@ class GVisorBackend:
             libc = ctypes.CDLL(None, use_errno=True)
             libc.umount2(str(null).encode(), 2)  # MNT_DETACH
 
+    def cpu_seconds(self, sandbox_id: str) -> float | None:
+        """The sandbox cgroup's CPU time (v1 cpuacct, else v2 cpu.stat)."""
+        try:
+            with open(f"/sys/fs/cgroup/cpuacct/cpuos/{sandbox_id}/cpuacct.usage", "rb") as f:
+                return int(f.read()) / 1e9
+        except (OSError, ValueError):
+            pass
+        try:
+            with open(f"/sys/fs/cgroup/cpuos/{sandbox_id}/cpu.stat", "rb") as f:
+                for line in f:
+                    k, _, v = line.partition(b" ")
+                    if k == b"usage_usec":
+                        return int(v) / 1e6
+        except (OSError, ValueError):
+            pass
+        return None
+
     def stats(self, sandbox_id: str) -> dict[str, int | float]:
         """From the sandbox's cgroups (v1 here; v2 names too)."""
         out: dict[str, int | float] = {}

@@ -157,6 +157,9 @@ class Networked:
     def memory_usage(self, sandbox_id: str) -> int | None:
         return self.inner.memory_usage(sandbox_id)
 
+    def cpu_seconds(self, sandbox_id: str) -> float | None:
+        return self.inner.cpu_seconds(sandbox_id)
+
     def stats(self, sandbox_id: str) -> dict[str, int | float]:
         """The inner backend's, and the bytes on the sandbox's link (the host end's
         counters: what it receives, the sandbox sent)."""

@@ -132,6 +132,7 @@ class _Upstream:
         self.reader, self.writer = reader, writer
         self.h = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)
         self.reusable = False  # the last answer ended cleanly
+        self.in_use = contextlib.ExitStack()  # closed with the connection
 
 
 class _Client:
@@ -473,6 +474,8 @@ class Preview:
                 self._release(sid)
                 return await _reply(c.writer, 502, f"nothing answers on port {port} in {sid}")
             up = c.up = _Upstream(sid, port, addr, ur, uw)
+            # an open connection into the sandbox: it is not idle (lifecycle.idle)
+            up.in_use.enter_context(self.mgr.using(sid))
             self._event(row.id, row.workspace_id, port, "connect", peer=c.ip)
         # the request as the sandbox's server sees it
         out: list[tuple[bytes, bytes]] = []
@@ -702,27 +705,26 @@ class Preview:
         up, c.up = c.up, None
         if up is not None:
             up.writer.transport.abort()
+            up.in_use.close()
             self._release(up.sid)
 
     async def _running_address(self, sid: str, ws: str, state: str, spec: dict[str, Any]
                                ) -> str | tuple[int, str]:
-        """The sandbox's address, resuming it first if it is paused and may be woken."""
-        if state == "paused":
-            if spec.get("wake_on_request") is False:
-                return 503, f"{sid} is paused"
+        """The sandbox's address, resuming it first if it is paused (or pausing, resuming)
+        and may be woken: one resume for any number of requests (Manager.wake)."""
+        if state in ("paused", "pausing", "resuming"):
+            if spec.get("wake_on_request") is False and state != "resuming":
+                return 503, f"{sid} is {state}"
             try:
                 async with asyncio.timeout(WAKE_TIMEOUT):
-                    await self.mgr.resume(ws, sid)  # concurrent callers share its lock
+                    await self.mgr.wake(ws, sid, any_pause=True)
             except Exception as e:
-                return 503, f"{sid} could not be resumed: {e}"
-        elif state not in ("running", "resuming"):
+                return 503, f"{sid} could not be resumed: {getattr(e, 'message', e)}"
+            row = self.mgr.store.get_sandbox(sid)
+            state = row.state if row else "gone"
+        if state != "running":
             return 503, f"{sid} is {state}"
-        if state == "resuming":
-            deadline = time.monotonic() + WAKE_TIMEOUT
-            while (r := self.mgr.store.get_sandbox(sid)) and r.state == "resuming":
-                if time.monotonic() > deadline:
-                    return 503, f"{sid} is still resuming"
-                await asyncio.sleep(0.05)
+        self.mgr.idle.touch(sid)
         a = self.network.by_sid.get(sid) if self.network else None
         if a is None:
             return 503, f"{sid} has no network here (previews need it)"

@@ -1035,7 +1035,9 @@ export interface paths {
          * Set Settings
          * @description A workspace's settings (admin): ``default_network``, the egress policy of its
          *     sandboxes that name none (off | on | allowlist | {"allow": [...]}; null: the
-         *     daemon's CPUOS_DEFAULT_NETWORK); ``spending_cap`` (USD a month; null: none).
+         *     daemon's CPUOS_DEFAULT_NETWORK); ``spending_cap`` (USD a month; null: none);
+         *     ``default_idle_timeout`` (its sandboxes' idle timeout when they name none; 0: never;
+         *     null: the daemon's CPUOS_IDLE_TIMEOUT); the size defaults ``default_vcpus`` ...
          */
         put: operations["set_settings_workspaces__wid__settings_put"];
         post?: never;
@@ -1163,6 +1165,11 @@ export interface components {
             env?: {
                 [key: string]: string;
             };
+            /**
+             * Idle Timeout
+             * @description pause it after this long idle: no call needing the machine, no open stream or preview connection, no CPU use inside (0: never; default: the workspace's default_idle_timeout, else CPUOS_IDLE_TIMEOUT, 10m); any such call resumes it
+             */
+            idle_timeout?: number | string | null;
             /**
              * Memory Mib
              * @description default: the workspace's default_memory_mib, else 2048
@@ -1612,6 +1619,11 @@ export interface components {
             ended_at: number | null;
             /** Id */
             id: string;
+            /**
+             * Idle Timeout
+             * @description s idle before it is paused (0: never); a sandbox paused for that has reason 'idle' and any call needing the machine resumes it
+             */
+            idle_timeout: number;
             /** Memory Mib */
             memory_mib: number | null;
             /** Metadata */
@@ -1666,6 +1678,11 @@ export interface components {
             cost: number;
             /** Id */
             id: string;
+            /**
+             * Idle Paused Seconds
+             * @description of paused_seconds: paused for idleness (idle_timeout)
+             */
+            idle_paused_seconds: number;
             /** Memory Gib Seconds */
             memory_gib_seconds: number;
             /** Paused Seconds */
@@ -1693,8 +1710,16 @@ export interface components {
         };
         /** SetTimeout */
         SetTimeout: {
-            /** Timeout */
-            timeout: number | string;
+            /**
+             * Idle Timeout
+             * @description its new idle timeout, from now (0: never)
+             */
+            idle_timeout?: number | string | null;
+            /**
+             * Timeout
+             * @description kill (or pause) it this long from now
+             */
+            timeout?: number | string | null;
         };
         /** SignalRequest */
         SignalRequest: {
@@ -1866,6 +1891,11 @@ export interface components {
              * @description USD at the daemon's prices
              */
             cost: number;
+            /**
+             * Idle Paused Seconds
+             * @description of paused_seconds: paused for idleness (idle_timeout)
+             */
+            idle_paused_seconds: number;
             /** Memory Gib Seconds */
             memory_gib_seconds: number;
             /** Paused Seconds */
@@ -1947,6 +1977,11 @@ export interface components {
         WorkspaceSettings: {
             /** Default Disk Mib */
             default_disk_mib?: number | null;
+            /**
+             * Default Idle Timeout
+             * @description idle timeout of its sandboxes that name none (0: never; unset: the daemon's CPUOS_IDLE_TIMEOUT, 10m)
+             */
+            default_idle_timeout?: number | string | null;
             /** Default Memory Mib */
             default_memory_mib?: number | null;
             /** Default Network */
