@@ -10,7 +10,8 @@ import asyncio
 import json
 import socket
 import types
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+import contextlib
 from contextlib import asynccontextmanager
 from typing import Any, cast
 
@@ -33,9 +34,15 @@ class _Store:
         return self.row if sid == SID else None
 
 
+@contextlib.contextmanager
+def _using(sid: str) -> Iterator[None]:  # Manager.using: the sandbox is in use meanwhile
+    yield
+
+
 def _fakes(port: int, public: bool) -> tuple[Any, Any]:
     mgr = types.SimpleNamespace(store=_Store(port, public),
-                                events=types.SimpleNamespace(emit=lambda ev: None))
+                                events=types.SimpleNamespace(emit=lambda ev: None),
+                                using=_using, idle=types.SimpleNamespace(touch=lambda sid: None))
     net = types.SimpleNamespace(by_sid={SID: types.SimpleNamespace(
         slot=types.SimpleNamespace(address="127.0.0.1"))})
     return mgr, net
