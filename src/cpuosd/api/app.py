@@ -39,6 +39,7 @@ from ..accounting.trace import Traced
 from .commands import router as commands_router
 from .pty import router as pty_router
 from .dirs import router as dirs_router
+from .streams import MaxBytesQ
 from .usage import router as usage_router, sandbox_metrics
 from ..proxy.preview import Preview
 from ..backends.microvm.selection import BackendUnavailable, select_backend
@@ -656,9 +657,10 @@ def create_app(cfg: Config | None = None) -> FastAPI:
                               "description": "the file's bytes (Content-Length when its size "
                               "is exact; a failure mid-way cuts the response short), or with "
                               f"Accept: {P.CONTENT_TYPE} frames: data..., then eof or error"}})
-    async def get_file(sid: str, path: PathQ, request: Request, ws: Ws) -> StreamingResponse:
+    async def get_file(sid: str, path: PathQ, request: Request, ws: Ws,
+                       max_bytes: MaxBytesQ = None) -> StreamingResponse:
         lv = await mgr(request).ready(ws, sid, "files")
-        body = await mgr(request).read_file(lv, check_path(path))
+        body = await mgr(request).read_file(lv, check_path(path), max_bytes)
         return file_response(body, request.headers.get("accept", ""))
 
     @app.delete("/sandboxes/{sid}/files")
