@@ -43,6 +43,7 @@ from .streams import MaxBytesQ
 from .usage import router as usage_router, sandbox_metrics
 from ..proxy.preview import Preview
 from ..backends.microvm.selection import BackendUnavailable, select_backend
+from .. import homedir
 from ..config import Config
 from ..accounting.quotas import Limits, check_limits_body
 from ..accounting.usage import Enforcer, Meter
@@ -326,8 +327,9 @@ def create_app(cfg: Config | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if not become_subreaper():
             log.warning("could not become a child subreaper: pauses may be slow")
-        cfg.home.mkdir(parents=True, exist_ok=True)
-        os.chmod(cfg.home, 0o711)
+        fixed = homedir.secure(cfg.home)  # 0700; files in it: no group/other bits
+        if fixed:
+            log.warning("took group/other permissions off %s", ", ".join(fixed))
         try:  # before any state is touched: a refused start changes nothing
             backend = await asyncio.to_thread(select_backend, cfg)
         except BackendUnavailable as e:

@@ -82,6 +82,11 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
             (tmp / "cpuos_agent").mkdir(parents=True)
             for f in files:
                 shutil.copy2(f, tmp / "cpuos_agent" / f.name)
+                os.chmod(tmp / "cpuos_agent" / f.name, 0o644)
+            # mounted into sandboxes, where the agent and the kernel read it as the
+            # sandbox's user: readable whatever the daemon's umask (cpuosd.homedir)
+            os.chmod(tmp / "cpuos_agent", 0o755)
+            os.chmod(tmp, 0o755)
             shutil.rmtree(dest, ignore_errors=True)
             tmp.rename(dest)
         return dest
@@ -228,6 +233,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
             if key is not None and image is None:
                 # read once by the agent at start; removed at its hello, before any command
                 fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o444)
+                os.fchmod(fd, 0o444)  # (whatever the daemon's umask)
                 with os.fdopen(fd, "w") as f:
                     f.write(key)
             await chan.listen()

@@ -564,6 +564,9 @@ def mkfs_ext4(out: Path, size_bytes: int, tree: Path | None, *, inodes: int | No
     argv.append(str(tmp))
     try:
         _run(argv)
+        # the jailed QEMU (an unprivileged uid) opens it: readable whatever the daemon's
+        # umask (cpuosd.homedir); a writable layer is copied and chowned per sandbox
+        os.chmod(tmp, 0o644)
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
