@@ -320,3 +320,21 @@ def test_daemon_cuts_a_tar_stream_at_max_bytes(sparse: Sandbox, daemon: Daemon) 
     assert got <= 1 << 20
     # and the sandbox is fine afterwards (its agent was told to stop)
     assert sparse.exec("echo ok").stdout == "ok\n"
+
+
+def test_cli_get_is_bounded_too(sparse: Sandbox, daemon: Daemon, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    cli = [str(Path(sys.executable).parent / "cpuos"), "files", "get", sparse.id]
+    env = {**os.environ, "CPUOS_API_URL": daemon.url, "CPUOS_API_KEY": daemon.key}
+    for args in (["/work/big", str(tmp_path / "big")], ["/work/big"],
+                 ["-r", "/work", str(tmp_path / "dir")],
+                 ["--max-size", "1MiB", "/work/three.bin", str(tmp_path / "three")]):
+        r = subprocess.run([*cli, *args], env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and "too_large" in r.stderr, (args, r)
+        assert len(r.stderr.strip().splitlines()) == 1 and not r.stdout, r
+    assert not any(tmp_path.iterdir())
+    r = subprocess.run([*cli, "--max-size", "4MiB", "/work/three.bin", str(tmp_path / "three")],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and (tmp_path / "three").stat().st_size == 3 << 20, r
