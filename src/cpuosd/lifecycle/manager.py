@@ -225,6 +225,9 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
         self.live[row.id] = lv
         try:
             spec.sock_dir.mkdir(parents=True, exist_ok=True)
+            # the sandbox's /run/cpuos (gVisor), bound into the microVM jail for QEMU (an
+            # unprivileged uid) to reach agent.sock: 0755 whatever the daemon's umask
+            spec.sock_dir.chmod(0o755)
             # Per sandbox, also after a restore: templates link /etc/machine-id here.
             mid = row.spec.setdefault("machine_id", secrets.token_hex(16))
             (spec.sock_dir / "machine-id").write_text(mid + "\n")
