@@ -9,6 +9,11 @@ from typing import Any
 from ._for_model import clip
 
 DEFAULT_MAX_OUTPUT = 16 * 1024 * 1024
+# what a file read accepts by default: read() holds the file in memory; download() and
+# download_dir() write to the client's disk (a sandbox's own disk is 5 GiB by default).
+# max_bytes=None lifts the SDK's bound (the daemon's CPUOS_MAX_READ_BYTES still holds).
+READ_MAX_BYTES = 1 << 30
+DOWNLOAD_MAX_BYTES = 8 << 30
 
 
 class OutputBuffer:

@@ -94,6 +94,10 @@ class Config:
         default_factory=lambda: os.environ.get("CPUOS_AUDIT_RUNTIME", "1") != "0")
     # Free space a pause needs beyond the sandbox's memory (its image is at most that big).
     snapshot_margin: int = 64 << 20
+    # bytes one file read or directory tar from a sandbox may carry at most (a client asks
+    # for less with max_bytes=); a file declaring more is refused up front (413 too_large),
+    # a stream passing it is cut with too_large
+    max_read_bytes: int = field(default_factory=lambda: _int("CPUOS_MAX_READ_BYTES", 64 << 30))
 
     @property
     def db_path(self) -> Path:

@@ -13,8 +13,10 @@ def serve(host: str | None = None, port: int | None = None, home: str | None = N
           log_file: str | None = None) -> None:
     import uvicorn
 
-    from . import logs
+    from . import homedir, logs
     from .api.app import create_app
+
+    homedir.private_umask()  # before anything is opened (finding 9: SQLite's side files)
 
     if home:
         os.environ["CPUOS_HOME"] = home
@@ -46,8 +48,10 @@ def audit_verify(argv: list[str]) -> int:
     import json
     from pathlib import Path
 
+    from . import homedir
     from .accounting.audit import verify_file
 
+    homedir.private_umask()  # reading WAL databases may create their -shm file
     ap = argparse.ArgumentParser(prog="cpuosd audit verify")
     ap.add_argument("--home", help="state directory (default $CPUOS_HOME or /var/lib/cpuos)")
     ap.add_argument("--json", action="store_true")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import secrets
 import sqlite3
 import threading
@@ -16,6 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from . import homedir
 
 MIGRATIONS = [
     """
@@ -131,6 +132,7 @@ def _workspace_json(r: sqlite3.Row) -> dict[str, Any]:
 class Store:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        homedir.create_private(path)  # 0600 before SQLite: its -wal/-shm get the same
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
         self._lock = threading.RLock()
@@ -138,7 +140,7 @@ class Store:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA foreign_keys=ON")
         self._migrate()
-        os.chmod(path, 0o600)
+        homedir.private_db_files(path)  # (and those an older daemon left 0644)
 
     def close(self) -> None:
         self._db.close()

@@ -137,7 +137,8 @@ class Daemon:
                **self.net_env, **self.extra_env}
         env.pop("CPUOS_API_KEY", None)
         env.pop("CPUOS_API_URL", None)
-        with open(self.log, "ab") as logf:
+        # (0600: $CPUOS_HOME holds nothing other users may read, cpuosd.homedir)
+        with open(self.log, "ab", opener=lambda p, f: os.open(p, f, 0o600)) as logf:
             self.proc = subprocess.Popen([sys.executable, "-m", "cpuosd.main"], env=env,
                                          stdout=logf, stderr=logf, start_new_session=True)
         deadline = time.time() + 30

@@ -228,6 +228,38 @@ describe("e2e", { skip }, () => {
     }
   });
 
+  test("a 1 TiB sparse file: read and download refuse it at once (too_large)", async () => {
+    // issue 25, finding 11: the daemon announces the size, the SDK bounds what it accepts
+    const made = await sbx.exec("truncate -s 1T /work/big && head -c 3145728 /dev/urandom " +
+                                "> /work/three.bin && stat -c %s /work/big");
+    assert.equal(made.stdout.trim(), String(2 ** 40));
+    const tooLarge = (e: CpuosError) =>
+      e instanceof InvalidArgument && e.code === "too_large" && e.status === 413;
+    const rss = process.memoryUsage().rss;
+    await assert.rejects(sbx.files.read("/work/big"), tooLarge);
+    await assert.rejects(sbx.files.read("/work/big", { maxBytes: null }), tooLarge);  // daemon cap
+    const dir = mkdtempSync(join(tmpdir(), "cpuos-js-big-"));
+    try {
+      await assert.rejects(sbx.files.download("/work/big", join(dir, "big")), tooLarge);
+      assert.equal(existsSync(join(dir, "big")), false);
+      await assert.rejects(sbx.files.read("/work/three.bin", { maxBytes: 1 << 20 }), tooLarge);
+      assert.equal((await sbx.files.read("/work/three.bin", { maxBytes: 3 << 20 })).length,
+                   3 << 20);
+      // chunks() has no default bound; a limit given is enforced as the bytes arrive
+      let got = 0;
+      await assert.rejects((async () => {
+        for await (const c of sbx.files.chunks("/work/three.bin", { maxBytes: 1 << 20 })) {
+          got += c.length;
+        }
+      })(), tooLarge);
+      assert.ok(got <= 1 << 20, `${got} bytes passed the limit`);
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+      await sbx.exec("rm -f /work/big /work/three.bin");
+    }
+    assert.ok(process.memoryUsage().rss - rss < 256 << 20);
+  });
+
   test("bad input maps to the error classes: 404, 401, 409, 422; limits at create", async () => {
     await assert.rejects(Sandbox.connect("sbx-doesnotexist", conn), (e: CpuosError) =>
       e instanceof NotFound && e.status === 404 && e.code === "not_found");

@@ -29,7 +29,7 @@ from rich.table import Table
 from typer.core import TyperGroup
 
 from .. import __version__
-from .._durations import parse_duration
+from .._durations import parse_duration, parse_size_mib
 from .._errors import CpuosError, InvalidArgument
 from .._models import SandboxInfo, TemplateInfo
 from .._sync.sandbox import Sandbox
@@ -484,21 +484,32 @@ def files_get(
     recursive: Annotated[bool, typer.Option(
         "--recursive", "-r", help="REMOTE is a directory: copy its tree into the local "
         "directory LOCAL (created).")] = False,
+    max_size: Annotated[str | None, typer.Option(
+        "--max-size", metavar="SIZE", help="The most to accept, e.g. 20GiB, or 'none' "
+        "(default: 1 GiB to stdout, 8 GiB to a file or directory; the daemon's "
+        "CPUOS_MAX_READ_BYTES holds anyway).")] = None,
     api_url: ApiUrl = None,
     api_key: ApiKey = None,
 ) -> None:
     """Download a file (or with -r a directory tree) from the sandbox (a file goes to
     stdout, raw bytes, without LOCAL)."""
+    limit: dict[str, Any] = {}
+    if max_size is not None:
+        try:
+            limit["max_bytes"] = None if max_size.strip().lower() == "none" else \
+                parse_size_mib(max_size, "--max-size") << 20
+        except ValueError as e:
+            raise CliError("invalid_argument", str(e)) from None
     if recursive:
         if local is None or local == "-":
             raise CliError("invalid_argument", "get -r needs a LOCAL directory")
         with _connect(sandbox_id, api_url, api_key, resume=True) as sbx:
-            sbx.files.download_dir(remote, local)
+            sbx.files.download_dir(remote, local, **limit)
         typer.echo(local, err=True)
         return
     with _connect(sandbox_id, api_url, api_key, resume=True) as sbx:
         if local is None or local == "-":
-            data = sbx.files.read(remote)
+            data = sbx.files.read(remote, **limit)
             sys.stdout.flush()
             raw = getattr(sys.stdout, "buffer", None)
             if raw is not None:
@@ -513,7 +524,7 @@ def files_get(
         # Download beside the target, rename when complete: a failed download leaves nothing.
         tmp = dest.with_name(f".{dest.name}.cpuos-{os.getpid()}.part")
         try:
-            sbx.files.download(remote, tmp)
+            sbx.files.download(remote, tmp, **limit)
             os.replace(tmp, dest)
         except OSError as e:
             raise CliError("local_io", f"{dest}: {e.strerror or e}") from None

@@ -39,10 +39,12 @@ from ..accounting.trace import Traced
 from .commands import router as commands_router
 from .pty import router as pty_router
 from .dirs import router as dirs_router
+from .streams import MaxBytesQ
 from .usage import router as usage_router, sandbox_metrics
 from .workspaces import router as workspaces_router
 from ..proxy.preview import Preview
 from ..backends.microvm.selection import BackendUnavailable, select_backend
+from .. import homedir
 from ..config import Config
 from ..accounting.quotas import Limits, check_limits_body
 from ..accounting.usage import Enforcer, Meter
@@ -367,8 +369,9 @@ def create_app(cfg: Config | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if not become_subreaper():
             log.warning("could not become a child subreaper: pauses may be slow")
-        cfg.home.mkdir(parents=True, exist_ok=True)
-        os.chmod(cfg.home, 0o711)
+        fixed = homedir.secure(cfg.home)  # 0700; files in it: no group/other bits
+        if fixed:
+            log.warning("took group/other permissions off %s", ", ".join(fixed))
         try:  # before any state is touched: a refused start changes nothing
             backend = await asyncio.to_thread(select_backend, cfg)
         except BackendUnavailable as e:
@@ -720,9 +723,10 @@ def create_app(cfg: Config | None = None) -> FastAPI:
                               "description": "the file's bytes (Content-Length when its size "
                               "is exact; a failure mid-way cuts the response short), or with "
                               f"Accept: {P.CONTENT_TYPE} frames: data..., then eof or error"}})
-    async def get_file(sid: str, path: PathQ, request: Request, ws: Ws) -> StreamingResponse:
+    async def get_file(sid: str, path: PathQ, request: Request, ws: Ws,
+                       max_bytes: MaxBytesQ = None) -> StreamingResponse:
         lv = await mgr(request).ready(ws, sid, "files")
-        body = await mgr(request).read_file(lv, check_path(path))
+        body = await mgr(request).read_file(lv, check_path(path), max_bytes)
         return file_response(body, request.headers.get("accept", ""))
 
     @app.delete("/sandboxes/{sid}/files")

@@ -40,6 +40,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
+
+from cpuos_agent import tarx
 from fastapi.responses import StreamingResponse
 
 from ..config import Config
@@ -334,21 +336,29 @@ def _context_path(file: str, ctx: Path) -> str:
 
 
 def _extract_context(tar_path: Path, dest: Path) -> None:
-    """A context tar into ``dest``: regular files, directories and links inside it only
-    (tarfile's ``data`` filter), bounded in members and in bytes unpacked."""
+    """A context tar into ``dest``: directories and regular files only. A symlink, a hard
+    link, a device or FIFO, an absolute name or ``..`` refuses the whole context (422
+    naming the entry) before anything is written; bounded in entries and in bytes
+    unpacked; written beneath ``dest`` without following any link (cpuos_agent.tarx). Our
+    own checks, not tarfile's extraction filters: whether those hold depends on the
+    interpreter's patch level (the ``data`` filter of Python 3.11.7, which the set-up's
+    pyenv interpreter is, has the CVE-2025-4517 bypass; Debian 12's 3.11.2 has no filters
+    at all)."""
     dest.mkdir(mode=0o700)
     try:
         with tarfile.open(tar_path, "r:*") as tf:
-            total, count = 0, 0
-            for m in tf:
-                count += 1
-                total += m.size
-                if count > MAX_CONTEXT_FILES or total > MAX_UPLOAD:
-                    raise invalid(f"the context is too big (over {MAX_CONTEXT_FILES} entries "
-                                  f"or {MAX_UPLOAD} bytes unpacked)")
-                if shutil.disk_usage(dest).free < FREE_MARGIN + m.size:
-                    raise ApiError("no_space", "not enough free space to unpack the context")
-                tf.extract(m, dest, filter="data")
+            try:
+                members = tarx.check_members(tf, links=False, max_members=MAX_CONTEXT_FILES,
+                                             max_bytes=MAX_UPLOAD)
+            except tarx.TooBig:
+                raise invalid(f"the context is too big (over {MAX_UPLOAD} bytes unpacked)"
+                              ) from None
+            except tarx.Refused as e:
+                raise invalid(f"the context was refused, nothing written: {e}") from None
+            total = sum(m.size for m, _ in members if m.isreg())
+            if shutil.disk_usage(dest).free < FREE_MARGIN + total:
+                raise ApiError("no_space", "not enough free space to unpack the context")
+            tarx.extract_members(tf, members, str(dest), dir_mode=0o755)
     except tarfile.TarError as e:
         raise invalid(f"the context is not a valid tar: {e}") from None
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import procs
+from ..homedir import PRIVATE_UMASK
 from ..errors import ApiError
 from .base import Capabilities, SandboxSpec
 from .runsc import Runsc
@@ -177,9 +178,12 @@ class GVisorBackend:
     async def _run(self, *args: str, timeout: float = 30.0, log_path: Path | None = None
                    ) -> tuple[int, bytes, bytes]:
         """Run runsc through cpuosd.procs (output to files: a detached sandbox inherits
-        runsc's stdio, so pipes would never reach EOF); a runsc that overruns is killed."""
+        runsc's stdio, so pipes would never reach EOF); a runsc that overruns is killed.
+        Under the daemon's umask (077): its logs, state, sockets and checkpoint images
+        (a paused sandbox's memory) are root's alone."""
         try:
-            return await procs.run(args, timeout=timeout, log_path=log_path)
+            return await procs.run(args, timeout=timeout, log_path=log_path,
+                                   umask=PRIVATE_UMASK)
         except TimeoutError:
             raise ApiError("timeout", f"runsc {' '.join(args[4:6])} did not finish within "
                            f"{timeout:.0f}s") from None
@@ -210,7 +214,7 @@ class GVisorBackend:
         flags = [*self._sandbox_flags(spec), f"--log={log_path}"]
         try:
             return await procs.run([*flags, *args], timeout=timeout, log_path=log_path,
-                                   null_stdio=True)
+                                   null_stdio=True, umask=PRIVATE_UMASK)
         except TimeoutError:
             raise ApiError("timeout", f"runsc {args[0]} did not finish within "
                            f"{timeout:.0f}s") from None

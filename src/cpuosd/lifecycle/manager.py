@@ -106,6 +106,11 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
             (tmp / "cpuos_agent").mkdir(parents=True)
             for f in files:
                 shutil.copy2(f, tmp / "cpuos_agent" / f.name)
+                os.chmod(tmp / "cpuos_agent" / f.name, 0o644)
+            # mounted into sandboxes, where the agent and the kernel read it as the
+            # sandbox's user: readable whatever the daemon's umask (cpuosd.homedir)
+            os.chmod(tmp / "cpuos_agent", 0o755)
+            os.chmod(tmp, 0o755)
             shutil.rmtree(dest, ignore_errors=True)
             tmp.rename(dest)
         return dest
@@ -261,6 +266,9 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         self.live[row.id] = lv
         try:
             spec.sock_dir.mkdir(parents=True, exist_ok=True)
+            # the sandbox's /run/cpuos (gVisor), bound into the microVM jail for QEMU (an
+            # unprivileged uid) to reach agent.sock: 0755 whatever the daemon's umask
+            spec.sock_dir.chmod(0o755)
             # Per sandbox, also after a restore: templates link /etc/machine-id here.
             mid = row.spec.setdefault("machine_id", secrets.token_hex(16))
             (spec.sock_dir / "machine-id").write_text(mid + "\n")
@@ -269,6 +277,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
             if key is not None and image is None:
                 # read once by the agent at start; removed at its hello, before any command
                 fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o444)
+                os.fchmod(fd, 0o444)  # (whatever the daemon's umask)
                 with os.fdopen(fd, "w") as f:
                     f.write(key)
             await chan.listen()

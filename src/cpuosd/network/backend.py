@@ -91,6 +91,7 @@ class Networked:
             # the directory is the sandbox's /run/cpuos: never follow what may be there
             tmp = spec.sock_dir / f".{name}.{os.getpid()}.tmp"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o444)
+            os.fchmod(fd, 0o444)  # read by the sandbox's user, whatever the daemon's umask
             with os.fdopen(fd, "w") as f:
                 f.write(text)
             os.replace(tmp, spec.sock_dir / name)

@@ -2961,6 +2961,8 @@ export interface operations {
     get_file_sandboxes__sid__files_get: {
         parameters: {
             query: {
+                /** @description the most bytes the client accepts: a file declaring more is 413 too_large before its body, a stream passing it ends with too_large (at most, and by default, CPUOS_MAX_READ_BYTES) */
+                max_bytes?: number | null;
                 /** @description path inside the sandbox (relative: to /work) */
                 path: string;
             };
@@ -3212,6 +3214,8 @@ export interface operations {
     get_tar_sandboxes__sid__files_tar_get: {
         parameters: {
             query: {
+                /** @description the most bytes the client accepts: a file declaring more is 413 too_large before its body, a stream passing it ends with too_large (at most, and by default, CPUOS_MAX_READ_BYTES) */
+                max_bytes?: number | null;
                 path: string;
             };
             header?: never;
