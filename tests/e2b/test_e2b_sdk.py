@@ -413,3 +413,15 @@ def test_bad_input_gets_e2b_errors(sbx: Sandbox, daemon: Daemon) -> None:
                    headers={**hdr, "Content-Type": "application/json"},
                    json={"process": {"cmd": "true"}})
     assert r.status_code >= 400  # a server stream asked for as unary: refused, not run
+
+
+def test_e2b_key_revoked_like_any(daemon: Daemon) -> None:
+    made = httpx.post(daemon.url + "/e2b/keys", headers={"X-API-Key": daemon.key}).json()
+    hdr = {"X-API-Key": made["key"]}
+    assert httpx.get(daemon.url + "/e2b/v2/sandboxes", headers=hdr).status_code == 200
+    with daemon.client() as c:
+        listed = {k["id"]: k for k in c.get("/workspace/keys").json()["keys"]}
+        assert listed[made["id"]]["label"] == "e2b"
+        assert c.delete(f"/workspace/keys/{made['id']}").status_code == 200
+    r = httpx.get(daemon.url + "/e2b/v2/sandboxes", headers=hdr)
+    assert r.status_code == 401 and r.json()["code"] == 401

@@ -355,8 +355,10 @@ def build(e2b: E2B) -> FastAPI:
     @app.post("/keys", status_code=201)
     async def new_key(request: Request) -> dict[str, Any]:
         """cpuos's own: a key in E2B's format (``e2b_<hex>``) for the caller's workspace
-        (the JS SDK refuses any other shape before it sends a request)."""
-        key = e2b.store.add_key(ws_of(request), "e2b", new_e2b_key())
-        return {"key": key, "workspace": ws_of(request)}
+        (the JS SDK refuses any other shape before it sends a request); listed and revoked
+        with the workspace's other keys (``/workspace/keys``)."""
+        kid, rec = e2b.store.new_key(ws_of(request), "e2b", new_e2b_key())
+        log.info("API key %s (e2b) made for workspace %s", kid, ws_of(request))
+        return {"key": rec["key"], "id": kid, "workspace": ws_of(request)}
 
     return app
