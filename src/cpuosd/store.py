@@ -207,14 +207,17 @@ class Store:
                        "ORDER BY created_at LIMIT 1", (name,)).fetchone()
         return r[0] if r else None
 
-    def add_key(self, workspace_id: str, label: str) -> str:
-        key: str = self.new_key(workspace_id, label)[1]["key"]
-        return key
+    def add_key(self, workspace_id: str, label: str, key: str | None = None) -> str:
+        """A new key of the workspace, returned once (``key``: one made by the caller in
+        another format, e.g. the E2B surface's ``e2b_<hex>``)."""
+        made: str = self.new_key(workspace_id, label, key)[1]["key"]
+        return made
 
-    def new_key(self, workspace_id: str, label: str) -> tuple[str, dict[str, Any]]:
+    def new_key(self, workspace_id: str, label: str, key: str | None = None
+                ) -> tuple[str, dict[str, Any]]:
         """A new key of the workspace: (its id, its record with the key itself, which is
         shown once and stored only hashed)."""
-        key, kid, now = new_key(), "key-" + secrets.token_hex(6), time.time()
+        key, kid, now = key or new_key(), "key-" + secrets.token_hex(6), time.time()
         self._exec("INSERT INTO api_keys (id, workspace_id, key_hash, label, created_at) "
                    "VALUES (?,?,?,?,?)", (kid, workspace_id, hash_key(key), label, now))
         return kid, {"id": kid, "workspace_id": workspace_id, "label": label,

@@ -43,6 +43,7 @@ from .streams import MaxBytesQ
 from .usage import router as usage_router, sandbox_metrics
 from .workspaces import router as workspaces_router
 from ..proxy.preview import Preview
+from .. import e2b as e2b_surface
 from ..backends.microvm.selection import BackendUnavailable, select_backend
 from .. import homedir
 from ..config import Config
@@ -406,6 +407,8 @@ def create_app(cfg: Config | None = None) -> FastAPI:
                           else cfg.preview_port, cfg.host)
         await preview.start()
         app.state.preview = preview
+        app.state.e2b.attach(mgr, store, preview)  # the E2B surface (cpuosd.e2b)
+        preview.route = e2b_surface.ports.router(app.state.e2b, (cfg.host, cfg.port))
         try:
             yield
         finally:
@@ -413,6 +416,7 @@ def create_app(cfg: Config | None = None) -> FastAPI:
             await asyncio.gather(cap_task, return_exceptions=True)
             await enforcer.close()
             await preview.close()
+            app.state.e2b.close()
             await app.state.builds.shutdown()
             await mgr.shutdown()
             if network is not None:
@@ -422,6 +426,7 @@ def create_app(cfg: Config | None = None) -> FastAPI:
 
     app = FastAPI(title="cpuos", version=VERSION, lifespan=lifespan)
     app.add_middleware(Guard)  # the key is checked before any body is read
+    e2b_surface.install(app, cfg)  # /e2b and E2B's sandbox headers, before the Guard
     app.include_router(templates_router)
     app.include_router(audit_router)
     app.include_router(commands_router)

@@ -57,7 +57,8 @@ import re
 import secrets
 import socket
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import parse_qsl, urlencode
 
 import h11
@@ -103,6 +104,15 @@ HOP_HEADERS = {b"connection", b"keep-alive", b"proxy-connection", b"te", b"upgra
 PATH_CSP = (b"sandbox allow-scripts allow-forms allow-popups allow-modals allow-downloads "
             b"allow-popups-to-escape-sandbox")
 LOG_INTERVAL = 10.0
+
+
+class Route(NamedTuple):
+    """A surface's own rule for one port of its sandbox (``Preview.route``, e.g.
+    cpuosd.e2b.ports): reachable without a cpuos token, at ``upstream`` (None: the
+    sandbox's own port), with these request headers dropped and added."""
+    upstream: tuple[str, int] | None = None
+    drop: frozenset[bytes] = frozenset()
+    add: tuple[tuple[bytes, bytes], ...] = ()
 
 
 def domain() -> str:
@@ -187,6 +197,10 @@ class Preview:
         self.host, self.port = host, port
         self._server: asyncio.Server | None = None
         self.conns: set[asyncio.Task[None]] = set()
+        # (row, port, request headers) -> a Route, an answer (status, message) or None
+        # (cpuos's own rules): another surface's ports (cpuosd.e2b)
+        self.route: Callable[[Any, int, dict[bytes, bytes]],
+                             Route | tuple[int, str] | None] | None = None
         self.clients: dict[_Client, None] = {}
         # connections waiting for a request head (oldest first), and how many per address
         self.pending: dict[_Client, None] = {}
@@ -405,6 +419,11 @@ class Preview:
             hdr.setdefault(k, v)
         row = self.mgr.store.get_sandbox(sid)
         exposed = ((row.spec.get("ports") or {}).get(str(port)) if row else None)
+        routed = self.route(row, port, hdr) if self.route is not None and row else None
+        if routed is not None and not isinstance(routed, Route):  # refused: (status, why)
+            return await _reply(c.writer, *routed)
+        if routed is not None:
+            exposed = {"public": True}  # (the surface's rule has been applied)
         if row is None or exposed is None:
             return await _reply(c.writer, 404, f"port {port} of {sid} is not exposed")
         conn_tokens = {t.strip() for k, v in lower if k == b"connection"
@@ -452,9 +471,14 @@ class Preview:
                 ("Location", _local(path) + ("?" + clean if clean else "")),
                 ("Set-Cookie", f"{cookie_name(port)}={exposed.get('token')}; Path=/; "
                                "HttpOnly; SameSite=Lax")])
-        addr = await self._running_address(row.id, row.workspace_id, row.state, row.spec)
-        if isinstance(addr, tuple):
-            return await _reply(c.writer, *addr)
+        to_port = port
+        if routed is not None and routed.upstream is not None:
+            addr, to_port = routed.upstream
+        else:
+            found = await self._running_address(row.id, row.workspace_id, row.state, row.spec)
+            if isinstance(found, tuple):
+                return await _reply(c.writer, *found)
+            addr = found
         up = c.up
         if up is not None and (up.sid, up.port, up.addr) != (sid, port, addr):
             self._drop_upstream(c)
@@ -469,7 +493,8 @@ class Preview:
             self.per_sandbox[sid] = self.per_sandbox.get(sid, 0) + 1
             try:
                 async with asyncio.timeout(CONNECT_TIMEOUT):
-                    ur, uw = await asyncio.open_connection(addr, port, limit=UPSTREAM_LIMIT)
+                    ur, uw = await asyncio.open_connection(addr, to_port,
+                                                           limit=UPSTREAM_LIMIT)
             except (OSError, TimeoutError):
                 self._release(sid)
                 return await _reply(c.writer, 502, f"nothing answers on port {port} in {sid}")
@@ -482,7 +507,8 @@ class Preview:
         xff = b""
         for k, v in headers:
             lk = k.lower()
-            if lk in DROP_HEADERS or lk in HOP_HEADERS or lk in conn_tokens:
+            if lk in DROP_HEADERS or lk in HOP_HEADERS or lk in conn_tokens or (
+                    routed is not None and lk in routed.drop):
                 continue
             if lk == b"cookie":
                 v = _drop_cookies(v)
@@ -498,6 +524,7 @@ class Preview:
             out += [(b"Connection", b"upgrade"), (b"Upgrade", hdr[b"upgrade"])]
         out += [(b"X-Forwarded-For", xff + c.ip.encode()),
                 (b"X-Forwarded-Host", host.encode("latin-1"))]
+        out += list(routed.add) if routed is not None else []
         target = (rest + ("?" + clean if clean else "")).encode("latin-1")
         up.h = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)  # per request
         up.reusable = False
