@@ -44,9 +44,6 @@ def _e2b_env(d: Any) -> None:
                       E2B_API_KEY=d.key)
 
 
-# (read by e2b at import) the SDK keeps idle connections 300 s; cpuosd's listener closes them
-# after 5 s: below that, the SDK never reuses one the daemon is closing (README)
-os.environ.setdefault("E2B_KEEPALIVE_EXPIRY", "4")
 
 
 def _create_then(d: Any, sdk: str) -> tuple[float, float]:

@@ -32,13 +32,14 @@ def serve(host: str | None = None, port: int | None = None, home: str | None = N
     logs.setup(path=log_file)  # JSON lines, rate-limited, rotated with CPUOS_LOG_FILE
     # descriptors: the soft limit up to the hard one (root: 65536 at least), half of it kept
     # in reserve for the daemon itself (cpuosd.fdbudget)
-    from .api.listener import MAX_CONNECTIONS, GuardedHTTP
+    from .api.listener import KEEPALIVE, MAX_CONNECTIONS, GuardedHTTP
     from .fdbudget import raise_nofile
 
     raise_nofile()
     uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning",
                 log_config=None, access_log=False, timeout_graceful_shutdown=5,
-                http=GuardedHTTP, limit_concurrency=MAX_CONNECTIONS + 1)
+                http=GuardedHTTP, limit_concurrency=MAX_CONNECTIONS + 1,
+                timeout_keep_alive=int(KEEPALIVE))
 
 
 def audit_verify(argv: list[str]) -> int:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -20,9 +19,6 @@ from cpuosd.testing import Daemon, wait_until
 
 pytestmark = [pytest.mark.e2e]
 
-# (read by e2b at import) the SDK keeps idle connections 300 s; cpuosd's listener closes them
-# after 5 s: below that, the SDK never reuses one the daemon is closing (README)
-os.environ.setdefault("E2B_KEEPALIVE_EXPIRY", "4")
 e2b = pytest.importorskip("e2b")
 from e2b import CommandExitException, Sandbox, SandboxQuery  # noqa: E402
 from e2b.exceptions import NotFoundException, SandboxException  # noqa: E402

@@ -55,9 +55,7 @@ def run_suite(daemon: Daemon, suite: str, paths: list[str], skip: dict[str, str]
               flavour: str, tmp_path: Path) -> None:
     root = UP / suite
     env = {**os.environ, "E2B_API_URL": daemon.url + "/e2b",
-           "E2B_SANDBOX_URL": daemon.url + "/e2b", "E2B_API_KEY": daemon.key,
-           # below cpuosd's keep-alive (5 s): see README, "E2B's SDKs"
-           "E2B_KEEPALIVE_EXPIRY": "4"}
+           "E2B_SANDBOX_URL": daemon.url + "/e2b", "E2B_API_KEY": daemon.key}
     for k in ("E2B_DEBUG", "E2B_DOMAIN", "E2B_ACCESS_TOKEN"):
         env.pop(k, None)
     tag = {"sync": "sync", "async": "async"}[flavour]

@@ -310,6 +310,20 @@ def test_api_listener_bounds(fd: Daemon) -> None:
             while chunk := s.recv(65536):
                 got += chunk
         assert got.startswith(b"HTTP/1.1 422"), got[:300]
+        # kept-alive connections (clients' pools keep them minutes: CPUOS_API_KEEPALIVE,
+        # 310 s) fill the cap: a new client is served, an idle one makes way
+        for s in socks:
+            s.close()
+        socks.clear()
+        for _ in range(64):
+            s = socket.create_connection(("127.0.0.1", fd.port), timeout=30)
+            socks.append(s)
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += s.recv(4096)
+            assert head.startswith(b"HTTP/1.1 200"), head[:200]
+        assert httpx.get(fd.url + "/health", timeout=30).status_code == 200
     finally:
         for s in socks:
             s.close()

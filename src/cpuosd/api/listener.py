@@ -12,7 +12,10 @@ already held. Here:
 - a request head must arrive whole within ``HEAD_TIMEOUT`` s of its first byte (of the
   connection, for the first one) and be at most ``MAX_HEAD`` bytes, else the connection is
   closed;
-- between requests uvicorn's keep-alive timeout applies (5 s).
+- between requests a connection is kept ``KEEPALIVE`` s (``CPUOS_API_KEEPALIVE``, 310:
+  longer than the clients' own pools keep one, E2B's SDK 300 s, so a client never reuses a
+  connection the daemon is closing); when the cap is reached, an idle kept-alive connection
+  is closed to make room for a new one.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ log = logging.getLogger("cpuosd.api")
 
 MAX_CONNECTIONS = int(os.environ.get("CPUOS_API_MAX_CONNECTIONS") or 2048)
 HEAD_TIMEOUT = float(os.environ.get("CPUOS_API_HEAD_TIMEOUT") or 10.0)
+KEEPALIVE = float(os.environ.get("CPUOS_API_KEEPALIVE") or 310.0)
 MAX_HEAD = 64 * 1024
 HEAD_SLICE = 8 * 1024
 LOG_INTERVAL = 10.0
@@ -60,11 +64,22 @@ class GuardedHTTP(_Base):
         self._head_bytes = 0
         cap = min(MAX_CONNECTIONS, max(16, BUDGET.reserve // 4))
         if len(conns) >= cap:
-            _note_refusal(f"{len(conns)} connections open (at most {cap})")
-            transport.abort()
-            return
+            idle = next((c for c in conns if isinstance(c, GuardedHTTP) and c._kept_alive()),
+                        None)
+            if idle is None:
+                _note_refusal(f"{len(conns)} connections open (at most {cap})")
+                transport.abort()
+                return
+            idle.transport.close()  # an idle kept-alive one makes way (between requests)
+            conns.discard(idle)
         super().connection_made(transport)
         self._start_head()
+
+    def _kept_alive(self) -> bool:
+        """Between requests: its last answer sent, no new request begun."""
+        cycle = getattr(self, "cycle", None)
+        return (cycle is not None and cycle.response_complete and self._head_timer is None
+                and not self.transport.is_closing())
 
     def _start_head(self) -> None:
         self._head_bytes = 0
