@@ -99,6 +99,9 @@ class Backend(Protocol):
         ``threshold`` bytes (the caller owns it), or None where there is no such event
         (cpuosd.lifecycle.memwatch: the gVisor agent's OOM guard sleeps until it)."""
 
+    def cpu_seconds(self, sandbox_id: str) -> float | None:
+        """CPU time the sandbox has used on the host (one cheap read), or None if unknown."""
+
     def stats(self, sandbox_id: str) -> dict[str, int | float]:
         """What the host measures of the sandbox now (those it can): cpu_seconds,
         memory_bytes, memory_limit_bytes, pids, pids_limit, net_tx_bytes, net_rx_bytes."""
