@@ -231,6 +231,26 @@ def test_case_smoke(module: str) -> None:
 
 
 @pytest.mark.e2e
+def test_density_thousand_smoke() -> None:
+    """density.py --thousand --smoke: 4 sandboxes with idle_timeout=30s (the workspace's
+    max_sandboxes raised through the admin API), all paused by themselves before an exec
+    in 2 of them resumes each."""
+    r, res = run(["bench/cases/density.py", "--smoke", "--thousand"],
+                 OUT / "case-density-smoke.json")
+    check_clean_run(res)
+    data = res["density"]
+    assert data["mode"] == "thousand" and data["created"] == data["n"] == 4, data
+    assert not data["refused"] and not data["failed"] and not data["stopped"], data
+    assert data["max_sandboxes"] >= 4 and data["states_at_end"] == {"paused": 4}, data
+    assert data["exec_states"] == ["paused", "paused"] and not data["exec_failed"], data
+    assert len(data["exec_s"]) == 2 and all(x > 0 for x in data["exec_s"])
+    assert [row["metric"] for row in res["summary"]] == [
+        "sandboxes created with idle_timeout=30s", "exec in 2 picked at random, p50",
+        "exec in 2 picked at random, p99"]
+    assert "17. density --thousand" in r.stdout
+
+
+@pytest.mark.e2e
 def test_runner_groups_cases_by_daemon() -> None:
     """bench/run.py runs the selected cases, consecutive ones with the same daemon
     configuration on one daemon (exec and files share a cold-boot daemon and its sandbox;
