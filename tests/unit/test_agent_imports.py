@@ -1,6 +1,6 @@
 """The agent is resident in every sandbox: what it imports at start is memory every idle
 sandbox holds (issue 22). Modules only some requests need (tarfile and the archive code,
-subprocess) are imported when asked, not at start."""
+subprocess, a microVM's ipaddress) are imported when asked, not at start."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src"
-ON_DEMAND = ["tarfile", "cpuos_agent.tarx", "subprocess", "hashlib", "secrets", "platform"]
+ON_DEMAND = ["tarfile", "cpuos_agent.tarx", "subprocess", "hashlib", "secrets", "platform",
+             "ipaddress"]
 
 
 def test_the_agent_loads_archive_and_process_modules_only_when_asked() -> None:
