@@ -357,6 +357,8 @@ def measure(ctx: Context) -> dict[str, Any]:
     n = ctx.args.n or ctx.pick(100, 10, 2)
     window = ctx.pick(30.0, 30.0, 2.0)
     out: dict[str, Any] = {"n": n, "mode": "idle"}
+    # the N, the back-to-back creates and the pool in one workspace (default maximum 100)
+    out["max_sandboxes"] = raise_max_sandboxes(d, n + ctx.pick(20, 20, 2) + 5)
     # untimed: makes the template snapshot; the pool refills
     first = Sandbox.create(template="python", timeout="10m", **d.sdk_kwargs())
     raw.match(d, first.id)
@@ -427,7 +429,7 @@ MAX_FAILED_IN_A_ROW = 10
 
 
 def raise_max_sandboxes(d: Daemon, n: int) -> int:
-    """The bench's workspace may hold n sandboxes and the warm pool's (a workspace's
+    """The bench's workspace may hold n sandboxes and then some (a workspace's
     max_sandboxes counts paused ones and defaults to 100): set by the admin, as an operator
     would. Returns the maximum set."""
     with d.client() as c:
