@@ -481,6 +481,7 @@ class AuditLog:
                 while (not self._queue and not self._closed
                        and not self._owed(time.monotonic())):
                     self._cv.wait(1.0)
+                    self._check_space(time.monotonic())
                     if self.retention is not None and time.time() - self._last_prune > 60:
                         break
                 now = time.monotonic()
