@@ -319,7 +319,7 @@ def test_low_disk_space_holds_back_all_but_lifecycle(tmp_path: Path,
         def __init__(self) -> None:
             self.free = free[0]
 
-    monkeypatch.setattr(audit_mod.shutil, "disk_usage", lambda _p: Usage())
+    monkeypatch.setattr("cpuosd.accounting.audit.shutil.disk_usage", lambda _p: Usage())
     monkeypatch.setattr(audit_mod, "SPACE_CHECK", 0.0)
     a = bounded(tmp_path, min_free=1 << 30)
     try:
