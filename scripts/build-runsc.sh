@@ -39,10 +39,14 @@ moddir=$(go list -m -f '{{.Dir}}' gvisor.dev/gvisor)
   echo "build-runsc: go.mod resolves gvisor.dev/gvisor to another version" >&2; exit 1; }
 # a patched copy of the module, and a copy of this build module that uses it
 python3 patches/apply.py "$moddir" "$tmp/gvisor"
-mkdir "$tmp/build"
+mkdir "$tmp/build" "$tmp/build/precompile"
 cp go.mod go.sum tools.go "$tmp/build/"
+cp patches/precompile_seccomp.go.in "$tmp/build/precompile/main.go"
 cd "$tmp/build"
 go mod edit -replace "gvisor.dev/gvisor=$tmp/gvisor"
+# the seccomp programs runsc installs at every boot, precompiled into it (as Bazel does)
+echo "    precompiling seccomp programs"
+go run ./precompile "$tmp/gvisor"
 # -v names each package as it is compiled: count them as progress
 set +e
 go build -v -trimpath -o "$tmp/runsc" \

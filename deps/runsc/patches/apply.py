@@ -29,6 +29,10 @@ Level 2 (the audit trail's runtime monitoring, cpuosd.accounting.trace):
    sink config ``cpuos_coalesce``): a point repeated within the window is counted and sent
    once with the count (a 12-byte header); a point that does not fit in the socket is kept
    and counted instead of dropped; the socket gets a 1 MiB send buffer.
+5. Precompiled seccomp programs (precompile_seccomp.go.in, run by build-runsc.sh between
+   this script and the build, as gVisor's Bazel build does): a sandbox's boot and restore
+   install a ready program instead of building one (~110 ms of CPU each time here); only
+   the Sentry variants cpuos runs are precompiled (netstack, no GPU/TPU/RDMA proxies).
 
     python3 apply.py <gvisor module dir> <copy dir>
 """
@@ -265,6 +269,20 @@ const FieldSyscallCpuosWrites = FieldSyscallPath + 2"""),
 		return
 	}
 """),
+    ],
+    # 5. only the Sentry seccomp variants cpuos runs are precompiled (precompile_seccomp.go.in)
+    "runsc/boot/filter/config/config_precompiled.go": [
+        ("""			return []Options{netstack, hostNet, hostNetRaw}, nil""",
+         """			_, _ = hostNet, hostNetRaw // cpuos: netstack only
+			return []Options{netstack}, nil"""),
+        ("""			for _, caps := range nvconf.PopularCapabilitySets() {""",
+         """			for _, caps := range nvconf.PopularCapabilitySets()[:0] { // cpuos: no GPU proxy"""),
+        ("""			return []Options{tpuProxyYes, tpuProxyNo}, nil""",
+         """			_ = tpuProxyYes // cpuos: no TPU proxy
+			return []Options{tpuProxyNo}, nil"""),
+        ("""			return []Options{rdmaProxyYes, rdmaProxyNo}, nil""",
+         """			_ = rdmaProxyYes // cpuos: no RDMA proxy
+			return []Options{rdmaProxyNo}, nil"""),
     ],
 }
 
