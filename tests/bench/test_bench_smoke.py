@@ -89,6 +89,11 @@ CASES = {
                         ["keystroke echo through a terminal, p50", "streamed stdin, median",
                          "reattach to a command → first byte, p50",
                          "reattach to a terminal → first byte, p50"]),
+    "inside": Case("inside", "inside", "17. code inside",
+                   [], [f"{w}: {what}" for w in ("import", "fork100", "pass20", "pip", "git",
+                                                 "pytest", "compute", "syscalls")
+                        for what in ("cpuos audit on vs raw runsc", "audit on vs off")]
+                   + ["inside: repo files / tests / wheels"]),
 }
 # (sample lists, the key of their N) of the network case's parts
 NETWORK = {"download": (["ours_on_MBps", "ours_allow_MBps", "floor_MBps"], "runs"),
@@ -167,6 +172,14 @@ def check_figures(module: str, data: dict[str, Any]) -> None:
         rr = data["runtime_rows"]  # every exec inside recorded or counted as dropped
         assert rr["recorded"] + rr["dropped"] >= rr["expected"], rr
         assert data["store"]["verified"] and data["store"]["ours_rows_per_s"] > 0
+    if module == "inside":  # every workload in every place, its N; audit on and off
+        for w, places in data["samples"].items():
+            for place, xs in places.items():
+                assert len(xs["wall"]) == len(xs["cpu"]) == data["reps"], (w, place)
+                assert all(x > 0 for x in xs["wall"]), (w, place, xs)
+                assert place == "native" or all(x > 0 for x in xs["cpu"]), (w, place, xs)
+        assert set(data["samples"]["import"]) == {"native", "raw", "on", "off"}
+        assert data["audit_runtime"] and data["audit_runtime_off"] is None
     if module == "limits":
         assert len(data["loads"]) == 5 and data["daemon_healthy"]
         for load in data["loads"]:
