@@ -416,3 +416,25 @@ def test_session_config_with_and_without_cpuos_points(tmp_path: Path) -> None:
     assert {p["name"] for p in old["points"]} == {"sentry/execve", "syscall/open/exit",
                                                   "syscall/openat/exit", "syscall/creat/exit"}
     assert "cpuos_coalesce" not in old["sinks"][0]["config"]
+
+
+def test_a_flood_from_outside_does_not_use_up_the_budget_of_what_runs_inside(
+        tmp_path: Path) -> None:
+    """Connections to a public preview port from many peers (anyone can make them) hit the
+    network rows' budget, never the one of the commands and file writes inside."""
+    a = bounded(tmp_path, sandbox_rows=100, workspace_rows=1000)
+    try:
+        for i in range(500):
+            a.on_event(SandboxEvent("port", "sbx-p", "ws-p", None, fields={
+                "port": 80, "action": "connect", "peer": f"198.51.100.{i % 250}.{i}"}))
+        for i in range(50):
+            assert a.record("sbx-p", "file_write", {"source": "runtime", "path": f"/w/{i}"},
+                            workspace="ws-p")
+        assert a.flush(owed=True)
+        rows = a.query("sbx-p", limit=10000)
+        assert sum(r["kind"] == "port" for r in rows) == 100
+        assert sum(r["kind"] == "file_write" for r in rows) == 50
+        dropped = [r["detail"] for r in rows if r["kind"] == "dropped"]
+        assert [d["kinds"] for d in dropped] == [{"port": 400}]
+    finally:
+        a.close()

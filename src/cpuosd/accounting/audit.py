@@ -80,6 +80,7 @@ COALESCE_WINDOW = 5.0  # s: repeats of a row within this are one row with a coun
 MAX_COALESCING = 20_000  # rows being coalesced at once (beyond: written as they come)
 DROP_EVERY = 10.0  # s: at most one dropped row per sandbox and cause in this time
 EXEMPT = frozenset({"lifecycle", "limit", "dropped"})  # never held back by budget or space
+NET_KINDS = frozenset({"connection", "port"})  # budgets of their own (see _within_budget)
 DEFAULT_RETENTION = "30d"
 DEFAULT_SANDBOX_ROWS = 20_000  # an hour
 DEFAULT_WORKSPACE_ROWS = 200_000  # an hour
@@ -288,7 +289,8 @@ class AuditLog:
         self._closed = False
         self._ws: dict[str, str] = {}  # sandbox -> workspace (from its lifecycle events)
         self._coalescing: dict[str, Coalescing] = {}
-        self._buckets: dict[tuple[str, str], Bucket] = {}  # ("s"|"w", id) -> bucket
+        # ("s"|"w", sandbox or workspace id, "run"|"net") -> bucket
+        self._buckets: dict[tuple[str, str, str], Bucket] = {}
         # rows held back, by (workspace, sandbox, cause): counted into dropped rows
         self._held: dict[tuple[str, str, str], Held] = {}
         self._low_space = False
@@ -341,7 +343,7 @@ class AuditLog:
             cause = None
             if self._low_space:
                 cause = "the disk is almost full (CPUOS_AUDIT_MIN_FREE)"
-            elif not self._within_budget(p.workspace, p.sandbox, now):
+            elif not self._within_budget(p.workspace, p.sandbox, now, p.kind):
                 cause = self._last_cause
             if cause is not None:
                 self._hold(p, cause, now)
@@ -359,8 +361,13 @@ class AuditLog:
 
     _last_cause = ""
 
-    def _within_budget(self, ws: str, sandbox: str, now: float) -> bool:
+    def _within_budget(self, ws: str, sandbox: str, now: float, kind: str = "") -> bool:
+        """Takes a token of the sandbox's and the workspace's budget for ``kind``'s class:
+        network rows (connections, preview ports: what others can cause from outside) have
+        buckets of their own, so a flood of them never uses up the budget of what runs
+        inside."""
         taken: list[Bucket] = []
+        cls = "net" if kind in NET_KINDS else "run"
         for scope, ident, per_hour, what in (
                 ("s", sandbox, self.limits.sandbox_rows, "the sandbox's row budget "
                  "(CPUOS_AUDIT_SANDBOX_ROWS)"),
@@ -368,11 +375,11 @@ class AuditLog:
                  "(CPUOS_AUDIT_WORKSPACE_ROWS)")):
             if per_hour is None:
                 continue
-            b = self._buckets.get((scope, ident))
+            b = self._buckets.get((scope, ident, cls))
             if b is None:
                 if len(self._buckets) > 100_000:
                     self._buckets.clear()
-                b = self._buckets[(scope, ident)] = Bucket(per_hour, now)
+                b = self._buckets[(scope, ident, cls)] = Bucket(per_hour, now)
             if not b.take(now):
                 for t in taken:  # a row the workspace refuses costs the sandbox nothing
                     t.give_back()
@@ -410,7 +417,7 @@ class AuditLog:
                     row = Pending(last.time, last.workspace, last.sandbox, last.kind,
                                   {**last.detail, "count": c.count, "first_time": c.first})
                     if last.kind in EXEMPT or (not self._low_space and self._within_budget(
-                            last.workspace, last.sandbox, now)):
+                            last.workspace, last.sandbox, now, last.kind)):
                         out.append(row)
                     else:
                         self._hold(row, "the disk is almost full (CPUOS_AUDIT_MIN_FREE)"
