@@ -285,12 +285,10 @@ class Sink:
                     data, _, flags, _ = conn.recvmsg(MAX_MESSAGE, 0, socket.MSG_DONTWAIT)
             except BlockingIOError:
                 # all read: what comes next within GATHER is read in one wakeup (fewer
-                # wakeups of this thread under a stream of points; a lone point waits
-                # at most that long); pending losses are noted meanwhile
-                block = True
-                if self._lost or self._malformed:
-                    self._note()
-                    noted = time.monotonic()
+                # wakeups of this thread under a stream of points); with losses not yet
+                # noted (at most one dropped row a second) it keeps looking every GATHER
+                # instead of blocking, so they are noted within the second
+                block = not (self._lost or self._malformed)
                 self._stop.wait(GATHER)
                 continue
             except OSError:
