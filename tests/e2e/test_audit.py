@@ -379,53 +379,68 @@ def test_every_way_to_change_a_file_is_recorded(daemon: Daemon) -> None:
         s.kill()
 
 
-# A thread rewrites the destination name while the main thread renames: what is recorded
-# must be the name the syscall used (the Sentry keeps the path it copied in), not whatever
-# the memory holds when the trace point runs.
+# Another thread changes what a rename's names mean while the main thread renames: it
+# rewrites the destination string in memory ("name"), or moves the process's working
+# directory between two directories ("cwd", the names being relative). What is recorded
+# must be what the syscall used (the Sentry keeps the paths it copied in and the
+# directories it resolved them from), not what the trace point would find afterwards.
 RACE = r"""
 import ctypes, os, sys, threading
 libc = ctypes.CDLL(None, use_errno=True)
-n = int(sys.argv[1])
-names = [b"/work/race/y1\0", b"/work/race/y2\0"]
-buf = ctypes.create_string_buffer(64)
-buf.raw = names[0] + b"\0" * (64 - len(names[0]))
+mode, n = sys.argv[1], int(sys.argv[2])
+for d in ("/work/race/d1", "/work/race/d2"):
+    os.makedirs(d, exist_ok=True)
+if mode == "name":
+    names = [b"/work/race/y1\0", b"/work/race/y2\0"]
+    buf = ctypes.create_string_buffer(64)
+    buf.raw = names[0] + b"\0" * (64 - len(names[0]))
+    src, dst = b"/work/race/x", buf
+    outcomes = ["/work/race/y1", "/work/race/y2"]
+else:
+    os.chdir("/work/race/d1")
+    src, dst = b"x", b"y"
+    outcomes = ["/work/race/d1/y", "/work/race/d2/y"]
 stop = False
 def flip():
     i = 0
     while not stop:
-        ctypes.memmove(buf, names[i & 1], len(names[i & 1])); i += 1
+        if mode == "name":
+            ctypes.memmove(buf, names[i & 1], len(names[i & 1]))
+        else:
+            os.chdir(("/work/race/d1", "/work/race/d2")[i & 1])
+        i += 1
 threading.Thread(target=flip, daemon=True).start()
-os.makedirs("/work/race", exist_ok=True)
-done = {"y1": 0, "y2": 0}
+done = dict.fromkeys(outcomes, 0)
 for _ in range(n):
-    open("/work/race/x", "w").close()
-    assert libc.rename(b"/work/race/x", buf) == 0, ctypes.get_errno()
+    for d in ("/work/race", "/work/race/d1", "/work/race/d2"):
+        open(f"{d}/x", "w").close()
+    assert libc.rename(src, dst) == 0, ctypes.get_errno()
     for k in done:
-        if os.path.exists(f"/work/race/{k}"):
+        if os.path.exists(k):
             done[k] += 1
-            os.unlink(f"/work/race/{k}")
+            os.unlink(k)
 stop = True
-print(done["y1"], done["y2"])
+print(" ".join(f"{k}={v}" for k, v in done.items()))
 """
 
 
-def test_a_name_rewritten_after_the_syscall_does_not_change_the_record(
-        daemon: Daemon) -> None:
+@pytest.mark.parametrize("mode", ["name", "cwd"])
+def test_what_changes_after_the_syscall_does_not_change_the_record(daemon: Daemon,
+                                                                   mode: str) -> None:
     s = Sandbox.create(template="python", timeout="5m", **daemon.sdk_kwargs())
     try:
         s.files.write("/work/race.py", RACE)
-        r = s.exec(["python3", "/work/race.py", "300"], timeout="4m")
+        r = s.exec(["python3", "/work/race.py", mode, "300"], timeout="4m")
         assert r.exit_code == 0, r.stderr
-        done = dict(zip(("/work/race/y1", "/work/race/y2"),
-                        (int(x) for x in r.stdout.split()), strict=True))
+        done = {k: int(v) for k, v in (x.split("=") for x in r.stdout.split())}
         assert sum(done.values()) == 300
-        assert min(done.values()) > 0, done  # the name really changed under the syscalls
+        assert min(done.values()) > 0, done  # it really changed under the syscalls
 
         def renamed() -> dict[str, int]:
-            out = {k: 0 for k in done}
+            out = dict.fromkeys(done, 0)
             for g in runtime_changes(daemon, s.id):
-                if g["op"] == "rename" and g.get("from") == "/work/race/x":
-                    out[g["path"]] = out.get(g["path"], 0) + int(g.get("count") or 1)
+                if g["op"] == "rename" and g["path"] in out:
+                    out[g["path"]] += int(g.get("count") or 1)
             return out
 
         wait_until(lambda: sum(renamed().values()) >= 300, "every rename on record "

@@ -157,7 +157,12 @@ const FieldSyscallCpuosWrites = FieldSyscallPath + 2"""),
 		return fspath.Path{}, err
 	}
 	t.Cpuos.Paths[0], t.Cpuos.Paths[1] = t.Cpuos.Paths[1], pathname // cpuos: for its points
-	return fspath.Parse(pathname), nil"""),
+	return fspath.Parse(pathname), nil"""), (
+        """	rootCleanup.Release()
+	return taskPathOperation{""",
+        """	rootCleanup.Release()
+	cpuosNoteStart(t, start) // cpuos: the directory it is resolved from, for its points
+	return taskPathOperation{"""),
     ],
     "pkg/sentry/syscalls/linux/sys_file.go": [(
         """	flags := how.Flags
@@ -166,7 +171,24 @@ const FieldSyscallCpuosWrites = FieldSyscallPath + 2"""),
         """	flags := how.Flags
 	mode := how.Mode
 	t.Cpuos.HowFlags, t.Cpuos.HowMode = flags, mode // cpuos: for its openat2 point
-"""),
+"""), (
+        """	if err != nil {
+		return 0, nil, err
+	}
+	defer file.DecRef(t)
+
+	fd, err := t.NewFDFrom(0, file, kernel.FDFlags{
+		CloseOnExec: flags&linux.O_CLOEXEC != 0,
+	})""",
+        """	if err != nil {
+		return 0, nil, err
+	}
+	defer file.DecRef(t)
+	cpuosNoteOpened(t, file, flags) // cpuos: the file opened, for its trace point
+
+	fd, err := t.NewFDFrom(0, file, kernel.FDFlags{
+		CloseOnExec: flags&linux.O_CLOEXEC != 0,
+	})"""),
     ],
     "pkg/sentry/kernel/task.go": [(
         """	goid atomicbitops.Int64 `state:"nosave"`
