@@ -25,10 +25,13 @@ Level 2 (the audit trail's runtime monitoring, cpuosd.accounting.trace):
    keeps them on the task: task_cpuos.go.in -> pkg/sentry/kernel/), resolved in the Sentry.
 3. A point may decline (a nil message: pkg/sentry/kernel/task_syscall.go): the Sentry then
    sends nothing and loads no context, so reads cost nothing beyond the point's check.
-4. Coalescing in the remote sink (remote_cpuos.go.in -> pkg/sentry/seccheck/sinks/remote/,
-   sink config ``cpuos_coalesce``): a point repeated within the window is counted and sent
-   once with the count (a 12-byte header); a point that does not fit in the socket is kept
-   and counted instead of dropped; the socket gets a 1 MiB send buffer.
+4. cpuos's mode of the remote sink (remote_cpuos.go.in -> pkg/sentry/seccheck/sinks/remote/,
+   sink config ``cpuos_coalesce``): a point costs the task a marshal and an append under a
+   mutex, never a system call; a goroutine of the sink's sends what gathered every few
+   milliseconds as batches (one message of records); a point repeated within the window
+   is counted and sent once with the count (a 12-byte header); what does not fit waits
+   for the next round (bounded; beyond, dropped and counted); the socket gets a 1 MiB
+   send buffer.
 5. Precompiled seccomp programs (precompile_seccomp.go.in, run by build-runsc.sh between
    this script and the build, as gVisor's Bazel build does): a sandbox's boot and restore
    install a ready program instead of building one (~110 ms of CPU each time here); only

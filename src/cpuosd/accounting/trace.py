@@ -49,6 +49,8 @@ pb: Any = _pb
 
 HEADER = struct.Struct("<HHI")  # header size, message type, dropped count (wire.Header)
 COUNT = struct.Struct("<I")  # cpuos's header extension (size >= 12): points this stands for
+LENGTH = struct.Struct("<I")  # a record's length in a batch
+MSG_BATCH = 0x7C01  # cpuos's sink: a message of records (u32 length, header, point)
 MAX_MESSAGE = 256 << 10  # a bigger one (a huge argv) is cut by the socket: counted, not read
 RATE = 5000.0  # messages parsed per second per sandbox (beyond: counted as dropped)
 BURST = 20000.0
@@ -203,7 +205,8 @@ class Sink:
         self.sid, self.path, self.audit = sid, path, audit
         self.cpuos_points = cpuos_points
         self.connections = 0  # Sentries that connected (a restore is a new one)
-        self.messages = 0
+        self.messages = 0  # messages read (a batch is one)
+        self.points = 0  # points recorded (a coalesced one counts as many as it stands for)
         self.wakeups = 0  # times the reader woke up to read (several messages each)
         self._stop = threading.Event()
         self._conn: socket.socket | None = None
@@ -296,20 +299,50 @@ class Sink:
             if not data:
                 break  # the Sentry is gone (sandbox stopped, checkpointed, killed)
             block = False
-            tokens -= 1
-            self._handle(data, flags)
+            tokens -= self._handle(data, flags)
         self._note()
         log.info("trace session of %s ended", self.sid)
 
-    def _handle(self, data: bytes, flags: int) -> None:
+    def _handle(self, data: bytes, flags: int) -> int:
+        """One message from the socket (a batch of records, cpuos's sink, or one point);
+        how many points it held."""
         self.messages += 1
         if len(data) < HEADER.size or flags & socket.MSG_TRUNC:
             self._malformed += 1
+            return 1
+        hsize, mtype, dropped = HEADER.unpack_from(data)
+        if mtype != MSG_BATCH:
+            self._point(data)
+            return 1
+        n, off = 0, hsize
+        while off + LENGTH.size <= len(data):
+            (size,) = LENGTH.unpack_from(data, off)
+            off += LENGTH.size
+            if size > len(data) - off:
+                self._malformed += 1
+                break
+            self._point(data[off:off + size])
+            off += size
+            n += 1
+        self._losses(dropped)
+        return max(1, n)
+
+    def _losses(self, dropped: int) -> None:
+        """The Sentry's count of points it dropped, as a header carries it (it wraps at
+        2^32; records of one batch may carry it slightly out of order: only a rise
+        counts)."""
+        diff = (dropped - self._seen_dropped) % (1 << 32)
+        if 0 < diff < (1 << 31):
+            self._lost += diff
+            self._seen_dropped = dropped
+
+    def _point(self, data: bytes) -> None:
+        """One point: header (with the count of cpuos's extension) and message."""
+        if len(data) < HEADER.size:
+            self._malformed += 1
             return
         hsize, mtype, dropped = HEADER.unpack_from(data)
-        if dropped != self._seen_dropped:
-            self._lost += (dropped - self._seen_dropped) % (1 << 32)
-            self._seen_dropped = dropped
+        self._losses(dropped)
         count = 1
         if hsize >= HEADER.size + COUNT.size and len(data) >= hsize:
             count = max(1, COUNT.unpack_from(data, HEADER.size)[0])
@@ -320,6 +353,7 @@ class Sink:
             self._malformed += 1
             return
         if got is not None:
+            self.points += count
             self.audit.record(self.sid, got[0], got[1])
 
     def _note(self) -> None:
