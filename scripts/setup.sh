@@ -17,6 +17,8 @@ fi
 
 need_pkgs=(runsc mmdebstrap iproute2 nftables python3 python3-venv python3-pip ca-certificates procps
            qemu-system-x86 busybox-static cpio lz4 e2fsprogs zstd xz-utils tmux)
+# --dev: nginx, the front proxy the preview tests start on loopback (tests/security)
+[ $dev -eq 1 ] && need_pkgs+=(nginx)
 missing=()
 for p in "${need_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -25,6 +27,10 @@ if [ ${#missing[@]} -gt 0 ]; then
   echo "==> apt-get install ${missing[*]}"
   apt-get update -q
   DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"
+  if [[ " ${missing[*]} " == *" nginx "* ]] && command -v systemctl >/dev/null \
+     && systemctl is-system-running >/dev/null 2>&1; then
+    systemctl disable --now nginx >/dev/null 2>&1 || true  # tests start their own, by pid
+  fi
 fi
 
 if ! bash scripts/build-runsc.sh; then

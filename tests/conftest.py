@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from cpuosd.testing import Daemon, e2e_unavailable, new_daemon
+from cpuosd.testing import Daemon, busybox_root, busybox_unavailable, e2e_unavailable, new_daemon
 
 
 # the only skips CI accepts: KVM guests where this host's /dev/kvm cannot run them (their
@@ -64,3 +65,13 @@ def sbx(daemon: Daemon) -> Iterator[object]:
     yield s
     s.kill()
     s.close()
+
+
+@pytest.fixture
+def busybox_tree(tmp_path: Path) -> Path:
+    """A tiny root (busybox-static as /bin/sh, its applets, /tmp, /work) for template build
+    steps (real runsc)."""
+    why = busybox_unavailable()
+    if why:
+        pytest.skip(why)
+    return busybox_root(tmp_path)

@@ -26,7 +26,15 @@ from ._errors import (
     Timeout,
     Unavailable,
 )
-from ._models import CommandInfo, ExecResult, FileEvent, FileEntry, SandboxInfo, TemplateInfo
+from ._models import (
+    ApiKeyInfo,
+    CommandInfo,
+    ExecResult,
+    FileEvent,
+    FileEntry,
+    SandboxInfo,
+    TemplateInfo,
+)
 from ._sync.commands import CommandHandle, Commands
 from ._sync.pty import Pty, Terminal
 from ._sync.browser import Browser
@@ -37,6 +45,7 @@ from ._sync.workspace import Workspace
 __version__ = "0.1.0"
 
 __all__ = [
+    "ApiKeyInfo",
     "AsyncBrowser",
     "AsyncCommandHandle",
     "AsyncCommands",

@@ -9,6 +9,11 @@ from typing import Any
 from ._for_model import clip
 
 DEFAULT_MAX_OUTPUT = 16 * 1024 * 1024
+# what a file read accepts by default: read() holds the file in memory; download() and
+# download_dir() write to the client's disk (a sandbox's own disk is 5 GiB by default).
+# max_bytes=None lifts the SDK's bound (the daemon's CPUOS_MAX_READ_BYTES still holds).
+READ_MAX_BYTES = 1 << 30
+DOWNLOAD_MAX_BYTES = 8 << 30
 
 
 class OutputBuffer:
@@ -136,10 +141,41 @@ class SandboxInfo:
     pids: int | None = None
     disk_mib: int | None = None  # the root filesystem's writable layer (ENOSPC past it)
     network: dict[str, Any] | None = None  # the egress policy (mode, allow)
+    # s idle before it is paused (0: never); paused for that: reason "idle", and any call
+    # that needs the machine resumes it
+    idle_timeout: float | None = None
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> SandboxInfo:
         return cls(**{k: d.get(k) for k in cls.__dataclass_fields__})  # type: ignore[arg-type]
+
+
+@dataclass
+class ApiKeyInfo:
+    """An API key of a workspace (``Workspace().keys()``): never the key itself, except in
+    what ``create_key`` returns (``key``, shown that once). ``current``: the key asking."""
+
+    id: str
+    workspace_id: str
+    label: str
+    created_at: float
+    revoked_at: float | None = None
+    current: bool = False
+    key: str | None = None
+
+    @property
+    def revoked(self) -> bool:
+        return self.revoked_at is not None
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ApiKeyInfo:
+        kw = {k: d[k] for k in cls.__dataclass_fields__ if k in d and d[k] is not None}
+        return cls(**kw)
+
+    def __repr__(self) -> str:  # the key, if any, stays out of logs and tracebacks
+        state = "revoked" if self.revoked else "live"
+        mine = ", current" if self.current else ""
+        return f"ApiKeyInfo({self.id}, {self.label!r}, {state}{mine})"
 
 
 @dataclass

@@ -6,11 +6,21 @@ result with ``isError`` set, saying why.
 
 The sandboxes the server made are killed when it ends (``--keep`` leaves them to their
 timeout).
+
+Over HTTP the server acts with the API key it was started with (the admin's by default), so
+every request must carry ``Authorization: Bearer <token>``: a token given to it, or one it
+makes and prints at start. It listens on loopback unless told otherwise, and refuses another
+address unless the token was given (a made-up token printed to a terminal is not meant for
+other hosts), since the token then crosses the network in plain HTTP: put TLS in front.
 """
 
 from __future__ import annotations
 
 import base64
+import hmac
+import ipaddress
+import json
+import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -67,11 +77,69 @@ async def serve_stdio(tools: AsyncTools, *, keep: bool = False) -> None:
         await server.run(read, write, server.create_initialization_options())
 
 
-def serve_http(tools: AsyncTools, *, host: str = "127.0.0.1", port: int = 8765,
+def is_loopback(host: str) -> bool:
+    """A listen address only this machine reaches (``localhost``, 127.0.0.0/8, ``::1``)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def new_token() -> str:
+    return "cpm_" + secrets.token_urlsafe(32)
+
+
+class BearerGuard:
+    """ASGI: a request without ``Authorization: Bearer <token>`` (compared in constant time)
+    is 401 before the MCP app sees it; lifespan events pass."""
+
+    def __init__(self, app: Any, token: str) -> None:
+        if not token:
+            raise ValueError("an empty token")
+        self.app = app
+        self._token = token.encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] in ("http", "websocket") and not self._ok(scope):
+            await _unauthorized(send, scope["type"])
+            return
+        await self.app(scope, receive, send)
+
+    def _ok(self, scope: Any) -> bool:
+        for k, v in scope.get("headers") or ():
+            if k == b"authorization":
+                scheme, _, got = bytes(v).partition(b" ")
+                return scheme.lower() == b"bearer" and hmac.compare_digest(
+                    got.strip(), self._token)
+        return False
+
+
+async def _unauthorized(send: Any, kind: str) -> None:
+    if kind == "websocket":
+        await send({"type": "websocket.close", "code": 1008})
+        return
+    body = json.dumps({"error": {"code": "unauthorized", "message": (
+        "missing or wrong token: send 'Authorization: Bearer <token>' (the token cpuos mcp "
+        "printed at start, or the one given to it)"), "details": {}}}).encode()
+    await send({"type": "http.response.start", "status": 401, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+        (b"www-authenticate", b'Bearer realm="cpuos mcp"')]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def http_app(tools: AsyncTools, token: str, *, host: str = "127.0.0.1",
+             keep: bool = False) -> Any:
+    """The streamable HTTP app at /mcp, behind the bearer token."""
+    server = build_server(tools, keep=keep)
+    return BearerGuard(server.streamable_http_app(host=host), token)
+
+
+def serve_http(tools: AsyncTools, token: str, *, host: str = "127.0.0.1", port: int = 8765,
                keep: bool = False) -> None:
-    """Streamable HTTP at http://HOST:PORT/mcp."""
+    """Streamable HTTP at http://HOST:PORT/mcp; every request needs the token."""
     import uvicorn
 
-    server = build_server(tools, keep=keep)
-    app = server.streamable_http_app(host=host)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    uvicorn.run(http_app(tools, token, host=host, keep=keep), host=host, port=port,
+                log_level="warning")

@@ -5,7 +5,8 @@ symlink anywhere, and may swap one for another at any moment. So nothing here ca
 the agent on one: every open is non-blocking and checked afterwards (reads: regular files
 only; a FIFO or device could block or never end), temporary files are created with
 O_EXCL | O_NOFOLLOW under unpredictable names (O_TMPFILE would be neater; gVisor refuses
-it), directories are walked by fd with O_DIRECTORY | O_NOFOLLOW. The agent acts with the
+it), directories are walked by fd with O_NOFOLLOW and an fstat (``tarx.open_dir``: gVisor
+follows a final symlink when O_DIRECTORY comes with O_NOFOLLOW). The agent acts with the
 sandbox user's uid here (``privs.py``): following a symlink gives nothing the user lacks.
 
 Stdlib only: it runs inside every sandbox."""
@@ -19,6 +20,7 @@ import stat as stat_mod
 from typing import Any
 
 from . import protocol as P
+from .tarx import open_dir
 
 MAX_LIST = 10000
 
@@ -43,7 +45,6 @@ def _errcode(e: OSError) -> str:
 
 
 NONBLOCK_READ = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
-DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 TMP_FLAGS = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_NONBLOCK
              | os.O_NOCTTY | os.O_CLOEXEC)
 
@@ -147,7 +148,7 @@ def _remove(path: str, recursive: bool) -> None:
         os.unlink(path)
         return
     if recursive:
-        fd = os.open(path, DIR_FLAGS)
+        fd = open_dir(path)
         try:
             _empty_dir(fd)
         finally:
@@ -157,14 +158,14 @@ def _remove(path: str, recursive: bool) -> None:
 
 def _empty_dir(dfd: int) -> None:
     """Remove everything in the directory open at dfd, by fd (a directory swapped for a
-    symlink or a FIFO meanwhile fails O_DIRECTORY | O_NOFOLLOW: never followed, never
+    symlink or a FIFO meanwhile fails ``open_dir``: never followed, never
     waited on)."""
     with os.scandir(dfd) as it:
         entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
     for name, is_dir in entries:
         try:
             if is_dir:
-                fd = os.open(name, DIR_FLAGS, dir_fd=dfd)
+                fd = open_dir(name, dfd)
                 try:
                     _empty_dir(fd)
                 finally:

@@ -24,6 +24,7 @@ from typing import Any
 from cpuos_agent import protocol as P
 
 from .errors import ApiError
+from .fdbudget import BUDGET
 
 log = logging.getLogger("cpuosd.agent")
 
@@ -144,6 +145,19 @@ class Stream:
 # at most one logged refusal per channel per this many seconds (code inside a sandbox can
 # knock on its socket in a loop: that must not flood the daemon's log)
 REFUSAL_LOG_INTERVAL = 10.0
+# Before the key is checked (issue 25: code inside a sandbox may connect to its socket):
+# the hello alone is read, a frame of at most HELLO_MAX header bytes and no payload, whole
+# within HELLO_TIMEOUT s, read straight off the socket (nothing buffered beyond it); at most
+# MAX_UNAUTHENTICATED such connections per sandbox at once, and none once the daemon's
+# descriptor budget (cpuosd.fdbudget) is spent. A new connection past the cap closes the
+# oldest one without a hello rather than itself: the agent sends its hello as soon as it
+# has connected, so it is read before the next connection is accepted, and a flood from
+# inside cannot hold the socket against the agent coming back after a restore (it would,
+# if the connections it holds were the ones kept).
+HELLO_MAX = 4096
+HELLO_TIMEOUT = 5.0
+MAX_UNAUTHENTICATED = 2
+BACKLOG = 16
 
 
 class AgentChannel:
@@ -164,33 +178,101 @@ class AgentChannel:
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._connected = asyncio.Event()
-        self._server: asyncio.AbstractServer | None = None
+        self._lsock: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        # connections read for their hello, oldest first
+        self._unauthenticated: dict[asyncio.Task[None], None] = {}
         self._write_lock = asyncio.Lock()
         self.on_disconnect: list[Any] = []
-        self._adopted: set[asyncio.Task[None]] = set()
         self.last_rx = 0.0
         self.liveness = LIVENESS
 
     async def listen(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.sock_path.unlink()
-        self._server = await asyncio.start_unix_server(self._on_connect, path=str(self.sock_path),
-                                                       limit=P.MAX_PAYLOAD * 2)
-        os.chmod(self.sock_path, 0o666)
+        lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            lsock.setblocking(False)
+            lsock.bind(str(self.sock_path))
+            lsock.listen(BACKLOG)
+            os.chmod(self.sock_path, 0o666)
+        except BaseException:
+            lsock.close()
+            raise
+        self._lsock = lsock
+        self._accepting = asyncio.get_running_loop().create_task(self._accept(lsock))
+
+    async def _accept(self, lsock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(lsock)
+            except OSError as e:  # EMFILE and the like: the budget should have kept us off
+                self._refuse(f"accept: {e}")
+                await asyncio.sleep(0.1)
+                continue
+            self._admit(conn)
+            await asyncio.sleep(0)  # the hellos already there are read before the next accept
+
+    def _admit(self, conn: socket.socket) -> None:
+        """A new connection, read for its hello (the oldest one still without one closed if
+        there are MAX_UNAUTHENTICATED); closed at once if the descriptor budget is spent."""
+        if len(self._unauthenticated) >= MAX_UNAUTHENTICATED:
+            oldest = next(iter(self._unauthenticated))
+            del self._unauthenticated[oldest]
+            oldest.cancel()
+            self._refuse(f"over {MAX_UNAUTHENTICATED} connections without a hello: the "
+                         "oldest closed")
+        if not BUDGET.take():
+            conn.close()
+            self._refuse("the daemon's descriptor budget is spent")
+            return
+        conn.setblocking(False)
+        task = asyncio.get_running_loop().create_task(self._hello(conn))
+        self._unauthenticated[task] = None
+        task.add_done_callback(lambda t: self._unauthenticated.pop(t, None))
+
+    async def _hello(self, conn: socket.socket) -> None:
+        """Read and check the hello; on success the connection is the agent's."""
+        loop = asyncio.get_running_loop()
+        me = asyncio.current_task()
+        try:
+            try:
+                async with asyncio.timeout(HELLO_TIMEOUT):
+                    hlen, plen = P.parse_prefix(await _recv_exactly(loop, conn, P.PREFIX_LEN))
+                    if hlen > HELLO_MAX or plen:
+                        raise P.ProtocolError(f"a hello is at most {HELLO_MAX} header bytes "
+                                              f"and no payload (got {hlen}, {plen})")
+                    h = P.parse_header(await _recv_exactly(loop, conn, hlen))
+                self._check_hello(h)
+                if me is not None:  # the agent's now: not to be closed for a newer one
+                    self._unauthenticated.pop(me, None)
+                reader, writer = await asyncio.open_unix_connection(sock=conn,
+                                                                    limit=P.MAX_PAYLOAD * 2)
+            except (TimeoutError, P.ProtocolError, OSError) as e:
+                self._refuse(str(e) or type(e).__name__)
+                conn.close()
+                return
+            except BaseException:
+                conn.close()
+                raise
+            await self._on_connect(reader, writer, h)
+        finally:
+            BUDGET.give()
 
     async def adopt(self, sock: socket.socket) -> None:
         """Take a connection made to our socket before we listened on it (a standby
         microVM's chardev): served as if accepted."""
-        reader, writer = await asyncio.open_unix_connection(sock=sock, limit=P.MAX_PAYLOAD * 2)
-        task = asyncio.get_running_loop().create_task(self._on_connect(reader, writer))
-        self._adopted.add(task)
-        task.add_done_callback(self._adopted.discard)
+        self._admit(sock)
 
     def stop_listening(self) -> None:
         """Close the listening socket and remove it, so the agent cannot (re)connect."""
-        if self._server is not None:
-            self._server.close()
-            self._server = None
+        if self._accepting is not None:
+            self._accepting.cancel()
+            self._accepting = None
+        if self._lsock is not None:
+            self._lsock.close()
+            self._lsock = None
         with contextlib.suppress(FileNotFoundError):
             self.sock_path.unlink()
 
@@ -217,15 +299,9 @@ class AgentChannel:
             raise ApiError("unavailable", f"sandbox agent did not connect within "
                            f"{timeout:.0f}s{why}") from None
 
-    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-                          ) -> None:
-        try:
-            h, _ = await asyncio.wait_for(self._read_frame(reader), 10)
-            self._check_hello(h)
-        except (TimeoutError, P.ProtocolError, asyncio.IncompleteReadError, OSError) as e:
-            self._refuse(str(e) or type(e).__name__)
-            writer.close()
-            return
+    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                          h: P.Header) -> None:
+        """The agent's connection, its hello (``h``) read and checked by ``_hello``."""
         self._drop_connection()  # the agent itself (it has the key) reconnected
         self.generation += 1
         if self.hello is None and h.get("tracking") == "tree-scan":
@@ -375,11 +451,9 @@ class AgentChannel:
             st.close()
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
+        self.stop_listening()
         self._drop_connection()
-        for t in self._adopted:
+        for t in list(self._unauthenticated):
             t.cancel()
         if self._reader_task is not None and self._reader_task is not asyncio.current_task():
             self._reader_task.cancel()
@@ -387,6 +461,18 @@ class AgentChannel:
             self.sock_path.unlink()
 
 
+
+
+async def _recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int
+                        ) -> bytes:
+    """n bytes off a non-blocking socket, read as they come (never more than n)."""
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = await loop.sock_recv(sock, n - len(buf))
+        if not chunk:
+            raise ConnectionError("closed before its hello")
+        buf += chunk
+    return bytes(buf)
 
 
 def raise_for_agent_error(h: P.Header) -> None:

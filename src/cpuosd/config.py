@@ -17,6 +17,18 @@ def _int(name: str, default: int) -> int:
     return int(v) if v else default
 
 
+def _duration_env(name: str, default: float) -> float:
+    """A duration (``"10m"``, seconds; ``0``: none) from the environment."""
+    v = (os.environ.get(name) or "").strip()
+    if not v:
+        return default
+    if v in ("0", "0s", "never"):
+        return 0.0
+    from cpuos_agent.protocol import parse_duration
+
+    return parse_duration(v, name)
+
+
 @dataclass
 class Config:
     home: Path = field(default_factory=lambda: Path(os.environ.get("CPUOS_HOME", DEFAULT_HOME)))
@@ -35,6 +47,13 @@ class Config:
     agent_connect_timeout: float = field(
         default_factory=lambda: float(os.environ.get("CPUOS_AGENT_CONNECT_TIMEOUT") or 15.0))
     reaper_interval: float = 0.5
+    # s without activity before a running sandbox is paused (lifecycle.idle), for sandboxes
+    # that name none in a workspace that sets no default_idle_timeout; 0: never
+    idle_timeout: float = field(default_factory=lambda: _duration_env("CPUOS_IDLE_TIMEOUT",
+                                                                      600.0))
+    # idle sandboxes checkpointed at once (the others found idle wait their turn)
+    idle_pause_parallel: int = field(
+        default_factory=lambda: max(1, _int("CPUOS_IDLE_PAUSE_PARALLEL", 2)))
     default_vcpus: int = 2
     default_memory_mib: int = 2048
     # per-sandbox networking (cpuosd.network): on where nftables is installed, unless 0
@@ -53,8 +72,12 @@ class Config:
                                                                       "kvm"))
     # microVM backend: QEMUs kept spawned and waiting per template image
     microvm_standby: int = field(default_factory=lambda: _int("CPUOS_MICROVM_STANDBY", 1))
-    # Restored sandboxes kept ready per template (0 turns the warm pool off).
+    # Restored sandboxes kept ready per template (0 turns the warm pool off); with recent
+    # demand (creates in the last 10 s) the pool grows up to pool_max, refilled by at most
+    # pool_parallel restores at once, and shrinks back once demand stops.
     pool_size: int = field(default_factory=lambda: _int("CPUOS_POOL_SIZE", 1))
+    pool_max: int = field(default_factory=lambda: _int("CPUOS_POOL_MAX", 8))
+    pool_parallel: int = field(default_factory=lambda: max(1, _int("CPUOS_POOL_PARALLEL", 2)))
     # The templates whose pool is filled at start (comma-separated; e.g. "python,browser":
     # a pooled browser sandbox holds a running chromium); a pool is refilled as it is used.
     pool_templates: list[str] = field(default_factory=lambda: [
@@ -71,6 +94,10 @@ class Config:
         default_factory=lambda: os.environ.get("CPUOS_AUDIT_RUNTIME", "1") != "0")
     # Free space a pause needs beyond the sandbox's memory (its image is at most that big).
     snapshot_margin: int = 64 << 20
+    # bytes one file read or directory tar from a sandbox may carry at most (a client asks
+    # for less with max_bytes=); a file declaring more is refused up front (413 too_large),
+    # a stream passing it is cut with too_large
+    max_read_bytes: int = field(default_factory=lambda: _int("CPUOS_MAX_READ_BYTES", 64 << 30))
 
     @property
     def db_path(self) -> Path:

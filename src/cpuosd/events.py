@@ -44,9 +44,9 @@ class EventBus:
 
 
 # events that are not state transitions (connections, port activity, API commands and file
-# writes, limit hits: the audit trail records them)
+# writes, limit hits, a sandbox found idle before its pause: the audit trail records them)
 NOT_TRANSITIONS = frozenset({"connection", "port", "network", "command", "file_write", "limit",
-                             "oom"})
+                             "oom", "idle"})
 
 
 def log_event(ev: SandboxEvent) -> None:

@@ -1,10 +1,15 @@
 """A fake internet for tests and benchmarks: a network namespace with no route off this
 machine, which a test daemon's uplink leads into (``CPUOS_UPLINK_NETNS``), holding
-- a DNS server (198.51.100.53, dnslib) with the test names below;
+- a DNS server (198.51.100.53, dnslib) with the test names below (A, and AAAA for the IPv6
+  addresses among them, which nothing here listens on);
 - a web server at 198.51.100.10 (HTTP on 80 and 8080, HTTPS on 8443 with a certificate from
   the fake internet's own CA, ``ca_path``; a TCP sink on 443 that records the TLS
-  ClientHello's first bytes), answering ``/redirect`` with a 307 to the metadata
-  address and ``/bytes/<n>`` with n bytes;
+  ClientHello's first bytes; on 2222 a server that speaks first, an SSH-like banner),
+  answering ``/redirect`` with a 307 to the metadata address, ``/bytes/<n>`` with n bytes,
+  ``/gzip-echo``, ``/deflate-echo``, ``/br-echo`` (``-chunked``) with the request's headers
+  compressed whatever the request asked for (br: claimed, not done), ``/upgrade`` with a 101
+  and then every byte back upper-cased, anything else (GET or POST) with the request's
+  headers as JSON;
 - listeners where sandboxes must never get: 10.9.9.9, 169.254.169.254, 100.64.1.1,
   [fd00:ec2::254] (TCP 80, UDP 53), and SMTP on 198.51.100.25 (25, 465, 587, 2525).
 Every listener appends what it saw to ``log_path`` (JSON lines: listener, peer, first bytes),
@@ -27,16 +32,16 @@ WEB = "198.51.100.10"
 DNS = "198.51.100.53"
 SMTP = "198.51.100.25"
 DENIED_LISTENERS = ("10.9.9.9", "169.254.169.254", "100.64.1.1", "fd00:ec2::254")
-NAMES = {  # name -> addresses (rebind.test alternates)
-    "allowed.test": [WEB], "other.test": [WEB], "redirect.test": [WEB],
+NAMES = {  # name -> addresses (rebind.test alternates; an IPv6 one answers AAAA queries)
+    "allowed.test": [WEB, "2606:4700::10"], "other.test": [WEB], "redirect.test": [WEB],
     "evil.test": ["10.9.9.9"], "meta.test": ["169.254.169.254"],
     "169.254.169.254.nip.test": ["169.254.169.254"], "rebind.test": [WEB, "10.9.9.9"],
     "mail.test": [SMTP],
 }
 
 SERVER = r'''
-import json, socket, sys, threading, http.server, socketserver
-from dnslib import DNSRecord, RR, QTYPE, A, RCODE
+import gzip, json, socket, sys, threading, http.server, socketserver, zlib
+from dnslib import DNSRecord, RR, QTYPE, A, AAAA, RCODE
 names = json.loads(sys.argv[2]); log_path = sys.argv[1]; lock = threading.Lock()
 counter = {}
 def log(listener, peer, data=b""):
@@ -62,11 +67,53 @@ def udp_sink(host, port):
         while True:
             data, peer = s.recvfrom(4096); log(f"udp {host}:{port}", peer, data)
     threading.Thread(target=loop, daemon=True).start()
+def banner(host, port):
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, port)); s.listen(64)
+    def loop():
+        while True:
+            c, peer = s.accept(); c.settimeout(2)
+            try:
+                c.sendall(b"SSH-2.0-fake\r\n"); data = c.recv(4096)
+            except OSError: data = b""
+            log(f"{host}:{port}", peer, data); c.close()
+    threading.Thread(target=loop, daemon=True).start()
 class Web(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
-    def do_GET(self):
+    def do_POST(self):
+        n = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(n) if n else b""
+        self.do_GET(body)
+    def do_GET(self, body=b""):
         log(f"{self.server.server_address[0]}:{self.server.server_address[1]}", self.client_address,
-            self.requestline.encode() + b"\n" + bytes(self.headers))
+            self.requestline.encode() + b"\n" + bytes(self.headers) + body)
+        kind = self.path.split("?")[0].strip("/").split("-echo")[0]
+        if self.path.split("?")[0].strip("/").split("-chunked")[0] in (
+                "gzip-echo", "deflate-echo", "br-echo"):
+            plain = json.dumps({"hello": True, "headers": dict(self.headers)}).encode()
+            data = {"gzip": gzip.compress, "deflate": zlib.compress}.get(kind, bytes)(plain)
+            self.send_response(200); self.send_header("Content-Encoding", kind)
+            self.send_header("Content-Type", "application/json")
+            if "-chunked" in self.path:
+                self.send_header("Transfer-Encoding", "chunked"); self.end_headers()
+                for i in range(0, len(data), 7):
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(data[i:i + 7]), data[i:i + 7]))
+                self.wfile.write(b"0\r\n\r\n")
+            else:
+                self.send_header("Content-Length", str(len(data))); self.end_headers()
+                self.wfile.write(data)
+            return
+        if self.path == "/upgrade":
+            self.send_response(101); self.send_header("Upgrade", "echo")
+            self.send_header("Connection", "Upgrade"); self.end_headers(); self.wfile.flush()
+            while True:
+                data = self.rfile.read1(4096)
+                if not data:
+                    break
+                self.wfile.write(data.upper()); self.wfile.flush()
+            self.close_connection = True
+            return
         if self.path == "/redirect":
             self.send_response(307); self.send_header("Location", "http://169.254.169.254/latest/meta-data/")
             self.send_header("Content-Length", "0"); self.end_headers(); return
@@ -92,6 +139,7 @@ ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER); ctx.load_cert_chain(sys.argv[7], 
 tls.socket = ctx.wrap_socket(tls.socket, server_side=True)
 threading.Thread(target=tls.serve_forever, daemon=True).start()
 tcp_sink(sys.argv[3], 443)
+banner(sys.argv[3], 2222)
 for h in json.loads(sys.argv[4]):
     tcp_sink(h, 80); udp_sink(h, 53)
 for p in (25, 465, 587, 2525):
@@ -110,8 +158,13 @@ while True:
     if addrs is None:
         r.header.rcode = RCODE.NXDOMAIN
     elif q.q.qtype == QTYPE.A:
+        v4 = [a for a in addrs if ":" not in a]
         i = counter.get(name, 0); counter[name] = i + 1
-        r.add_answer(RR(name, QTYPE.A, rdata=A(addrs[i % len(addrs)]), ttl=0))
+        r.add_answer(RR(name, QTYPE.A, rdata=A(v4[i % len(v4)]), ttl=0))
+    elif q.q.qtype == QTYPE.AAAA:
+        for a in addrs:
+            if ":" in a:
+                r.add_answer(RR(name, QTYPE.AAAA, rdata=AAAA(a), ttl=0))
     d.sendto(r.pack(), peer)
 '''
 

@@ -13,8 +13,10 @@ def serve(host: str | None = None, port: int | None = None, home: str | None = N
           log_file: str | None = None) -> None:
     import uvicorn
 
-    from . import logs
+    from . import homedir, logs
     from .api.app import create_app
+
+    homedir.private_umask()  # before anything is opened (finding 9: SQLite's side files)
 
     if home:
         os.environ["CPUOS_HOME"] = home
@@ -28,19 +30,16 @@ def serve(host: str | None = None, port: int | None = None, home: str | None = N
               file=sys.stderr)
         raise SystemExit(2)
     logs.setup(path=log_file)  # JSON lines, rate-limited, rotated with CPUOS_LOG_FILE
-    # descriptors: every sandbox's proxied connections, agent channels, runsc pipes
-    import resource
+    # descriptors: the soft limit up to the hard one (root: 65536 at least), half of it kept
+    # in reserve for the daemon itself (cpuosd.fdbudget)
+    from .api.listener import KEEPALIVE, MAX_CONNECTIONS, GuardedHTTP
+    from .fdbudget import raise_nofile
 
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = max(soft, 1 << 20 if hard == resource.RLIM_INFINITY else hard, 65536)
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (want, max(want, hard)
-                                                    if hard != resource.RLIM_INFINITY
-                                                    else hard))
-    except (ValueError, OSError):
-        pass
+    raise_nofile()
     uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning",
-                log_config=None, access_log=False, timeout_graceful_shutdown=5)
+                log_config=None, access_log=False, timeout_graceful_shutdown=5,
+                http=GuardedHTTP, limit_concurrency=MAX_CONNECTIONS + 1,
+                timeout_keep_alive=int(KEEPALIVE))
 
 
 def audit_verify(argv: list[str]) -> int:
@@ -50,8 +49,10 @@ def audit_verify(argv: list[str]) -> int:
     import json
     from pathlib import Path
 
+    from . import homedir
     from .accounting.audit import verify_file
 
+    homedir.private_umask()  # reading WAL databases may create their -shm file
     ap = argparse.ArgumentParser(prog="cpuosd audit verify")
     ap.add_argument("--home", help="state directory (default $CPUOS_HOME or /var/lib/cpuos)")
     ap.add_argument("--json", action="store_true")

@@ -28,6 +28,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from .homedir import CHILD_UMASK
+
 log = logging.getLogger("cpuosd.procs")
 PR_SET_CHILD_SUBREAPER = 36
 OUTPUT_CAP = 16 << 20  # what run() keeps of a child's stdout (runsc list with many sandboxes)
@@ -158,12 +160,15 @@ def _set_result(fut: asyncio.Future[int], code: int) -> None:
 
 def spawn(argv: Sequence[str], *, stdin: Any = subprocess.DEVNULL, stdout: Any = None,
           stderr: Any = None, pass_fds: Sequence[int] = (), new_session: bool = True,
-          env: dict[str, str] | None = None, cwd: str | None = None) -> Child:
+          env: dict[str, str] | None = None, cwd: str | None = None,
+          umask: int = CHILD_UMASK) -> Child:
     """Start argv; the child is ours (registered, by pidfd) before anything can reap it."""
     with LOCK:
+        # children get the usual umask unless told (the daemon's is 077, cpuosd.homedir):
+        # a template build's tree and the microVM jail are read by other users
         popen = subprocess.Popen(list(argv), stdin=stdin, stdout=stdout, stderr=stderr,
                                  pass_fds=tuple(pass_fds), start_new_session=new_session,
-                                 env=env, cwd=cwd, close_fds=True)
+                                 env=env, cwd=cwd, close_fds=True, umask=umask)
         pidfd = os.pidfd_open(popen.pid)  # a zombie until we collect it: still that child
         child = Child(popen.pid, pidfd, argv, popen)
         _owned[popen.pid] = child
@@ -196,7 +201,8 @@ def owned(pid: int) -> Child | None:
 
 
 async def run(argv: Sequence[str], *, timeout: float, log_path: Path | None = None,
-              null_stdio: bool = False, what: str | None = None) -> tuple[int, bytes, bytes]:
+              null_stdio: bool = False, what: str | None = None,
+              umask: int = CHILD_UMASK) -> tuple[int, bytes, bytes]:
     """Run argv to its end: (exit status, stdout, stderr). Output goes to temporary files
     (a detached runsc hands its stdio to the sandbox it starts, so a pipe would never reach
     EOF) or, with log_path, appended to that file (stderr is then its tail). With
@@ -205,17 +211,17 @@ async def run(argv: Sequence[str], *, timeout: float, log_path: Path | None = No
     group is killed and collected, and TimeoutError raised."""
     if null_stdio:
         assert log_path is not None
-        child = spawn(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        child = spawn(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, umask=umask)
         out_f: IO[bytes] | None = None
         err_f: IO[bytes] | None = None
     elif log_path is not None:
         with open(log_path, "ab") as logf:
-            child = spawn(argv, stdout=logf, stderr=logf)
+            child = spawn(argv, stdout=logf, stderr=logf, umask=umask)
         out_f = err_f = None
     else:
         out_f = tempfile.TemporaryFile()
         err_f = tempfile.TemporaryFile()
-        child = spawn(argv, stdout=out_f, stderr=err_f)
+        child = spawn(argv, stdout=out_f, stderr=err_f, umask=umask)
     try:
         try:
             rc = await child.wait(timeout)
@@ -324,7 +330,7 @@ def reap_orphans() -> int:
     return n
 
 
-async def reap_loop(interval: float = 0.5) -> None:
+async def reap_loop(interval: float = 5.0) -> None:
     """Reap adopted orphans now and then (and at once on SIGCHLD where the loop can)."""
     loop = asyncio.get_running_loop()
     wake = asyncio.Event()

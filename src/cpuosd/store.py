@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import secrets
 import sqlite3
 import threading
@@ -16,6 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from . import homedir
 
 MIGRATIONS = [
     """
@@ -70,6 +71,15 @@ MIGRATIONS = [
     CREATE INDEX usage_ws ON usage(workspace_id, start);
     CREATE INDEX usage_open ON usage(sandbox_id, end);
     """,
+    """
+    ALTER TABLE api_keys ADD COLUMN revoked_at REAL;
+    ALTER TABLE workspaces ADD COLUMN deleted_at REAL;
+    """,
+    """
+    ALTER TABLE usage ADD COLUMN reason TEXT;
+    CREATE INDEX sandboxes_state ON sandboxes(state, deadline);
+    CREATE INDEX usage_ws_end ON usage(workspace_id, end);
+    """,
 ]
 # what is kept of one sandbox's connection record (the oldest go first)
 MAX_CONNECTIONS = 10_000
@@ -114,9 +124,15 @@ class SandboxRow:
         return cls(**d)
 
 
+def _workspace_json(r: sqlite3.Row) -> dict[str, Any]:
+    return {"id": r[0], "name": r[1], "created_at": r[2], "limits": json.loads(r[3]),
+            "settings": json.loads(r[4]), "deleted_at": r[5]}
+
+
 class Store:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        homedir.create_private(path)  # 0600 before SQLite: its -wal/-shm get the same
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
         self._lock = threading.RLock()
@@ -124,7 +140,7 @@ class Store:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA foreign_keys=ON")
         self._migrate()
-        os.chmod(path, 0o600)
+        homedir.private_db_files(path)  # (and those an older daemon left 0644)
 
     def close(self) -> None:
         self._db.close()
@@ -150,13 +166,34 @@ class Store:
                    (wid, name, time.time(), json.dumps(limits or {})))
         return wid
 
-    def workspace(self, wid: str) -> dict[str, Any] | None:
-        r = self._exec("SELECT id, name, created_at, limits, settings FROM workspaces "
-                       "WHERE id=?", (wid,)).fetchone()
-        if r is None:
+    def workspace(self, wid: str, *, deleted: bool = False) -> dict[str, Any] | None:
+        """A workspace's record; a deleted one only with ``deleted``."""
+        r = self._exec("SELECT id, name, created_at, limits, settings, deleted_at FROM "
+                       "workspaces WHERE id=?", (wid,)).fetchone()
+        if r is None or (r[5] is not None and not deleted):
             return None
-        return {"id": r[0], "name": r[1], "created_at": r[2], "limits": json.loads(r[3]),
-                "settings": json.loads(r[4])}
+        return _workspace_json(r)
+
+    def list_workspaces(self, *, deleted: bool = False) -> list[dict[str, Any]]:
+        rows = self._exec("SELECT id, name, created_at, limits, settings, deleted_at FROM "
+                          "workspaces" + ("" if deleted else " WHERE deleted_at IS NULL")
+                          + " ORDER BY created_at").fetchall()
+        return [_workspace_json(r) for r in rows]
+
+    def delete_workspace(self, wid: str) -> list[str]:
+        """Mark the workspace deleted and revoke its keys, in one transaction; the ids of
+        the keys revoked. Its rows (sandboxes, usage, audit) are kept."""
+        now = time.time()
+        with self._lock, self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            keys = [r[0] for r in self._db.execute(
+                "SELECT id FROM api_keys WHERE workspace_id=? AND revoked_at IS NULL",
+                (wid,)).fetchall()]
+            self._db.execute("UPDATE api_keys SET revoked_at=? WHERE workspace_id=? AND "
+                             "revoked_at IS NULL", (now, wid))
+            self._db.execute("UPDATE workspaces SET deleted_at=? WHERE id=? AND deleted_at "
+                             "IS NULL", (now, wid))
+        return keys
 
     def set_workspace_settings(self, wid: str, settings: dict[str, Any]) -> None:
         self._exec("UPDATE workspaces SET settings=? WHERE id=?", (json.dumps(settings), wid))
@@ -165,19 +202,70 @@ class Store:
         self._exec("UPDATE workspaces SET limits=? WHERE id=?", (json.dumps(limits), wid))
 
     def workspace_by_name(self, name: str) -> str | None:
-        r = self._exec("SELECT id FROM workspaces WHERE name=?", (name,)).fetchone()
+        """The live workspace of that name (a deleted one's name may be taken again)."""
+        r = self._exec("SELECT id FROM workspaces WHERE name=? AND deleted_at IS NULL "
+                       "ORDER BY created_at LIMIT 1", (name,)).fetchone()
         return r[0] if r else None
 
-    def add_key(self, workspace_id: str, label: str) -> str:
-        key = new_key()
-        self._exec("INSERT INTO api_keys VALUES (?,?,?,?,?)",
-                   ("key-" + secrets.token_hex(6), workspace_id, hash_key(key), label, time.time()))
-        return key
+    def add_key(self, workspace_id: str, label: str, key: str | None = None) -> str:
+        """A new key of the workspace, returned once (``key``: one made by the caller in
+        another format, e.g. the E2B surface's ``e2b_<hex>``)."""
+        made: str = self.new_key(workspace_id, label, key)[1]["key"]
+        return made
+
+    def new_key(self, workspace_id: str, label: str, key: str | None = None
+                ) -> tuple[str, dict[str, Any]]:
+        """A new key of the workspace: (its id, its record with the key itself, which is
+        shown once and stored only hashed)."""
+        key, kid, now = key or new_key(), "key-" + secrets.token_hex(6), time.time()
+        self._exec("INSERT INTO api_keys (id, workspace_id, key_hash, label, created_at) "
+                   "VALUES (?,?,?,?,?)", (kid, workspace_id, hash_key(key), label, now))
+        return kid, {"id": kid, "workspace_id": workspace_id, "label": label,
+                     "created_at": now, "revoked_at": None, "key": key}
 
     def workspace_for_key(self, key: str) -> str | None:
-        r = self._exec("SELECT workspace_id FROM api_keys WHERE key_hash=?",
-                       (hash_key(key),)).fetchone()
-        return r[0] if r else None
+        found = self.key_lookup(key)
+        return found[1] if found else None
+
+    def key_lookup(self, key: str) -> tuple[str, str] | None:
+        """(key id, workspace id) of a key that is not revoked, of a live workspace."""
+        r = self._exec("SELECT k.id, k.workspace_id FROM api_keys k JOIN workspaces w ON "
+                       "w.id=k.workspace_id WHERE k.key_hash=? AND k.revoked_at IS NULL AND "
+                       "w.deleted_at IS NULL", (hash_key(key),)).fetchone()
+        return (r[0], r[1]) if r else None
+
+    def list_keys(self, workspace_id: str) -> list[dict[str, Any]]:
+        """The workspace's keys (never a key or its hash), revoked ones included."""
+        rows = self._exec("SELECT id, workspace_id, label, created_at, revoked_at FROM "
+                          "api_keys WHERE workspace_id=? ORDER BY created_at",
+                          (workspace_id,)).fetchall()
+        return [dict(r) for r in rows]
+
+    def revoke_key(self, workspace_id: str, key_id: str, *, keep_one: bool) -> str:
+        """Revoke one key of the workspace: ``revoked``, ``already`` (it was), ``missing``
+        (no such key there) or ``last`` (``keep_one`` and it is the workspace's last live
+        key: nothing changed). Checked and written in one transaction."""
+        with self._lock, self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            r = self._db.execute("SELECT revoked_at FROM api_keys WHERE id=? AND "
+                                 "workspace_id=?", (key_id, workspace_id)).fetchone()
+            if r is None:
+                return "missing"
+            if r[0] is not None:
+                return "already"
+            if keep_one:
+                live = self._db.execute("SELECT COUNT(*) FROM api_keys WHERE workspace_id=? "
+                                        "AND revoked_at IS NULL", (workspace_id,)).fetchone()
+                if live[0] <= 1:
+                    return "last"
+            self._db.execute("UPDATE api_keys SET revoked_at=? WHERE id=?",
+                             (time.time(), key_id))
+        return "revoked"
+
+    def key_record(self, key_id: str) -> dict[str, Any] | None:
+        r = self._exec("SELECT id, workspace_id, label, created_at, revoked_at FROM api_keys "
+                       "WHERE id=?", (key_id,)).fetchone()
+        return dict(r) if r else None
 
     # ---- sandboxes ------------------------------------------------------------------
     def insert_sandbox(self, row: SandboxRow) -> None:
@@ -209,6 +297,20 @@ class Store:
             args.extend(states)
         sql += " ORDER BY created_at"
         return [SandboxRow.from_row(r) for r in self._exec(sql, tuple(args)).fetchall()]
+
+    def sandbox_totals(self, workspace_id: str | None, states: tuple[str, ...]
+                       ) -> tuple[int, int, int]:
+        """(how many, their vCPUs, their memory MiB) of the sandboxes in these states (of
+        one workspace, or all): summed by SQLite from the (workspace, state) index."""
+        sql = ("SELECT COUNT(*), COALESCE(SUM(json_extract(spec, '$.vcpus')), 0), "
+               "COALESCE(SUM(json_extract(spec, '$.memory_mib')), 0) FROM sandboxes "
+               f"WHERE state IN ({','.join('?' * len(states))})")
+        args: list[Any] = list(states)
+        if workspace_id is not None:
+            sql += " AND workspace_id=?"
+            args.append(workspace_id)
+        n, v, m = self._exec(sql, tuple(args)).fetchone()
+        return int(n), int(v), int(m)
 
     def expired(self, now: float) -> list[tuple[str, str]]:
         rows = self._exec("SELECT id, on_timeout FROM sandboxes WHERE state='running' "

@@ -8,6 +8,7 @@ run under .cache/test-artifacts/.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import fcntl
 import os
@@ -20,11 +21,13 @@ import tempfile
 import zlib
 import time
 from pathlib import Path
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TypedDict
 
 import httpx
 
+from cpuosd.accounting.quotas import HostUse
 from cpuosd.backends.base import Capabilities, SandboxSpec
 from cpuosd.backends.runsc import RunscUnavailable, find_runsc
 from cpuosd.config import Config
@@ -97,6 +100,25 @@ def _claim_net_slot(start: int) -> tuple[int, int]:
     raise RuntimeError("no free network slot for a test daemon")
 
 
+def net_env_of(k: int) -> dict[str, str]:
+    """The network environment (names, addresses, NFLOG group) of network slot ``k``."""
+    return {"CPUOS_NET_ID": f"t{k:03x}"[-4:], "CPUOS_DEFAULT_NETWORK": "off",
+            "CPUOS_NET_POOL": f"10.{100 + k // 64}.{(k % 64) * 4}.0/22",
+            "CPUOS_NETNS_POOL": "1", "CPUOS_NFLOG_GROUP": str(1000 + k),
+            "CPUOS_PREVIEW_PORT": "0"}
+
+
+@contextmanager
+def net_slot_env() -> Iterator[dict[str, str]]:
+    """A network slot of the test's own (for a cpuosd.network.Network made in the test
+    process), held until the block ends."""
+    k, fd = _claim_net_slot(os.getpid() % NET_SLOTS)
+    try:
+        yield net_env_of(k)
+    finally:
+        os.close(fd)
+
+
 class Daemon:
     """One cpuosd process, restartable (SIGKILL and start again on the same home)."""
 
@@ -115,7 +137,8 @@ class Daemon:
                **self.net_env, **self.extra_env}
         env.pop("CPUOS_API_KEY", None)
         env.pop("CPUOS_API_URL", None)
-        with open(self.log, "ab") as logf:
+        # (0600: $CPUOS_HOME holds nothing other users may read, cpuosd.homedir)
+        with open(self.log, "ab", opener=lambda p, f: os.open(p, f, 0o600)) as logf:
             self.proc = subprocess.Popen([sys.executable, "-m", "cpuosd.main"], env=env,
                                          stdout=logf, stderr=logf, start_new_session=True)
         deadline = time.time() + 30
@@ -135,11 +158,7 @@ class Daemon:
         """Each test daemon owns its network names and addresses (daemons share the host),
         and its sandboxes have no way out unless a test gives them one (its own fake
         internet, CPUOS_UPLINK_NETNS): the network safety rule."""
-        k = self.net_slot
-        return {"CPUOS_NET_ID": f"t{k:03x}"[-4:], "CPUOS_DEFAULT_NETWORK": "off",
-                "CPUOS_NET_POOL": f"10.{100 + k // 64}.{(k % 64) * 4}.0/22",
-                "CPUOS_NETNS_POOL": "1", "CPUOS_NFLOG_GROUP": str(1000 + k),
-                "CPUOS_PREVIEW_PORT": "0"}
+        return net_env_of(self.net_slot)
 
     def network_leftovers(self) -> list[str]:
         """This daemon's namespaces, interfaces and nftables table still on the host."""
@@ -303,11 +322,31 @@ class FakeBackend:
     def memory_usage(self, sandbox_id: str) -> int | None:
         return None
 
+    def cpu_seconds(self, sandbox_id: str) -> float | None:
+        return None
+
     def stats(self, sandbox_id: str) -> dict[str, int | float]:
         return {}
 
     async def close(self) -> None:
         pass
+
+
+class FakeHost:
+    """Stands in for the host's measurement (cpuosd.accounting.quotas.Measure: what
+    HostMeter.measure answers) in tests of admission and the warm pool: a roomy host unless
+    a test ``set``s otherwise."""
+
+    def __init__(self) -> None:
+        self.use = HostUse(memory_total_mib=24000, memory_available_mib=20000, sandbox_mib=40,
+                           sandboxes=0, cpu_cores=2.0, cpu_used_cores=0.0,
+                           disk_free_mib=50000)
+
+    def __call__(self) -> HostUse:
+        return self.use
+
+    def set(self, **kw: float) -> None:
+        self.use = dataclasses.replace(self.use, **kw)  # type: ignore[arg-type]
 
 
 def new_daemon(**env: str) -> Daemon:
@@ -358,3 +397,49 @@ def png_size_and_colours(data: bytes) -> tuple[int, int, set[tuple[int, ...]]]:
         colours.update(tuple(line[i:i + 3]) for i in range(0, stride, bpp))
         prev = line
     return w, h, colours
+
+
+BUSYBOX = Path("/usr/bin/busybox")
+BUSYBOX_APPLETS = ("true", "false", "echo", "cat", "ls", "mkdir", "test", "pwd", "id", "ln",
+                   "rm", "mknod", "mount", "nc", "kill", "sleep", "touch", "chown", "stat",
+                   "grep", "wc", "chmod", "ps", "cp")
+
+
+def busybox_unavailable() -> str | None:
+    """Why a tiny busybox root cannot be made here (template step tests), or None."""
+    if os.geteuid() != 0:
+        return "needs root (runsc)"
+    try:
+        find_runsc()
+    except RunscUnavailable as e:
+        return f"no runsc: {e}"
+    if not BUSYBOX.exists():
+        return "needs busybox-static (apt-get install busybox-static)"
+    r = subprocess.run(["ldd", str(BUSYBOX)], capture_output=True, text=True)
+    if "not a dynamic executable" not in r.stdout + r.stderr:
+        return f"{BUSYBOX} is not static (apt-get install busybox-static)"
+    return None
+
+
+def busybox_root(parent: Path) -> Path:
+    """``parent/root``: busybox-static as /bin/sh with its applets, /tmp and /work."""
+    r = parent / "root"
+    (r / "bin").mkdir(parents=True)
+    shutil.copy2(BUSYBOX, r / "bin" / "sh")
+    for name in BUSYBOX_APPLETS:
+        (r / "bin" / name).symlink_to("sh")
+    (r / "tmp").mkdir()
+    os.chmod(r / "tmp", 0o1777)
+    (r / "work").mkdir()  # the base steps make it in a real build
+    return r
+
+
+def build_steps_left(root: Path) -> list[str]:
+    """What template build steps over ``root`` left: mounts, runsc state directories next to
+    it, processes naming its directory."""
+    left = [f"mount {m}" for m in mounts_under(root)]
+    left += [f"state {p.name}" for p in root.parent.iterdir() if p.name.startswith(".steps-")]
+    ps = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    left += [f"process {line.strip()}" for line in ps.splitlines()
+             if str(root.parent) in line and "ps -ww" not in line]
+    return left

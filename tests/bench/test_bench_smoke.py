@@ -94,6 +94,11 @@ CASES = {
                                                  "pytest", "compute", "syscalls")
                         for what in ("cpuos audit on vs raw runsc", "audit on vs off")]
                    + ["inside: repo files / tests / wheels"]),
+    "e2b_sdk": Case("e2b", "e2b", "18. E2B SDK on cpuos",
+                ["ours_run_s", "floor_exec_login_s", "floor_exec_s", "ours_create_s",
+                 "ours_create_run_s", "floor_create_s", "floor_create_exec_s"],
+                ["e2b commands.run('true') round trip, p50",
+                 "e2b create → first command, p50"]),
 }
 # (sample lists, the key of their N) of the network case's parts
 NETWORK = {"download": (["ours_on_MBps", "ours_allow_MBps", "floor_MBps"], "runs"),
@@ -133,7 +138,7 @@ def check_figures(module: str, data: dict[str, Any]) -> None:
     figures say about the sandboxes holds (a heap is in the images that should hold it)."""
     for k in CASES[module].samples:
         n = data["peer_n"] if k.startswith("peer_") else data["n_create"] if (
-            module == "run_code" and "create" in k) else data["runs"] if (
+            module in ("run_code", "e2b_sdk") and "create" in k) else data["runs"] if (
             module == "interactive" and "MBps" in k) else data.get("n", data.get("runs"))
         assert len(data[k]) == n and all(x > 0 for x in data[k]), (k, data[k])
     if module == "snap_create":

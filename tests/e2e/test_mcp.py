@@ -66,11 +66,16 @@ def test_mcp_over_stdio_runs_code_with_an_image(daemon: Daemon) -> None:
     assert all(s.id != sid for s in Sandbox.list(**kw))
 
 
-def test_mcp_over_streamable_http(daemon: Daemon) -> None:
+def test_mcp_over_streamable_http_needs_its_token(daemon: Daemon) -> None:
+    """Over HTTP the server acts with its API key (the admin's here) for whoever reaches it:
+    without the token it printed at start (or with a wrong one) the real MCP client gets 401
+    and nothing runs; with it, the tools work."""
     import socket
     import subprocess
 
+    import httpx
     from mcp.client.streamable_http import streamable_http_client
+    from mcp.shared._httpx_utils import create_mcp_http_client
 
     from cpuosd.testing import wait_until
 
@@ -83,6 +88,7 @@ def test_mcp_over_streamable_http(daemon: Daemon) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "cpuos.cli.main", "mcp", "--http",
                              "--port", str(port), "--timeout", "5m"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}/mcp"
     got: dict[str, object] = {}
     before = {x.id for x in Sandbox.list(**kw)}
 
@@ -91,9 +97,11 @@ def test_mcp_over_streamable_http(daemon: Daemon) -> None:
         with socket.socket() as c:
             return c.connect_ex(("127.0.0.1", port)) == 0
 
-    async def session() -> None:
+    async def session(token: str | None) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else None
         with anyio.fail_after(240):
-            async with streamable_http_client(f"http://127.0.0.1:{port}/mcp") as (read, write), \
+            async with create_mcp_http_client(headers=headers) as client, \
+                    streamable_http_client(url, http_client=client) as (read, write), \
                     ClientSession(read, write) as s:
                 await s.initialize()
                 got["tools"] = {t.name for t in (await s.list_tools()).tools}
@@ -101,8 +109,27 @@ def test_mcp_over_streamable_http(daemon: Daemon) -> None:
                 got["exec"] = json.loads(r.content[0].text)  # type: ignore[union-attr]
 
     try:
+        assert proc.stderr is not None
+        first = proc.stderr.readline().decode()  # printed before it listens
+        assert f"http://127.0.0.1:{port}/mcp" in first, first
+        token = first.split("Bearer ", 1)[1].strip().rstrip("'")
+        assert token.startswith("cpm_") and len(token) > 40
         wait_until(listening, "the MCP server listens", timeout=60)
-        anyio.run(session)
+        init = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-06-18", "capabilities": {},
+            "clientInfo": {"name": "t", "version": "0"}}}
+        hdrs = {"Accept": "application/json, text/event-stream"}
+        for auth in (None, "Bearer nope", f"Bearer {token}x", f"Basic {token}", token):
+            h = {**hdrs, **({"Authorization": auth} if auth else {})}
+            r = httpx.post(url, json=init, headers=h, timeout=30)
+            assert r.status_code == 401, (auth, r.status_code, r.text)
+            assert r.json()["error"]["code"] == "unauthorized"
+        for bad in (None, "wrong"):  # the real client: its initialize fails
+            with pytest.raises(BaseException) as e:
+                anyio.run(session, bad)
+            assert "error response" in repr(e.value), repr(e.value)
+        assert "tools" not in got
+        anyio.run(session, token)
     finally:
         proc.terminate()
         proc.wait(60)
@@ -110,3 +137,13 @@ def test_mcp_over_streamable_http(daemon: Daemon) -> None:
     assert got["exec"] == {"exit_code": 0, "stdout": "over-http\n", "stderr": "", "images": 0}
     # the server made a sandbox on first use, and killed it when it was stopped
     assert {x.id for x in Sandbox.list(**kw)} - before == set()
+
+
+def test_mcp_http_refuses_a_public_address_without_a_token() -> None:
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-m", "cpuos.cli.main", "mcp", "--http", "--host",
+                        "0.0.0.0", "--port", "1"], capture_output=True, text=True, timeout=120,
+                       env={"PATH": "/usr/bin:/bin", "CPUOS_API_KEY": "k"})
+    assert r.returncode == 2
+    assert "needs --token" in r.stderr and "\n" not in r.stderr.strip()

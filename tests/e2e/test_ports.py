@@ -94,6 +94,8 @@ def get(url: str, **kw: Any) -> httpx.Response:
 
 
 def test_token_path_and_host_forms(pd: Daemon, web: Sandbox) -> None:
+    """Issue 25: the path form (programs) takes the token per request and sets no cookie;
+    a browser is served the host form, its own origin per sandbox and port."""
     p = expose(pd, web.id, 3000)
     url, token = p["url"], p["token"]
     assert url.endswith(f"/sandboxes/{web.id}/ports/3000/")
@@ -105,28 +107,35 @@ def test_token_path_and_host_forms(pd: Daemon, web: Sandbox) -> None:
     r = get(url + "headers", headers={"X-Cpuos-Token": "nope"})
     assert r.status_code == 403 and r.json()["error"]["code"] == "permission_denied"
     assert get(url + "headers?cpuos_token=nope").status_code == 403
-    # the token once in the query: a redirect that sets a cookie for this path
+    # the token in the query (a program): served as it is, without the token
     r = get(url + "headers?cpuos_token=" + token + "&x=1")
-    assert r.status_code == 303 and r.headers["location"].endswith("/headers?x=1")
-    assert token in r.headers["set-cookie"] and "HttpOnly" in r.headers["set-cookie"]
-    with httpx.Client(timeout=30, follow_redirects=True) as c:
-        r = c.get(url + "headers?cpuos_token=" + token)
-        assert r.status_code == 200, r.text
-        seen = r.json()
-        assert seen["path"] == "/headers"
-        assert c.get(url + "headers").status_code == 200  # the cookie from now on
+    assert r.status_code == 200 and r.json()["path"] == "/headers?x=1"
+    assert "set-cookie" not in r.headers
+    # a browser is sent to the sandbox's own origin (the host form), which sets the cookie
+    r = get(url + "headers?cpuos_token=" + token + "&x=1",
+            headers={"Sec-Fetch-Mode": "navigate"})
+    assert r.status_code == 303
+    assert r.headers["location"].startswith(f"//3000-{web.id}.localhost:")
+    assert "set-cookie" not in r.headers
     # the caller's Authorization, the token header and the cookie never reach the sandbox
     r = get(url + "headers", headers={**tok, "Authorization": "Bearer caller-secret",
                                       "Cookie": f"cpuos_token_3000={token}; mine=1"})
     h = {k.lower(): v for k, v in r.json()["headers"].items()}
     assert "authorization" not in h and "x-cpuos-token" not in h
     assert h.get("cookie") == "mine=1" and token not in json.dumps(h)
-    # host form: <port>-<id>.localhost
+    # host form: <port>-<id>.localhost; a browser's token becomes a cookie of that host
     hu = urlsplit(p["host_url"])
     assert hu.hostname == f"3000-{web.id}.localhost"
-    r = get(f"http://127.0.0.1:{hu.port}/headers",
-            headers={"Host": f"{hu.hostname}:{hu.port}", **tok})
+    host = {"Host": f"{hu.hostname}:{hu.port}"}
+    r = get(f"http://127.0.0.1:{hu.port}/headers", headers={**host, **tok})
     assert r.status_code == 200 and r.json()["path"] == "/headers"
+    r = get(f"http://127.0.0.1:{hu.port}/headers?cpuos_token={token}&x=1",
+            headers={**host, "Upgrade-Insecure-Requests": "1"})
+    assert r.status_code == 303 and r.headers["location"] == "/headers?x=1"
+    assert token in r.headers["set-cookie"] and "HttpOnly" in r.headers["set-cookie"]
+    r = get(f"http://127.0.0.1:{hu.port}/headers",
+            headers={**host, "Cookie": f"cpuos_token_3000={token}"})
+    assert r.status_code == 200, r.text
     # streaming passes through as it comes
     with httpx.stream("GET", url + "stream", headers=tok, timeout=30) as s:
         chunks = [c for c in s.iter_text() if c]
@@ -156,6 +165,9 @@ def test_public_port_and_websocket(pd: Daemon, web: Sandbox) -> None:
             assert b, head
             head += b
         assert head.startswith(b"HTTP/1.0 101") or head.startswith(b"HTTP/1.1 101"), head
+        lower = head.lower()  # what a WebSocket client checks (Playwright's does)
+        assert b"\r\nupgrade: websocket\r\n" in lower and b"\r\nconnection: upgrade" in lower
+        assert b"sec-websocket-accept: " in lower, head
         s.sendall(b"ping-through-the-proxy")
         got = head.split(b"\r\n\r\n", 1)[1]
         while len(got) < len(b"ping-through-the-proxy"):

@@ -8,9 +8,13 @@ these tests leaves the namespaces they made (the network safety rule).
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import gzip
 import hashlib
 import json
 import subprocess
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -431,3 +435,310 @@ def test_workspace_default_policy(netd: Daemon) -> None:
         assert r.json()["network"]["mode"] == "off"
         for s in (sid, r.json()["id"]):
             u.delete(f"/sandboxes/{s}")
+
+
+# -- issue 25, finding 4: the egress path, attacked from inside real sandboxes ------------
+
+V6 = ("import errno, socket\n"
+      "for host, port in (('2001:db8::1', 80), ('2606:4700::1', 8080), ('fd00:ec2::254', 80)):\n"
+      "    try: socket.create_connection((host, port), timeout=10)\n"
+      "    except OSError as e: print(host, errno.errorcode.get(e.errno, e))\n"
+      "s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)\n"
+      "s.sendto(b'hello', ('2606:4700::1', 123))\n")
+
+
+def test_ipv6_attempts_are_refused_at_once_and_recorded(netd: Daemon, inet: FakeInternet
+                                                        ) -> None:
+    """A sandbox has an IPv6 address and route on its veth only so that an attempt leaves
+    its stack: the firewall refuses it (a reset for TCP) and records it. Before, gVisor's
+    netstack failed it inside (ENETUNREACH, no route) and nothing was recorded."""
+    s = create(netd, "on")
+    try:
+        r = s.exec(["python3", "-c", V6])
+        assert r.stdout.split() == ["2001:db8::1", "ECONNREFUSED", "2606:4700::1",
+                                    "ECONNREFUSED", "fd00:ec2::254", "ECONNREFUSED"], r
+        # a name gives no IPv6 address (the resolver drops AAAA answers)
+        assert ":" not in s.exec("getent ahosts allowed.test").stdout
+        denied_listeners_untouched(inet)
+
+        def recorded() -> bool:
+            got = {(r["proto"], r.get("dst"), r.get("port")) for r in records(netd, s.id)
+                   if r["verdict"] == "denied" and r.get("rule") == "IPv6 is not routed"}
+            return {("tcp", "2001:db8::1", 80), ("tcp", "2606:4700::1", 8080),
+                    ("tcp", "fd00:ec2::254", 80), ("udp", "2606:4700::1", 123)} <= got
+        wait_until(recorded, "every IPv6 attempt recorded", 30)
+    finally:
+        s.kill()
+
+
+# inside a sandbox: each case on a connection of its own to WEB:80 (the proxy takes every
+# TCP connection; allowlist names the host from the first request or a CONNECT); prints
+# {"case", "got": what came back} per case. argv: the cases to run (all when none)
+ATTACKS = r'''
+import json, socket, sys
+T = b"CONNECT allowed.test:80 HTTP/1.1\r\nHost: allowed.test:80\r\n\r\n"
+def get(path, host=b"allowed.test", extra=b"", version=b"1.1"):
+    return b"GET " + path + b" HTTP/" + version + b"\r\nHost: " + host + b"\r\n" + extra + b"\r\n"
+UPGRADE = b"Upgrade: websocket\r\nConnection: Upgrade\r\n"
+CASES = {
+    # (a) plaintext HTTP inside a CONNECT tunnel is checked like any other
+    "tunnel-other-host": (T, get(b"/a1", b"other.test")),
+    "tunnel-ok": (T, get(b"/a2", extra=b"Connection: close\r\n")),
+    "tunnel-http10-no-host": (T, b"GET /a3 HTTP/1.0\r\n\r\n"),
+    "tunnel-not-http": (T, b"SSH-2.0-OpenSSH_9.2\r\n\r\n"),
+    # (b) Upgrade answered 200: the next request is still checked; a real 101 switches
+    "upgrade-200": (b"", get(b"/a4", extra=UPGRADE) + get(b"/a4x", b"other.test")),
+    "upgrade-101": (b"", b"GET /upgrade HTTP/1.1\r\nHost: allowed.test\r\nUpgrade: echo\r\n"
+                         b"Connection: Upgrade\r\n\r\nraw bytes after the switch"),
+    # smuggling and spelling
+    "cl-te": (b"", b"POST /a5 HTTP/1.1\r\nHost: allowed.test\r\nContent-Length: 45\r\n"
+                   b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n" + get(b"/a5x", b"other.test")),
+    "absolute-form": (b"", b"GET http://other.test/a6 HTTP/1.1\r\nHost: allowed.test\r\n\r\n"),
+    "userinfo": (b"", get(b"/a7") + get(b"/a7x", b"allowed.test@other.test")),
+    "port": (b"", get(b"/a8", b"allowed.test:8080")),
+    "case-space-dot": (b"", b"GET /a9 HTTP/1.1\r\nHost:   ALLOWED.TEST.  \r\n"
+                            b"Connection: close\r\n\r\n"),
+    "two-hosts": (b"", b"GET /a10 HTTP/1.1\r\nHost: allowed.test\r\nHost: other.test\r\n\r\n"),
+    "long-header": (b"", get(b"/a11") + get(b"/a11x", extra=b"X: " + b"a" * 100000 + b"\r\n")),
+    "http2": (b"", get(b"/a12", version=b"2.0")),
+    "inner-connect": (b"", get(b"/a13") + b"CONNECT other.test:443 HTTP/1.1\r\n"
+                                          b"Host: other.test:443\r\n\r\n"),
+}
+for name in sys.argv[1:] or list(CASES):
+    pre, payload = CASES[name]
+    c = socket.create_connection(("198.51.100.10", 80), timeout=20)
+    got = b""
+    try:
+        if pre:
+            c.sendall(pre)
+            got += c.recv(200)
+        c.sendall(payload)
+        while b"RAW BYTES" not in got:
+            b = c.recv(65536)
+            if not b:
+                break
+            got += b
+    except OSError as e:
+        got += (" [%s]" % type(e).__name__).encode()
+    c.close()
+    print(json.dumps({"case": name, "got": got.decode("latin-1")}), flush=True)
+'''
+PROXY_403 = "HTTP/1.1 403 \r\n"
+PROXY_400 = "HTTP/1.1 400 \r\n"
+TUNNEL_OK = "HTTP/1.1 200 Connection established\r\n\r\n"
+# case -> (what the sandbox gets back, starting with; paths the server must see; paths it
+# must never see; the rule of the connection's record, None: allowed)
+EXPECT: dict[str, tuple[str, list[str], list[str], str | None]] = {
+    "tunnel-other-host": (TUNNEL_OK + PROXY_403, [], ["/a1"],
+                          "a request for 'other.test' on a connection to 'allowed.test'"),
+    "tunnel-ok": (TUNNEL_OK + "HTTP/1.1 200 OK", ["/a2"], [], None),
+    "tunnel-http10-no-host": (TUNNEL_OK + "HTTP/1.1 200 OK", ["/a3"], [], None),
+    "tunnel-not-http": (TUNNEL_OK + PROXY_400, [], [], "not HTTP/1.x the proxy can follow"),
+    "upgrade-200": ("HTTP/1.1 200 OK", ["/a4"], ["/a4x"],
+                    "a request for 'other.test' on a connection to 'allowed.test'"),
+    "upgrade-101": ("HTTP/1.1 101 ", ["/upgrade"], [], None),
+    "cl-te": (PROXY_403, [], ["/a5", "/a5x"],
+              "a request with both Content-Length and Transfer-Encoding"),
+    "absolute-form": (PROXY_403, [], ["/a6"],
+                      "a request for 'other.test' on a connection to 'allowed.test'"),
+    "userinfo": ("HTTP/1.1 200 OK", ["/a7"], ["/a7x"],
+                 "Host 'allowed.test@other.test' is not host[:port]"),
+    "port": (PROXY_403, [], ["/a8"], "a request for port 8080 on a connection to port 80"),
+    "case-space-dot": ("HTTP/1.1 200 OK", ["/a9"], [], None),
+    "two-hosts": (PROXY_400, [], ["/a10"], "Found multiple Host"),
+    "long-header": ("HTTP/1.1 200 OK", ["/a11"], ["/a11x"], "a request head over 64 KiB"),
+    "http2": (PROXY_403, [], ["/a12"], "HTTP/2.0 is not HTTP/1.x"),
+    "inner-connect": ("HTTP/1.1 200 OK", ["/a13"], ["other.test:443"],
+                      "a request for 'other.test' on a connection to 'allowed.test'"),
+}
+
+
+def test_allowlist_checks_every_request_on_a_connection(netd: Daemon, inet: FakeInternet
+                                                        ) -> None:
+    """Host checks everywhere (also inside CONNECT tunnels and after an Upgrade answered
+    200), request smuggling and Host spellings; each attack's record says what happened."""
+    s = create(netd, {"allow": ["allowed.test"]})
+    try:
+        n = len(inet.seen())
+        s.files.write("/tmp/attacks.py", ATTACKS)
+        r = s.exec(["python3", "/tmp/attacks.py"], timeout="5m")
+        got = {d["case"]: d["got"] for d in map(json.loads, r.stdout.splitlines())}
+        assert set(got) == set(EXPECT), r.stderr
+        web = [e["data"] for e in inet.seen()[n:] if e["listener"] == f"{WEB}:80"]
+        targets = [d.split("\n", 1)[0].split(" ")[1] for d in web]
+        for case, (reply, seen, never, _) in EXPECT.items():
+            assert got[case].startswith(reply), (case, got[case][:400])
+            for path in seen:
+                assert path in targets, (case, path, targets)
+            for path in never:
+                assert path not in targets, (case, path, targets)
+        assert not any("other.test" in d for d in web), web
+        # the server sees the approved name only, spelled as the proxy approved it
+        assert all("Host: allowed.test\n" in d for d in web), web
+        assert "RAW BYTES AFTER THE SWITCH" in got["upgrade-101"]
+        recs = [r for r in records(netd, s.id) if r["proto"] == "tcp"]
+        assert len(recs) == len(EXPECT) and all(r.get("name") == "allowed.test" for r in recs)
+        for case, (_, _, _, rule) in EXPECT.items():
+            if rule is not None:  # (d) a connection cut is recorded as denied, with why
+                assert any(r["verdict"] == "denied" and rule in r.get("rule", "")
+                           for r in recs), (case, rule, recs)
+        allowed = [r for r in recs if r["verdict"] == "allowed"]
+        assert len(allowed) == sum(1 for e in EXPECT.values() if e[3] is None), recs
+    finally:
+        s.kill()
+
+
+SILENT = r'''
+import socket, sys
+for pre in (b"", b"CONNECT allowed.test:2222 HTTP/1.1\r\nHost: allowed.test:2222\r\n\r\n"):
+    c = socket.create_connection(("allowed.test", 2222 if not pre else 80), timeout=30)
+    c.sendall(pre)
+    got = b""
+    try:
+        while True:
+            b = c.recv(200)
+            if not b:
+                break
+            got += b
+    except OSError as e:
+        got += b" " + type(e).__name__.encode()
+    print(got)
+c = socket.create_connection(("198.51.100.10", 80), timeout=10)
+c.sendall(b"CONNECT allowed.test:443 HTTP/1.1\r\nHost: allowed.test:443\r\n\r\n")
+print(c.recv(200))
+import ssl
+try: ssl.create_default_context().wrap_socket(c, server_hostname="x.test")
+except OSError as e: print(type(e).__name__)
+def hello(name):
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = name is not None
+    inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
+    try: ctx.wrap_bio(inc, out, server_hostname=name).do_handshake()
+    except ssl.SSLWantReadError: pass
+    return out.read()[5:]
+def record(b):
+    return b"\x16\x03\x01" + len(b).to_bytes(2, "big") + b
+# a ClientHello for allowed.test.x in two records, the first ending after "allowed.test";
+# then one with no server name, in a tunnel
+hs = hello("allowed.test.x")
+cut = hs.index(b"allowed.test") + len(b"allowed.test")
+for pre, first in ((b"", record(hs[:cut]) + record(hs[cut:])),
+                   (b"CONNECT allowed.test:443 HTTP/1.1\r\n\r\n", record(hello(None)))):
+    c = socket.create_connection(("198.51.100.10", 443 if not pre else 80), timeout=10)
+    if pre:
+        c.sendall(pre); c.recv(200)
+    c.sendall(first)
+    try: print(c.recv(200))
+    except OSError as e: print(type(e).__name__)
+'''
+
+
+def test_allowlist_refuses_silent_clients_and_checks_tls_before_connecting(
+        netd: Daemon, inet: FakeInternet) -> None:
+    """(f) a protocol whose server speaks first (an SSH-like banner on WEB:2222) is refused
+    on the first-byte wait, directly and inside a tunnel, and the server never hears of it;
+    (g) a tunnel whose TLS names another host is refused before a connection is made; a
+    ClientHello split over records is read whole; a tunnel's TLS must name its host."""
+    s = create(netd, {"allow": ["allowed.test"]})
+    try:
+        n = len(inet.seen())
+        r = s.exec(["python3", "-c", SILENT], timeout="2m")
+        lines = r.stdout.splitlines()
+        assert "ConnectionResetError" in lines[0] and "SSH" not in lines[0], r
+        assert "200 Connection established" in lines[1] and "SSH" not in lines[1], r
+        assert "ConnectionResetError" in lines[1], r
+        assert "200 Connection established" in lines[2], r
+        seen = [e for e in inet.seen()[n:] if e["listener"] in (f"{WEB}:2222", f"{WEB}:443")]
+        assert not seen, seen  # no connection to the banner, none to 443 for x.test
+        recs = [r for r in records(netd, s.id) if r["proto"] == "tcp"]
+        rules = [r.get("rule", "") for r in recs if r["verdict"] == "denied"]
+        assert any(x.startswith("allowlist: nothing sent within 2 s") for x in rules), recs
+        assert any(x.startswith("allowlist: nothing sent in the tunnel to 'allowed.test' "
+                                "within 2 s") for x in rules), recs
+        assert "allowlist: TLS SNI 'x.test' in a tunnel to 'allowed.test'" in rules, recs
+        # a name split over two TLS records is read whole (it was read as allowed.test)
+        assert any(r.get("name") == "allowed.test.x" and r["verdict"] == "denied"
+                   and r.get("rule") == "not in the allowlist" for r in recs), recs
+        assert "allowlist: a ClientHello without a server name in a tunnel to " \
+               "'allowed.test'" in rules, recs
+    finally:
+        s.kill()
+
+
+# inside a sandbox with a secret for allowed.test: raw HTTPS requests carrying the
+# placeholder, asking for compression; prints each whole answer (base64) by path[@host]
+ECHOES = r'''
+import base64, json, os, socket, ssl, sys
+ctx = ssl.create_default_context()
+out = {}
+for case in sys.argv[1:]:
+    path, _, host = case.partition("@")
+    c = ctx.wrap_socket(socket.create_connection(("allowed.test", 8443), timeout=10),
+                        server_hostname="allowed.test")
+    c.sendall(("GET %s HTTP/1.1\r\nHost: %s\r\nAuthorization: Bearer %s\r\n"
+               "Accept-Encoding: gzip, deflate, br\r\nConnection: close\r\n\r\n"
+               % (path, host or "allowed.test", os.environ["API_KEY"])).encode())
+    got = b""
+    try:
+        while True:
+            b = c.recv(65536)
+            if not b:
+                break
+            got += b
+    except OSError as e:
+        got += b" [" + type(e).__name__.encode() + b"]"
+    out[case] = base64.b64encode(got).decode()
+print(json.dumps(out))
+'''
+ECHO_CASES = ("/gzip-echo", "/gzip-echo-chunked", "/deflate-echo", "/deflate-echo-chunked",
+              "/br-echo", "/echo", "/echo@other.test")
+
+
+@pytest.mark.parametrize("mode", ["allowlist", "on"])
+def test_secret_answers_compressed_or_fronted(netd: Daemon, inet: FakeInternet,
+                                              mode: str) -> None:
+    """(c) a server that compresses an echo of the secret (whatever the request asked) is
+    decoded before the mask, or refused; and on a connection the proxy ended TLS for, every
+    request's Host must be the secret's host (another Host on a shared front end would take
+    the secret elsewhere), in any mode."""
+    with netd.client() as c:
+        r = c.post("/sandboxes", json={
+            "template": "python", "timeout": "10m",
+            "network": "on" if mode == "on" else {"allow": ["other.test"]},
+            "secrets": {"API_KEY": {"value": SECRET, "hosts": ["allowed.test"]}}})
+        assert r.status_code == 201, r.text
+        sid = r.json()["id"]
+    s = Sandbox.connect(sid, **netd.sdk_kwargs())
+    try:
+        n = len(inet.seen())
+        run = s.exec(["python3", "-c", ECHOES, *ECHO_CASES], timeout="2m")
+        answers = {k: base64.b64decode(v) for k, v in json.loads(run.stdout).items()}
+        placeholder = s.exec("printf %s \"$API_KEY\"").stdout
+        for case, raw in answers.items():
+            head, _, body = raw.partition(b"\r\n\r\n")
+            assert SECRET.encode() not in raw, case
+            for decode in (gzip.decompress, zlib.decompress):
+                plain = b""
+                with contextlib.suppress(OSError, EOFError, zlib.error):
+                    plain = decode(body)
+                assert SECRET.encode() not in plain, case
+            if case in ("/br-echo", "/echo@other.test"):
+                continue
+            assert head.startswith(b"HTTP/1.1 200 ") and b"Content-Encoding" not in head, case
+            assert placeholder.encode() in body, (case, body[:300])
+        assert answers["/br-echo"].startswith(b"HTTP/1.1 502 "), answers["/br-echo"][:200]
+        assert answers["/echo@other.test"].startswith(b"HTTP/1.1 403 ")
+        # the server got the value for its own requests only, and never one for other.test
+        got = [e["data"] for e in inet.seen()[n:] if e["listener"] == f"{WEB}:8443"]
+        assert len(got) == len(ECHO_CASES) - 1 and all(SECRET in d for d in got), got
+        assert all("Host: allowed.test\n" in d for d in got), got
+        recs = [r for r in records(netd, sid) if r["proto"] == "tcp"]
+        assert SECRET not in json.dumps(recs)
+        denied = [r.get("rule", "") for r in recs if r["verdict"] == "denied"]
+        assert "connection cut: a br answer on a connection carrying secrets (the proxy " \
+               "decodes gzip and deflate only)" in denied, recs
+        assert "connection cut: a request for 'other.test' on a connection to " \
+               "'allowed.test'" in denied, recs
+    finally:
+        s.kill()
+    assert SECRET not in netd.log.read_text()

@@ -76,6 +76,8 @@ def _start(sid: str, base: Path, work: Path, accel: Accel, *, incoming: bool = F
     agent_dir.mkdir(exist_ok=True)
     if agent is None:
         agent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # a KVM attempt that failed (slowly, on a loaded host) left its socket: TCG rebinds
+        (agent_dir / "agent.sock").unlink(missing_ok=True)
         agent.bind(str(agent_dir / "agent.sock"))
         os.chmod(agent_dir / "agent.sock", 0o666)
         agent.listen(4)

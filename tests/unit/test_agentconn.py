@@ -96,9 +96,11 @@ def test_keyed_channel_refuses_impostors_and_old_agents() -> None:
         chan = AgentChannel(d / "agent.sock", key)
         await chan.listen()
         # no key, a wrong key, an old protocol: refused, nothing connected
-        for fields in ({}, {"key": "cd" * 32}, {"key": key, "version": 1}):
+        # (one after the other: at most two connections may wait for their hello at once)
+        bad: list[dict[str, object]] = [{}, {"key": "cd" * 32}, {"key": key, "version": 1}]
+        for i, fields in enumerate(bad, 1):
             await hello(chan.sock_path, **fields)
-        await _until(lambda: chan.refusals == 3)
+            await _until(lambda n=i: chan.refusals == n)
         assert not chan.connected
         with pytest.raises(Exception, match="protocol version 1"):
             await chan.wait_connected(0.1)
@@ -115,6 +117,68 @@ def test_keyed_channel_refuses_impostors_and_old_agents() -> None:
         assert chan.connected
         for w in (agent, impostor, again):
             w.close()
+        await chan.close()
+
+    asyncio.run(main())
+
+
+def test_connections_without_a_hello_are_bounded() -> None:
+    """Issue 25: before the key is checked the channel reads one small hello, keeps at most
+    MAX_UNAUTHENTICATED connections waiting for one (a newer one closes the oldest), and
+    buffers nothing else; the agent still gets in through a flood of them."""
+    import os
+    import resource
+    import struct
+
+    from cpuosd import agentconn
+
+    key = "ab" * 32
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    async def main() -> None:
+        d = Path(tempfile.mkdtemp(prefix="cpuos-ac-"))
+        chan = AgentChannel(d / "agent.sock", key)
+        await chan.listen()
+        base = open_fds()
+        rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        held = []
+        for i in range(300):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.setblocking(False)
+            try:
+                s.connect(str(chan.sock_path))
+            except BlockingIOError:  # the backlog is full until the channel accepts
+                await asyncio.sleep(0.001)
+                s.close()
+                continue
+            if i % 2:  # a hello's start, never finished
+                s.send(struct.pack("!II", 200, 0) + b'{"t": "hello"')
+            held.append(s)
+            await asyncio.sleep(0)
+        await _until(lambda: len(chan._unauthenticated) <= agentconn.MAX_UNAUTHENTICATED)
+        # what the channel holds: its few waiting connections (ours are in `held`)
+        assert open_fds() - base - len(held) <= agentconn.MAX_UNAUTHENTICATED + 2
+        # a frame too big for a hello is refused after its prefix, its rest never read
+        big = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        big.connect(str(chan.sock_path))
+        big.setblocking(False)
+        n = chan.refusals
+        try:
+            big.send(struct.pack("!II", P.MAX_HEADER, P.MAX_PAYLOAD) + b"{" * 65536)
+        except OSError:
+            pass
+        await _until(lambda: chan.refusals > n and "at most" in (chan.last_refusal or ""))
+        assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0 < 16 << 10  # KiB
+        # the agent connects (its hello comes at once) and is taken, flood or not
+        _, w = await asyncio.open_unix_connection(str(chan.sock_path))
+        w.write(P.encode({"t": "hello", "version": P.PROTOCOL_VERSION, "key": key}))
+        await w.drain()
+        await chan.wait_connected(5)
+        for s in [*held, big]:
+            s.close()
+        w.close()
         await chan.close()
 
     asyncio.run(main())

@@ -93,7 +93,9 @@ def test_exec_bad_timeout_fails_before_connecting() -> None:
 
 
 @pytest.mark.parametrize("args", [["create", "--timeout", "soon"],
-                                  ["timeout", "sbx-x", "0s"]])
+                                  ["timeout", "sbx-x", "0s"],
+                                  ["create", "--idle-timeout", "later"],
+                                  ["timeout", "sbx-x", "--idle-timeout", "-1m"]])
 def test_bad_durations(args: list[str]) -> None:
     r = run(*args, *DEAD)
     assert r.exit_code == 1

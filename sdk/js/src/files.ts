@@ -14,6 +14,24 @@ export interface CallOptions {
   signal?: AbortSignal;
 }
 
+/** What `read` accepts by default (it holds the file in memory): 1 GiB. */
+export const READ_MAX_BYTES = 1024 ** 3;
+/** What `download` accepts by default (it writes to this host's disk): 8 GiB. */
+export const DOWNLOAD_MAX_BYTES = 8 * 1024 ** 3;
+
+export interface ReadOptions extends CallOptions {
+  /** The most bytes accepted: a file declaring more is refused before its body, a stream
+   * passing it is cut; either way an `InvalidArgument` with code `too_large`. `null`: no
+   * limit here (the daemon's `CPUOS_MAX_READ_BYTES` still holds). Defaults: `read`
+   * `READ_MAX_BYTES`, `download` `DOWNLOAD_MAX_BYTES`, `chunks` none. */
+  maxBytes?: number | null;
+}
+
+function tooLarge(path: string, limit: number): CpuosError {
+  return errorFrom(413, "too_large", `${path}: more than ${limit} bytes; pass maxBytes to ` +
+                   "accept more (null: no limit)", { path, limit });
+}
+
 export class Files {
   /** @internal */
   constructor(private readonly http: HttpClient, private readonly sandboxId: string) {}
@@ -35,25 +53,38 @@ export class Files {
 
   /** The file's bytes. Rejects (a CpuosError) if the read fails, also part-way: the daemon
    * ends a failed read with an `error` frame, or the stream lacks its `eof`. */
-  async read(path: string, opts: CallOptions = {}): Promise<Uint8Array> {
+  async read(path: string, opts: ReadOptions = {}): Promise<Uint8Array> {
     const parts: Uint8Array[] = [];
-    for await (const chunk of this.chunks(path, opts)) parts.push(chunk);
+    const maxBytes = opts.maxBytes === undefined ? READ_MAX_BYTES : opts.maxBytes;
+    for await (const chunk of this.chunks(path, { ...opts, maxBytes })) parts.push(chunk);
     return concat(parts);
   }
 
   /** The file's bytes as they arrive, without holding it whole; a read that fails part-way
-   * throws (a CpuosError). */
-  async *chunks(path: string, opts: CallOptions = {}): AsyncGenerator<Uint8Array> {
+   * throws (a CpuosError), as does one passing `maxBytes` (no limit by default). */
+  async *chunks(path: string, opts: ReadOptions = {}): AsyncGenerator<Uint8Array> {
     const what = `reading ${path}`;
+    const max = opts.maxBytes ?? undefined;
+    if (max !== undefined && !(Number.isSafeInteger(max) && max >= 0)) {
+      throw new InvalidArgument("maxBytes must be an integer >= 0 (or null: no limit)");
+    }
     const res = await this.http.open("GET", this.base, {
-      query: { path }, headers: { Accept: CONTENT_TYPE }, signal: opts.signal,
+      query: { path, max_bytes: max }, headers: { Accept: CONTENT_TYPE }, signal: opts.signal,
     });
+    let got = 0;
     if (!String(res.headers["content-type"] ?? "").startsWith(CONTENT_TYPE)) {
-      yield* iterate(res, what, opts.signal);  // raw bytes (a daemon without framed reads)
+      try {  // raw bytes (a daemon without framed reads)
+        for await (const chunk of iterate(res, what, opts.signal)) {
+          got += chunk.length;
+          if (max !== undefined && got > max) throw tooLarge(path, max);
+          yield chunk;
+        }
+      } finally {
+        res.destroy();
+      }
       return;
     }
     const dec = new FrameDecoder();
-    let got = 0;
     let ended = false;
     try {
       for await (const chunk of iterate(res, what, opts.signal)) {
@@ -61,6 +92,7 @@ export class Files {
           if (ended) throw new ServerError(`${what}: data after the end of the stream`);
           if (h.t === "data") {
             got += payload.length;
+            if (max !== undefined && got > max) throw tooLarge(path, max);
             yield payload;
           } else if (h.t === "eof") {
             if (h.size !== got) {
@@ -95,8 +127,9 @@ export class Files {
   }
 
   /** Stream a sandbox file to a local file; the byte count. A read that fails part-way
-   * rejects, and the partial local file is removed. */
-  async download(path: string, localPath: string, opts: CallOptions = {}): Promise<number> {
+   * rejects, and the partial local file is removed; so does one over `maxBytes` (default
+   * `DOWNLOAD_MAX_BYTES`: `InvalidArgument`, code `too_large`). */
+  async download(path: string, localPath: string, opts: ReadOptions = {}): Promise<number> {
     let n = 0;
     const counted = async function* (src: AsyncIterable<Uint8Array>) {
       for await (const c of src) {
@@ -105,7 +138,9 @@ export class Files {
       }
     };
     try {
-      await pipeline(counted(this.chunks(path, opts)), createWriteStream(localPath));
+      const maxBytes = opts.maxBytes === undefined ? DOWNLOAD_MAX_BYTES : opts.maxBytes;
+      await pipeline(counted(this.chunks(path, { ...opts, maxBytes })),
+                     createWriteStream(localPath));
     } catch (e) {
       await rm(localPath, { force: true });
       throw e;
@@ -114,7 +149,7 @@ export class Files {
   }
 
   /** The file as text (UTF-8 by default). */
-  async readText(path: string, opts: CallOptions & { encoding?: string } = {}): Promise<string> {
+  async readText(path: string, opts: ReadOptions & { encoding?: string } = {}): Promise<string> {
     return new TextDecoder(opts.encoding ?? "utf-8").decode(await this.read(path, opts));
   }
 

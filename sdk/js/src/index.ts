@@ -17,8 +17,14 @@ export {
   Commands, CommandHandle, type RunOptions, type FollowOptions, type StdinSource,
 } from "./commands.js";
 export { ExecResult, type OutputCallback } from "./exec.js";
-export { Files, type CallOptions } from "./files.js";
+export {
+  Files, READ_MAX_BYTES, DOWNLOAD_MAX_BYTES, type CallOptions, type ReadOptions,
+} from "./files.js";
 export { Ports } from "./ports.js";
+export {
+  Workspace, type ApiKeyInfo, type KeyOptions, type NewWorkspace, type WorkspaceDeleted,
+  type WorkspaceRecord,
+} from "./workspace.js";
 export {
   CpuosError, AuthError, PermissionDenied, NotFound, Conflict, InvalidArgument, LimitExceeded,
   NoSpace, Timeout, Unavailable, ServerError, type ErrorOptions,

@@ -11,9 +11,11 @@ export class Ports {
     return `/sandboxes/${encodeURIComponent(this.sandboxId)}/ports`;
   }
 
-  /** The URL at which `port` inside is served: with its token in the query (a browser gets
-   * a cookie on first use; programs may send `X-Cpuos-Token`), or without one for a
-   * `public` port. */
+  /** The URL at which `port` inside is served (the path form), its token in the query (none
+   * for a `public` port). A program uses it as it is (or sends the token as
+   * `X-Cpuos-Token`); a browser that opens it is sent on to the port's own origin,
+   * `<port>-<id>.<domain>` (`sbx.getHost`), where the token becomes a cookie of that origin
+   * only: no two sandboxes or ports share an origin or a cookie. */
   async expose(port: number, opts: { public?: boolean } = {}): Promise<string> {
     const p = await this.info(port, opts);
     return p.public ? p.url : `${p.url}?cpuos_token=${p.token ?? ""}`;

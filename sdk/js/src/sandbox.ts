@@ -32,6 +32,10 @@ export interface CreateOptions extends ConnectionOptions {
   pids?: number;
   /** "pause" pauses it at its deadline instead of killing it. */
   onTimeout?: "kill" | "pause";
+  /** Pause it after this long idle ("5m"; 0: never; default: the workspace's, 10 minutes
+   * unless set): no call needing the machine, no open stream or preview connection, no CPU
+   * use inside. Any such call (exec, files, commands, ...) or a preview request resumes it. */
+  idleTimeout?: Duration;
   /** "off" | "on" | "allowlist" | { allow: ["pypi.org", "*.github.com"] } (default: the
    * daemon's). */
   network?: NetworkPolicy;
@@ -143,6 +147,7 @@ export class Sandbox {
     if (opts.network !== undefined) body.network = opts.network;
     if (opts.secrets !== undefined) body.secrets = opts.secrets;
     if (opts.wakeOnRequest !== undefined) body.wake_on_request = opts.wakeOnRequest;
+    if (opts.idleTimeout !== undefined) body.idle_timeout = opts.idleTimeout;
     const info = await http.request<SandboxInfo>("POST", "/sandboxes",
                                                  { json: body, signal: opts.signal });
     return new Sandbox(info, http);
@@ -189,7 +194,10 @@ export class Sandbox {
     return this._http.request<Record<string, unknown>>("GET", `${this.path}/metrics`);
   }
 
-  /** The host-form preview URL of `port`, exposing it if needed. */
+  /** The host-form preview URL of `port` (`http://<port>-<id>.localhost:...`), exposing it
+   * if needed: the port's own origin, the form browsers are served; send its token as
+   * `X-Cpuos-Token`, or once as `?cpuos_token=` from a browser (a cookie of that host from
+   * then on). */
   async getHost(port: number): Promise<string> {
     return (await this.ports.info(port)).host_url;
   }
@@ -198,6 +206,13 @@ export class Sandbox {
   async setTimeout(timeout: Duration): Promise<SandboxInfo> {
     this._info = await this._http.request<SandboxInfo>("POST", `${this.path}/timeout`,
                                                        { json: { timeout } });
+    return this._info;
+  }
+
+  /** Pause the sandbox after `idleTimeout` idle, counted from now (0: never). */
+  async setIdleTimeout(idleTimeout: Duration): Promise<SandboxInfo> {
+    this._info = await this._http.request<SandboxInfo>("POST", `${this.path}/timeout`,
+                                                       { json: { idle_timeout: idleTimeout } });
     return this._info;
   }
 

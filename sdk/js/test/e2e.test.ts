@@ -8,7 +8,8 @@ import { join, resolve } from "node:path";
 import { after, before, describe, it } from "node:test";
 import { promisify } from "node:util";
 import {
-  AuthError, Conflict, CpuosError, InvalidArgument, NotFound, Sandbox,
+  AuthError, Conflict, CpuosError, InvalidArgument, NotFound, PermissionDenied, Sandbox,
+  Workspace,
 } from "@cpuos/sdk";
 import { REPO_DIR, SDK_DIR, startDaemon, waitUntil, type TestDaemon } from "./helpers.js";
 
@@ -227,6 +228,38 @@ describe("e2e", { skip }, () => {
     }
   });
 
+  test("a 1 TiB sparse file: read and download refuse it at once (too_large)", async () => {
+    // issue 25, finding 11: the daemon announces the size, the SDK bounds what it accepts
+    const made = await sbx.exec("truncate -s 1T /work/big && head -c 3145728 /dev/urandom " +
+                                "> /work/three.bin && stat -c %s /work/big");
+    assert.equal(made.stdout.trim(), String(2 ** 40));
+    const tooLarge = (e: CpuosError) =>
+      e instanceof InvalidArgument && e.code === "too_large" && e.status === 413;
+    const rss = process.memoryUsage().rss;
+    await assert.rejects(sbx.files.read("/work/big"), tooLarge);
+    await assert.rejects(sbx.files.read("/work/big", { maxBytes: null }), tooLarge);  // daemon cap
+    const dir = mkdtempSync(join(tmpdir(), "cpuos-js-big-"));
+    try {
+      await assert.rejects(sbx.files.download("/work/big", join(dir, "big")), tooLarge);
+      assert.equal(existsSync(join(dir, "big")), false);
+      await assert.rejects(sbx.files.read("/work/three.bin", { maxBytes: 1 << 20 }), tooLarge);
+      assert.equal((await sbx.files.read("/work/three.bin", { maxBytes: 3 << 20 })).length,
+                   3 << 20);
+      // chunks() has no default bound; a limit given is enforced as the bytes arrive
+      let got = 0;
+      await assert.rejects((async () => {
+        for await (const c of sbx.files.chunks("/work/three.bin", { maxBytes: 1 << 20 })) {
+          got += c.length;
+        }
+      })(), tooLarge);
+      assert.ok(got <= 1 << 20, `${got} bytes passed the limit`);
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+      await sbx.exec("rm -f /work/big /work/three.bin");
+    }
+    assert.ok(process.memoryUsage().rss - rss < 256 << 20);
+  });
+
   test("bad input maps to the error classes: 404, 401, 409, 422; limits at create", async () => {
     await assert.rejects(Sandbox.connect("sbx-doesnotexist", conn), (e: CpuosError) =>
       e instanceof NotFound && e.status === 404 && e.code === "not_found");
@@ -309,5 +342,48 @@ describe("e2e", { skip }, () => {
     const url = await sbx.ports.expose(8000);
     assert.match(url, new RegExp(`/sandboxes/${sbx.id}/ports/8000/\\?cpuos_token=\\w+`));
     assert.deepEqual((await sbx.ports.list()).map((p) => p.port), [8000]);
+  });
+
+  test("workspaces: keys made, listed, revoked; a workspace deleted with its sandboxes",
+       async () => {
+    const admin = new Workspace(conn);
+    const made = await admin.createWorkspace(`js-${randomBytes(3).toString("hex")}`);
+    const tconn = { apiUrl: daemon.url, apiKey: made.key };
+    const ws = new Workspace(tconn);
+    const ci = await ws.createKey("ci");
+    assert.ok(ci.key?.startsWith("cpk_"));
+    const keys = await ws.keys();
+    assert.deepEqual(keys.map((k) => k.label), ["default", "ci"]);
+    assert.ok(keys.every((k) => k.key == null) && keys[0]?.current === true);
+    await Sandbox.list({ apiUrl: daemon.url, apiKey: ci.key! });
+    await ws.revokeKey(ci.id);
+    await assert.rejects(Sandbox.list({ apiUrl: daemon.url, apiKey: ci.key! }), AuthError);
+    await assert.rejects(ws.revokeKey(keys[0]!.id), Conflict);  // its own last live key
+    await assert.rejects(ws.listWorkspaces(), PermissionDenied);
+    await assert.rejects(ws.keys({ workspace: "ws-000000000000" }), NotFound);
+    const theirs = await Sandbox.create({ template: "python", timeout: "5m", ...tconn });
+    const gone = await admin.deleteWorkspace(made.id);
+    assert.deepEqual(gone.sandboxes_killed, [theirs.id]);
+    assert.equal(gone.keys_revoked, 1);
+    await assert.rejects(theirs.info(), AuthError);
+    assert.ok(!(await admin.listWorkspaces()).some((w) => w.id === made.id));
+    assert.equal((await sbx.exec("echo still")).stdout, "still\n");  // ours: untouched
+  });
+
+  test("idleTimeout: paused when idle (info does not wake it), an exec resumes it", async () => {
+    const idle = await Sandbox.create({ template: "python", idleTimeout: "2s", ...conn });
+    try {
+      assert.equal((await idle.info()).idle_timeout, 2);
+      await idle.files.write("/work/kept.txt", "kept");
+      await waitUntil(async () => {
+        const i = await idle.info();
+        return i.state === "paused" && i.reason === "idle";
+      }, "paused for idleness", 120_000);
+      assert.equal((await idle.exec("cat /work/kept.txt")).stdout, "kept");
+      assert.equal((await idle.info()).state, "running");
+      assert.equal((await idle.setIdleTimeout(0)).idle_timeout, 0);
+    } finally {
+      await idle.kill();
+    }
   });
 });

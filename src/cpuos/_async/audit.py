@@ -71,6 +71,8 @@ class AsyncAudit:
     async def verify(self) -> dict[str, Any]:
         """The daemon's check of the whole chain: ``ok``, ``rows``, ``problems`` (seq,
         sandbox, what is wrong), ``head`` (the newest row's seq and hash: keep it to find
-        later deletions of the newest rows)."""
+        later deletions of the newest rows). With a key that is not the admin's, only
+        ``ok``, ``problems`` and ``problem_count`` for this workspace's sandboxes (and the
+        chain's own breaks), ``scope: "workspace"``."""
         out: dict[str, Any] = await self._sbx._http.request("GET", "/audit/verify")
         return out

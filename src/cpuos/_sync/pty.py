@@ -64,8 +64,13 @@ class Terminal:
                 elif ctl.get("type") == "error":
                     self.error = error_from(None, ctl.get("code"), str(ctl.get("message")),
                                             {"pid": self.pid})
-        except ConnectionClosed:
-            pass
+        except ConnectionClosed as e:
+            # the daemon closes with 4000 + an HTTP status (4401: the key was revoked)
+            code = e.rcvd.code if e.rcvd is not None else 0
+            if self.exit is None and self.error is None and 4400 <= code < 4600:
+                reason = (e.rcvd.reason if e.rcvd else "") or f"terminal closed ({code})"
+                self.error = error_from(code - 4000, None, reason,
+                                        {"pid": self.pid})
         if self.exit is None and self.error is None and not self._detached:
             self.error = Unavailable(f"the connection to terminal {self.pid} closed",
                                      details={"pid": self.pid, "offset": self.offset})

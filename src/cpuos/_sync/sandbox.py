@@ -21,7 +21,8 @@ from .._errors import (Conflict, CpuosError, InvalidArgument, NotFound, ServerEr
                        Unavailable, error_from)
 from .audit import Audit
 from .._code import CodeResult
-from .._models import DEFAULT_MAX_OUTPUT, ExecResult, FileEntry, SandboxInfo
+from .._models import (DEFAULT_MAX_OUTPUT, DOWNLOAD_MAX_BYTES, READ_MAX_BYTES, ExecResult,
+                      FileEntry, SandboxInfo)
 from .._pumps import Beside
 from .browser import Browser
 from .pty import Pty
@@ -103,6 +104,12 @@ class _SyncHTTP:
             raise Unavailable(f"connection to cpuosd at {self.url} failed: {e}") from None
 
 
+def _too_large(path: str, limit: int, why: str = "") -> CpuosError:
+    return error_from(413, "too_large", f"{path}: {why or f'more than {limit} bytes'}; pass "
+                      "max_bytes= to accept more (None: no limit)",
+                      {"path": path, "limit": limit})
+
+
 class Files:
     """``sbx.files``: files inside the sandbox. Relative paths are relative to /work."""
 
@@ -137,21 +144,32 @@ class Files:
                                           content=chunks())
         return FileEntry.from_json(d)
 
-    def _chunks(self, path: str, sub: str = "") -> Iterator[bytes]:
+    def _chunks(self, path: str, sub: str = "", max_bytes: int | None = None
+                      ) -> Iterator[bytes]:
         """The file's bytes as they arrive. A read that fails part-way (the sandbox could
         not read on, its agent went away, the connection broke) raises a CpuosError: the
         daemon ends the stream with an ``error`` frame (or without its ``eof``), never with
-        a body that merely looks short."""
+        a body that merely looks short. More than ``max_bytes`` (None: no bound here) is
+        refused: by the daemon up front when the file's size says so, else as it arrives
+        (InvalidArgument, code ``too_large``)."""
         meta: dict[str, str] = {}
         dec = FrameDecoder()
         got = 0
         ended = False
+        params: dict[str, Any] = {"path": path}
+        if max_bytes is not None:
+            if max_bytes < 0:
+                raise InvalidArgument("max_bytes must be >= 0 (or None: no limit)")
+            params["max_bytes"] = max_bytes
         try:
             for chunk in self._sbx._http.stream(
-                    "GET", self._base + sub, meta, params={"path": path},
+                    "GET", self._base + sub, meta, params=params,
                     headers={"Accept": CONTENT_TYPE}):
                 if not meta.get("content_type", "").startswith(CONTENT_TYPE):
-                    yield chunk  # raw bytes (a daemon without framed reads)
+                    got += len(chunk)  # raw bytes (a daemon without framed reads)
+                    if max_bytes is not None and got > max_bytes:
+                        raise _too_large(path, max_bytes)
+                    yield chunk
                     continue
                 for h, payload in dec.feed(chunk):
                     if ended:
@@ -159,6 +177,8 @@ class Files:
                     t = h.get("t")
                     if t == "data":
                         got += len(payload)
+                        if max_bytes is not None and got > max_bytes:
+                            raise _too_large(path, max_bytes)
                         yield payload
                     elif t == "eof":
                         if h.get("size") != got:
@@ -176,23 +196,29 @@ class Files:
             raise Unavailable(f"reading {path}: the stream ended after {got} bytes without "
                               "its end", details={"path": path, "received": got})
 
-    def read(self, path: str) -> bytes:
-        """The file's bytes. Raises (a CpuosError) if the read fails, also part-way."""
+    def read(self, path: str, *, max_bytes: int | None = READ_MAX_BYTES) -> bytes:
+        """The file's bytes. Raises (a CpuosError) if the read fails, also part-way, and
+        InvalidArgument (code ``too_large``) for a file over ``max_bytes`` (default 1 GiB;
+        None: no limit), before holding more than that."""
         parts = []
-        for chunk in self._chunks(path):
+        for chunk in self._chunks(path, max_bytes=max_bytes):
             parts.append(chunk)
         return b"".join(parts)
 
-    def read_text(self, path: str, encoding: str = "utf-8") -> str:
-        return (self.read(path)).decode(encoding)
+    def read_text(self, path: str, encoding: str = "utf-8", *,
+                        max_bytes: int | None = READ_MAX_BYTES) -> str:
+        return (self.read(path, max_bytes=max_bytes)).decode(encoding)
 
-    def download(self, path: str, local_path: str | Path) -> int:
+    def download(self, path: str, local_path: str | Path, *,
+                       max_bytes: int | None = DOWNLOAD_MAX_BYTES) -> int:
         """Stream a sandbox file to a local file; returns the byte count. A read that
-        fails part-way raises, and the partial local file is removed."""
+        fails part-way raises, and the partial local file is removed; so does a file over
+        ``max_bytes`` (default 8 GiB; None: no limit: InvalidArgument, code ``too_large``,
+        at once if its size says so)."""
         n = 0
         try:
             with open(local_path, "wb") as f:
-                for chunk in self._chunks(path):
+                for chunk in self._chunks(path, max_bytes=max_bytes):
                     f.write(chunk)
                     n += len(chunk)
         except BaseException:
@@ -204,7 +230,9 @@ class Files:
         """Copy a local directory tree into the sandbox directory ``path`` (created) as
         one tar stream: files, directories and symlinks, with their modes. The daemon
         refuses the whole archive (writing nothing) if an entry would land outside
-        ``path``. Returns the counts: files, dirs, links, bytes."""
+        ``path`` or a symlink's target is absolute or has '..' (``cpuos_agent.tarx``);
+        nothing already in ``path`` is written through. Returns the counts: files, dirs,
+        links, bytes."""
         import tarfile
         import tempfile
 
@@ -226,31 +254,43 @@ class Files:
                 "PUT", self._base + "/tar", params={"path": path}, content=chunks())
         return d
 
-    def download_dir(self, path: str, local_dir: str | Path) -> int:
+    def download_dir(self, path: str, local_dir: str | Path, *,
+                           max_bytes: int | None = DOWNLOAD_MAX_BYTES) -> int:
         """Copy the sandbox directory ``path`` into ``local_dir`` (created) as one tar
-        stream; an archive with an entry that would land outside ``local_dir`` is refused
-        before anything is written. Returns the archive's size in bytes."""
+        stream; returns the archive's size in bytes.
+
+        The archive is checked as it arrives and kept in a temporary file: at most
+        ``max_bytes`` of it (default 8 GiB; None: no limit), and an entry declaring more
+        ends the download at its header (InvalidArgument, code ``too_large``). Then it is
+        checked whole and only then written: an absolute name, ``..``, a device, a
+        symlink whose target is absolute or has ``..``, an entry or target through a link
+        of the archive refuse it all (ServerError; nothing written). Writing resolves
+        every path beneath ``local_dir`` without following a symlink already there (what
+        an earlier download left, or anything else): such a path fails (OSError) instead
+        of being written through. Nothing is chowned; files get the archive's permission
+        bits (no setuid)."""
         import tarfile
         import tempfile
 
-        from cpuos_agent.tarx import Refused, check_members
+        from cpuos_agent import tarx
 
+        scan = tarx.TarScanner(max_bytes=max_bytes)
         n = 0
         with tempfile.TemporaryFile() as tmp:
-            for chunk in self._chunks(path, "/tar"):
-                tmp.write(chunk)
-                n += len(chunk)
-            tmp.seek(0)
-            with tarfile.open(fileobj=tmp, mode="r:") as tf:
-                try:
-                    check_members(tf.getmembers())
-                except Refused as e:
-                    raise ServerError(f"the archive of {path} was refused: {e}") from None
-                Path(local_dir).mkdir(parents=True, exist_ok=True)
-                if hasattr(tarfile, "data_filter"):
-                    tf.extractall(local_dir, filter="fully_trusted")  # checked above
-                else:  # pragma: no cover (Python < 3.11.4)
-                    tf.extractall(local_dir)
+            try:
+                for chunk in self._chunks(path, "/tar", max_bytes):
+                    scan.feed(chunk)
+                    tmp.write(chunk)
+                    n += len(chunk)
+                scan.close()
+                tmp.seek(0)
+                with tarfile.open(fileobj=tmp, mode="r:") as tf:
+                    members = tarx.check_members(tf, max_bytes=max_bytes)
+                    tarx.extract_members(tf, members, str(local_dir))
+            except tarx.TooBig as e:
+                raise _too_large(path, e.limit, str(e)) from None
+            except (tarx.Refused, tarfile.TarError) as e:
+                raise ServerError(f"the archive of {path} was refused: {e}") from None
         return n
 
     def watch(self, path: str, on_event: EventCallback, *, recursive: bool = True
@@ -332,9 +372,11 @@ class Ports:
         self._sbx = sbx
 
     def expose(self, port: int, *, public: bool | None = None) -> str:
-        """The URL at which ``port`` inside is served: with its token in the query (a
-        browser gets a cookie on first use; programs may send ``X-Cpuos-Token``), or
-        without one for a ``public`` port."""
+        """The URL at which ``port`` inside is served (the path form), its token in the
+        query (none for a ``public`` port). A program uses it as it is (or sends the
+        token as ``X-Cpuos-Token``); a browser that opens it is sent on to the port's own
+        origin, ``<port>-<id>.<domain>`` (``get_host``), where the token becomes a cookie
+        of that origin only: no two sandboxes or ports share an origin or a cookie."""
         p = self.info(port, public=public)
         return str(p["url"]) if p["public"] else f"{p['url']}?cpuos_token={p['token']}"
 
@@ -386,10 +428,15 @@ class Sandbox:
                      disk: str | int | None = None, pids: int | None = None,
                      on_timeout: str = "kill", network: Network | None = None,
                      secrets: dict[str, dict[str, Any]] | None = None,
+                     idle_timeout: str | float | None = None,
                      api_url: str | None = None, api_key: str | None = None) -> Sandbox:
         """A new sandbox. ``on_timeout="pause"`` pauses it at its deadline instead of
-        killing it. ``network``: ``"off"``, ``"on"``, ``"allowlist"`` or ``{"allow":
-        ["pypi.org", "*.github.com"]}`` (default: the daemon's). ``secrets``: ``{"NAME":
+        killing it. ``idle_timeout`` (``"5m"``; ``0``: never; default: the workspace's,
+        10 minutes unless set): paused after that long with no call needing the machine,
+        no open stream or preview connection and no CPU use inside; any such call (exec,
+        files, commands, ...) or a preview request resumes it transparently.
+        ``network``: ``"off"``, ``"on"``, ``"allowlist"`` or ``{"allow": ["pypi.org",
+        "*.github.com"]}`` (default: the daemon's). ``secrets``: ``{"NAME":
         {"value": "...", "hosts": ["api.example.com"]}}``: NAME inside is a placeholder,
         the value goes only into request headers to those hosts. Limits: ``cpus`` (vCPUs),
         ``memory`` and ``disk`` (``"1GiB"``, ``"512MiB"`` or MiB: past ``disk`` a write
@@ -410,6 +457,8 @@ class Sandbox:
             body["disk_mib"] = _size(disk, "disk")
         if pids is not None:
             body["pids"] = pids
+        if idle_timeout is not None:
+            body["idle_timeout"] = idle_timeout
         if network is not None:
             body["network"] = network
         if secrets:
@@ -493,7 +542,9 @@ class Sandbox:
 
     def get_host(self, port: int) -> str:
         """The host-form preview URL of ``port`` (``http://<port>-<id>.localhost:...``),
-        exposing it if needed; send its token as ``X-Cpuos-Token`` or ``?cpuos_token=``."""
+        exposing it if needed: the port's own origin, the form browsers are served; send
+        its token as ``X-Cpuos-Token``, or once as ``?cpuos_token=`` from a browser (a
+        cookie of that host from then on)."""
         p = self.ports.info(port)
         return str(p["host_url"])
 
@@ -501,6 +552,13 @@ class Sandbox:
         """Kill the sandbox ``timeout`` from now (extends or shortens its life)."""
         d = self._http.request("POST", f"/sandboxes/{self.id}/timeout",
                                      json={"timeout": timeout})
+        self._info = SandboxInfo.from_json(d)
+        return self._info
+
+    def set_idle_timeout(self, idle_timeout: str | float) -> SandboxInfo:
+        """Pause the sandbox after ``idle_timeout`` idle (counted from now; ``0``: never)."""
+        d = self._http.request("POST", f"/sandboxes/{self.id}/timeout",
+                                     json={"idle_timeout": idle_timeout})
         self._info = SandboxInfo.from_json(d)
         return self._info
 

@@ -8,6 +8,7 @@ import builtins
 import io
 import json
 import os
+import stat
 import tarfile
 import tempfile
 from collections.abc import Iterator, Callable
@@ -33,15 +34,27 @@ def is_local_source(source: str | Path) -> bool:
 
 def context_tar(spec_file: Path) -> IO[bytes]:
     """The spec's directory as a gzip tar (a temporary file): what COPY can read. Version
-    control, virtualenv and cache directories are left out."""
+    control, virtualenv and cache directories are left out. Directories and regular files
+    only: the daemon refuses a context with a link (or a device...), so one here is an
+    InvalidArgument naming it, before anything is uploaded."""
     base = spec_file.resolve().parent
     out = tempfile.TemporaryFile()
-    with tarfile.open(fileobj=out, mode="w:gz", compresslevel=3) as tf:
-        for dirpath, dirnames, filenames in os.walk(base):
-            dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
-            rel = Path(dirpath).relative_to(base)
-            for n in [*dirnames, *sorted(filenames)]:
-                tf.add(os.path.join(dirpath, n), arcname=str(rel / n), recursive=False)
+    try:
+        with tarfile.open(fileobj=out, mode="w:gz", compresslevel=3) as tf:
+            for dirpath, dirnames, filenames in os.walk(base):
+                dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
+                rel = Path(dirpath).relative_to(base)
+                for n in [*dirnames, *sorted(filenames)]:
+                    full = os.path.join(dirpath, n)
+                    mode = os.lstat(full).st_mode
+                    if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+                        kind = "a symlink" if stat.S_ISLNK(mode) else "not a regular file"
+                        raise InvalidArgument(f"{full} is {kind}: a template's build context "
+                                              "holds directories and regular files only")
+                    tf.add(full, arcname=str(rel / n), recursive=False)
+    except BaseException:
+        out.close()
+        raise
     out.seek(0)
     return out
 

@@ -74,10 +74,14 @@ def register(app: typer.Typer) -> None:
                     for p in out["problems"]:
                         typer.echo(f"seq {p['seq']}: {p['problem']}"
                                    + (f" (sandbox {p['sandbox']})" if p.get("sandbox") else ""))
-                    head = out["head"]
-                    typer.echo(f"{'ok' if out['ok'] else 'BROKEN'}: {out['rows']} rows checked, "
-                               f"{out['problem_count']} problem(s); head seq {head['seq']} "
-                               f"{head['hash']}")
+                    head = out.get("head")
+                    if head is None:  # not the admin: this workspace's part of the chain
+                        typer.echo(f"{'ok' if out['ok'] else 'BROKEN'} for this workspace's "
+                                   f"sandboxes: {out['problem_count']} problem(s)")
+                    else:
+                        typer.echo(f"{'ok' if out['ok'] else 'BROKEN'}: {out['rows']} rows "
+                                   f"checked, {out['problem_count']} problem(s); head seq "
+                                   f"{head['seq']} {head['hash']}")
                 if not out["ok"]:
                     raise typer.Exit(1)
                 return

@@ -29,7 +29,7 @@ from rich.table import Table
 from typer.core import TyperGroup
 
 from .. import __version__
-from .._durations import parse_duration
+from .._durations import parse_duration, parse_size_mib
 from .._errors import CpuosError, InvalidArgument
 from .._models import SandboxInfo, TemplateInfo
 from .._sync.sandbox import Sandbox
@@ -38,6 +38,7 @@ from . import audit as _audit
 from . import shell as _shell
 from .._sync.workspace import Workspace
 from . import mcp as _mcp
+from . import workspaces as _workspaces
 from ._options import ApiKey, ApiUrl, JsonOut, SandboxId
 
 
@@ -118,6 +119,12 @@ def _duration(value: str, what: str) -> str:
     except ValueError as e:
         raise InvalidArgument(str(e)) from None
     return value
+
+
+def _idle_duration(value: str) -> str:
+    """An idle timeout: a duration, or 0 (never)."""
+    return value if value.strip().lower() in ("0", "0s", "never") else _duration(
+        value, "idle timeout")
 
 
 def _pairs(items: list[str] | None, what: str) -> dict[str, str]:
@@ -222,16 +229,21 @@ def create(
     disk: Annotated[str | None, typer.Option(
         "--disk", help="Disk for the sandbox's writes: 5GiB, 512MiB or MiB.")] = None,
     pids: Annotated[int | None, typer.Option(help="Processes and threads at most.")] = None,
+    idle_timeout: Annotated[str | None, typer.Option(
+        "--idle-timeout", help="Pause it after this long idle (e.g. 5m; 0: never; default: "
+        "the workspace's, 10m); any call needing it resumes it.")] = None,
     json_: JsonOut = False,
     api_url: ApiUrl = None,
     api_key: ApiKey = None,
 ) -> None:
     """Create a sandbox and print its id (only the id: ID=$(cpuos create))."""
     _duration(timeout, "timeout")
+    if idle_timeout is not None:
+        _idle_duration(idle_timeout)
     env_d, meta_d = _pairs(env, "--env"), _pairs(metadata, "--metadata")
     sbx = Sandbox.create(template=template, timeout=timeout, env=env_d, metadata=meta_d,
-                         cpus=cpus, memory=memory, disk=disk, pids=pids, api_url=api_url,
-                         api_key=api_key)
+                         cpus=cpus, memory=memory, disk=disk, pids=pids,
+                         idle_timeout=idle_timeout, api_url=api_url, api_key=api_key)
     try:
         if json_:
             _print_json(dataclasses.asdict(sbx.info()))
@@ -281,6 +293,8 @@ def _info_table(i: SandboxInfo) -> Table:
          if i.created_at else "-"),
         ("started", _fmt_time(i.started_at)), ("ended", _fmt_time(i.ended_at)),
         ("deadline", _fmt_time(i.deadline)), ("time left", _fmt_dur(i.timeout_remaining)),
+        ("idle timeout", (_fmt_dur(i.idle_timeout) if i.idle_timeout else "never")
+         if i.idle_timeout is not None else "-"),
         ("vcpus", str(i.vcpus) if i.vcpus is not None else "-"),
         ("memory", f"{i.memory_mib} MiB" if i.memory_mib is not None else "-"),
         ("disk", f"{i.disk_mib} MiB" if i.disk_mib is not None else "-"),
@@ -351,15 +365,31 @@ def fork(
 @app.command("timeout")
 def set_timeout(
     sandbox_id: SandboxId,
-    duration: Annotated[str, typer.Argument(help="New lifetime from now, e.g. 30m.")],
+    duration: Annotated[str | None, typer.Argument(
+        help="New lifetime from now, e.g. 30m.")] = None,
+    idle_timeout: Annotated[str | None, typer.Option(
+        "--idle-timeout", help="New idle timeout (e.g. 5m; 0: never).")] = None,
     api_url: ApiUrl = None,
     api_key: ApiKey = None,
 ) -> None:
-    """Kill the sandbox DURATION from now (extends or shortens its life)."""
-    _duration(duration, "timeout")
+    """Kill the sandbox DURATION from now (extends or shortens its life); --idle-timeout:
+    pause it after that long idle."""
+    if duration is None and idle_timeout is None:
+        raise InvalidArgument("give a DURATION, --idle-timeout or both")
+    if duration is not None:
+        _duration(duration, "timeout")
+    if idle_timeout is not None:
+        _idle_duration(idle_timeout)
     with _connect(sandbox_id, api_url, api_key) as sbx:
-        i = sbx.set_timeout(duration)
-    typer.echo(f"{i.id}: {_fmt_dur(i.timeout_remaining)} left (until {_fmt_time(i.deadline)})")
+        i = sbx.set_idle_timeout(idle_timeout) if idle_timeout is not None else sbx.info()
+        if duration is not None:
+            i = sbx.set_timeout(duration)
+    if duration is not None:
+        typer.echo(f"{i.id}: {_fmt_dur(i.timeout_remaining)} left (until "
+                   f"{_fmt_time(i.deadline)})")
+    if idle_timeout is not None:
+        typer.echo(f"{i.id}: paused after "
+                   f"{_fmt_dur(i.idle_timeout) if i.idle_timeout else 'never'} idle")
 
 
 # ---- exec ---------------------------------------------------------------------------------
@@ -454,21 +484,32 @@ def files_get(
     recursive: Annotated[bool, typer.Option(
         "--recursive", "-r", help="REMOTE is a directory: copy its tree into the local "
         "directory LOCAL (created).")] = False,
+    max_size: Annotated[str | None, typer.Option(
+        "--max-size", metavar="SIZE", help="The most to accept, e.g. 20GiB, or 'none' "
+        "(default: 1 GiB to stdout, 8 GiB to a file or directory; the daemon's "
+        "CPUOS_MAX_READ_BYTES holds anyway).")] = None,
     api_url: ApiUrl = None,
     api_key: ApiKey = None,
 ) -> None:
     """Download a file (or with -r a directory tree) from the sandbox (a file goes to
     stdout, raw bytes, without LOCAL)."""
+    limit: dict[str, Any] = {}
+    if max_size is not None:
+        try:
+            limit["max_bytes"] = None if max_size.strip().lower() == "none" else \
+                parse_size_mib(max_size, "--max-size") << 20
+        except ValueError as e:
+            raise CliError("invalid_argument", str(e)) from None
     if recursive:
         if local is None or local == "-":
             raise CliError("invalid_argument", "get -r needs a LOCAL directory")
         with _connect(sandbox_id, api_url, api_key, resume=True) as sbx:
-            sbx.files.download_dir(remote, local)
+            sbx.files.download_dir(remote, local, **limit)
         typer.echo(local, err=True)
         return
     with _connect(sandbox_id, api_url, api_key, resume=True) as sbx:
         if local is None or local == "-":
-            data = sbx.files.read(remote)
+            data = sbx.files.read(remote, **limit)
             sys.stdout.flush()
             raw = getattr(sys.stdout, "buffer", None)
             if raw is not None:
@@ -483,7 +524,7 @@ def files_get(
         # Download beside the target, rename when complete: a failed download leaves nothing.
         tmp = dest.with_name(f".{dest.name}.cpuos-{os.getpid()}.part")
         try:
-            sbx.files.download(remote, tmp)
+            sbx.files.download(remote, tmp, **limit)
             os.replace(tmp, dest)
         except OSError as e:
             raise CliError("local_io", f"{dest}: {e.strerror or e}") from None
@@ -690,6 +731,7 @@ def template_rm(
 _audit.register(app)
 _mcp.register(app)
 _shell.register(app)
+_workspaces.register(app, _Group)
 
 
 # ---- usage and live metrics ---------------------------------------------------------------

@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import homedir
 from ..events import NOT_TRANSITIONS, SandboxEvent
 
 log = logging.getLogger("cpuosd.audit")
@@ -274,12 +275,13 @@ class AuditLog:
         self.workspace_lookup = workspace_lookup
         self.key = load_key(key_path)
         self.retention = retention
+        homedir.create_private(db_path)  # 0600 before SQLite: its -wal/-shm get the same
         self._db = sqlite3.connect(str(db_path), check_same_thread=False, isolation_level=None,
                                    timeout=30)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
-        os.chmod(db_path, 0o600)
+        homedir.private_db_files(db_path)
         self._dblock = threading.Lock()  # the connection: the writer's, readers'
         self._cv = threading.Condition()
         self._queue: collections.deque[Pending] = collections.deque()
@@ -466,6 +468,9 @@ class AuditLog:
             self.record(ev.sandbox, ev.kind, dict(ev.fields), ev.workspace, ev.time)
         elif ev.kind == "oom":
             self.record(ev.sandbox, "limit", {"limit": "memory", **ev.fields}, ev.workspace,
+                        ev.time)
+        elif ev.kind == "idle":  # (the pause that follows is a transition, reason idle)
+            self.record(ev.sandbox, "lifecycle", {"event": "idle", **ev.fields}, ev.workspace,
                         ev.time)
         elif ev.kind == "network":
             pol = dict(ev.fields.get("network") or {})

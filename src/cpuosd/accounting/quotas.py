@@ -1,34 +1,60 @@
-"""Admission: a sandbox is made only if its workspace's maxima and the host's capacity
-allow it, checked before anything is started (and in the same event-loop step as the row
-is written, so two creates cannot both take the last place).
+"""Admission: a sandbox is made only if its workspace's maxima and the host allow it,
+checked before anything is started (and in the same event-loop step as the row is written,
+so two creates cannot both take the last place).
 
 - Per sandbox: vCPUs and memory at most the workspace's ``max_vcpus`` / ``max_memory_mib``
   (by default the host's cores and memory: no sandbox larger than the machine) -> 422.
 - Per workspace: at most ``max_sandboxes`` alive (paused ones included), and at most
-  ``max_total_vcpus`` / ``max_total_memory_mib`` reserved by its running ones -> 429.
-- The host: the vCPUs and memory reserved by every running, starting, pooled or resuming
-  sandbox, plus the new one, within the host's times an overcommit ratio
-  (``CPUOS_CPU_OVERCOMMIT``, default 32: a vCPU is a CFS quota, time-shared;
-  ``CPUOS_MEMORY_OVERCOMMIT``, default 4: a sandbox's memory is a limit, and an idle one
-  holds about 30 MiB; set 1 where every sandbox may use all of its memory at once) -> 429.
-  A paused sandbox reserves nothing (it is on disk) until it resumes.
+  ``max_total_vcpus`` / ``max_total_memory_mib`` held by its running ones (their sizes)
+  -> 429.
+- The host, by what is really used (``HostUse``, measured): a sandbox's size is a cap, not
+  a reservation. Memory: what the host can still give (MemAvailable), less what sandboxes
+  admitted in the last ``RECENT`` seconds will take once up, less a reserve
+  (``CPUOS_MEMORY_RESERVE_MIB``, default 5% of the host, at least 512 MiB), must hold the
+  new one (as much as a running sandbox holds now, on average, up to its cap). CPU: the
+  sandboxes' recent use (their cgroups, over the last minute) under the host's cores ×
+  ``CPUOS_ADMIT_CPU`` (0.95). Disk: ``CPUOS_DISK_RESERVE_MIB`` (1024) free where writable
+  layers live (a pause checks its snapshot's room itself: ``no_space``). A host that is
+  full answers 429 naming what is full (``host_memory``, ``host_cpu``, ``host_disk``). A
+  paused sandbox holds disk only.
+  Operators who want nominal ceilings too set ``CPUOS_MEMORY_OVERCOMMIT`` and/or
+  ``CPUOS_CPU_OVERCOMMIT``: the sizes of running sandboxes then stay under the host's memory
+  and cores times those ratios (``host_capacity``).
 """
 
 from __future__ import annotations
 
+import collections
+import logging
 import os
-from collections.abc import Callable
+import shutil
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from ..errors import ApiError, invalid
 from ..store import ACTIVE_STATES, Store
+
+log = logging.getLogger("cpuosd.admission")
 
 # states whose sandbox holds host memory and CPU (paused and killing ones do not, or not
 # for long)
 RESERVING = ("creating", "running", "pausing", "resuming", "pooled")
 DEFAULT_MAX_DISK_MIB = 64 << 10
 DEFAULT_MAX_PIDS = 32768
+# s a newly admitted sandbox counts as about to take memory (its restore maps its pages in
+# the background; until then MemAvailable does not show it)
+RECENT = 15.0
+# what a new sandbox is taken to hold when no running one shows it (MiB), and at least
+DEFAULT_SANDBOX_MIB = 256
+MIN_SANDBOX_MIB = 32
+# the sandboxes' CPU use is averaged over this window (s); samples at most once a second
+CPU_WINDOW = 60.0
+# host cgroup parents whose children are sandboxes (gVisor's, the microVM jailer's)
+CGROUP_PARENTS = ("cpuos", "cpuos-microvm")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
 def host_vcpus() -> int:
@@ -38,11 +64,140 @@ def host_vcpus() -> int:
 def host_memory_mib() -> int:
     if os.environ.get("CPUOS_HOST_MEMORY_MIB"):
         return int(os.environ["CPUOS_HOST_MEMORY_MIB"])
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) // 1024
-    return 1024
+    return _meminfo().get("MemTotal", 1 << 30) >> 20
+
+
+def _meminfo() -> dict[str, int]:
+    """/proc/meminfo in bytes."""
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                parts = v.split()
+                if parts and parts[0].isdigit():
+                    out[k] = int(parts[0]) << 10
+    except OSError:
+        pass
+    return out
+
+
+@dataclass(frozen=True)
+class HostUse:
+    """What the host has and what its sandboxes use, now (admission's measurement)."""
+
+    memory_total_mib: int
+    memory_available_mib: int  # what the host can still give (MemAvailable)
+    sandbox_mib: int  # what one running sandbox holds, on average (a new one's estimate)
+    sandboxes: int  # running sandboxes the figures are of
+    cpu_cores: float
+    cpu_used_cores: float  # the sandboxes' CPU use, averaged over the last window
+    disk_free_mib: int  # free where writable layers live
+
+
+Measure = Callable[[], HostUse]
+
+
+class HostMeter:
+    """The real measurement: /proc/meminfo, the sandboxes' host cgroups (their parents:
+    one read each, whatever the number of sandboxes), free space of ``disk_paths``. The
+    CPU figure is the parents' usage counters sampled at most once a second (``measure``,
+    and the daemon's tick), averaged over ``CPU_WINDOW``.
+
+    ``CPUOS_HOST_MEMORY_MIB`` (a host smaller than the machine, e.g. for tests): what can
+    still be given is that size less what this daemon's own sandbox cgroups (``ours``)
+    hold, at most MemAvailable."""
+
+    def __init__(self, disk_paths: Sequence[Path], root: Path = CGROUP_ROOT,
+                 parents: Sequence[str] = CGROUP_PARENTS,
+                 clock: Callable[[], float] = time.monotonic,
+                 ours: Callable[[], Iterable[str]] | None = None) -> None:
+        self.disk_paths, self.root, self.parents, self.clock = disk_paths, root, parents, clock
+        self.ours = ours
+        self._cpu: collections.deque[tuple[float, float]] = collections.deque()
+
+    def _read(self, *names: Path) -> str | None:
+        for p in names:
+            try:
+                return p.read_text()
+            except OSError:
+                continue
+        return None
+
+    def cpu_seconds(self) -> float:
+        total = 0.0
+        for parent in self.parents:
+            v1 = self._read(self.root / "cpuacct" / parent / "cpuacct.usage")
+            if v1 is not None and v1.strip().isdigit():
+                total += int(v1) / 1e9
+                continue
+            v2 = self._read(self.root / parent / "cpu.stat")
+            for line in (v2 or "").splitlines():
+                k, _, v = line.partition(" ")
+                if k == "usage_usec" and v.strip().isdigit():
+                    total += int(v) / 1e6
+        return total
+
+    def _resident(self, d: Path) -> int | None:
+        """Bytes resident in the cgroup d and below: anonymous and shared memory (gVisor's
+        memory file), not page cache the host can drop."""
+        stat = self._read(d / "memory.stat")
+        if stat is None:
+            return None
+        st = dict(line.split()[:2] for line in stat.splitlines() if " " in line)
+        if "total_rss" in st:  # v1, hierarchical
+            return int(st.get("total_rss", 0)) + int(st.get("total_shmem", 0))
+        return int(st.get("anon", 0)) + int(st.get("shmem", 0))  # v2
+
+    def sandboxes_memory(self, sids: Iterable[str] | None = None) -> tuple[int, int]:
+        """(bytes resident in sandboxes' cgroups, how many sandbox cgroups): all of them
+        (their parents), or those of ``sids``."""
+        sids = None if sids is None else list(sids)
+        used = count = 0
+        for parent in self.parents:
+            for d in (self.root / "memory" / parent, self.root / parent):
+                if sids is not None:
+                    for sid in sids:
+                        got = self._resident(d / sid)
+                        if got is not None:
+                            used, count = used + got, count + 1
+                    continue
+                got = self._resident(d)
+                if got is None:
+                    continue
+                used += got
+                try:
+                    count += sum(1 for e in os.scandir(d) if e.is_dir())
+                except OSError:
+                    pass
+                break
+        return used, count
+
+    def sample_cpu(self) -> None:
+        now = self.clock()
+        if self._cpu and now - self._cpu[-1][0] < 1.0:
+            return
+        self._cpu.append((now, self.cpu_seconds()))
+        while len(self._cpu) > 2 and now - self._cpu[1][0] >= CPU_WINDOW:
+            self._cpu.popleft()
+
+    def measure(self) -> HostUse:
+        self.sample_cpu()
+        (t0, c0), (t1, c1) = self._cpu[0], self._cpu[-1]
+        cpu_used = max(0.0, c1 - c0) / (t1 - t0) if t1 - t0 >= 1.0 else 0.0
+        mem = _meminfo()
+        total = host_memory_mib()
+        available = mem.get("MemAvailable", 0) >> 20
+        used, count = self.sandboxes_memory()
+        if os.environ.get("CPUOS_HOST_MEMORY_MIB"):  # a host smaller than the machine
+            mine = self.sandboxes_memory(list(self.ours()))[0] if self.ours else used
+            available = min(available, total - (mine >> 20))
+        per = max(MIN_SANDBOX_MIB, (used >> 20) // count) if count else DEFAULT_SANDBOX_MIB
+        free = min((shutil.disk_usage(p).free >> 20 for p in self.disk_paths if p.exists()),
+                   default=1 << 30)
+        return HostUse(memory_total_mib=total, memory_available_mib=max(0, available),
+                       sandbox_mib=per, sandboxes=count, cpu_cores=float(host_vcpus()),
+                       cpu_used_cores=cpu_used, disk_free_mib=free)
 
 
 @dataclass
@@ -85,43 +240,76 @@ def check_limits_body(limits: dict[str, Any]) -> dict[str, int]:
 
 
 class Admission:
-    def __init__(self, store: Store) -> None:
-        self.store = store
-        self.cpu_ratio = float(os.environ.get("CPUOS_CPU_OVERCOMMIT") or 32)
-        self.mem_ratio = float(os.environ.get("CPUOS_MEMORY_OVERCOMMIT") or 4)
+    def __init__(self, store: Store, measure: Measure,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.store, self.measure, self.clock = store, measure, clock
+        env = os.environ.get
+        # nominal ceilings: only where the operator sets a ratio
+        self.cpu_ratio = float(env("CPUOS_CPU_OVERCOMMIT") or 0)
+        self.mem_ratio = float(env("CPUOS_MEMORY_OVERCOMMIT") or 0)
+        self.cpu_load = float(env("CPUOS_ADMIT_CPU") or 0.95)
+        self.memory_reserve = int(env("CPUOS_MEMORY_RESERVE_MIB") or 0) or max(
+            512, host_memory_mib() // 20)
+        self.disk_reserve = int(env("CPUOS_DISK_RESERVE_MIB") or 1024)
+        # MiB promised to sandboxes admitted in the last RECENT seconds: (when, MiB)
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()
         # (workspace, what) -> raises at the workspace's spending cap (accounting.usage)
         self.check_spending: Callable[[str, str], None] | None = None
 
     def capacity(self) -> dict[str, int]:
+        """The nominal ceilings (0: none set)."""
         return {"vcpus": int(host_vcpus() * self.cpu_ratio),
                 "memory_mib": int(host_memory_mib() * self.mem_ratio)}
 
     def _reserved(self, workspace_id: str | None) -> tuple[int, int]:
-        rows = self.store.list_sandboxes(workspace_id, RESERVING)
-        if workspace_id is not None:  # pooled sandboxes belong to no one yet
-            rows = [r for r in rows if r.state != "pooled"]
-        return (sum(int(r.spec.get("vcpus") or 0) for r in rows),
-                sum(int(r.spec.get("memory_mib") or 0) for r in rows))
+        """The vCPUs and memory (sizes) of running sandboxes: the workspace's (pooled ones
+        belong to no one yet), or all of them."""
+        states = RESERVING if workspace_id is None else tuple(
+            s for s in RESERVING if s != "pooled")
+        _, vcpus, mem = self.store.sandbox_totals(workspace_id, states)
+        return vcpus, mem
 
     def limits(self, workspace_id: str) -> Limits:
         ws = self.store.workspace(workspace_id)
         return Limits.of(ws["limits"] if ws else {})
 
-    def usage(self, workspace_id: str) -> dict[str, Any]:
-        vcpus, mem = self._reserved(workspace_id)
-        alive = len(self.store.list_sandboxes(workspace_id, ACTIVE_STATES))
+    def _promised(self) -> int:
+        now = self.clock()
+        while self._recent and now - self._recent[0][0] > RECENT:
+            self._recent.popleft()
+        return sum(m for _, m in self._recent)
+
+    def host(self) -> dict[str, Any]:
+        """The host as admission sees it (the admin's ``GET /workspace``)."""
+        use = self.measure()
         hv, hm = self._reserved(None)
-        return {"limits": asdict(self.limits(workspace_id)),
-                "used": {"sandboxes": alive, "vcpus": vcpus, "memory_mib": mem},
-                "host": {"capacity": self.capacity(), "reserved": {"vcpus": hv,
-                                                                   "memory_mib": hm}}}
+        return {**asdict(use), "memory_reserve_mib": self.memory_reserve,
+                "memory_promised_mib": self._promised(), "cpu_admit_cores": round(
+                    use.cpu_cores * self.cpu_load, 2),
+                "disk_reserve_mib": self.disk_reserve, "capacity": self.capacity(),
+                "reserved": {"vcpus": hv, "memory_mib": hm}}
+
+    def usage(self, workspace_id: str, *, host: bool = True) -> dict[str, Any]:
+        """The workspace's maxima and what its sandboxes hold; with ``host`` (the admin's
+        view), the host as admission sees it."""
+        vcpus, mem = self._reserved(workspace_id)
+        alive = self.store.sandbox_totals(workspace_id, ACTIVE_STATES)[0]
+        out: dict[str, Any] = {"limits": asdict(self.limits(workspace_id)),
+                               "used": {"sandboxes": alive, "vcpus": vcpus, "memory_mib": mem}}
+        if host:
+            out["host"] = self.host()
+        return out
 
     def admit(self, workspace_id: str, vcpus: int, memory_mib: int, *, n: int = 1,
               new_sandboxes: bool = True, reserve_host: bool = True,
-              pids: int | None = None, disk_mib: int | None = None) -> None:
+              pids: int | None = None, disk_mib: int | None = None, pending: int = 0) -> None:
         """Raise unless ``n`` sandboxes of this size may start for this workspace.
         ``new_sandboxes``: they add to the workspace's count (not for a resume);
-        ``reserve_host``: they take new host capacity (not when handed from the pool)."""
+        ``reserve_host``: they take new host memory (not when handed from the pool);
+        ``pending``: sandboxes of this workspace admitted and not yet made (creates waiting
+        for the warm pool), counted as made."""
+        if self.store.workspace(workspace_id) is None:  # deleted (its keys are revoked)
+            raise ApiError("unauthorized", "this workspace has been deleted")
         lim = self.limits(workspace_id)
         if self.check_spending is not None:
             self.check_spending(workspace_id, "create" if new_sandboxes else "resume")
@@ -140,34 +328,95 @@ class Admission:
             raise invalid(f"pids {pids} is over this workspace's maximum of {lim.max_pids} "
                           f"per sandbox", field="pids", max=lim.max_pids)
         if new_sandboxes:
-            alive = len(self.store.list_sandboxes(workspace_id, ACTIVE_STATES))
+            alive = self.store.sandbox_totals(workspace_id, ACTIVE_STATES)[0] + pending
             if alive + n > lim.max_sandboxes:
                 raise ApiError("limit_exceeded", f"this workspace has {alive} sandboxes alive "
                                f"(paused included); its maximum is {lim.max_sandboxes}",
                                {"limit": "max_sandboxes", "max": lim.max_sandboxes})
-        used_v, used_m = self._reserved(workspace_id)
-        if lim.max_total_vcpus and used_v + n * vcpus > lim.max_total_vcpus:
-            raise ApiError("limit_exceeded", f"this workspace's running sandboxes hold {used_v} "
-                           f"vCPUs; {n * vcpus} more would pass its maximum of "
-                           f"{lim.max_total_vcpus}", {"limit": "max_total_vcpus"})
-        if lim.max_total_memory_mib and used_m + n * memory_mib > lim.max_total_memory_mib:
-            raise ApiError("limit_exceeded", f"this workspace's running sandboxes hold {used_m} "
-                           f"MiB; {n * memory_mib} more would pass its maximum of "
-                           f"{lim.max_total_memory_mib}", {"limit": "max_total_memory_mib"})
+        if lim.max_total_vcpus or lim.max_total_memory_mib:
+            used_v, used_m = self._reserved(workspace_id)
+            used_v, used_m = used_v + pending * vcpus, used_m + pending * memory_mib
+            if lim.max_total_vcpus and used_v + n * vcpus > lim.max_total_vcpus:
+                raise ApiError("limit_exceeded", f"this workspace's running sandboxes hold "
+                               f"{used_v} vCPUs; {n * vcpus} more would pass its maximum of "
+                               f"{lim.max_total_vcpus}", {"limit": "max_total_vcpus"})
+            if lim.max_total_memory_mib and used_m + n * memory_mib > lim.max_total_memory_mib:
+                raise ApiError("limit_exceeded", f"this workspace's running sandboxes hold "
+                               f"{used_m} MiB; {n * memory_mib} more would pass its maximum "
+                               f"of {lim.max_total_memory_mib}",
+                               {"limit": "max_total_memory_mib"})
         if reserve_host:
-            self.check_host(vcpus * n, memory_mib * n)
+            self.check_host(vcpus, memory_mib, n)
 
-    def host_has_room(self, vcpus: int, memory_mib: int) -> bool:
-        cap = self.capacity()
-        hv, hm = self._reserved(None)
-        return hv + vcpus <= cap["vcpus"] and hm + memory_mib <= cap["memory_mib"]
+    def _needs(self, use: HostUse, memory_mib: int, n: int) -> int:
+        """MiB n new sandboxes of this size are taken to hold once up: what a running one
+        holds on average, never more than its cap (and the sentry's share above it)."""
+        return n * min(use.sandbox_mib, memory_mib + 256)
 
-    def check_host(self, vcpus: int, memory_mib: int) -> None:
-        if not self.host_has_room(vcpus, memory_mib):
+    def host_full(self, vcpus: int, memory_mib: int, n: int = 1,
+                  use: HostUse | None = None) -> ApiError | None:
+        """Why the host cannot take n more sandboxes of this size now, or None."""
+        use = use or self.measure()
+        need = self._needs(use, memory_mib, n)
+        promised = self._promised()
+        free = use.memory_available_mib - promised - self.memory_reserve
+        if free < need:
+            return ApiError(
+                "limit_exceeded", f"the host is full (memory): {use.memory_available_mib} MiB "
+                f"available, {promised} MiB promised to sandboxes starting, "
+                f"{self.memory_reserve} MiB kept free; this needs about {need} MiB more",
+                {"limit": "host_memory", "available_mib": use.memory_available_mib,
+                 "promised_mib": promised, "reserve_mib": self.memory_reserve,
+                 "needed_mib": need})
+        if use.cpu_used_cores >= use.cpu_cores * self.cpu_load:
+            return ApiError(
+                "limit_exceeded", f"the host is full (CPU): its sandboxes used "
+                f"{use.cpu_used_cores:.2f} of its {use.cpu_cores:g} cores over the last "
+                f"minute (admitting up to {self.cpu_load:.0%})",
+                {"limit": "host_cpu", "used_cores": round(use.cpu_used_cores, 3),
+                 "cores": use.cpu_cores})
+        if use.disk_free_mib < self.disk_reserve:
+            return ApiError(
+                "limit_exceeded", f"the host is full (disk): {use.disk_free_mib} MiB free for "
+                f"sandboxes' writes, {self.disk_reserve} MiB kept free",
+                {"limit": "host_disk", "free_mib": use.disk_free_mib,
+                 "reserve_mib": self.disk_reserve})
+        if self.cpu_ratio or self.mem_ratio:
             cap = self.capacity()
             hv, hm = self._reserved(None)
-            raise ApiError("limit_exceeded", f"the host is full: sandboxes hold {hv} of "
-                           f"{cap['vcpus']} vCPUs and {hm} of {cap['memory_mib']} MiB it "
-                           f"admits; this needs {vcpus} vCPUs and {memory_mib} MiB more",
-                           {"limit": "host_capacity", "capacity": cap,
-                            "reserved": {"vcpus": hv, "memory_mib": hm}})
+            if (cap["vcpus"] and hv + n * vcpus > cap["vcpus"]) or (
+                    cap["memory_mib"] and hm + n * memory_mib > cap["memory_mib"]):
+                return ApiError(
+                    "limit_exceeded", f"the host is full: sandboxes hold {hv} vCPUs and "
+                    f"{hm} MiB of the {cap['vcpus'] or 'any'} vCPUs and "
+                    f"{cap['memory_mib'] or 'any'} MiB it admits (CPUOS_CPU_OVERCOMMIT, "
+                    f"CPUOS_MEMORY_OVERCOMMIT); this needs {n * vcpus} vCPUs and "
+                    f"{n * memory_mib} MiB more",
+                    {"limit": "host_capacity", "capacity": cap,
+                     "reserved": {"vcpus": hv, "memory_mib": hm}})
+        return None
+
+    def host_has_room(self, vcpus: int, memory_mib: int, n: int = 1) -> bool:
+        return self.host_full(vcpus, memory_mib, n) is None
+
+    def promise(self, memory_mib: int, n: int = 1) -> None:
+        """n sandboxes of this size start now without check_host (the warm pool's, after
+        host_has_room): they count as taking memory until they show."""
+        self._recent.append((self.clock(), self._needs(self.measure(), memory_mib, n)))
+
+    def check_host(self, vcpus: int, memory_mib: int, n: int = 1) -> None:
+        """Raise (429) unless the host has room for n more; then they are promised it. The
+        error names what is full and what was asked, not the host's figures or what other
+        workspaces hold (those go to the daemon's log, and the admin's ``GET /workspace``)."""
+        use = self.measure()
+        full = self.host_full(vcpus, memory_mib, n, use)
+        if full is not None:
+            log.info("admission: %s", full.message)
+            kind = str(full.details.get("limit", "host_capacity"))
+            what = {"host_memory": "memory", "host_cpu": "CPU",
+                    "host_disk": "disk"}.get(kind, "capacity")
+            raise ApiError("limit_exceeded", f"the host is full ({what}): it cannot take "
+                           f"{n} more sandbox{'es' if n != 1 else ''} of {vcpus} vCPUs and "
+                           f"{memory_mib} MiB now; try again later, or pause or kill "
+                           "sandboxes", {"limit": kind})
+        self._recent.append((self.clock(), self._needs(use, memory_mib, n)))

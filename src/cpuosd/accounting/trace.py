@@ -5,37 +5,50 @@ it: gVisor's runtime monitoring (seccheck trace points) with a ``remote`` sink i
 (a SOCK_SEQPACKET unix socket in the sandbox's host directory, never mounted inside) is
 made for it and runsc is given ``--pod-init-config`` naming that socket. runsc (on the host)
 connects, does the sink's handshake, and hands the connected socket to the Sentry, which
-then sends one protobuf message per trace point: every ``execve`` (``sentry/execve``:
-argv, binary, pid, uid, cwd) and every ``open``/``openat``/``creat`` (``syscall/*/exit``:
-path, flags, result), which we keep when it opened a file for writing. The Sentry is the
-sandbox's kernel: code inside cannot skip, forge or silence these points, and nothing of
-the recording lives inside (killing or replacing the agent changes nothing).
+then sends a protobuf message per trace point: every ``execve`` (``sentry/execve``: argv,
+binary, pid, uid, cwd) and every change to the file system. With cpuos's runsc (patch level
+2, ``deps/runsc/patches``) those are cpuos's points: opens that may write (open, openat,
+creat, openat2; filtered in the Sentry, with the path of the file really opened), truncate,
+mknod, mkdir, rmdir, unlink, link, symlink and rename, with paths resolved in the Sentry
+from what the syscall used; its sink batches points (one message of records every few
+milliseconds) and coalesces repeats (one point with a count). With another runsc, gVisor's
+own open points (every open is sent; those that do not write are dropped here). The Sentry
+is the sandbox's kernel: code inside cannot skip, forge or silence these points, and
+nothing of the recording lives inside (killing or replacing the agent changes nothing).
 
 The trace session is set up when the Sentry boots, so a restore (resume, fork, a create
 from a template snapshot, the warm pool) passes the config again and the new Sentry
 connects again; a daemon restarted while sandboxes run re-attaches with ``runsc trace
 create --force``. Template boots are not traced (no one's sandbox).
 
-Bounded: the Sentry never waits for us (its writes are non-blocking; what does not fit in
-the socket's buffer it drops and counts, and the count comes in the header of the next
-message that fits); a reader thread per sandbox reads at most RATE messages a second (a
-burst of BURST) and otherwise does not read, so a flood inside costs the daemon at most
-that; rows go to the audit's bounded queue. Every loss ends up in a counted ``dropped``
-row (the Sentry's last count only once another message gets through).
+Bounded: the Sentry never waits for us (its writes are non-blocking; what does not fit it
+keeps for its next round, bounded, then drops and counts, and the count comes in the header
+of the next message that fits); one thread reads every sandbox's socket (a selector: nothing
+wakes it while no sandbox sends anything), at most RATE points a second per sandbox (a
+burst of BURST), and otherwise does not read that socket, so a flood inside costs the
+daemon at most that; rows go to the audit's bounded queue. Every loss ends up in a counted
+``dropped`` row, at most one a second (the Sentry's last count only once another message
+gets through).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import functools
+import heapq
+import itertools
 import json
 import logging
 import os
 import posixpath
+import selectors
 import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +65,9 @@ COUNT = struct.Struct("<I")  # cpuos's header extension (size >= 12): points thi
 LENGTH = struct.Struct("<I")  # a record's length in a batch
 MSG_BATCH = 0x7C01  # cpuos's sink: a message of records (u32 length, header, point)
 MAX_MESSAGE = 256 << 10  # a bigger one (a huge argv) is cut by the socket: counted, not read
-RATE = 5000.0  # messages parsed per second per sandbox (beyond: counted as dropped)
+RATE = 5000.0  # points parsed per second per sandbox (beyond: counted as dropped)
 BURST = 20000.0
-GATHER = 0.02  # s: after a message, what else comes within this is read in the same wakeup
+BATCH = 64  # messages read from one socket before the others get their turn
 COALESCE = "1s"  # the Sentry's window for repeated points (cpuos's runsc, level 2)
 EXEC_CONTEXT = ["time", "group_id", "parent_thread_group_id", "credentials", "cwd",
                 "process_name"]
@@ -197,8 +210,79 @@ def _decode(mtype: int, payload: bytes, cpuos_points: bool
     return "file_write", {**detail, **_ctx(c), "time_ns": c.time_ns}
 
 
+class _Hub:
+    """One thread that reads every sandbox's trace socket (a selector over all of them): no
+    thread per sandbox, and no wakeup while nothing arrives (a quiet sandbox costs the
+    daemon nothing). Sinks hand it work with ``call``; it runs timers (a sink over its
+    rate, a loss to note) in the same thread."""
+
+    def __init__(self) -> None:
+        self.sel = selectors.DefaultSelector()
+        self._r, self._w = socket.socketpair()
+        self._r.setblocking(False)
+        self._w.setblocking(False)
+        self.sel.register(self._r, selectors.EVENT_READ, None)
+        self._lock = threading.Lock()
+        self._calls: collections.deque[Callable[[], None]] = collections.deque()
+        self._timers: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="trace-sinks", daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run fn in the hub's thread (soon)."""
+        with self._lock:
+            self._calls.append(fn)
+        with contextlib.suppress(BlockingIOError, OSError):
+            self._w.send(b"x")
+
+    def later(self, delay: float, fn: Callable[[], None]) -> None:
+        """(In the hub's thread) run fn after delay seconds."""
+        heapq.heappush(self._timers, (time.monotonic() + delay, next(self._seq), fn))
+
+    def _run(self) -> None:
+        while True:
+            wait = None if not self._timers else max(0.0,
+                                                     self._timers[0][0] - time.monotonic())
+            for key, _ in self.sel.select(wait):
+                if key.data is None:
+                    with contextlib.suppress(BlockingIOError, OSError):
+                        while self._r.recv(4096):
+                            pass
+                    continue
+                self._guard(key.data)
+            while True:
+                with self._lock:
+                    if not self._calls:
+                        break
+                    fn = self._calls.popleft()
+                self._guard(fn)
+            now = time.monotonic()
+            while self._timers and self._timers[0][0] <= now:
+                self._guard(heapq.heappop(self._timers)[2])
+
+    @staticmethod
+    def _guard(fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception:
+            log.exception("trace sink")
+
+
+_hub: _Hub | None = None
+_hub_lock = threading.Lock()
+
+
+def hub() -> _Hub:
+    global _hub
+    with _hub_lock:
+        if _hub is None:
+            _hub = _Hub()
+        return _hub
+
+
 class Sink:
-    """One sandbox's listener and reader (a thread of its own)."""
+    """One sandbox's listener and its trace session (read by the shared hub thread)."""
 
     def __init__(self, sid: str, path: Path, audit: AuditLog, cpuos_points: bool = True
                  ) -> None:
@@ -207,101 +291,159 @@ class Sink:
         self.connections = 0  # Sentries that connected (a restore is a new one)
         self.messages = 0  # messages read (a batch is one)
         self.points = 0  # points recorded (a coalesced one counts as many as it stands for)
-        self.wakeups = 0  # times the reader woke up to read (several messages each)
-        self._stop = threading.Event()
+        self.wakeups = 0  # times the hub read this socket (several messages each)
+        self._hub = hub()
+        self._stopped = False
+        self._done = threading.Event()
         self._conn: socket.socket | None = None
+        self._hello_deadline = 0.0
+        # the session's reading state (set at its handshake)
+        self._tokens, self._last = BURST, 0.0
+        self._seen_dropped = 0  # the Sentry's count in the last header read
+        self._lost = self._malformed = 0  # not yet in a dropped row (one a second at most)
+        self._noted = 0.0
+        self._note_due = False
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
         self._lsock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._lsock.bind(str(path))
         os.chmod(path, 0o600)
         self._lsock.listen(4)
-        self._lsock.settimeout(0.5)
-        self._thread = threading.Thread(target=self._run, name=f"trace-{sid}", daemon=True)
-        self._thread.start()
+        self._lsock.setblocking(False)
+        self._hub.call(self._listen)
 
     def close(self, wait: float = 0.0) -> None:
-        """Stop listening and reading (the thread ends by itself, promptly: the event loop
-        never waits for it unless ``wait``)."""
-        self._stop.set()
-        for sock in (self._conn, self._lsock):
-            if sock is not None:
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)  # wakes a blocked accept or recv
+        """Stop listening and reading (promptly, in the hub's thread; the event loop never
+        waits for it unless ``wait``)."""
+        self._hub.call(self._shutdown)
         with contextlib.suppress(OSError):
             self.path.unlink()
         if wait:
-            self._thread.join(wait)
+            self._done.wait(wait)
 
-    def _run(self) -> None:
+    # ---- in the hub's thread -----------------------------------------------------------
+    def _listen(self) -> None:
+        if not self._stopped:
+            self._hub.sel.register(self._lsock, selectors.EVENT_READ, self._accept)
+
+    def _shutdown(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._conn is not None:
+            self._end()
+        with contextlib.suppress(KeyError, ValueError):
+            self._hub.sel.unregister(self._lsock)
+        self._lsock.close()
+        self._done.set()
+
+    def _accept(self) -> None:
         try:
-            while not self._stop.is_set():
-                try:
-                    conn, _ = self._lsock.accept()
-                except TimeoutError:
-                    continue
-                except OSError:
-                    return
-                self._conn = conn
-                try:
-                    self._serve(conn)
-                except Exception:
-                    log.exception("trace sink of %s failed", self.sid)
-                finally:
-                    self._conn = None
-                    conn.close()
-        finally:
-            self._lsock.close()
+            conn, _ = self._lsock.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._shutdown()
+            return
+        # one session at a time (another Sentry waits in the backlog until it ends)
+        self._hub.sel.unregister(self._lsock)
+        conn.setblocking(False)
+        self._conn = conn
+        self._hello_deadline = time.monotonic() + 10.0
+        self._hub.sel.register(conn, selectors.EVENT_READ, self._hello)
+        self._hub.later(10.0, functools.partial(self._hello_timeout, conn))
 
-    def _serve(self, conn: socket.socket) -> None:
-        conn.settimeout(10.0)
-        hello = conn.recv(10240)  # runsc's Handshake (the version it speaks)
-        theirs = pb.Handshake.FromString(hello)
-        conn.sendall(pb.Handshake(version=1).SerializeToString())
+    def _hello_timeout(self, conn: socket.socket) -> None:
+        if self._conn is conn and self._hello_deadline:
+            log.warning("trace sink of %s: no handshake within 10s", self.sid)
+            self._end(session=False)
+
+    def _hello(self) -> None:
+        conn = self._conn
+        assert conn is not None
+        try:
+            hello = conn.recv(10240)  # runsc's Handshake (the version it speaks)
+            if not hello:
+                raise ConnectionError("closed before its handshake")
+            theirs = pb.Handshake.FromString(hello)
+            conn.send(pb.Handshake(version=1).SerializeToString())
+        except BlockingIOError:
+            return
+        except Exception as e:
+            log.warning("trace sink of %s: handshake failed: %s", self.sid, e)
+            self._end(session=False)
+            return
+        self._hello_deadline = 0.0
         self.connections += 1
         log.info("trace session of %s connected (sink version %d)", self.sid, theirs.version)
-        # No timeout: an idle sandbox costs no wakeup here; close() (shutdown) or the
-        # Sentry's end (EOF) wakes the blocked recv.
-        conn.settimeout(None)
-        tokens, last = BURST, time.monotonic()
-        self._seen_dropped = 0  # the Sentry's count in the last header read
-        self._lost = self._malformed = 0  # not yet in a dropped row (one a second at most)
-        noted = time.monotonic()
-        block = True
-        while not self._stop.is_set():
+        self._tokens, self._last = BURST, time.monotonic()
+        self._seen_dropped = self._lost = self._malformed = 0
+        self._noted, self._note_due = time.monotonic(), False
+        self._hub.sel.modify(conn, selectors.EVENT_READ, self._read)
+
+    def _read(self) -> None:
+        """What arrived, up to a batch (the others' turn comes next), at most RATE messages
+        a second: over it, the socket is not read for a while (its buffer fills and the
+        Sentry drops and counts what does not fit, at no cost to the daemon)."""
+        conn = self._conn
+        assert conn is not None
+        self.wakeups += 1
+        for _ in range(BATCH):
             now = time.monotonic()
-            if (self._lost or self._malformed) and now - noted >= 1.0:
-                self._note()
-                noted = now
-            tokens = min(BURST, tokens + (now - last) * RATE)
-            last = now
-            if tokens < 1:
-                # over the rate: stop reading for a while; the socket's buffer fills and the
-                # Sentry drops (and counts) what does not fit, at no cost to the daemon
-                self._stop.wait(min(0.2, (1 - tokens) / RATE))
-                continue
-            try:
-                if block:  # wait for the next message
-                    data, _, flags, _ = conn.recvmsg(MAX_MESSAGE)
-                    self.wakeups += 1
-                else:
-                    data, _, flags, _ = conn.recvmsg(MAX_MESSAGE, 0, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                # all read: what comes next within GATHER is read in one wakeup (fewer
-                # wakeups of this thread under a stream of points); with losses not yet
-                # noted (at most one dropped row a second) it keeps looking every GATHER
-                # instead of blocking, so they are noted within the second
-                block = not (self._lost or self._malformed)
-                self._stop.wait(GATHER)
-                continue
-            except OSError:
+            self._tokens = min(BURST, self._tokens + (now - self._last) * RATE)
+            self._last = now
+            if self._tokens < 1:
+                self._hub.sel.unregister(conn)
+                self._hub.later(min(0.2, (1 - self._tokens) / RATE),
+                                functools.partial(self._resume, conn))
                 break
+            try:
+                data, _, flags, _ = conn.recvmsg(MAX_MESSAGE)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                self._end()
+                return
             if not data:
-                break  # the Sentry is gone (sandbox stopped, checkpointed, killed)
-            block = False
-            tokens -= self._handle(data, flags)
-        self._note()
-        log.info("trace session of %s ended", self.sid)
+                self._end()  # the Sentry is gone (sandbox stopped, checkpointed, killed)
+                return
+            self._tokens -= self._handle(data, flags)
+        self._maybe_note()
+
+    def _resume(self, conn: socket.socket) -> None:
+        if self._conn is conn and not self._stopped:
+            self._hub.sel.register(conn, selectors.EVENT_READ, self._read)
+
+    def _maybe_note(self) -> None:
+        """Losses go into a dropped row at most once a second (a timer, if none comes)."""
+        if not (self._lost or self._malformed):
+            return
+        now = time.monotonic()
+        if now - self._noted >= 1.0:
+            self._note()
+            self._noted = now
+        elif not self._note_due:
+            self._note_due = True
+            conn = self._conn
+
+            def due() -> None:
+                self._note_due = False
+                if self._conn is conn and conn is not None:
+                    self._maybe_note()
+
+            self._hub.later(1.0 - (now - self._noted), due)
+
+    def _end(self, session: bool = True) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self._hub.sel.unregister(conn)
+            conn.close()
+        if session:
+            self._note()
+            log.info("trace session of %s ended", self.sid)
+        if not self._stopped:
+            self._listen()
 
     def _handle(self, data: bytes, flags: int) -> int:
         """One message from the socket (a batch of records, cpuos's sink, or one point);

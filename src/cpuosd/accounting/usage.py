@@ -2,7 +2,8 @@
 
 The meter is a subscriber of the lifecycle's events (never a branch inside it): a
 ``running`` event opens a *running* interval (the sandbox's vCPUs and memory), ``paused``
-closes it and opens a *paused* one (its snapshot's bytes), and ``resuming``, ``killing``,
+closes it and opens a *paused* one (its snapshot's bytes and why it paused: ``idle`` ones
+are summed apart as ``idle_paused_seconds``), and ``resuming``, ``killing``,
 ``killed`` and ``error`` close whatever is open. A create that fails never reaches
 ``running``, so it costs nothing; a pooled sandbox is billed from the moment it is handed
 out (``pooled -> running`` names the workspace). Intervals are rows in SQLite, so a
@@ -70,6 +71,8 @@ class Meter:
     def __init__(self, store: Store, prices: Prices | None = None) -> None:
         self.store = store
         self.prices = prices or Prices.from_env()
+        # (workspace, month start) -> (t, cost of the month's intervals that ended by t)
+        self._closed: dict[tuple[str, float], tuple[float, float]] = {}
 
     # ---- recording ----------------------------------------------------------------------
     def on_event(self, ev: SandboxEvent) -> None:
@@ -90,10 +93,12 @@ class Meter:
                 if size is None:
                     row = self.store.get_sandbox(ev.sandbox)
                     size = row.snapshot_bytes if row else 0
+                reason = ev.fields.get("reason")
                 self.store.execute(
                     "INSERT INTO usage (workspace_id, sandbox_id, kind, start, "
-                    "snapshot_bytes) VALUES (?,?,?,?,?)",
-                    (ev.workspace, ev.sandbox, "paused", ev.time, int(size or 0)))
+                    "snapshot_bytes, reason) VALUES (?,?,?,?,?,?)",
+                    (ev.workspace, ev.sandbox, "paused", ev.time, int(size or 0),
+                     reason if isinstance(reason, str) else None))
 
     def _close(self, sid: str, at: float) -> None:
         self.store.execute("UPDATE usage SET end=MAX(start, ?) WHERE sandbox_id=? AND "
@@ -119,14 +124,14 @@ class Meter:
         """Usage between since and until (open intervals count up to until), in total and
         per sandbox, with its cost at today's prices."""
         sql = ("SELECT sandbox_id, kind, start, COALESCE(end, ?), vcpus, memory_mib, "
-               "snapshot_bytes FROM usage WHERE workspace_id=? AND start < ? AND "
+               "snapshot_bytes, reason FROM usage WHERE workspace_id=? AND start < ? AND "
                "(end IS NULL OR end > ?)")
         args: list[Any] = [until, workspace_id, until, since]
         if sandbox_id is not None:
             sql += " AND sandbox_id=?"
             args.append(sandbox_id)
         per: dict[str, dict[str, float]] = {}
-        for sid, kind, start, end, vcpus, mem, snap in self.store.execute(
+        for sid, kind, start, end, vcpus, mem, snap, reason in self.store.execute(
                 sql, tuple(args)).fetchall():
             secs = max(0.0, min(end, until) - max(start, since))
             acc = per.setdefault(sid, _zero())
@@ -136,6 +141,8 @@ class Meter:
                 acc["memory_gib_seconds"] += secs * (mem or 0) / 1024
             else:
                 acc["paused_seconds"] += secs
+                if reason == "idle":
+                    acc["idle_paused_seconds"] += secs
                 acc["snapshot_gib_seconds"] += secs * (snap or 0) / GIB
         total = _zero()
         for acc in per.values():
@@ -153,13 +160,41 @@ class Meter:
                 + acc["snapshot_gib_seconds"] * p.snapshot_gib_hour) / 3600
 
     def month_cost(self, workspace_id: str, now: float | None = None) -> float:
+        """This month's cost so far. The intervals that ended are summed once and kept
+        (per workspace and month); each later call reads only the open intervals and those
+        that ended since (an index on their end): O(active), whatever the month holds."""
         now = now or time.time()
-        return float(self.summary(workspace_id, month_start(now), now)["total"]["cost"])
+        since = month_start(now)
+        t0, closed = self._closed.get((workspace_id, since), (since, 0.0))
+        newly, open_ = 0.0, 0.0
+        cols = "kind, start, end, vcpus, memory_mib, snapshot_bytes"
+        for kind, start, end, vcpus, mem, snap in self.store.execute(
+                f"SELECT {cols} FROM usage INDEXED BY usage_ws_end WHERE workspace_id=? AND "
+                f"end IS NULL AND start < ? UNION ALL SELECT {cols} FROM usage INDEXED BY "
+                "usage_ws_end WHERE workspace_id=? AND end > ? AND start < ?",
+                (workspace_id, now, workspace_id, t0, now)).fetchall():
+            ended = end is not None and end <= now
+            secs = max(0.0, min(end if ended else now, now) - max(start, since))
+            acc = _zero()
+            if kind == "running":
+                acc["vcpu_seconds"] = secs * (vcpus or 0)
+                acc["memory_gib_seconds"] = secs * (mem or 0) / 1024
+            else:
+                acc["snapshot_gib_seconds"] = secs * (snap or 0) / GIB
+            if ended:
+                newly += self.cost(acc)
+            else:
+                open_ += self.cost(acc)
+        if len(self._closed) > 10_000:
+            self._closed.clear()
+        self._closed[(workspace_id, since)] = (now, closed + newly)
+        return closed + newly + open_
 
 
 def _zero() -> dict[str, float]:
     return {"running_seconds": 0.0, "vcpu_seconds": 0.0, "memory_gib_seconds": 0.0,
-            "paused_seconds": 0.0, "snapshot_gib_seconds": 0.0, "cost": 0.0}
+            "paused_seconds": 0.0, "idle_paused_seconds": 0.0, "snapshot_gib_seconds": 0.0,
+            "cost": 0.0}
 
 
 def _rounded(acc: dict[str, float]) -> dict[str, float]:

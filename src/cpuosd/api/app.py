@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cpuos_agent import protocol as P
 from cpuos_agent.protocol import parse_duration
 
-from .auth import Guard, Ws, require_admin
+from .auth import Guard, Ws, bearer_key, is_admin, require_admin
 from .browser import router as browser_router
 from .interp import router as interp_router
 from .templates import TemplateBuilds, router as templates_router
@@ -39,9 +39,13 @@ from ..accounting.trace import Traced
 from .commands import router as commands_router
 from .pty import router as pty_router
 from .dirs import router as dirs_router
+from .streams import MaxBytesQ
 from .usage import router as usage_router, sandbox_metrics
+from .workspaces import router as workspaces_router
 from ..proxy.preview import Preview
+from .. import e2b as e2b_surface
 from ..backends.microvm.selection import BackendUnavailable, select_backend
+from .. import homedir
 from ..config import Config
 from ..accounting.quotas import Limits, check_limits_body
 from ..accounting.usage import Enforcer, Meter
@@ -72,6 +76,21 @@ def _duration(v: Any, what: str) -> float:
         raise ValueError(str(e)) from None
 
 
+MAX_IDLE_TIMEOUT = 24 * 3600.0
+
+
+def idle_duration(v: Any, what: str = "idle_timeout") -> float:
+    """An idle timeout: a duration, or 0 (``0``, ``"0"``, ``"0s"``): never."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0:
+        return 0.0
+    if isinstance(v, str) and v.strip().lower() in ("0", "0s", "0m", "never"):
+        return 0.0
+    secs = _duration(v, what)
+    if secs > MAX_IDLE_TIMEOUT:
+        raise ValueError(f"{what}: at most {MAX_IDLE_TIMEOUT:.0f}s (or 0: never)")
+    return secs
+
+
 def _check_env(v: dict[str, str]) -> dict[str, str]:
     if len(v) > 256:
         raise ValueError("at most 256 environment variables")
@@ -100,6 +119,10 @@ class CreateSandbox(BaseModel):
         "processes and threads the sandbox's commands may have; default: the "
         "workspace's default_pids, else CPUOS_DEFAULT_PIDS"))
     on_timeout: Literal["kill", "pause"] = "kill"
+    idle_timeout: float | str | None = Field(None, description=(
+        "pause it after this long idle: no call needing the machine, no open stream or "
+        "preview connection, no CPU use inside (0: never; default: the workspace's "
+        "default_idle_timeout, else CPUOS_IDLE_TIMEOUT, 10m); any such call resumes it"))
     network: str | dict[str, Any] | None = Field(None, description=(
         "egress policy: off | on | allowlist | {\"allow\": [\"pypi.org\", "
         "\"*.github.com\"]} (default: the daemon's CPUOS_DEFAULT_NETWORK)"))
@@ -127,6 +150,11 @@ class CreateSandbox(BaseModel):
     def _env(cls, v: dict[str, str]) -> dict[str, str]:
         return _check_env(v)
 
+    @field_validator("idle_timeout")
+    @classmethod
+    def _idle(cls, v: Any) -> float | None:
+        return None if v is None else idle_duration(v)
+
 
 class ExposePort(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -147,6 +175,14 @@ class WorkspaceSettings(BaseModel):
     default_memory_mib: int | None = Field(None, ge=128, le=262144)
     default_disk_mib: int | None = Field(None, ge=64, le=1 << 22)
     default_pids: int | None = Field(None, ge=16, le=1 << 22)
+    default_idle_timeout: float | str | None = Field(None, description=(
+        "idle timeout of its sandboxes that name none (0: never; unset: the daemon's "
+        "CPUOS_IDLE_TIMEOUT, 10m)"))
+
+    @field_validator("default_idle_timeout")
+    @classmethod
+    def _idle(cls, v: Any) -> float | None:
+        return None if v is None else idle_duration(v, "default_idle_timeout")
 
 
 class SetNetwork(BaseModel):
@@ -156,12 +192,20 @@ class SetNetwork(BaseModel):
 
 class SetTimeout(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    timeout: float | str
+    timeout: float | str | None = Field(None, description="kill (or pause) it this long "
+                                        "from now")
+    idle_timeout: float | str | None = Field(None, description="its new idle timeout, from "
+                                             "now (0: never)")
 
     @field_validator("timeout")
     @classmethod
-    def _to(cls, v: Any) -> float:
-        return _duration(v, "timeout")
+    def _to(cls, v: Any) -> float | None:
+        return None if v is None else _duration(v, "timeout")
+
+    @field_validator("idle_timeout")
+    @classmethod
+    def _idle(cls, v: Any) -> float | None:
+        return None if v is None else idle_duration(v)
 
 
 class ExecRequest(BaseModel):
@@ -268,6 +312,7 @@ def sandbox_json(row: SandboxRow) -> dict[str, Any]:
         "network": row.spec.get("network"), "metadata": row.metadata,
         "on_timeout": row.on_timeout, "paused_at": row.paused_at,
         "snapshot_bytes": row.snapshot_bytes,
+        "idle_timeout": float(row.spec.get("idle_timeout") or 0.0),
     }
 
 
@@ -312,7 +357,7 @@ async def stop_for_cap(mgr: Manager, workspace_id: str, sid: str) -> str:
     """What a sandbox of a workspace at its spending cap gets: paused where the backend
     can checkpoint (it costs only its snapshot's storage), else killed."""
     if mgr.backend.capabilities.checkpoint:
-        await mgr.pause(workspace_id, sid)
+        await mgr.pause(workspace_id, sid, reason="spending_cap")
         return "paused"
     await mgr.kill(sid, reason="spending_cap")
     return "killed"
@@ -325,8 +370,9 @@ def create_app(cfg: Config | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if not become_subreaper():
             log.warning("could not become a child subreaper: pauses may be slow")
-        cfg.home.mkdir(parents=True, exist_ok=True)
-        os.chmod(cfg.home, 0o711)
+        fixed = homedir.secure(cfg.home)  # 0700; files in it: no group/other bits
+        if fixed:
+            log.warning("took group/other permissions off %s", ", ".join(fixed))
         try:  # before any state is touched: a refused start changes nothing
             backend = await asyncio.to_thread(select_backend, cfg)
         except BackendUnavailable as e:
@@ -361,6 +407,8 @@ def create_app(cfg: Config | None = None) -> FastAPI:
                           else cfg.preview_port, cfg.host)
         await preview.start()
         app.state.preview = preview
+        app.state.e2b.attach(mgr, store, preview)  # the E2B surface (cpuosd.e2b)
+        preview.route = e2b_surface.ports.router(app.state.e2b, (cfg.host, cfg.port))
         try:
             yield
         finally:
@@ -368,6 +416,7 @@ def create_app(cfg: Config | None = None) -> FastAPI:
             await asyncio.gather(cap_task, return_exceptions=True)
             await enforcer.close()
             await preview.close()
+            app.state.e2b.close()
             await app.state.builds.shutdown()
             await mgr.shutdown()
             if network is not None:
@@ -377,6 +426,7 @@ def create_app(cfg: Config | None = None) -> FastAPI:
 
     app = FastAPI(title="cpuos", version=VERSION, lifespan=lifespan)
     app.add_middleware(Guard)  # the key is checked before any body is read
+    e2b_surface.install(app, cfg)  # /e2b and E2B's sandbox headers, before the Guard
     app.include_router(templates_router)
     app.include_router(audit_router)
     app.include_router(commands_router)
@@ -386,6 +436,7 @@ def create_app(cfg: Config | None = None) -> FastAPI:
     app.include_router(interp_router)
     document(app)  # the answers' schemas in /openapi.json (sdk/js's types)
     app.include_router(usage_router)
+    app.include_router(workspaces_router)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, e: ApiError) -> JSONResponse:
@@ -419,9 +470,15 @@ def create_app(cfg: Config | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health(request: Request) -> dict[str, Any]:
+        """Open to anyone: ok, version, backend; with the admin's key also the runtime
+        (runsc's path and version, platform, network), which is the host's business."""
         backend = mgr(request).backend
-        return {"ok": True, "version": VERSION, "backend": backend.capabilities.name,
-                **backend.runtime()}
+        out = {"ok": True, "version": VERSION, "backend": backend.capabilities.name}
+        key = bearer_key(list(request.scope["headers"]))
+        wid = request.app.state.store.workspace_for_key(key) if key else None
+        if wid is not None and is_admin(request, wid):
+            out.update(backend.runtime())
+        return out
 
     @app.post("/workspaces", status_code=201)
     async def new_workspace(body: NewWorkspace, request: Request, ws: Ws) -> dict[str, Any]:
@@ -449,7 +506,9 @@ def create_app(cfg: Config | None = None) -> FastAPI:
                            ) -> dict[str, Any]:
         """A workspace's settings (admin): ``default_network``, the egress policy of its
         sandboxes that name none (off | on | allowlist | {"allow": [...]}; null: the
-        daemon's CPUOS_DEFAULT_NETWORK); ``spending_cap`` (USD a month; null: none)."""
+        daemon's CPUOS_DEFAULT_NETWORK); ``spending_cap`` (USD a month; null: none);
+        ``default_idle_timeout`` (its sandboxes' idle timeout when they name none; 0: never;
+        null: the daemon's CPUOS_IDLE_TIMEOUT); the size defaults ``default_vcpus`` ..."""
         require_admin(request, ws)
         store: Store = request.app.state.store
         w = store.workspace(wid)
@@ -465,7 +524,7 @@ def create_app(cfg: Config | None = None) -> FastAPI:
                 settings.pop("default_network", None)
             else:
                 settings["default_network"] = Policy.parse(body.default_network).to_json()
-        for name in ("spending_cap", *SIZE_DEFAULTS):
+        for name in ("spending_cap", "default_idle_timeout", *SIZE_DEFAULTS):
             if name in given:
                 v = getattr(body, name)
                 if v is None:
@@ -477,9 +536,10 @@ def create_app(cfg: Config | None = None) -> FastAPI:
 
     @app.get("/workspace")
     async def my_workspace(request: Request, ws: Ws) -> dict[str, Any]:
-        """The caller's workspace: its maxima, what its sandboxes hold, the host's room."""
+        """The caller's workspace: its maxima and what its sandboxes hold; for the admin
+        also the host's capacity and what all sandboxes reserve (``host``)."""
         info = request.app.state.store.workspace(ws) or {"id": ws}
-        return {**info, **mgr(request).admission.usage(ws)}
+        return {**info, **mgr(request).admission.usage(ws, host=is_admin(request, ws))}
 
     @app.post("/sandboxes", status_code=201)
     async def create(body: CreateSandbox, request: Request, ws: Ws) -> dict[str, Any]:
@@ -508,14 +568,19 @@ def create_app(cfg: Config | None = None) -> FastAPI:
                 mgr(request).cfg.default_network)
             pol.secrets, pol.ca = view, ca
             network = pol.to_json()
-        size = sandbox_size(body, request.app.state.store.workspace(ws), cfg_,
-                            mgr(request).admission.limits(ws))
+        wsrow = request.app.state.store.workspace(ws)
+        size = sandbox_size(body, wsrow, cfg_, mgr(request).admission.limits(ws))
+        idle = body.idle_timeout
+        if idle is None:
+            idle = ((wsrow or {}).get("settings") or {}).get("default_idle_timeout")
+        idle_timeout = float(cfg_.idle_timeout if idle is None else idle)
         try:
             row = await mgr(request).create(ws, body.template, float(body.timeout),
                                             body.metadata, env, size["vcpus"],
                                             size["memory_mib"], body.on_timeout,
                                             network=network, pids=size["pids"],
-                                            disk_mib=size["disk_mib"])
+                                            disk_mib=size["disk_mib"],
+                                            idle_timeout=idle_timeout)
         except BaseException:
             # refused before a row existed (admission, template): no event will clean up
             if body.secrets and request.app.state.network is not None:
@@ -587,6 +652,7 @@ def create_app(cfg: Config | None = None) -> FastAPI:
 
     @app.post("/sandboxes/{sid}/fork", status_code=201)
     async def fork(sid: str, body: ForkRequest, request: Request, ws: Ws) -> dict[str, Any]:
+        await mgr(request).ready(ws, sid, "fork")  # (one paused for idleness: resumed)
         rows = await mgr(request).fork(ws, sid, body.n)
         return {"sandboxes": [sandbox_json(r) for r in rows]}
 
@@ -610,8 +676,14 @@ def create_app(cfg: Config | None = None) -> FastAPI:
     @app.post("/sandboxes/{sid}/timeout")
     async def set_timeout(sid: str, body: SetTimeout, request: Request, ws: Ws
                           ) -> dict[str, Any]:
-        if float(body.timeout) > mgr(request).cfg.max_timeout:
+        if body.timeout is None and body.idle_timeout is None:
+            raise invalid("give timeout, idle_timeout or both", field="timeout")
+        if body.timeout is not None and float(body.timeout) > mgr(request).cfg.max_timeout:
             raise invalid("timeout too long", field="timeout")
+        if body.idle_timeout is not None:
+            mgr(request).set_idle_timeout(ws, sid, float(body.idle_timeout))
+        if body.timeout is None:
+            return sandbox_json(mgr(request).get(ws, sid))
         return sandbox_json(mgr(request).set_timeout(ws, sid, float(body.timeout)))
 
     @app.get("/sandboxes/{sid}/execs")
@@ -656,9 +728,10 @@ def create_app(cfg: Config | None = None) -> FastAPI:
                               "description": "the file's bytes (Content-Length when its size "
                               "is exact; a failure mid-way cuts the response short), or with "
                               f"Accept: {P.CONTENT_TYPE} frames: data..., then eof or error"}})
-    async def get_file(sid: str, path: PathQ, request: Request, ws: Ws) -> StreamingResponse:
+    async def get_file(sid: str, path: PathQ, request: Request, ws: Ws,
+                       max_bytes: MaxBytesQ = None) -> StreamingResponse:
         lv = await mgr(request).ready(ws, sid, "files")
-        body = await mgr(request).read_file(lv, check_path(path))
+        body = await mgr(request).read_file(lv, check_path(path), max_bytes)
         return file_response(body, request.headers.get("accept", ""))
 
     @app.delete("/sandboxes/{sid}/files")

@@ -6,6 +6,12 @@ runs any dependency, so a key check in a dependency comes after the body is in m
 and 413 to a JSON body over ``MAX_JSON_BODY`` (by Content-Length, or counted as a
 chunked body arrives). Streamed uploads (``STREAMED``: file writes, template builds, stdin
 streams) have their own bounds where they are consumed.
+
+Every request and WebSocket that presented a valid key runs in a cancel scope filed under
+that key (``LiveRequests``): revoking the key (or deleting its workspace) ends them at once
+(an exec stream, a follower, a terminal), not only the requests that come after. A request
+whose answer had not started gets 401; a started stream is cut (the client sees it end
+early: the SDK raises); a WebSocket is closed with 4401.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import json
 import re
 from typing import Annotated, Any
 
+import anyio
 from fastapi import Depends, Request
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -49,11 +56,72 @@ def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
     return None
 
 
+class LiveRequests:
+    """The requests and WebSockets in flight, by the id of the key that opened them."""
+
+    def __init__(self) -> None:
+        self.by_key: dict[str, set[anyio.CancelScope]] = {}
+
+    async def run(self, key_id: str, scope: Scope, receive: Receive, send: Send,
+                  app: ASGIApp) -> None:
+        started = closed = False
+
+        async def tracked(msg: Message) -> None:
+            nonlocal started, closed
+            if msg["type"] in ("http.response.start", "websocket.accept"):
+                started = True
+            elif msg["type"] in ("websocket.close", "websocket.http.response.start"):
+                closed = True
+            await send(msg)
+
+        cs = anyio.CancelScope()
+        scope.setdefault("state", {})["live_scope"] = cs
+        mine = self.by_key.setdefault(key_id, set())
+        mine.add(cs)
+        try:
+            with cs:
+                await app(scope, receive, tracked)
+        finally:
+            mine.discard(cs)
+            if not mine:
+                self.by_key.pop(key_id, None)
+        if not cs.cancelled_caught:
+            return
+        # revoked while it ran: say so where the protocol still lets us
+        if scope["type"] == "websocket":
+            if not closed:
+                await send({"type": "websocket.close", "code": 4401,
+                            "reason": "API key revoked"})
+        elif not started:
+            await _reply(send, ApiError("unauthorized", "API key revoked"))
+
+    def cancel(self, key_ids: list[str] | set[str], keep: Any = None) -> int:
+        """End what these keys have in flight but ``keep`` (the asking request's own scope:
+        a key revoking itself gets its answer); how many requests that was."""
+        n = 0
+        for kid in key_ids:
+            for cs in list(self.by_key.get(kid, ())):
+                if cs is not keep:
+                    cs.cancel()
+                    n += 1
+        return n
+
+
 class Guard:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            # the handler checks the key itself (and refuses with its close code); one that
+            # is valid is filed, so revoking it closes the socket
+            key = bearer_key(scope["headers"])
+            found = scope["app"].state.store.key_lookup(key) if key else None
+            if found is None:
+                await self.app(scope, receive, send)
+            else:
+                await _live(scope).run(found[0], scope, receive, send, self.app)
+            return
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
@@ -64,13 +132,17 @@ class Guard:
                 "unauthorized", "missing API key: send 'Authorization: Bearer <key>'"))
             return
         store = scope["app"].state.store
-        wid = store.workspace_for_key(key)
-        if wid is None:
-            await _reply(send, ApiError("unauthorized", "invalid API key"))
+        found = store.key_lookup(key)
+        if found is None:
+            await _reply(send, ApiError("unauthorized", "invalid API key (unknown, revoked, "
+                                                        "or of a deleted workspace)"))
             return
-        scope.setdefault("state", {})["workspace"] = wid
+        key_id, wid = found
+        state = scope.setdefault("state", {})
+        state["workspace"], state["key_id"] = wid, key_id
+        live = _live(scope)
         if any(m == scope["method"] and p.fullmatch(scope["path"]) for m, p in STREAMED):
-            await self.app(scope, receive, send)
+            await live.run(key_id, scope, receive, send, self.app)
             return
         length = _content_length(headers)
         if length is not None and (length < 0 or length > MAX_JSON_BODY):
@@ -89,7 +161,15 @@ class Guard:
                     raise HTTPException(413, too_large(seen).message)
             return msg
 
-        await self.app(scope, counted, send)
+        await live.run(key_id, scope, counted, send, self.app)
+
+
+def _live(scope: Scope) -> LiveRequests:
+    state = scope["app"].state
+    live: LiveRequests | None = getattr(state, "live_requests", None)
+    if live is None:
+        live = state.live_requests = LiveRequests()
+    return live
 
 
 def too_large(n: int) -> ApiError:
@@ -118,6 +198,14 @@ def workspace(request: Request) -> str:
 Ws = Annotated[str, Depends(workspace)]
 
 
+def is_admin(request: Request, ws: str) -> bool:
+    return bool(ws == request.app.state.store.workspace_by_name("default"))
+
+
 def require_admin(request: Request, ws: str) -> None:
-    if ws != request.app.state.store.workspace_by_name("default"):
+    if not is_admin(request, ws):
         raise ApiError("permission_denied", "only the admin workspace may do this")
+
+
+def live_requests(request: Request) -> LiveRequests:
+    return _live(request.scope)

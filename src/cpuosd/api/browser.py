@@ -16,6 +16,8 @@ first, as a preview request would.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
@@ -48,9 +50,11 @@ class Fill(Click):
     text: str = Field(max_length=1 << 20)
 
 
-async def _address(request: Request, ws: str, sid: str) -> tuple[str, str]:
+@contextlib.asynccontextmanager
+async def _address(request: Request, ws: str, sid: str) -> AsyncIterator[tuple[str, str]]:
     """The sandbox's address (its owner checked; a paused one resumed first), and its
-    family for cpuosd.browser (its workspace and template)."""
+    family for cpuosd.browser (its workspace and template); the sandbox is in use (not
+    idle) until the block ends."""
     pv: Preview = request.app.state.preview
     if request.app.state.network is None:
         raise ApiError("conflict", "the browser needs the sandbox network, which is off here "
@@ -59,15 +63,16 @@ async def _address(request: Request, ws: str, sid: str) -> tuple[str, str]:
     addr = await pv._running_address(row.id, row.workspace_id, row.state, row.spec)
     if isinstance(addr, tuple):
         raise ApiError("unavailable" if addr[0] == 503 else "conflict", addr[1])
-    return addr, f"{row.workspace_id}/{row.template}"
+    with request.app.state.mgr.using(sid):
+        yield addr, f"{row.workspace_id}/{row.template}"
 
 
 @router.get("/sandboxes/{sid}/browser")
 async def browser_info(sid: str, request: Request, ws: Ws) -> dict[str, Any]:
     """The DevTools WebSocket URL through the preview proxy (token in its query: keep it
     secret) and the browser's version."""
-    addr, _ = await _address(request, ws, sid)
-    guid, version = await cdp.browser_guid(addr, sid)
+    async with _address(request, ws, sid) as (addr, _):
+        guid, version = await cdp.browser_guid(addr, sid)
     pv: Preview = request.app.state.preview
     p = await pv.expose(ws, sid, cdp.CDP_PORT, None)
     base = p["url"].replace("http://", "ws://", 1).replace("https://", "wss://", 1)
@@ -80,36 +85,36 @@ async def browser_info(sid: str, request: Request, ws: Ws) -> dict[str, Any]:
 @router.post("/sandboxes/{sid}/browser/goto")
 async def browser_goto(sid: str, body: Goto, request: Request, ws: Ws) -> dict[str, Any]:
     """Load ``url`` in the page and wait for its load event: {url, status, title}."""
-    addr, family = await _address(request, ws, sid)
-    return await cdp.goto(addr, sid, body.url, body.timeout, family)
+    async with _address(request, ws, sid) as (addr, family):
+        return await cdp.goto(addr, sid, body.url, body.timeout, family)
 
 
 @router.get("/sandboxes/{sid}/browser/screenshot")
 async def browser_screenshot(sid: str, request: Request, ws: Ws,
                              full_page: bool = False,
                              timeout: float = Query(30.0, gt=0, le=MAX_TIMEOUT)) -> Response:
-    addr, family = await _address(request, ws, sid)
-    png = await cdp.screenshot(addr, sid, timeout, full_page, family)
-    return Response(png, media_type="image/png")
+    async with _address(request, ws, sid) as (addr, family):
+        png = await cdp.screenshot(addr, sid, timeout, full_page, family)
+        return Response(png, media_type="image/png")
 
 
 @router.get("/sandboxes/{sid}/browser/content")
 async def browser_content(sid: str, request: Request, ws: Ws,
                           timeout: float = Query(30.0, gt=0, le=MAX_TIMEOUT)
                           ) -> dict[str, Any]:
-    addr, family = await _address(request, ws, sid)
-    return {"html": await cdp.content(addr, sid, timeout, family)}
+    async with _address(request, ws, sid) as (addr, family):
+        return {"html": await cdp.content(addr, sid, timeout, family)}
 
 
 @router.post("/sandboxes/{sid}/browser/click")
 async def browser_click(sid: str, body: Click, request: Request, ws: Ws) -> dict[str, Any]:
-    addr, family = await _address(request, ws, sid)
-    await cdp.click(addr, sid, body.selector, body.timeout, family)
-    return {"clicked": body.selector}
+    async with _address(request, ws, sid) as (addr, family):
+        await cdp.click(addr, sid, body.selector, body.timeout, family)
+        return {"clicked": body.selector}
 
 
 @router.post("/sandboxes/{sid}/browser/fill")
 async def browser_fill(sid: str, body: Fill, request: Request, ws: Ws) -> dict[str, Any]:
-    addr, family = await _address(request, ws, sid)
-    await cdp.fill(addr, sid, body.selector, body.text, body.timeout, family)
-    return {"filled": body.selector}
+    async with _address(request, ws, sid) as (addr, family):
+        await cdp.fill(addr, sid, body.selector, body.text, body.timeout, family)
+        return {"filled": body.selector}

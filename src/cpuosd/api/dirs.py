@@ -5,9 +5,10 @@
   a ``..``, a link pointing outside DIR, an entry through a link of the archive, a device
   or FIFO: the whole archive is refused (422) and nothing is written. Modes and mtimes are
   kept. -> ``{"path", "files", "dirs", "links", "bytes"}``.
-- ``GET /sandboxes/{id}/files/tar?path=DIR``: a tar (PAX) of DIR, links stored as links;
-  raw bytes, or with ``Accept: application/x-cpuos-frames`` frames (``data``..., ``eof`` or
-  ``error``) as for a file read.
+- ``GET /sandboxes/{id}/files/tar?path=DIR[&max_bytes=N]``: a tar (PAX) of DIR, links
+  stored as links; raw bytes, or with ``Accept: application/x-cpuos-frames`` frames
+  (``data``..., ``eof`` or ``error``) as for a file read. At most ``max_bytes`` (and
+  CPUOS_MAX_READ_BYTES): past it the stream ends with ``too_large``.
 - ``GET /sandboxes/{id}/files/watch?path=DIR&recursive=true``: changes under DIR (inotify
   inside the sandbox; the path rules of the file API), as frames: ``watching`` (path,
   watches), then ``events`` (n, overflow: events were lost, rescan; the payload a JSON
@@ -35,7 +36,7 @@ from ..lifecycle.manager import Manager
 from ..lifecycle.session import FileStream
 from ..paths import check_path
 from .auth import Ws
-from .streams import file_response
+from .streams import MaxBytesQ, file_response
 
 router = APIRouter(tags=["files"])
 UNTAR_WAIT = 600.0  # s for the agent to extract an archive
@@ -74,12 +75,15 @@ async def put_tar(sid: str, path: str, request: Request, ws: Ws) -> dict[str, An
             responses={200: {"content": {"application/x-tar": {}, P.CONTENT_TYPE: {}},
                              "description": "a tar of the directory (raw; or frames with "
                              f"Accept: {P.CONTENT_TYPE}: data..., then eof or error)"}})
-async def get_tar(sid: str, path: str, request: Request, ws: Ws) -> StreamingResponse:
+async def get_tar(sid: str, path: str, request: Request, ws: Ws,
+                  max_bytes: MaxBytesQ = None) -> StreamingResponse:
     m: Manager = request.app.state.mgr
     lv = await m.ready(ws, sid, "files")
     src = check_path(path)
+    limit = m.read_limit(max_bytes)
     st, _ = await open_stream(lv.chan, {"t": "tar", "path": src}, 30.0, f"open {src}")
-    return file_response(FileStream(m, lv, st, src, None), request.headers.get("accept", ""))
+    return file_response(FileStream(m, lv, st, src, None, limit),
+                         request.headers.get("accept", ""))
 
 
 EVENT_TYPES = ("create", "modify", "delete", "rename")

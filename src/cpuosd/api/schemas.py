@@ -38,6 +38,9 @@ class Sandbox(BaseModel):
     on_timeout: Literal["kill", "pause"]
     paused_at: float | None
     snapshot_bytes: int | None
+    idle_timeout: float = Field(description="s idle before it is paused (0: never); a "
+                                "sandbox paused for that has reason 'idle' and any call "
+                                "needing the machine resumes it")
 
 
 class SandboxList(BaseModel):
@@ -84,6 +87,8 @@ class UsageFigures(BaseModel):
     vcpu_seconds: float
     memory_gib_seconds: float
     paused_seconds: float
+    idle_paused_seconds: float = Field(description="of paused_seconds: paused for "
+                                       "idleness (idle_timeout)")
     snapshot_gib_seconds: float
     cost: float = Field(description="USD at the daemon's prices")
 
@@ -187,6 +192,49 @@ class FileEofFrame(BaseModel):
     size: int = Field(description="the bytes sent in all")
 
 
+class ApiKey(BaseModel):
+    """An API key of a workspace: never the key itself, except ``key`` in the answer that
+    made it (shown once; it is stored hashed)."""
+
+    id: str
+    workspace_id: str
+    label: str
+    created_at: float
+    revoked_at: float | None = Field(description="null while it is live")
+    current: bool = Field(description="the key that asked")
+    key: str | None = Field(None, description="only when just made")
+    requests_ended: int | None = Field(None, description="revocation: its requests in "
+                                       "flight that were ended (streams, terminals)")
+
+
+class ApiKeyList(BaseModel):
+    keys: list[ApiKey]
+
+
+class WorkspaceRecord(BaseModel):
+    id: str
+    name: str
+    created_at: float
+    limits: dict[str, int]
+    settings: dict[str, Any]
+    deleted_at: float | None
+    keys: int = Field(description="live keys")
+    sandboxes: int = Field(description="sandboxes with something on the host")
+
+
+class WorkspaceList(BaseModel):
+    workspaces: list[WorkspaceRecord]
+
+
+class WorkspaceDeleted(BaseModel):
+    id: str
+    name: str
+    deleted_at: float | None
+    keys_revoked: int
+    requests_ended: int
+    sandboxes_killed: list[str]
+
+
 FRAMES: tuple[type[BaseModel], ...] = (ExecStartedFrame, ExecOutFrame, ExecExitFrame,
                                        StreamErrorFrame, FileDataFrame, FileEofFrame)
 
@@ -212,6 +260,14 @@ ANSWERS: dict[tuple[str, str], type[BaseModel]] = {
     ("get", "/usage"): Usage,
     ("get", "/metrics"): MetricsList,
     ("get", "/sandboxes/{sid}/metrics"): Metrics,
+    ("get", "/workspace/keys"): ApiKeyList,
+    ("post", "/workspace/keys"): ApiKey,
+    ("delete", "/workspace/keys/{key_id}"): ApiKey,
+    ("get", "/workspaces/{wid}/keys"): ApiKeyList,
+    ("post", "/workspaces/{wid}/keys"): ApiKey,
+    ("delete", "/workspaces/{wid}/keys/{key_id}"): ApiKey,
+    ("get", "/workspaces"): WorkspaceList,
+    ("delete", "/workspaces/{wid}"): WorkspaceDeleted,
 }
 
 

@@ -4,12 +4,20 @@ way (cpuosd.lifecycle.session.FileStream)."""
 
 from __future__ import annotations
 
+from typing import Annotated
+
+from fastapi import Query
 from starlette.responses import StreamingResponse
 from starlette.types import Send
 
 from cpuos_agent import protocol as P
 
 from ..lifecycle.session import FileStream, StreamCut
+
+MaxBytesQ = Annotated[int | None, Query(
+    ge=0, description="the most bytes the client accepts: a file declaring more is 413 "
+    "too_large before its body, a stream passing it ends with too_large (at most, and by "
+    "default, CPUOS_MAX_READ_BYTES)")]
 
 
 class CutOnFailure(StreamingResponse):

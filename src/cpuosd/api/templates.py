@@ -1,6 +1,13 @@
 """Templates over the API: list, inspect, build (the log streamed back), remove.
 
 A build runs as its own process, ``cpuosd template build --events`` (cpuosd.templates.admin),
+whose steps run in runsc sandboxes (cpuosd.templates.stepbox). Their network is a namespace
+the daemon attaches to its own network for the build, as it does a sandbox's, with the
+policy ``CPUOS_BUILD_NETWORK`` (off | on | allowlist | names, comma-separated; default:
+``allowlist``, the package registries, unless the daemon's CPUOS_DEFAULT_NETWORK is ``off``,
+then ``off``): deny sets, resolver and egress proxy included; each connection is a line of
+the build's log (``net: ...``). It is detached when the build ends.
+The build process is
 spawned and owned by cpuosd.procs: it can be ended (SIGTERM: its mounts undone, its half-made
 tree removed) when the client goes away, when it overruns ``CPUOS_TEMPLATE_BUILD_TIMEOUT``,
 or when the daemon stops, and the daemon's own reaper never touches its children. One build
@@ -33,15 +40,19 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
+
+from cpuos_agent import tarx
 from fastapi.responses import StreamingResponse
 
 from ..config import Config
 from ..errors import ApiError, invalid, not_found
+from ..network.policy import Policy
+from ..network.service import Network
 from ..paths import ID_RE
 from ..procs import Child, spawn
 from ..store import ACTIVE_STATES
 from ..templates.builder import disk_usage, list_templates, remove_template, template_info
-from .auth import Ws, require_admin
+from .auth import Ws, is_admin, require_admin
 
 log = logging.getLogger("cpuosd.templates")
 router = APIRouter()
@@ -54,6 +65,63 @@ FREE_MARGIN = 1 << 30  # an upload never takes the disk below this
 TERM_GRACE = 30.0  # s a build has to clean up after SIGTERM
 
 
+MAX_NET_LINES = 1000  # connection lines of one build kept until they are sent
+
+
+def build_policy(cfg: Config) -> Policy | None:
+    """The build steps' egress policy (CPUOS_BUILD_NETWORK); None: no network."""
+    raw = (os.environ.get("CPUOS_BUILD_NETWORK") or "").strip()
+    if not raw:
+        raw = "off" if cfg.default_network == "off" else "allowlist"
+    value: Any = raw if raw in ("off", "on", "allowlist") else {
+        "allow": [n.strip() for n in raw.split(",") if n.strip()]}
+    try:
+        p = Policy.parse(value)
+    except ApiError as e:
+        raise ApiError("internal", f"CPUOS_BUILD_NETWORK={raw[:200]!r}: {e.message}") from None
+    return None if p.mode == "off" else p
+
+
+class BuildNet:
+    """A build's network: a namespace attached to the daemon's network under the build's id,
+    its connections kept as log lines for the build's stream."""
+
+    def __init__(self, net: Network, build_id: str, netns: str) -> None:
+        self.net, self.id, self.netns = net, build_id, netns
+        self.lines: list[str] = []
+        self.dropped = 0
+
+    @classmethod
+    async def attach(cls, net: Network, policy: Policy) -> BuildNet:
+        build_id = "build-" + secrets.token_hex(6)
+        slot = await net.attach(build_id, policy)
+        bn = cls(net, build_id, slot.netns_path)
+        net.taps[build_id] = bn.record
+        return bn
+
+    def record(self, sid: str, rec: dict[str, Any]) -> None:
+        if len(self.lines) >= MAX_NET_LINES:
+            self.dropped += 1
+            return
+        where = rec.get("name") or rec.get("dst") or "?"
+        rule = f" ({rec['rule']})" if rec.get("rule") else ""
+        self.lines.append(f"net: {rec.get('verdict', '?')} {rec.get('proto', 'tcp')} "
+                          f"{where}:{rec.get('port', '?')}{rule}")
+
+    def take(self) -> list[str]:
+        out, self.lines = self.lines, []
+        if self.dropped:
+            out.append(f"net: ({self.dropped} more connection(s) not shown)")
+            self.dropped = 0
+        return out
+
+    async def detach(self) -> None:
+        try:
+            await self.net.detach(self.id)
+        finally:
+            self.net.taps.pop(self.id, None)
+
+
 class TemplateBuilds:
     """The running build (at most one) and the tasks ending builds whose clients left."""
 
@@ -62,6 +130,7 @@ class TemplateBuilds:
         self.current: str | None = None
         self.children: set[Child] = set()
         self.ending: set[asyncio.Task[None]] = set()
+        self.net: BuildNet | None = None  # the running build's network
 
     def begin(self, what: str) -> None:
         if self.current is not None:
@@ -85,7 +154,10 @@ class TemplateBuilds:
             if upload is not None:
                 await asyncio.to_thread(shutil.rmtree, upload, True)
         finally:
+            net, self.net = self.net, None
             self.current = None
+            if net is not None:
+                await net.detach()
 
     async def shutdown(self) -> None:
         for child in list(self.children):
@@ -117,14 +189,25 @@ def _check_name(name: str, what: str = "name") -> str:
     return name
 
 
+# what of a template's record is the host's business (where it lives on the host's disk,
+# the file it was made from): shown to the admin only
+HOST_FIELDS = ("rootfs", "tarball")
+
+
+def _shown(info: dict[str, Any], admin: bool) -> dict[str, Any]:
+    return info if admin else {k: v for k, v in info.items() if k not in HOST_FIELDS}
+
+
 @router.get("/templates")
 async def list_(request: Request, ws: Ws) -> dict[str, Any]:
+    """The templates built on the daemon's host (host paths for the admin only)."""
     tdir = request.app.state.mgr.cfg.templates_dir
     items = await asyncio.to_thread(lambda: list_templates(tdir) if tdir.is_dir() else [])
     for i in items:
         if not i.get("size_bytes"):
             i["size_bytes"] = await asyncio.to_thread(disk_usage, Path(i["rootfs"]))
-    return {"templates": items}
+    admin = is_admin(request, ws)
+    return {"templates": [_shown(i, admin) for i in items]}
 
 
 @router.get("/templates/{name}")
@@ -132,7 +215,7 @@ async def get(name: str, request: Request, ws: Ws) -> dict[str, Any]:
     info = template_info(request.app.state.mgr.cfg.templates_dir, _check_name(name))
     if info is None:
         raise not_found("template", name)
-    return info
+    return _shown(info, is_admin(request, ws))
 
 
 @router.delete("/templates/{name}")
@@ -198,6 +281,11 @@ async def build(
             argv += ["--name", name]
         if force:
             argv.append("--force")
+        net: Network | None = request.app.state.network
+        policy = build_policy(builds.cfg) if not oci else None  # (an image runs no steps)
+        if net is not None and policy is not None:
+            builds.net = await BuildNet.attach(net, policy)
+            argv += ["--netns", builds.net.netns]
         child, lines = await _start(argv, builds.cfg)
         builds.children.add(child)
         first = await _first_event(lines)
@@ -206,7 +294,8 @@ async def build(
         # the ending survives this request being cancelled
         await asyncio.shield(builds.end_later(child, upload))
         raise
-    return StreamingResponse(_relay(first, lines, child, upload, builds), media_type=NDJSON,
+    return StreamingResponse(_relay(first, lines, child, upload, builds, builds.net),
+                             media_type=NDJSON,
                              headers={"Cache-Control": "no-store"})
 
 
@@ -247,21 +336,29 @@ def _context_path(file: str, ctx: Path) -> str:
 
 
 def _extract_context(tar_path: Path, dest: Path) -> None:
-    """A context tar into ``dest``: regular files, directories and links inside it only
-    (tarfile's ``data`` filter), bounded in members and in bytes unpacked."""
+    """A context tar into ``dest``: directories and regular files only. A symlink, a hard
+    link, a device or FIFO, an absolute name or ``..`` refuses the whole context (422
+    naming the entry) before anything is written; bounded in entries and in bytes
+    unpacked; written beneath ``dest`` without following any link (cpuos_agent.tarx). Our
+    own checks, not tarfile's extraction filters: whether those hold depends on the
+    interpreter's patch level (the ``data`` filter of Python 3.11.7, which the set-up's
+    pyenv interpreter is, has the CVE-2025-4517 bypass; Debian 12's 3.11.2 has no filters
+    at all)."""
     dest.mkdir(mode=0o700)
     try:
         with tarfile.open(tar_path, "r:*") as tf:
-            total, count = 0, 0
-            for m in tf:
-                count += 1
-                total += m.size
-                if count > MAX_CONTEXT_FILES or total > MAX_UPLOAD:
-                    raise invalid(f"the context is too big (over {MAX_CONTEXT_FILES} entries "
-                                  f"or {MAX_UPLOAD} bytes unpacked)")
-                if shutil.disk_usage(dest).free < FREE_MARGIN + m.size:
-                    raise ApiError("no_space", "not enough free space to unpack the context")
-                tf.extract(m, dest, filter="data")
+            try:
+                members = tarx.check_members(tf, links=False, max_members=MAX_CONTEXT_FILES,
+                                             max_bytes=MAX_UPLOAD)
+            except tarx.TooBig:
+                raise invalid(f"the context is too big (over {MAX_UPLOAD} bytes unpacked)"
+                              ) from None
+            except tarx.Refused as e:
+                raise invalid(f"the context was refused, nothing written: {e}") from None
+            total = sum(m.size for m, _ in members if m.isreg())
+            if shutil.disk_usage(dest).free < FREE_MARGIN + total:
+                raise ApiError("no_space", "not enough free space to unpack the context")
+            tarx.extract_members(tf, members, str(dest), dir_mode=0o755)
     except tarfile.TarError as e:
         raise invalid(f"the context is not a valid tar: {e}") from None
 
@@ -319,9 +416,15 @@ async def _first_event(lines: asyncio.StreamReader) -> dict[str, Any]:
 
 
 async def _relay(first: dict[str, Any], lines: asyncio.StreamReader, child: Child,
-                 upload: Path | None, builds: TemplateBuilds) -> AsyncIterator[bytes]:
+                 upload: Path | None, builds: TemplateBuilds, net: BuildNet | None
+                 ) -> AsyncIterator[bytes]:
     last: dict[str, Any] | None = None
     ended = False
+
+    def net_lines() -> bytes:
+        return b"".join((json.dumps({"log": x}) + "\n").encode()
+                        for x in (net.take() if net is not None else ()))
+
     try:
         yield (json.dumps(first) + "\n").encode()
         try:
@@ -333,7 +436,7 @@ async def _relay(first: dict[str, Any], lines: asyncio.StreamReader, child: Chil
                     if "result" in ev or "error" in ev:
                         last = ev  # sent once the build has ended (see below)
                         continue
-                    yield (json.dumps(ev, default=str) + "\n").encode()
+                    yield net_lines() + (json.dumps(ev, default=str) + "\n").encode()
         except TimeoutError:
             last = {"error": {"code": "timeout", "message": f"the template build overran "
                                                             f"{BUILD_TIMEOUT:.0f}s; stopped"}}
@@ -341,6 +444,7 @@ async def _relay(first: dict[str, Any], lines: asyncio.StreamReader, child: Chil
         # hears the outcome: a build right after it is not refused as concurrent
         ended = True
         await builds.end_later(child, upload)
+        yield net_lines()
         if last is None:
             last = {"error": {"code": "internal", "message": "the template build exited "
                               f"with status {child.returncode} without a result"}}

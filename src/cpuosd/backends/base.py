@@ -94,6 +94,9 @@ class Backend(Protocol):
     def memory_usage(self, sandbox_id: str) -> int | None:
         """Host memory the sandbox holds, or None if unknown."""
 
+    def cpu_seconds(self, sandbox_id: str) -> float | None:
+        """CPU time the sandbox has used on the host (one cheap read), or None if unknown."""
+
     def stats(self, sandbox_id: str) -> dict[str, int | float]:
         """What the host measures of the sandbox now (those it can): cpu_seconds,
         memory_bytes, memory_limit_bytes, pids, pids_limit, net_tx_bytes, net_rx_bytes."""

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import procs
+from ..homedir import PRIVATE_UMASK
 from ..errors import ApiError
 from .base import Capabilities, SandboxSpec
 from .runsc import Runsc
@@ -69,6 +70,21 @@ def host_pids_limit(pids: int) -> int:
     return 4 * pids + 1024
 
 
+# gVisor's own kernel filesystems (nothing of the host's): every sandbox's, and a template
+# build step's (cpuosd.templates.stepbox)
+KERNEL_MOUNTS: tuple[dict[str, Any], ...] = (
+    {"destination": "/proc", "type": "proc", "source": "proc"},
+    {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+     "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+    {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+     "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
+    {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+     "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
+    {"destination": "/sys", "type": "sysfs", "source": "sysfs",
+     "options": ["nosuid", "noexec", "nodev", "ro"]},
+)
+
+
 def oci_spec(spec: SandboxSpec) -> dict[str, Any]:
     env = {
         "PATH": BASE_PATH,
@@ -105,15 +121,7 @@ def oci_spec(spec: SandboxSpec) -> dict[str, Any]:
         "root": {"path": str(spec.rootfs), "readonly": False},
         "hostname": spec.hostname,
         "mounts": [
-            {"destination": "/proc", "type": "proc", "source": "proc"},
-            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
-             "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
-            {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
-             "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
-            {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
-             "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
-            {"destination": "/sys", "type": "sysfs", "source": "sysfs",
-             "options": ["nosuid", "noexec", "nodev", "ro"]},
+            *KERNEL_MOUNTS,
             {"destination": "/opt/cpuos", "type": "bind", "source": str(spec.agent_dir),
              "options": ["rbind", "ro"]},
             {"destination": "/run/cpuos", "type": "bind", "source": str(spec.sock_dir),
@@ -170,9 +178,12 @@ class GVisorBackend:
     async def _run(self, *args: str, timeout: float = 30.0, log_path: Path | None = None
                    ) -> tuple[int, bytes, bytes]:
         """Run runsc through cpuosd.procs (output to files: a detached sandbox inherits
-        runsc's stdio, so pipes would never reach EOF); a runsc that overruns is killed."""
+        runsc's stdio, so pipes would never reach EOF); a runsc that overruns is killed.
+        Under the daemon's umask (077): its logs, state, sockets and checkpoint images
+        (a paused sandbox's memory) are root's alone."""
         try:
-            return await procs.run(args, timeout=timeout, log_path=log_path)
+            return await procs.run(args, timeout=timeout, log_path=log_path,
+                                   umask=PRIVATE_UMASK)
         except TimeoutError:
             raise ApiError("timeout", f"runsc {' '.join(args[4:6])} did not finish within "
                            f"{timeout:.0f}s") from None
@@ -203,7 +214,7 @@ class GVisorBackend:
         flags = [*self._sandbox_flags(spec), f"--log={log_path}"]
         try:
             return await procs.run([*flags, *args], timeout=timeout, log_path=log_path,
-                                   null_stdio=True)
+                                   null_stdio=True, umask=PRIVATE_UMASK)
         except TimeoutError:
             raise ApiError("timeout", f"runsc {args[0]} did not finish within "
                            f"{timeout:.0f}s") from None
@@ -268,6 +279,23 @@ class GVisorBackend:
         if not self.info.gofer_netns and os.path.ismount(null):
             libc = ctypes.CDLL(None, use_errno=True)
             libc.umount2(str(null).encode(), 2)  # MNT_DETACH
+
+    def cpu_seconds(self, sandbox_id: str) -> float | None:
+        """The sandbox cgroup's CPU time (v1 cpuacct, else v2 cpu.stat)."""
+        try:
+            with open(f"/sys/fs/cgroup/cpuacct/cpuos/{sandbox_id}/cpuacct.usage", "rb") as f:
+                return int(f.read()) / 1e9
+        except (OSError, ValueError):
+            pass
+        try:
+            with open(f"/sys/fs/cgroup/cpuos/{sandbox_id}/cpu.stat", "rb") as f:
+                for line in f:
+                    k, _, v = line.partition(b" ")
+                    if k == b"usage_usec":
+                        return int(v) / 1e6
+        except (OSError, ValueError):
+            pass
+        return None
 
     def stats(self, sandbox_id: str) -> dict[str, int | float]:
         """From the sandbox's cgroups (v1 here; v2 names too)."""

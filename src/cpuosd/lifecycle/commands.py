@@ -129,9 +129,9 @@ def _close_quietly(st: Stream, lv: Live, spawn: Any) -> None:
 
 async def start(lv: Live, cmd: str | list[str], env: dict[str, str], cwd: str | None,
                 timeout: float | None, buffer: int | None, stdin: bool,
-                pty: dict[str, int] | None = None) -> dict[str, Any]:
+                pty: dict[str, int] | None = None, record: bool = True) -> dict[str, Any]:
     """Start a background command (``pty``: {cols, rows}: on a terminal of its own); its
-    record."""
+    record (``record`` false: only its pid, one agent round trip less)."""
     st = lv.chan.open()
     try:
         target = {"shell": cmd} if isinstance(cmd, str) else {"argv": cmd}
@@ -152,7 +152,7 @@ async def start(lv: Live, cmd: str | list[str], env: dict[str, str], cwd: str | 
             raise ApiError("internal", f"unexpected agent answer {h['t']!r}")
     finally:
         st.close()
-    return await info(lv, pid)
+    return await info(lv, pid) if record else {"pid": pid}
 
 
 async def info(lv: Live, pid: int) -> dict[str, Any]:

@@ -37,7 +37,7 @@ class Deadlines:
                 row = self.store.get_sandbox(sid)
                 if row is not None:
                     try:
-                        await self.pause(row.workspace_id, sid)
+                        await self.pause(row.workspace_id, sid, reason="timeout")
                         self.store.update_sandbox(sid, remaining=row.spec.get("timeout"))
                         return
                     except ApiError as e:

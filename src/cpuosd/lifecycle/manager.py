@@ -3,13 +3,15 @@
 
 The Manager is assembled from one module per concern:
 ``reconcile`` (restart), ``pool`` (template snapshots, warm pool), ``snapshots`` (pause,
-resume, fork), ``deadlines``, ``session`` (exec, files); this module holds what they share
+resume, fork), ``deadlines``, ``wake`` (auto-pause on idle, wake on a call), ``session``
+(exec, files); this module holds what they share
 and the lifecycle itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hashlib
 import logging
@@ -18,6 +20,7 @@ import secrets
 import shutil
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import cpuos_agent
@@ -31,13 +34,15 @@ from ..errors import ApiError, not_found
 from ..events import EventBus, SandboxEvent
 from ..paths import check_id
 from ..store import LIVE_STATES, SandboxRow, Store
-from ..accounting.quotas import Admission
+from ..accounting.quotas import Admission, HostMeter, Measure
 from ..network.policy import Policy
 from ..templates.builder import template_info
 from . import states
 from .common import (KILL_LOCK_WAIT, KILL_RETRY_INTERVAL, KILL_TIMEOUT, RECONNECT_GRACE, Live,
                      _now)
 from .deadlines import Deadlines
+from .idle import IdleWatch
+from .wake import Idle
 from .pool import Templates
 from .reconcile import Reconcile
 from .session import Session
@@ -48,21 +53,40 @@ log = logging.getLogger("cpuosd.lifecycle")
 __all__ = ["Live", "Manager"]
 
 
-class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
+class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
     def __init__(self, cfg: Config, store: Store, backend: Backend,
-                 events: EventBus | None = None) -> None:
+                 events: EventBus | None = None, measure: Measure | None = None) -> None:
         self.cfg = cfg
         self.store = store
         self.backend = backend
         self.events = events or EventBus()
-        self.admission = Admission(store)
+        # admission by what the host really uses (accounting.quotas): ``measure`` stands in
+        # for the host's measurement in tests
+        # (disk: where writable layers grow; a pause checks its snapshot's room itself)
+        self.host_meter = HostMeter([cfg.sandboxes_dir], ours=lambda: list(self.live))
+        self.admission = Admission(store, measure or self.host_meter.measure)
         self.live: dict[str, Live] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._locks: dict[str, asyncio.Lock] = {}
         # creates in progress (cancelled by a DELETE of their sandbox)
         self._inflight: dict[str, asyncio.Task[Any] | None] = {}
+        # the warm pool (lifecycle.pool): ready sandboxes, refills under way, creates
+        # waiting for one (and per workspace, how many), recent creates, generations
         self.pool: dict[str, list[Live]] = {}
-        self._filling: dict[str, bool] = {}
+        self._pool_inflight: dict[str, int] = {}
+        self._pool_waiters: dict[str, collections.deque[asyncio.Future[Live]]] = {}
+        self._pool_claims: collections.Counter[str] = collections.Counter()
+        self._pool_demand: dict[str, collections.deque[float]] = {}
+        self._pool_gen: dict[str, int] = {}
+        self._pool_retry: dict[str, float] = {}
+        # idleness (lifecycle.idle): the watch, the auto-pauses and wakes under way, and
+        # what holds a sandbox in use besides its agent streams (preview connections)
+        self.idle = IdleWatch(self._idle_cpu, self._idle_in_use)
+        self._idle_pausing: dict[str, asyncio.Task[Any]] = {}
+        self._idle_pauses = asyncio.Semaphore(cfg.idle_pause_parallel)
+        self._waking: dict[str, asyncio.Task[Any]] = {}
+        self.connections: collections.Counter[str] = collections.Counter()
+        self.events.subscribe(self._idle_on_event)
         self.agent_dir = self._install_agent()
         cfg.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         # agent sockets live below: no other host user may reach (and impersonate) an agent
@@ -82,6 +106,11 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
             (tmp / "cpuos_agent").mkdir(parents=True)
             for f in files:
                 shutil.copy2(f, tmp / "cpuos_agent" / f.name)
+                os.chmod(tmp / "cpuos_agent" / f.name, 0o644)
+            # mounted into sandboxes, where the agent and the kernel read it as the
+            # sandbox's user: readable whatever the daemon's umask (cpuosd.homedir)
+            os.chmod(tmp / "cpuos_agent", 0o755)
+            os.chmod(tmp, 0o755)
             shutil.rmtree(dest, ignore_errors=True)
             tmp.rename(dest)
         return dest
@@ -101,6 +130,19 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
 
     def _lock(self, sid: str) -> asyncio.Lock:
         return self._locks.setdefault(sid, asyncio.Lock())
+
+    @contextlib.contextmanager
+    def using(self, sid: str) -> Iterator[None]:
+        """sid is in use while this is open (a preview connection, a browser call): it is
+        not idle."""
+        self.connections[sid] += 1
+        try:
+            yield
+        finally:
+            self.connections[sid] -= 1
+            if self.connections[sid] <= 0:
+                del self.connections[sid]
+            self.idle.touch(sid)
 
     @property
     def default_network(self) -> dict[str, Any]:
@@ -155,12 +197,16 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
         self.cfg.snapshots_dir.chmod(0o700)
         await self.reconcile()
         self._spawn(self._reaper())
+        self._spawn(self._idle_loop())
         self._spawn(procs.reap_loop())  # the runsc/QEMU processes we adopted
         for template in self.cfg.pool_templates if self.cfg.pool_size > 0 else []:
             if template_info(self.cfg.templates_dir, template):
-                self._spawn(self._fill_pool(template))
+                self._pool_want(template)
 
     async def shutdown(self) -> None:
+        pausing = list(self._idle_pausing.values())
+        if pausing:  # auto-pauses under way finish (bounded): a sandbox is not lost to them
+            await asyncio.wait(pausing, timeout=KILL_TIMEOUT)
         background = list(self._tasks)
         for t in background:
             t.cancel()
@@ -187,7 +233,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
                  metadata: dict[str, str], env: dict[str, str], vcpus: int, memory_mib: int,
                  state: str = "creating", on_timeout: str = "kill",
                  network: dict[str, Any] | None = None, pids: int | None = None,
-                 disk_mib: int | None = None) -> SandboxRow:
+                 disk_mib: int | None = None, idle_timeout: float = 0.0) -> SandboxRow:
         sid = "sbx-" + "".join(secrets.choice("abcdefghijklmnopqrstuvwxyz0123456789")
                                for _ in range(12))
         now = _now()
@@ -201,7 +247,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
                   "hostname": "sandbox", "env": env,
                   "timeout": timeout, "machine_id": secrets.token_hex(16),
                   "template_env": info.get("env") or {}, "workdir": info.get("workdir"),
-                  "network": network or self.default_network},
+                  "network": network or self.default_network, "idle_timeout": idle_timeout},
             metadata=metadata, on_timeout=on_timeout,
         )
         self.store.insert_sandbox(row)
@@ -220,6 +266,9 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
         self.live[row.id] = lv
         try:
             spec.sock_dir.mkdir(parents=True, exist_ok=True)
+            # the sandbox's /run/cpuos (gVisor), bound into the microVM jail for QEMU (an
+            # unprivileged uid) to reach agent.sock: 0755 whatever the daemon's umask
+            spec.sock_dir.chmod(0o755)
             # Per sandbox, also after a restore: templates link /etc/machine-id here.
             mid = row.spec.setdefault("machine_id", secrets.token_hex(16))
             (spec.sock_dir / "machine-id").write_text(mid + "\n")
@@ -228,6 +277,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
             if key is not None and image is None:
                 # read once by the agent at start; removed at its hello, before any command
                 fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o444)
+                os.fchmod(fd, 0o444)  # (whatever the daemon's umask)
                 with os.fdopen(fd, "w") as f:
                     f.write(key)
             await chan.listen()
@@ -296,14 +346,17 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
         row.started_at = row.started_at or started
         self._set_state(row.id, "running", started_at=row.started_at,
                         deadline=row.deadline, workspace_id=row.workspace_id,
-                        spec=row.spec, metadata=row.metadata, on_timeout=row.on_timeout)
-        row.state = "running"
+                        spec=row.spec, metadata=row.metadata, on_timeout=row.on_timeout,
+                        reason=None)
+        row.state, row.reason = "running", None
 
     async def create(self, workspace_id: str, template: str, timeout: float,
                      metadata: dict[str, str], env: dict[str, str], vcpus: int,
                      memory_mib: int, on_timeout: str = "kill",
                      network: dict[str, Any] | None = None, pids: int | None = None,
-                     disk_mib: int | None = None) -> SandboxRow:
+                     disk_mib: int | None = None, idle_timeout: float = 0.0) -> SandboxRow:
+        """``idle_timeout``: seconds without activity before it is paused (0: never;
+        lifecycle.idle)."""
         network = network or self.default_network
         pids, disk_mib = pids or self.cfg.default_pids, disk_mib or self.cfg.default_disk_mib
         info = template_info(self.cfg.templates_dir, template)
@@ -316,16 +369,25 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
         default_size = (vcpus, memory_mib, pids, disk_mib) == (
             self.cfg.default_vcpus, self.cfg.default_memory_mib, self.cfg.default_pids,
             self.cfg.default_disk_mib)
-        pool = self.pool.get(template)
+        pooled = default_size and self._pool_on(template)
         # no await from here to the row's insert (or the pop): admission is atomic
+        ready = pooled and bool(self.pool.get(template))
+        wait = pooled and not ready and self._pool_can_wait(template)
         self.admission.admit(workspace_id, vcpus, memory_mib, pids=pids, disk_mib=disk_mib,
-                             reserve_host=not (default_size and pool))
-        if default_size and pool:
-            lv = pool.pop()  # no await between the check and the pop: handed out once
-            self._spawn(self._fill_pool(template))
+                             reserve_host=not (ready or wait),
+                             pending=self._pool_claims.get(workspace_id, 0))
+        lv: Live | None = self._pool_take(template) if pooled else None
+        if lv is None and wait:
+            # a refill under way is done sooner than a restore of our own would be
+            lv = await self._pool_wait(template, workspace_id)
+            if lv is None:  # it failed or took too long: our own, admitted as any
+                self.admission.admit(workspace_id, vcpus, memory_mib, pids=pids,
+                                     disk_mib=disk_mib)
+        if lv is not None:
             row = lv.row
             row.workspace_id, row.metadata, row.on_timeout = workspace_id, metadata, on_timeout
-            row.spec = {**row.spec, "env": env, "timeout": timeout, "network": network}
+            row.spec = {**row.spec, "env": env, "timeout": timeout, "network": network,
+                        "idle_timeout": idle_timeout}
             lv.spec.env = env
             if lv.spec.network != network:  # pooled with the default policy
                 self.store.update_sandbox(row.id, spec=row.spec)  # (its secrets: on record)
@@ -341,7 +403,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
         # and can be deleted
         row = self._new_row(workspace_id, template, info, timeout, metadata, env, vcpus,
                             memory_mib, on_timeout=on_timeout, network=network, pids=pids,
-                            disk_mib=disk_mib)
+                            disk_mib=disk_mib, idle_timeout=idle_timeout)
         async with self._lock(row.id):
             self._inflight[row.id] = asyncio.current_task()
             try:
@@ -393,13 +455,33 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
         return lv
 
     async def ready(self, workspace_id: str, sid: str, op: str = "exec") -> Live:
-        """A running sandbox whose agent is connected; waits a little for one that is
-        reconnecting (a restarted daemon: a microVM's QEMU redials once a second)."""
+        """A running sandbox whose agent is connected, for a call that needs the machine:
+        one paused for idleness is resumed first (lifecycle.idle: once, whoever else waits
+        for it); waits a little for one that is reconnecting (a restarted daemon: a
+        microVM's QEMU redials once a second). The call counts as activity."""
+        row = self.get(workspace_id, sid)
+        if self.wakes(row):
+            await self.wake(workspace_id, sid)
         lv = self.running(workspace_id, sid, op)
+        self.idle.touch(sid)
         if not lv.chan.connected:
             with contextlib.suppress(ApiError):
                 await lv.chan.wait_connected(RECONNECT_GRACE)
         return lv
+
+    def set_idle_timeout(self, workspace_id: str, sid: str, idle_timeout: float
+                         ) -> SandboxRow:
+        """A new idle timeout (0: never), counted from now for a running sandbox."""
+        row = self.get(workspace_id, sid)
+        states.check("set_timeout", sid, row.state, row.reason)
+        row.spec["idle_timeout"] = idle_timeout
+        self.store.update_sandbox(sid, spec=row.spec)
+        lv = self.live.get(sid)
+        if lv is not None:
+            lv.row.spec["idle_timeout"] = idle_timeout
+            if lv.row.state == "running":
+                self.idle.arm(sid, idle_timeout)
+        return self.get(workspace_id, sid)
 
     def set_timeout(self, workspace_id: str, sid: str, timeout: float) -> SandboxRow:
         row = self.get(workspace_id, sid)
@@ -417,9 +499,12 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Session):
         """Returns within about KILL_LOCK_WAIT + KILL_TIMEOUT in every state: a create in
         progress is cancelled; an operation that holds the sandbox longer is not waited
         for; a teardown that overruns leaves the row in error with that reason."""
-        task = self._inflight.get(sid)
-        if task is not None and task is not asyncio.current_task():
-            task.cancel()
+        # a create, an auto-pause or a wake under way is cancelled (each cleans up after
+        # itself and lets go of the lock)
+        for task in (self._inflight.get(sid), self._idle_pausing.get(sid),
+                     self._waking.get(sid)):
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()
         lock = self._lock(sid)
         try:
             await asyncio.wait_for(lock.acquire(), KILL_LOCK_WAIT)

@@ -4,6 +4,8 @@ of sandboxes restored ahead of time; the template's start command and ready chec
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import logging
 import os
 import re
@@ -25,6 +27,17 @@ if TYPE_CHECKING:
     from .manager import Manager
 
 log = logging.getLogger("cpuosd.lifecycle")
+
+# s of creates counted as the pool's recent demand
+DEMAND_WINDOW = 10.0
+# s a create waits for a refill under way before it restores a sandbox of its own
+POOL_WAIT = 10.0
+# s before the pool tries again after a refill failed
+POOL_RETRY = 30.0
+
+
+class PoolMiss(Exception):
+    """The refill a create waited for failed."""
 
 
 class Templates:
@@ -89,6 +102,7 @@ class Templates:
         """A template is being removed: end its pooled sandboxes and delete its snapshot
         images (sandboxes users hold are the caller's concern). Returns how many images."""
         async with self._lock("template:" + template):
+            self._pool_gen[template] = self._pool_gen.get(template, 0) + 1  # fills under way
             for lv in self.pool.pop(template, []):
                 await self.kill(lv.row.id, reason="template removed")
             ours = re.compile(rf"{re.escape(template)}-[0-9a-f]{{16}}-.+")
@@ -99,33 +113,137 @@ class Templates:
                 await asyncio.to_thread(shutil.rmtree, d, True)
             return len(gone)
 
-    async def _fill_pool(self: Manager, template: str) -> None:
-        if self._filling.get(template):
+    # ---- the warm pool ------------------------------------------------------------------
+    def _pool_on(self: Manager, template: str) -> bool:
+        return self.cfg.pool_size > 0 and template in self.cfg.pool_templates
+
+    def _pool_target(self: Manager, template: str) -> int:
+        """How many ready sandboxes the pool keeps: CPUOS_POOL_SIZE, or as many as creates
+        of the template asked for in the last DEMAND_WINDOW seconds, at most
+        CPUOS_POOL_MAX."""
+        demand = self._pool_demand.get(template)
+        now = time.monotonic()
+        while demand and now - demand[0] > DEMAND_WINDOW:
+            demand.popleft()
+        return min(max(self.cfg.pool_size, self.cfg.pool_max),
+                   max(self.cfg.pool_size, len(demand or ())))
+
+    def _pool_want(self: Manager, template: str) -> None:
+        """Start refills (at most CPUOS_POOL_PARALLEL at once) until the pool, with what is
+        under way and not yet claimed, reaches its target; never where the host could not
+        then take one more sandbox of a user's (admission)."""
+        if not self._pool_on(template) or time.monotonic() < self._pool_retry.get(template, 0):
             return
-        self._filling[template] = True
+        pool = self.pool.setdefault(template, [])
+        while True:
+            inflight = self._pool_inflight.get(template, 0)
+            claimed = len(self._pool_waiters.get(template, ()))
+            if (len(pool) + inflight - claimed >= self._pool_target(template)
+                    or inflight >= self.cfg.pool_parallel):
+                return
+            if not self.admission.host_has_room(self.cfg.default_vcpus,
+                                                self.cfg.default_memory_mib, n=2):
+                return  # a pooled sandbox must not take the place of a user's
+            self.admission.promise(self.cfg.default_memory_mib)
+            self._pool_inflight[template] = inflight + 1
+            self._spawn(self._pool_fill(template, self._pool_gen.get(template, 0)))
+
+    async def _pool_fill(self: Manager, template: str, gen: int) -> None:
+        """Restore one sandbox for the pool: to a create waiting for it, else into the
+        pool."""
+        ok = False
         try:
             info = template_info(self.cfg.templates_dir, template)
             ws = self.store.workspace_by_name("default")
-            pool = self.pool.setdefault(template, [])
-            while info and ws and len(pool) < self.cfg.pool_size:
-                if not self.admission.host_has_room(self.cfg.default_vcpus,
-                                                    self.cfg.default_memory_mib):
-                    return  # a pooled sandbox must not take the place of a user's
-                image = await self._template_image(template, info)
-                if image is None:
+            image = await self._template_image(template, info) if info and ws else None
+            if image is None or info is None or ws is None:
+                return
+            row = self._new_row(ws, template, info, self.cfg.default_timeout, {}, {},
+                                self.cfg.default_vcpus, self.cfg.default_memory_mib,
+                                state="pooled")
+            try:
+                lv = await self._boot(row, image)
+            except Exception:
+                log.exception("warm pool: restoring %s failed", template)
+                self._finish(row.id, "error", "pool restore failed")
+                return
+            ok = True
+            if gen != self._pool_gen.get(template, 0):  # the template was removed meanwhile
+                await self.kill(row.id, reason="pool_discarded")
+                return
+            waiters = self._pool_waiters.get(template)
+            while waiters:
+                fut = waiters.popleft()
+                if not fut.done():
+                    fut.set_result(lv)  # straight to a create waiting for it
                     return
-                row = self._new_row(ws, template, info, self.cfg.default_timeout, {}, {},
-                                    self.cfg.default_vcpus, self.cfg.default_memory_mib,
-                                    state="pooled")
-                try:
-                    lv = await self._boot(row, image)
-                except Exception:
-                    log.exception("warm pool: restoring %s failed", template)
-                    self._finish(row.id, "error", "pool restore failed")
-                    return
-                pool.append(lv)
+            self.pool.setdefault(template, []).append(lv)
         finally:
-            self._filling[template] = False
+            self._pool_inflight[template] = self._pool_inflight.get(template, 1) - 1
+            if not ok:
+                self._pool_retry[template] = time.monotonic() + POOL_RETRY
+                waiters = self._pool_waiters.get(template)
+                while waiters:  # one create waiting for this fill goes on without it
+                    fut = waiters.popleft()
+                    if not fut.done():
+                        fut.set_exception(PoolMiss())
+                        break
+            else:
+                self._pool_want(template)
+
+    def _pool_take(self: Manager, template: str) -> Live | None:
+        """A ready pooled sandbox (handed out once: no await between this and its use)."""
+        self._pool_demand.setdefault(template, collections.deque()).append(time.monotonic())
+        pool = self.pool.get(template)
+        lv = pool.pop() if pool else None
+        self._pool_want(template)
+        return lv
+
+    def _pool_can_wait(self: Manager, template: str) -> bool:
+        """Is a refill under way that no other create waits for (it is done sooner than a
+        restore of our own would be)?"""
+        return self._pool_inflight.get(template, 0) > len(self._pool_waiters.get(template, ()))
+
+    async def _pool_wait(self: Manager, template: str, workspace_id: str) -> Live | None:
+        """The sandbox of a refill under way, or None (it failed, or took longer than
+        POOL_WAIT: the caller restores its own)."""
+        fut: asyncio.Future[Live] = asyncio.get_running_loop().create_future()
+        self._pool_waiters.setdefault(template, collections.deque()).append(fut)
+        self._pool_claims[workspace_id] += 1
+        got: Live | None = None
+        try:
+            try:
+                got = await asyncio.wait_for(asyncio.shield(fut), POOL_WAIT)
+            except TimeoutError:
+                if fut.done() and not fut.cancelled() and fut.exception() is None:
+                    got = fut.result()  # (it came as we gave up)
+            except PoolMiss:
+                pass
+            return got
+        finally:
+            self._pool_claims[workspace_id] -= 1
+            if not self._pool_claims[workspace_id]:
+                del self._pool_claims[workspace_id]
+            if not fut.done():
+                fut.cancel()
+                with contextlib.suppress(ValueError):
+                    self._pool_waiters[template].remove(fut)
+            elif got is None and not fut.cancelled() and fut.exception() is None:
+                # given to us as we were cancelled: back into the pool
+                self.pool.setdefault(template, []).append(fut.result())
+
+    def _pool_tick(self: Manager) -> None:
+        """Each second (the daemon's tick): a pool larger than its target, with no demand
+        for a while, gives back one sandbox (its memory); then refills as needed."""
+        now = time.monotonic()
+        for template in self.cfg.pool_templates if self.cfg.pool_size > 0 else ():
+            pool = self.pool.get(template)
+            demand = self._pool_demand.get(template)
+            idle = not demand or now - demand[-1] > DEMAND_WINDOW
+            if pool and idle and len(pool) > self._pool_target(template):
+                lv = pool.pop(0)
+                self._spawn(self.kill(lv.row.id, reason="pool_discarded"))
+            self._pool_want(template)
 
     async def _run_simple(self: Manager, lv: Live, cmd: str, timeout: float) -> tuple[int, bytes]:
         """Run a shell line in the sandbox for the daemon itself: (exit code, output tail)."""

@@ -42,6 +42,7 @@ class Reconcile:
                     self._set_state(row.id, "running", deadline=deadline)
                     log.info("sandbox %s was %s at restart: running", row.id, was)
                     row.state, row.deadline = "running", deadline
+                self.idle.arm(row.id, self._idle_timeout_of(row))
                 continue
             if alive:
                 await self.backend.kill(row.id)

@@ -50,11 +50,13 @@ class FileStream:
       is never reached, which every HTTP client reports as an error.
 
     Nothing the agent sends is trusted: it may not send more than it declared, nor end
-    with less."""
+    with less, nor more than ``limit`` bytes in all (``too_large``: the stream is cut and
+    the agent told to stop)."""
 
-    def __init__(self, mgr: Manager, lv: Live, st: Any, path: str, length: int | None
-                 ) -> None:
+    def __init__(self, mgr: Manager, lv: Live, st: Any, path: str, length: int | None,
+                 limit: int) -> None:
         self.mgr, self.lv, self.st, self.path, self.length = mgr, lv, st, path, length
+        self.limit = limit
 
     async def _chunks(self) -> AsyncIterator[bytes]:
         n = 0
@@ -64,6 +66,9 @@ class FileStream:
                 h, payload = await self.st.get(READ_IDLE)
                 if h["t"] == "data":
                     n += len(payload)
+                    if n > self.limit:
+                        raise ApiError("too_large", f"{self.path}: more than the limit of "
+                                       f"{self.limit} bytes", {"limit": self.limit})
                     if self.length is not None and n > self.length:
                         raise ApiError("internal", f"sandbox agent sent more of {self.path} "
                                        f"than the {self.length} bytes it declared")
@@ -264,13 +269,27 @@ class Session:
                                                   "ok": not error, "source": "api",
                                                   **({"error": error} if error else {})}))
 
-    async def read_file(self: Manager, lv: Live, path: str) -> FileStream:
-        """Open a file for reading: errors up to here are proper HTTP errors; what happens
-        after (the body is on its way) is the FileStream's to report."""
+    def read_limit(self: Manager, max_bytes: int | None) -> int:
+        """The bound of one read: the client's ``max_bytes``, at most CPUOS_MAX_READ_BYTES."""
+        cap = self.cfg.max_read_bytes
+        return cap if max_bytes is None else min(max_bytes, cap)
+
+    async def read_file(self: Manager, lv: Live, path: str, max_bytes: int | None = None
+                        ) -> FileStream:
+        """Open a file for reading: errors up to here are proper HTTP errors (a file whose
+        declared size is over the read's limit: 413 ``too_large``, before a byte of it);
+        what happens after (the body is on its way) is the FileStream's to report."""
+        limit = self.read_limit(max_bytes)
         st, h = await open_stream(lv.chan, {"t": "read", "path": path}, 30.0, f"open {path}")
         size = h.get("size")
         exact = h.get("exact") is True and isinstance(size, int) and 0 < size <= MAX_FILE
-        return FileStream(self, lv, st, path, size if exact else None)
+        if exact and isinstance(size, int) and size > limit:
+            st.close()
+            with contextlib.suppress(Exception):
+                self._spawn(lv.chan.send({"t": "kill", "id": st.id, "reason": "cancelled"}))
+            raise ApiError("too_large", f"{path} is {size} bytes, over the limit of {limit}",
+                           {"path": path, "size": size, "limit": limit})
+        return FileStream(self, lv, st, path, size if exact else None, limit)
 
     async def file_call(self: Manager, lv: Live, op: str, path: str, **extra: Any) -> Any:
         if op in ("remove", "mkdir"):  # changes: on the audit trail, as file writes are

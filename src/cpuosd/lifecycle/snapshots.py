@@ -44,6 +44,8 @@ class Snapshots:
                     await lv.chan.wait_disconnected(1.0)
                 except ApiError:
                     lv.chan.disconnect()
+        except asyncio.CancelledError:
+            raise  # (a DELETE, or the daemon stopping: whoever cancelled tears it down)
         except BaseException as e:
             await lv.chan.listen()  # the agent keeps retrying: it comes back
             await lv.chan.wait_connected(self.cfg.agent_connect_timeout)
@@ -85,6 +87,13 @@ class Snapshots:
             await self.backend.checkpoint(sid, tmp)
             self._save_agent_key(lv, tmp)
             os.rename(tmp, image)
+        except asyncio.CancelledError:
+            # a DELETE cancelled an auto-pause (or the daemon is stopping): nothing of the
+            # image is kept; the row stays pausing for the kill (or a restart) to finish
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(image, ignore_errors=True)
+            await self._teardown(sid)
+            raise
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
             await self._teardown(sid)
@@ -96,15 +105,22 @@ class Snapshots:
         log.info("checkpoint of %s: quiesce %.0f ms, runsc checkpoint %.0f ms, teardown %.0f ms",
                  sid, (t1 - t0) * 1e3, (t2 - t1) * 1e3, (time.monotonic() - t2) * 1e3)
 
-    async def pause(self: Manager, workspace_id: str, sid: str) -> SandboxRow:
+    async def pause(self: Manager, workspace_id: str, sid: str, reason: str = "requested"
+                    ) -> SandboxRow:
+        """``reason`` (kept in the row while it is paused, shown by info): requested,
+        idle, timeout, spending_cap."""
         async with self._lock(sid):
             lv = self.running(workspace_id, sid, "pause")
-            remaining = max(1.0, (lv.row.deadline or _now()) - _now())
-            await self._checkpoint(lv, self._snap(sid))
-            size = _du(self._snap(sid))
-            self._set_state(sid, "paused", paused_at=_now(), remaining=remaining,
-                                      snapshot_bytes=size, deadline=None)
+            await self._pause_locked(lv, reason)
         return self.get(workspace_id, sid)
+
+    async def _pause_locked(self: Manager, lv: Live, reason: str) -> None:
+        sid = lv.row.id
+        remaining = max(1.0, (lv.row.deadline or _now()) - _now())
+        await self._checkpoint(lv, self._snap(sid))
+        size = _du(self._snap(sid))
+        self._set_state(sid, "paused", paused_at=_now(), remaining=remaining,
+                        snapshot_bytes=size, deadline=None, reason=reason)
 
     async def resume(self: Manager, workspace_id: str, sid: str) -> SandboxRow:
         async with self._lock(sid):
@@ -112,19 +128,25 @@ class Snapshots:
             states.check("resume", sid, row.state, row.reason)
             if row.state == "running":
                 return row
-            snap = self._snap(sid)
-            self.admission.admit(workspace_id, row.spec["vcpus"], row.spec["memory_mib"],
-                                 new_sandboxes=False)
-            self._set_state(sid, "resuming")
-            try:
-                await self._boot(row, snap)
-            except BaseException:
-                self._set_state(sid, "paused")  # the snapshot is still good
-                raise
-            self._mark_running(row, row.remaining or row.spec.get("timeout") or 300.0)
-            self.store.update_sandbox(sid, paused_at=None, remaining=None, snapshot_bytes=None)
-            shutil.rmtree(snap, ignore_errors=True)
+            await self._resume_locked(row)
         return self.get(workspace_id, sid)
+
+    async def _resume_locked(self: Manager, row: SandboxRow) -> None:
+        """Restore a paused sandbox (its lock held); on any failure, cancellation included,
+        it is paused as it was (the snapshot is kept until the restore succeeded)."""
+        sid = row.id
+        snap = self._snap(sid)
+        self.admission.admit(row.workspace_id, row.spec["vcpus"], row.spec["memory_mib"],
+                             new_sandboxes=False)
+        self._set_state(sid, "resuming")
+        try:
+            await self._boot(row, snap)
+        except BaseException:
+            self._set_state(sid, "paused")  # the snapshot is still good
+            raise
+        self._mark_running(row, row.remaining or row.spec.get("timeout") or 300.0)
+        self.store.update_sandbox(sid, paused_at=None, remaining=None, snapshot_bytes=None)
+        shutil.rmtree(snap, ignore_errors=True)
 
     async def fork(self: Manager, workspace_id: str, sid: str, n: int) -> list[SandboxRow]:
         """n new sandboxes with the memory, processes and files of sid (which keeps running):
@@ -153,6 +175,7 @@ class Snapshots:
                     c.spec["pids"] = row.spec.get("pids")  # rlimits must match at restore
                     c.spec["disk_mib"] = row.spec.get("disk_mib")  # and the overlay's medium
                     c.spec["network"] = row.spec.get("network")
+                    c.spec["idle_timeout"] = row.spec.get("idle_timeout") or 0.0
                     self.store.update_sandbox(c.id, spec=c.spec)
                     try:
                         await self._boot(c, image)

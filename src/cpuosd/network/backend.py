@@ -14,14 +14,35 @@ import dataclasses
 import json
 import logging
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
 from ..backends.base import Backend, Capabilities, SandboxSpec
+from ..templates.oci import resolve_in_root
+from ..templates.spec import TemplateError
 from .policy import Policy
 from .service import Network
 
 log = logging.getLogger("cpuosd.network")
+MAX_CA_BUNDLE = 4 << 20
+
+
+def template_ca_bundle(rootfs: Path) -> str:
+    """The template's CA bundle, read as the sandbox would see it: its links resolved inside
+    the tree (a template built from an untrusted Dockerfile or image may make it a link to
+    a host file), a regular file only, bounded; "" if there is none."""
+    try:
+        path = resolve_in_root(rootfs, "etc/ssl/certs/ca-certificates.crt")
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (OSError, TemplateError):
+        return ""
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return ""
+        return os.read(fd, MAX_CA_BUNDLE).decode(errors="replace")
+    finally:
+        os.close(fd)
 
 
 class Networked:
@@ -65,14 +86,12 @@ class Networked:
             return
         spec.ca_pem = pem
         spec.sock_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            system = (spec.rootfs / "etc/ssl/certs/ca-certificates.crt").read_text()
-        except OSError:
-            system = ""
+        system = template_ca_bundle(spec.rootfs)
         for name, text in (("ca.pem", pem), ("ca-bundle.pem", system.rstrip() + "\n" + pem)):
             # the directory is the sandbox's /run/cpuos: never follow what may be there
             tmp = spec.sock_dir / f".{name}.{os.getpid()}.tmp"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o444)
+            os.fchmod(fd, 0o444)  # read by the sandbox's user, whatever the daemon's umask
             with os.fdopen(fd, "w") as f:
                 f.write(text)
             os.replace(tmp, spec.sock_dir / name)
@@ -138,6 +157,9 @@ class Networked:
 
     def memory_usage(self, sandbox_id: str) -> int | None:
         return self.inner.memory_usage(sandbox_id)
+
+    def cpu_seconds(self, sandbox_id: str) -> float | None:
+        return self.inner.cpu_seconds(sandbox_id)
 
     def stats(self, sandbox_id: str) -> dict[str, int | float]:
         """The inner backend's, and the bytes on the sandbox's link (the host end's

@@ -141,14 +141,15 @@ class Resolver(asyncio.DatagramProtocol):
             return
         kept, dropped = [], []
         for rr in answer.rr:
-            if rr.rtype in (QTYPE.A, QTYPE.AAAA) and denied_address(str(rr.rdata)):
+            if rr.rtype == QTYPE.AAAA:
+                continue  # sandboxes have no IPv6: a name gives none (a literal is refused)
+            if rr.rtype == QTYPE.A and denied_address(str(rr.rdata)):
                 dropped.append(str(rr.rdata))
             else:
                 kept.append(rr)
         answer.rr = kept
-        answer.ar = [rr for rr in answer.ar
-                     if rr.rtype not in (QTYPE.A, QTYPE.AAAA)
-                     or not denied_address(str(rr.rdata))]
+        answer.ar = [rr for rr in answer.ar if rr.rtype != QTYPE.AAAA
+                     and (rr.rtype != QTYPE.A or not denied_address(str(rr.rdata)))]
         if dropped:
             self.record(sid, proto="dns", name=name, port=53, verdict="denied",
                         rule=f"answer in a deny set: {', '.join(dropped[:4])}",

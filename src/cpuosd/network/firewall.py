@@ -26,6 +26,9 @@ log = logging.getLogger("cpuosd.network")
 
 FAMILY = "inet"
 LOG_GROUP = 7
+ND = ("nd-neighbor-solicit", "nd-neighbor-advert")
+V6_CHATTER = ("nd-router-solicit", "mld-listener-query", "mld-listener-report",
+              "mld-listener-done", "mld2-listener-report")
 
 
 class FirewallError(RuntimeError):
@@ -68,9 +71,17 @@ def ruleset(n: Names, proxy_port: int, dns_port: int) -> list[dict[str, Any]]:
     chains = {
         # first, before conntrack: no IPv6, no spoofed source
         "guard": ({"type": "filter", "hook": "prerouting", "prio": -300, "policy": "accept"}, [
-            # (the netstack's neighbour discovery and MLD: dropped, not worth a record)
-            [from_sbx, _m(_meta("l4proto"), "ipv6-icmp"), {"drop": None}],
-            [from_sbx, _m(_meta("nfproto"), "ipv6"), _log(n, "cpuos v6 "), {"drop": None}],
+            # IPv6: the sandbox has an address and a default route (netns.py) only so that an
+            # attempt leaves its stack and is seen here; neighbour discovery with the host end
+            # passes (else nothing is sent), the netstack's router solicitations and MLD
+            # reports are dropped (not worth a record), everything else is refused at once
+            # (a reset for TCP) and recorded
+            [from_sbx, _m(_payload("icmpv6", "type"), {"set": list(ND)}), {"accept": None}],
+            [from_sbx, _m(_meta("l4proto"), "ipv6-icmp"),
+             _m(_payload("icmpv6", "type"), {"set": list(V6_CHATTER)}), {"drop": None}],
+            [from_sbx, _m(_meta("nfproto"), "ipv6"), _m(_meta("l4proto"), "tcp"),
+             _log(n, "cpuos v6 "), {"reject": {"type": "tcp reset"}}],
+            [from_sbx, _m(_meta("nfproto"), "ipv6"), _log(n, "cpuos v6 "), reject],
             [from_sbx, _m({"concat": [_meta("iifname"), _payload("ip", "saddr")]}, "@src",
                           "!="), _log(n, "cpuos spoof "), {"drop": None}],
         ]),
@@ -86,6 +97,8 @@ def ruleset(n: Names, proxy_port: int, dns_port: int) -> list[dict[str, Any]]:
         # here, before the routing decision, unless it was redirected to the proxy/resolver
         "route": ({"type": "filter", "hook": "prerouting", "prio": 0, "policy": "accept"}, [
             [from_sbx, _m({"ct": {"key": "status"}}, "dnat", "in"), {"accept": None}],
+            # (of IPv6 only neighbour discovery is left after "guard")
+            [from_sbx, _m(_meta("nfproto"), "ipv6"), {"accept": None}],
             # refused rather than dropped (the kernel takes reject at prerouting since 5.11):
             # a sandbox with its network off learns at once that nothing answers, instead of
             # waiting out a TCP connect's timeout (~2 min: a browser's page)
@@ -102,6 +115,7 @@ def ruleset(n: Names, proxy_port: int, dns_port: int) -> list[dict[str, Any]]:
              _m(_payload("tcp", "dport"), proxy_port), {"accept": None}],
             [from_sbx, _m({"ct": {"key": "status"}}, "dnat", "in"),
              _m(_payload("udp", "dport"), dns_port), {"accept": None}],
+            [from_sbx, _m(_meta("nfproto"), "ipv6"), {"accept": None}],  # (as in "route")
             [from_sbx, _log(n, "cpuos in "), reject],
             # the proxy and resolver serve sandboxes only
             [_m(_payload("tcp", "dport"), proxy_port), {"drop": None}],

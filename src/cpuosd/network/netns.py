@@ -76,6 +76,25 @@ class Slot:
     def host_if(self) -> str:
         return f"{host_if_prefix(self.tag)}{self.index}"
 
+    @property
+    def gateway6(self) -> str:
+        return v6_of(self.gateway)
+
+    @property
+    def address6(self) -> str:
+        return v6_of(self.address)
+
+
+# IPv6 on the veth, so that an IPv6 attempt leaves the sandbox's stack and meets the firewall,
+# which refuses and records it (with no address or route gVisor's netstack fails it inside,
+# unseen). A unique-local /126 per slot that mirrors its IPv4 /30 (the IPv4 address in the
+# last 32 bits): unique on the host as the IPv4 slots are. Never routed anywhere.
+V6_PREFIX = ipaddress.IPv6Address("fd63:7075:6f73::")
+
+
+def v6_of(v4: str) -> str:
+    return str(ipaddress.IPv6Address(int(V6_PREFIX) | int(ipaddress.IPv4Address(v4))))
+
 
 class AddressPool:
     """The daemon's address pool (``CPUOS_NET_POOL``, default 10.213.0.0/16): /30 slots,
@@ -133,10 +152,13 @@ def create(slot: Slot) -> None:
     try:
         _ip(batch=f"link add {slot.host_if} type veth peer name eth0 netns {slot.netns}\n"
                   f"addr add {slot.gateway}/30 dev {slot.host_if}\n"
+                  f"addr add {slot.gateway6}/126 dev {slot.host_if} nodad\n"
                   f"link set {slot.host_if} up\n")
         _ip("-n", slot.netns, batch=f"addr add {slot.address}/30 dev eth0\n"
+                                    f"addr add {slot.address6}/126 dev eth0 nodad\n"
                                     "link set eth0 up\nlink set lo up\n"
-                                    f"route add default via {slot.gateway}\n")
+                                    f"route add default via {slot.gateway}\n"
+                                    f"route add default via {slot.gateway6}\n")
     except BaseException:
         destroy(slot)
         raise

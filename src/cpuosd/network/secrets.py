@@ -21,7 +21,6 @@ import re
 import secrets
 import ssl
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -198,150 +197,20 @@ CREDENTIAL_HEADERS = frozenset({b"authorization", b"proxy-authorization", b"x-ap
                                 b"api-key", b"x-auth-token", b"x-goog-api-key"})
 
 
-BARE_LF = re.compile(rb"(?<!\r)\n")
-
-
-class NotHttp(Exception):
-    """The bytes are not HTTP/1.x requests we can follow safely."""
-
-
-class HeaderRewriter:
-    """Client-to-server HTTP/1.x requests, followed request by request (Content-Length and
-    chunked framing): placeholders are replaced in the values of credential headers only;
-    ``on_head(host)`` sees each request's Host and may refuse it (raise). Anything that is
-    not plainly HTTP/1.x (a bare-LF head, conflicting framing, an overlong line) raises
-    NotHttp: the caller ends the connection rather than pass what it cannot follow. Every
-    buffer is bounded."""
-
-    MAX_HEAD = 64 * 1024
-    MAX_LINE = 4096
-
-    def __init__(self, replace: dict[bytes, bytes],
-                 on_head: Callable[[str | None], None] | None = None) -> None:
-        self.replace = replace
-        self.on_head = on_head
-        self.buf = b""
-        self.state = "head"
-        self.left = 0  # body bytes still to pass (state "body" / "chunkdata")
-        self.substituted = 0
-
-    def feed(self, data: bytes) -> bytes:
-        self.buf += data
-        out = bytearray()
-        while self.buf:
-            if self.state == "head":
-                end = self.buf.find(b"\r\n\r\n")
-                if end < 0:
-                    if len(self.buf) > self.MAX_HEAD:
-                        raise NotHttp("request head too long")
-                    if BARE_LF.search(self.buf):
-                        raise NotHttp("bare LF in a request head")
-                    break
-                head, self.buf = self.buf[:end + 4], self.buf[end + 4:]
-                out += self._head(head)
-            elif self.state in ("body", "chunkdata"):
-                n = min(self.left, len(self.buf))
-                out += self.buf[:n]
-                self.buf = self.buf[n:]
-                self.left -= n
-                if self.left == 0:
-                    self.state = "head" if self.state == "body" else "chunkend"
-            elif self.state == "chunkend":
-                if len(self.buf) < 2:
-                    break
-                if self.buf[:2] != b"\r\n":
-                    raise NotHttp("bad chunk end")
-                out += self.buf[:2]
-                self.buf = self.buf[2:]
-                self.state = "chunksize"
-            elif self.state == "raw":
-                out += self.buf
-                self.buf = b""
-            elif self.state in ("chunksize", "trailer"):
-                end = self.buf.find(b"\r\n", 0, self.MAX_LINE)
-                if end < 0:
-                    if len(self.buf) >= self.MAX_LINE:
-                        raise NotHttp("chunk line too long")
-                    break
-                line, self.buf = self.buf[:end + 2], self.buf[end + 2:]
-                out += line
-                if self.state == "trailer":
-                    if line == b"\r\n":
-                        self.state = "head"
-                    continue
-                try:
-                    size = int(line.split(b";")[0].strip(), 16)
-                except ValueError:
-                    raise NotHttp("bad chunk size") from None
-                if size == 0:
-                    self.state = "trailer"
-                else:
-                    self.state, self.left = "chunkdata", size
-        return bytes(out)
-
-    def _head(self, head: bytes) -> bytes:
-        lines = head[:-4].split(b"\r\n")
-        if any(b"\n" in line or b"\r" in line for line in lines):
-            raise NotHttp("bare CR or LF in a request head")
-        parts = lines[0].split(b" ")
-        if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
-            raise NotHttp("not an HTTP/1.x request line")
-        out = [lines[0]]
-        host: str | None = None
-        lengths, chunked = set(), False
-        for line in lines[1:]:
-            k, sep, v = line.partition(b":")
-            if not sep or not k or k != k.strip():
-                raise NotHttp("bad header line")
-            lk = k.lower()
-            if lk == b"host":
-                if host is not None:
-                    raise NotHttp("two Host headers")
-                host = v.strip().decode("latin-1").lower().rsplit(":", 1)[0] if not v.strip(
-                ).startswith(b"[") else v.strip().decode("latin-1").lower()
-            elif lk == b"content-length":
-                if not v.strip().isdigit():
-                    raise NotHttp("bad Content-Length")
-                lengths.add(int(v.strip()))
-            elif lk == b"transfer-encoding":
-                if v.strip().lower() != b"chunked":
-                    raise NotHttp("a transfer coding other than chunked")
-                chunked = True
-            if lk == b"accept-encoding" and self.replace:
-                continue  # (identity below: a compressed answer could not be scrubbed)
-            if lk in CREDENTIAL_HEADERS:
-                for ph, value in self.replace.items():
-                    if ph in v:
-                        v = v.replace(ph, value)
-                        self.substituted += 1
-            out.append(k + b":" + v)
-        if len(lengths) > 1 or (lengths and chunked):
-            raise NotHttp("conflicting message framing")
-        if self.replace:
-            out.append(b"Accept-Encoding: identity")
-        if self.on_head is not None:
-            self.on_head(host)
-        upgrade = any(line.lower().startswith(b"upgrade:") for line in lines[1:])
-        if upgrade or parts[0] == b"CONNECT":
-            self.state = "raw"  # another protocol follows: passed on as it is
-        elif chunked:
-            self.state = "chunksize"
-        elif lengths and (n := lengths.pop()):
-            self.state, self.left = "body", n
-        else:
-            self.state = "head"
-        return b"\r\n".join(out) + b"\r\n\r\n"
-
-
 class Scrubber:
     """Server-to-client bytes with each secret value masked (the placeholder, cut or padded
     with '*' to the value's length: the answer's framing, its Content-Length, stays true),
-    also across read boundaries (a tail that could begin a value waits for the next read)."""
+    also across read boundaries (a tail that could begin a value waits for the next read).
+    ``mask`` masks one whole piece (a header value)."""
 
     def __init__(self, replace: dict[bytes, bytes]) -> None:
         self.back = {v: (k + b"*" * len(v))[:len(v)] for k, v in replace.items() if v}
-        self.keep = max((len(v) for v in self.back), default=1) - 1
         self.buf = b""
+
+    def mask(self, data: bytes) -> bytes:
+        for value, ph in self.back.items():
+            data = data.replace(value, ph)
+        return data
 
     def feed(self, data: bytes) -> bytes:
         self.buf += data

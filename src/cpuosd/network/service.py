@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +25,8 @@ from .dns import Resolver, Upstream
 from .secrets import SecretStore
 from .nflog import Dropped, NflogReader
 from .policy import Policy
-from .proxy import CHUNK, EgressProxy
+from .httpflow import CHUNK
+from .proxy import EgressProxy
 from .uplink import Uplink
 
 log = logging.getLogger("cpuosd.network")
@@ -101,6 +103,8 @@ class Network:
         self.uplink = Uplink()
         self.upstream = Upstream(self.uplink)
         self.sink = sink
+        # where the records of an attachment that is not a sandbox go (a template build's)
+        self.taps: dict[str, RecordSink] = {}
         self.records: RecordWriter | None = None  # (set by the daemon: flushed on reads)
         self.secrets = SecretStore(secrets_dir)
         self.by_sid: dict[str, Attached] = {}
@@ -130,6 +134,8 @@ class Network:
         await asyncio.to_thread(self.nflog.open)
         self._nflog_task = loop.create_task(self.nflog.run(self._dropped))
         await ns.in_thread(firewall.install, self.names, self.proxy_port, self.dns_port)
+        self._host_addrs_at = time.monotonic()
+        await asyncio.to_thread(self._list_host_addrs)
         log.info("network: table %s, egress proxy :%d, resolver :%d, upstream DNS %s:%d%s",
                  self.names.table, self.proxy_port, self.dns_port, *self.upstream.server,
                  f", uplink netns {self.uplink.netns}" if self.uplink.netns else "")
@@ -159,16 +165,22 @@ class Network:
             await self.records.flush()
 
     def is_host_address(self, address: str) -> bool:
-        """One of the daemon's own namespace's addresses (refreshed every 10 s)."""
+        """One of the daemon's own namespace's addresses (listed at start, refreshed in the
+        background at most every 10 s: pyroute2's IPRoute cannot run on the event loop's
+        thread, so the listing is never done here)."""
         now = time.monotonic()
         if now - self._host_addrs_at > 10:
             self._host_addrs_at = now
-            try:
-                with IPRoute() as ipr:
-                    self._host_addrs = {str(a.get_attr("IFA_ADDRESS")) for a in ipr.get_addr()}
-            except Exception:
-                log.exception("listing the host's addresses failed")
+            threading.Thread(target=self._list_host_addrs, name="host-addrs",
+                             daemon=True).start()
         return address in self._host_addrs
+
+    def _list_host_addrs(self) -> None:
+        try:
+            with IPRoute() as ipr:
+                self._host_addrs = {str(a.get_attr("IFA_ADDRESS")) for a in ipr.get_addr()}
+        except Exception:
+            log.exception("listing the host's addresses failed")
 
     # -- sandboxes -----------------------------------------------------------------------
     def lookup(self, address: str) -> tuple[str, Policy] | None:
@@ -290,6 +302,6 @@ class Network:
     def record(self, sid: str, **fields: Any) -> None:
         fields.setdefault("time", time.time())
         try:
-            self.sink(sid, fields)
+            self.taps.get(sid, self.sink)(sid, fields)
         except Exception:
             log.exception("recording a connection of %s failed", sid)

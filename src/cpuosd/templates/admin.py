@@ -1,15 +1,18 @@
 """``cpuosd template build|ls|rm``: template administration on the daemon's host.
 
 Run by hand (``scripts/setup.sh`` builds the ``python`` template this way, before any
-daemon runs) and by the daemon itself for ``POST /templates/build``: with ``--events`` the
-build writes one JSON object a line on stdout (the wire format of that route):
+daemon runs) and by the daemon itself for ``POST /templates/build``. Build steps run in
+runsc sandboxes either way; by hand they have no network (the built-in templates' steps need
+none), through the daemon they reach the package registries through its egress proxy.
+With ``--events`` the build writes one JSON object a line on stdout (the wire format of that
+route):
 
     {"started": {"name", "source"}}    the spec parsed and checked; the build begins
     {"log": "a line of build output"}  any number
     {"result": {...template info}}     last, on success
     {"error": {"code", "message"}}     last, on failure
 
-SIGTERM ends a build cleanly (mounts undone, the half-built tree removed): the daemon
+SIGTERM ends a build cleanly (its step's sandbox ended, the half-built tree removed): the daemon
 sends it when the client goes away or the build overruns.
 """
 
@@ -54,7 +57,8 @@ def run_build(args: argparse.Namespace, emit: Emit) -> int:
         else:
             spec = TemplateSpec.load(args.source, name=args.name)
             emit({"started": {"name": spec.name, "source": "spec"}})
-            info = build(spec, tdir, force=args.force, on_line=lambda line: emit({"log": line}))
+            info = build(spec, tdir, force=args.force, on_line=lambda line: emit({"log": line}),
+                         netns=args.netns)
     except TemplateError as e:
         emit({"error": {"code": "invalid_argument", "message": str(e)}})
         return 1
@@ -97,6 +101,10 @@ def main(argv: list[str]) -> int:
     b.add_argument("--force", action="store_true")
     b.add_argument("--events", action="store_true",
                    help="JSON events on stdout, one a line (the daemon's build route)")
+    b.add_argument("--netns", metavar="PATH",
+                   help="the network namespace the build steps' sandboxes run in (the daemon "
+                        "attaches one to its egress proxy for a build); default: none, the "
+                        "steps have no network")
     sub.add_parser("ls", help="the templates built here, as JSON")
     r = sub.add_parser("rm", help="delete a template's builds")
     r.add_argument("name")

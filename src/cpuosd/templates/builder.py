@@ -7,12 +7,16 @@ cached, size_bytes, and for the daemon env, workdir, user, start, ready). A buil
 temporary directory first and is renamed into place only when it succeeded, so a failed or
 interrupted build never leaves a half tree that looks finished.
 
-A spec build runs mmdebstrap (the spec's apt packages plus the base's: python3 for the
-guest agent), then the steps one at a time as root, ``chroot <root> /bin/sh -euc CMD`` with
-/proc, /dev and /sys mounted: the base steps every template shares (user 1000, the work
-directory), pip, npm, then the copies and the spec's run steps in their order. The steps
-see the host's proxy variables and CA bundle (so a TLS-inspecting egress proxy works); the
-CA file is removed from the root afterwards.
+A spec build runs mmdebstrap on the host (Debian's signed packages, named by the spec's
+``apt`` list, which admits package names only, plus the base's: python3 for the guest
+agent), then the steps one at a time: the base steps every template shares (user 1000, the
+work directory), pip, npm, then the copies and the spec's run steps in their order. A shell
+step is untrusted (a Dockerfile from anywhere, a package's install scripts): it runs as
+root *inside a runsc sandbox* over the tree (``stepbox``), never on the host, with no
+network unless the daemon gives the build one (the package registries, through its egress
+proxy). Copies are done by the builder, every path resolved inside the tree. The steps see
+the host's CA bundle (so a TLS-inspecting proxy on the way to the registries works); the CA
+file is removed from the root afterwards.
 """
 
 from __future__ import annotations
@@ -25,9 +29,7 @@ import re
 import shlex
 import shutil
 import stat
-import subprocess
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -36,9 +38,10 @@ from typing import Any
 
 from .oci import extract_image, image_config, resolve_in_root
 from .spec import BUILTIN_DIR, DEFAULT_PATH, NAME_RE, CopySpec, Ready, TemplateError, TemplateSpec
+from .stepbox import StepBox, StepRunner, stream
 
-__all__ = ["BUILTIN_DIR", "CopySpec", "Ready", "Step", "TemplateError", "TemplateSpec",
-           "base_apt", "base_steps", "build", "build_from_oci", "build_steps", "chroot_mounts",
+__all__ = ["BUILTIN_DIR", "CopySpec", "Ready", "Step", "StepBox", "TemplateError",
+           "TemplateSpec", "base_apt", "base_steps", "build", "build_from_oci", "build_steps",
            "list_templates", "remove_template", "run_steps", "shell_steps",
            "spec_digest", "template_info"]
 
@@ -53,9 +56,6 @@ HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
 BUILD_CA = ".cpuos-build-ca.crt"
 CA_VARS = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "PIP_CERT", "NODE_EXTRA_CA_CERTS",
            "CURL_CA_BUNDLE", "GIT_SSL_CAINFO")
-# What build steps get mounted, as `mount` arguments before the target.
-STEP_MOUNTS = (("proc", ("-t", "proc", "proc")), ("dev", ("--bind", "/dev")),
-               ("sys", ("-t", "sysfs", "-o", "ro,nosuid,nodev,noexec", "sysfs")))
 Emit = Callable[[str], None]
 
 
@@ -160,8 +160,9 @@ def tree_digest(path: Path) -> str:
 
 # ---- building --------------------------------------------------------------------------------
 def build(spec: TemplateSpec, templates_dir: Path, *, force: bool = False,
-          on_line: Emit | None = None) -> dict[str, Any]:
-    """Build (or find cached) the template; returns its info record."""
+          on_line: Emit | None = None, netns: str | None = None) -> dict[str, Any]:
+    """Build (or find cached) the template; returns its info record. Its steps run in runsc
+    sandboxes, with the network namespace ``netns`` (prepared by the daemon) or none."""
     _need_root()
     if shutil.which("mmdebstrap") is None:
         raise TemplateError("mmdebstrap is not installed (apt-get install mmdebstrap)")
@@ -170,12 +171,16 @@ def build(spec: TemplateSpec, templates_dir: Path, *, force: bool = False,
     steps = build_steps(spec)
 
     def populate(rootfs: Path, emit: Emit) -> None:
-        rc, tail = _stream(["mmdebstrap", f"--variant={spec.variant}", "--mode=root",
-                            "--format=directory", f"--include={','.join(apt)}", spec.suite,
-                            str(rootfs)], emit)
+        box = StepBox.default(netns)  # no runsc: refused before mmdebstrap's minute
+        emit("I: build steps run in a runsc sandbox (" + (
+            f"network: the daemon's, namespace {os.path.basename(netns)})" if netns
+            else "no network)"))
+        rc, tail = stream(["mmdebstrap", f"--variant={spec.variant}", "--mode=root",
+                           "--format=directory", f"--include={','.join(apt)}", spec.suite,
+                           str(rootfs)], emit)
         if rc != 0:
             raise TemplateError(f"mmdebstrap failed (exit {rc}); last lines:\n" + "\n".join(tail))
-        run_steps(rootfs, steps, env=spec.env, on_line=emit)
+        run_steps(rootfs, steps, env=spec.env, on_line=emit, box=box)
 
     record: dict[str, Any] = {"source": "spec", "packages": apt, **runtime(spec)}
     return _build_tree(templates_dir, spec.name, spec_digest(spec), record, populate,
@@ -262,54 +267,37 @@ def _build_tree(templates_dir: Path, name: str, digest: str, record: dict[str, A
 
 # ---- build steps -----------------------------------------------------------------------------
 def run_steps(root: Path, steps: Sequence[Step], *, env: Mapping[str, str] | None = None,
-              on_line: Emit | None = None) -> None:
-    """Run ``steps`` one at a time in ``root``, as root, with /proc, /dev and /sys mounted
-    there (unmounted afterwards, also on failure). Output goes to ``on_line``. A failing
-    step raises TemplateError naming it, its command, its exit code and its last lines."""
+              on_line: Emit | None = None, box: StepBox | None = None) -> None:
+    """Run ``steps`` one at a time over ``root``: a shell step as root in a runsc sandbox
+    (``box``: the runsc, network and limits; default: no network), a copy by the builder.
+    Output goes to ``on_line``. A failing step raises TemplateError naming it, its command,
+    its exit code and its last lines."""
     emit = on_line or (lambda _line: None)
     root = root.resolve()
-    chroot = shutil.which("chroot") or "/usr/sbin/chroot"
-    with chroot_mounts(root), _host_ca(root) as ca_env:
-        full_env = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8",
-                    "DEBIAN_FRONTEND": "noninteractive", **ca_env,
-                    **{k: os.environ[k] for k in PROXY_VARS if k in os.environ}, **(env or {})}
-        for step in steps:
-            if step.copy_from is not None:
-                emit(f"I: {step.label}")
-                try:
-                    copy_into(root, step.copy_from, step.copy_to)
-                except (OSError, TemplateError) as e:
-                    raise TemplateError(f"{step.label} failed: {e}") from None
-                continue
-            emit(f"I: {step.label}: {step.cmd}")
-            script = step.cmd if step.cwd == "/" else f"cd {shlex.quote(step.cwd)}\n{step.cmd}"
-            rc, tail = _stream([chroot, str(root), "/bin/sh", "-euc", script], emit,
-                               env=full_env, tail=STEP_TAIL)
-            if rc != 0:
-                raise TemplateError(f"{step.label} failed with exit code {rc}: "
-                                    f"{' '.join(step.cmd.split())}\n" + "\n".join(tail))
-
-
-@contextmanager
-def chroot_mounts(root: Path) -> Iterator[None]:
-    """/proc, /dev (the host's, bound) and /sys (read-only) mounted in ``root`` for the
-    build steps; always unmounted on the way out."""
-    mounted: list[Path] = []
+    runner = StepRunner(root, box or StepBox.default())
     try:
-        for name, args in STEP_MOUNTS:
-            target = root / name
-            if target.is_symlink() or (target.exists() and not target.is_dir()):
-                raise TemplateError(f"{target} is not a directory; not mounting on it")
-            target.mkdir(exist_ok=True)
-            r = subprocess.run(["mount", *args, str(target)], capture_output=True, text=True)
-            if r.returncode != 0:
-                raise TemplateError(f"mounting {name} in {root} failed: {r.stderr.strip()}")
-            mounted.append(target)
-        yield
+        with _host_ca(root) as ca_env:
+            full_env = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8",
+                        "DEBIAN_FRONTEND": "noninteractive", **ca_env,
+                        **{k: os.environ[k] for k in PROXY_VARS if k in os.environ},
+                        **(env or {})}
+            for step in steps:
+                if step.copy_from is not None:
+                    emit(f"I: {step.label}")
+                    try:
+                        copy_into(root, step.copy_from, step.copy_to)
+                    except (OSError, TemplateError) as e:
+                        raise TemplateError(f"{step.label} failed: {e}") from None
+                    continue
+                emit(f"I: {step.label}: {step.cmd}")
+                script = step.cmd if step.cwd == "/" else \
+                    f"cd {shlex.quote(step.cwd)}\n{step.cmd}"
+                rc, tail = runner.run(script, full_env, emit, tail=STEP_TAIL)
+                if rc != 0:
+                    raise TemplateError(f"{step.label} failed with exit code {rc}: "
+                                        f"{' '.join(step.cmd.split())}\n" + "\n".join(tail))
     finally:
-        for target in reversed(mounted):
-            if subprocess.run(["umount", str(target)], capture_output=True).returncode != 0:
-                subprocess.run(["umount", "--lazy", str(target)], capture_output=True)
+        runner.close()
 
 
 @contextmanager
@@ -320,13 +308,19 @@ def _host_ca(root: Path) -> Iterator[dict[str, str]]:
         yield {}
         return
     dest = root / BUILD_CA
-    if os.path.lexists(dest):
-        dest.unlink()
+    _remove_entry(dest)
     shutil.copyfile(HOST_CA, dest)
     try:
         yield {k: "/" + BUILD_CA for k in CA_VARS}
     finally:
-        dest.unlink(missing_ok=True)
+        _remove_entry(dest)  # (a step may have put anything there)
+
+
+def _remove_entry(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p)
+    elif os.path.lexists(p):
+        p.unlink()
 
 
 def mounts_under(path: Path) -> list[str]:
@@ -372,25 +366,6 @@ def _copy_entry(src: Path, target: Path) -> None:
         os.symlink(os.readlink(src), target)
     else:
         shutil.copy2(src, target)
-
-
-def _stream(argv: list[str], emit: Emit, *, env: Mapping[str, str] | None = None,
-            tail: int = 40) -> tuple[int, list[str]]:
-    """Run ``argv`` with stdout and stderr line by line to ``emit``; (exit code, last lines)."""
-    lines: deque[str] = deque(maxlen=tail)
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, text=True, errors="replace", env=env)
-    assert proc.stdout is not None
-    try:
-        for raw in proc.stdout:
-            line = raw.rstrip("\n")
-            lines.append(line)
-            emit(line)
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
-    return proc.wait(), list(lines)
 
 
 # ---- the cache -------------------------------------------------------------------------------
@@ -442,7 +417,8 @@ def disk_usage(path: Path) -> int:
 
 
 def _rmtree(path: Path, *, strict: bool = False) -> None:
-    """rmtree that refuses to run into a mount (a build's /dev is the host's)."""
+    """rmtree that refuses to run into a mount (nothing is mounted in a tree any more: a
+    mount found there is someone else's)."""
     if not path.exists():
         return
     left = mounts_under(path)
@@ -454,7 +430,7 @@ def _rmtree(path: Path, *, strict: bool = False) -> None:
 def _need_root() -> None:
     if os.geteuid() != 0:
         raise TemplateError("building a template needs root (mmdebstrap in root mode, "
-                            "chroot, file ownership)")
+                            "runsc, file ownership)")
 
 
 def _hash_file(h: Any, path: Path) -> None:

@@ -13,7 +13,8 @@ export interface paths {
          * Verify
          * @description Check the whole chain: every row's hash (an HMAC under the daemon's key) and its link
          *     to the row before, the start against the retention anchor, the end against the head the
-         *     writer last recorded. Problems in other workspaces' rows are counted but not named.
+         *     writer last recorded. The admin gets the whole answer (rows, head, every problem);
+         *     another workspace only whether the chain holds for its own sandboxes' rows.
          */
         get: operations["verify_audit_verify_get"];
         put?: never;
@@ -31,7 +32,11 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** Health */
+        /**
+         * Health
+         * @description Open to anyone: ok, version, backend; with the admin's key also the runtime
+         *     (runsc's path and version, platform, network), which is the host's business.
+         */
         get: operations["health_health_get"];
         put?: never;
         post?: never;
@@ -785,7 +790,10 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** List */
+        /**
+         * List
+         * @description The templates built on the daemon's host (host paths for the admin only).
+         */
         get: operations["list__templates_get"];
         put?: never;
         post?: never;
@@ -861,12 +869,57 @@ export interface paths {
         };
         /**
          * My Workspace
-         * @description The caller's workspace: its maxima, what its sandboxes hold, the host's room.
+         * @description The caller's workspace: its maxima and what its sandboxes hold; for the admin
+         *     also the host's capacity and what all sandboxes reserve (``host``).
          */
         get: operations["my_workspace_workspace_get"];
         put?: never;
         post?: never;
         delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/workspace/keys": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * My Keys
+         * @description The caller's workspace's keys (ids, labels, dates; ``current``: the one asking).
+         */
+        get: operations["my_keys_workspace_keys_get"];
+        put?: never;
+        /**
+         * My New Key
+         * @description A new key of the caller's workspace; ``key`` is shown this once.
+         */
+        post: operations["my_new_key_workspace_keys_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/workspace/keys/{key_id}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        post?: never;
+        /**
+         * My Revoke Key
+         * @description Revoke a key of the caller's workspace (itself too, not the last live one).
+         */
+        delete: operations["my_revoke_key_workspace_keys__key_id__delete"];
         options?: never;
         head?: never;
         patch?: never;
@@ -879,11 +932,72 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        get?: never;
+        /**
+         * List Workspaces
+         * @description Every workspace (admin): its record, its live keys and alive sandboxes.
+         */
+        get: operations["list_workspaces_workspaces_get"];
         put?: never;
         /** New Workspace */
         post: operations["new_workspace_workspaces_post"];
         delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/workspaces/{wid}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        post?: never;
+        /**
+         * Delete Workspace
+         * @description Delete a workspace (admin): its keys are revoked and their requests in flight ended,
+         *     its sandboxes killed (paused ones' snapshots removed); its records are kept. Finishes
+         *     even if the client goes away.
+         */
+        delete: operations["delete_workspace_workspaces__wid__delete"];
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/workspaces/{wid}/keys": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** Keys */
+        get: operations["keys_workspaces__wid__keys_get"];
+        put?: never;
+        /** New Key */
+        post: operations["new_key_workspaces__wid__keys_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/workspaces/{wid}/keys/{key_id}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        post?: never;
+        /** Revoke Key */
+        delete: operations["revoke_key_workspaces__wid__keys__key_id__delete"];
         options?: never;
         head?: never;
         patch?: never;
@@ -921,7 +1035,9 @@ export interface paths {
          * Set Settings
          * @description A workspace's settings (admin): ``default_network``, the egress policy of its
          *     sandboxes that name none (off | on | allowlist | {"allow": [...]}; null: the
-         *     daemon's CPUOS_DEFAULT_NETWORK); ``spending_cap`` (USD a month; null: none).
+         *     daemon's CPUOS_DEFAULT_NETWORK); ``spending_cap`` (USD a month; null: none);
+         *     ``default_idle_timeout`` (its sandboxes' idle timeout when they name none; 0: never;
+         *     null: the daemon's CPUOS_IDLE_TIMEOUT); the size defaults ``default_vcpus`` ...
          */
         put: operations["set_settings_workspaces__wid__settings_put"];
         post?: never;
@@ -935,6 +1051,48 @@ export interface paths {
 export type webhooks = Record<string, never>;
 export interface components {
     schemas: {
+        /**
+         * ApiKey
+         * @description An API key of a workspace: never the key itself, except ``key`` in the answer that
+         *     made it (shown once; it is stored hashed).
+         */
+        ApiKey: {
+            /** Created At */
+            created_at: number;
+            /**
+             * Current
+             * @description the key that asked
+             */
+            current: boolean;
+            /** Id */
+            id: string;
+            /**
+             * Key
+             * @description only when just made
+             * @default null
+             */
+            key?: string | null;
+            /** Label */
+            label: string;
+            /**
+             * Requests Ended
+             * @description revocation: its requests in flight that were ended (streams, terminals)
+             * @default null
+             */
+            requests_ended?: number | null;
+            /**
+             * Revoked At
+             * @description null while it is live
+             */
+            revoked_at: number | null;
+            /** Workspace Id */
+            workspace_id: string;
+        };
+        /** ApiKeyList */
+        ApiKeyList: {
+            /** Keys */
+            keys: components["schemas"]["ApiKey"][];
+        };
         /** Click */
         Click: {
             /** Selector */
@@ -1007,6 +1165,11 @@ export interface components {
             env?: {
                 [key: string]: string;
             };
+            /**
+             * Idle Timeout
+             * @description pause it after this long idle: no call needing the machine, no open stream or preview connection, no CPU use inside (0: never; default: the workspace's default_idle_timeout, else CPUOS_IDLE_TIMEOUT, 10m); any such call resumes it
+             */
+            idle_timeout?: number | string | null;
             /**
              * Memory Mib
              * @description default: the workspace's default_memory_mib, else 2048
@@ -1357,6 +1520,15 @@ export interface components {
             /** Time */
             time: number;
         };
+        /** NewKey */
+        NewKey: {
+            /**
+             * Label
+             * @description a name for the key (who or what holds it)
+             * @default default
+             */
+            label?: string;
+        };
         /** NewWorkspace */
         NewWorkspace: {
             /**
@@ -1447,6 +1619,11 @@ export interface components {
             ended_at: number | null;
             /** Id */
             id: string;
+            /**
+             * Idle Timeout
+             * @description s idle before it is paused (0: never); a sandbox paused for that has reason 'idle' and any call needing the machine resumes it
+             */
+            idle_timeout: number;
             /** Memory Mib */
             memory_mib: number | null;
             /** Metadata */
@@ -1501,6 +1678,11 @@ export interface components {
             cost: number;
             /** Id */
             id: string;
+            /**
+             * Idle Paused Seconds
+             * @description of paused_seconds: paused for idleness (idle_timeout)
+             */
+            idle_paused_seconds: number;
             /** Memory Gib Seconds */
             memory_gib_seconds: number;
             /** Paused Seconds */
@@ -1528,8 +1710,16 @@ export interface components {
         };
         /** SetTimeout */
         SetTimeout: {
-            /** Timeout */
-            timeout: number | string;
+            /**
+             * Idle Timeout
+             * @description its new idle timeout, from now (0: never)
+             */
+            idle_timeout?: number | string | null;
+            /**
+             * Timeout
+             * @description kill (or pause) it this long from now
+             */
+            timeout?: number | string | null;
         };
         /** SignalRequest */
         SignalRequest: {
@@ -1701,6 +1891,11 @@ export interface components {
              * @description USD at the daemon's prices
              */
             cost: number;
+            /**
+             * Idle Paused Seconds
+             * @description of paused_seconds: paused for idleness (idle_timeout)
+             */
+            idle_paused_seconds: number;
             /** Memory Gib Seconds */
             memory_gib_seconds: number;
             /** Paused Seconds */
@@ -1725,6 +1920,55 @@ export interface components {
             /** Error Type */
             type: string;
         };
+        /** WorkspaceDeleted */
+        WorkspaceDeleted: {
+            /** Deleted At */
+            deleted_at: number | null;
+            /** Id */
+            id: string;
+            /** Keys Revoked */
+            keys_revoked: number;
+            /** Name */
+            name: string;
+            /** Requests Ended */
+            requests_ended: number;
+            /** Sandboxes Killed */
+            sandboxes_killed: string[];
+        };
+        /** WorkspaceList */
+        WorkspaceList: {
+            /** Workspaces */
+            workspaces: components["schemas"]["WorkspaceRecord"][];
+        };
+        /** WorkspaceRecord */
+        WorkspaceRecord: {
+            /** Created At */
+            created_at: number;
+            /** Deleted At */
+            deleted_at: number | null;
+            /** Id */
+            id: string;
+            /**
+             * Keys
+             * @description live keys
+             */
+            keys: number;
+            /** Limits */
+            limits: {
+                [key: string]: number;
+            };
+            /** Name */
+            name: string;
+            /**
+             * Sandboxes
+             * @description sandboxes with something on the host
+             */
+            sandboxes: number;
+            /** Settings */
+            settings: {
+                [key: string]: unknown;
+            };
+        };
         /**
          * WorkspaceSettings
          * @description Only the settings named in the body change; null removes one (back to the
@@ -1733,6 +1977,11 @@ export interface components {
         WorkspaceSettings: {
             /** Default Disk Mib */
             default_disk_mib?: number | null;
+            /**
+             * Default Idle Timeout
+             * @description idle timeout of its sandboxes that name none (0: never; unset: the daemon's CPUOS_IDLE_TIMEOUT, 10m)
+             */
+            default_idle_timeout?: number | string | null;
             /** Default Memory Mib */
             default_memory_mib?: number | null;
             /** Default Network */
@@ -2712,6 +2961,8 @@ export interface operations {
     get_file_sandboxes__sid__files_get: {
         parameters: {
             query: {
+                /** @description the most bytes the client accepts: a file declaring more is 413 too_large before its body, a stream passing it ends with too_large (at most, and by default, CPUOS_MAX_READ_BYTES) */
+                max_bytes?: number | null;
                 /** @description path inside the sandbox (relative: to /work) */
                 path: string;
             };
@@ -2963,6 +3214,8 @@ export interface operations {
     get_tar_sandboxes__sid__files_tar_get: {
         parameters: {
             query: {
+                /** @description the most bytes the client accepts: a file declaring more is 413 too_large before its body, a stream passing it ends with too_large (at most, and by default, CPUOS_MAX_READ_BYTES) */
+                max_bytes?: number | null;
                 path: string;
             };
             header?: never;
@@ -3749,6 +4002,158 @@ export interface operations {
             };
         };
     };
+    my_keys_workspace_keys_get: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiKeyList"];
+                };
+            };
+            /** @description an error */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    my_new_key_workspace_keys_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["NewKey"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            201: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiKey"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+            /** @description an error */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    my_revoke_key_workspace_keys__key_id__delete: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                key_id: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiKey"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+            /** @description an error */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    list_workspaces_workspaces_get: {
+        parameters: {
+            query?: {
+                /** @description deleted ones too */
+                deleted?: boolean;
+            };
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["WorkspaceList"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+            /** @description an error */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
     new_workspace_workspaces_post: {
         parameters: {
             query?: never;
@@ -3780,6 +4185,171 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    delete_workspace_workspaces__wid__delete: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                wid: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["WorkspaceDeleted"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+            /** @description an error */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    keys_workspaces__wid__keys_get: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                wid: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiKeyList"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+            /** @description an error */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    new_key_workspaces__wid__keys_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                wid: string;
+            };
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["NewKey"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            201: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiKey"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+            /** @description an error */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    revoke_key_workspaces__wid__keys__key_id__delete: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                key_id: string;
+                wid: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ApiKey"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+            /** @description an error */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
                 };
             };
         };

@@ -710,6 +710,24 @@ class MicroVMBackend:
         m = self.memory_usage(sandbox_id)
         return {} if m is None else {"memory_bytes": m}
 
+    def cpu_seconds(self, sandbox_id: str) -> float | None:
+        """CPU time of the VM's jail cgroup (QEMU: the guest's vCPUs and its devices)."""
+        try:
+            dirs = jailer.cgroup_dirs(self._jail_of(sandbox_id))
+        except jailer.JailError:
+            return None
+        for d in dirs:
+            try:
+                if (d / "cpuacct.usage").exists():
+                    return int((d / "cpuacct.usage").read_text()) / 1e9
+                for line in (d / "cpu.stat").read_text().splitlines():
+                    k, _, v = line.partition(" ")
+                    if k == "usage_usec":
+                        return int(v) / 1e6
+            except (OSError, ValueError):
+                continue
+        return None
+
     def memory_usage(self, sandbox_id: str) -> int | None:
         """Bytes charged to the VM's jail cgroup (QEMU and its guest's RAM), or None."""
         try:

@@ -564,6 +564,9 @@ def mkfs_ext4(out: Path, size_bytes: int, tree: Path | None, *, inodes: int | No
     argv.append(str(tmp))
     try:
         _run(argv)
+        # the jailed QEMU (an unprivileged uid) opens it: readable whatever the daemon's
+        # umask (cpuosd.homedir); a writable layer is copied and chowned per sandbox
+        os.chmod(tmp, 0o644)
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
@@ -585,15 +588,23 @@ def build_overlay_image(out: Path, size_mib: int, agent_dir: Path | None = None)
     ``upper/opt/cpuos/cpuos_agent`` when ``agent_dir`` (a dir holding ``cpuos_agent``) is
     given. Copied sparse per sandbox."""
     with tempfile.TemporaryDirectory(prefix="cpuos-overlay-") as tmp:
+        # modes set explicitly (mkfs -d copies them into the guest, where the overlay's
+        # upper root is the guest's / and the agent package is read as uid 1000): the
+        # daemon's umask is 077 (cpuosd.homedir)
         stage = Path(tmp)
-        (stage / "upper").mkdir()
-        (stage / "work").mkdir()
+        for name in ("upper", "work"):
+            (stage / name).mkdir()
+            os.chmod(stage / name, 0o755)
         if agent_dir is not None:
             src = agent_dir / "cpuos_agent"
             dst = stage / "upper" / "opt" / "cpuos" / "cpuos_agent"
             dst.mkdir(parents=True)
+            for p in (dst.parent.parent, dst.parent, dst):
+                os.chmod(p, 0o755)
             for f in sorted(src.glob("*.py")):
                 shutil.copyfile(f, dst / f.name)
+                os.chmod(dst / f.name, 0o644)
+        os.chmod(stage, 0o755)
         return mkfs_ext4(out, size_mib << 20, stage, label="cpuos-overlay")
 
 

@@ -1,0 +1,168 @@
+"""The warm pool's logic (cpuosd.lifecycle.pool) with restores that only take time: a burst
+of creates drains it and is served by refills under way (never more than
+CPUOS_POOL_PARALLEL at once) rather than restores of their own; the pool grows with recent
+demand up to CPUOS_POOL_MAX, shrinks back once demand stops, fills only where the host has
+room for a user's sandbox too, and a create whose refill fails makes its own. (The restores
+themselves run for real in tests/e2e and bench/cases/pool.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from cpuosd.agentconn import AgentChannel
+from cpuosd.config import Config
+from cpuosd.errors import ApiError
+from cpuosd.lifecycle import pool as pool_mod
+from cpuosd.lifecycle.common import Live
+from cpuosd.lifecycle.manager import Manager
+from cpuosd.store import SandboxRow, Store
+from cpuosd.testing import FakeBackend, FakeHost
+
+
+class PoolManager(Manager):
+    """Restores take RESTORE seconds and connect nothing; the rest is the real Manager."""
+
+    RESTORE = 0.05
+
+    def __init__(self, cfg: Config, store: Store, host: FakeHost, image: Path) -> None:
+        super().__init__(cfg, store, FakeBackend(), measure=host)
+        self.image = image
+        self.booting = self.most_booting = 0
+        self.own_boots = 0  # restores of a create's own (not the pool's)
+        self.fail_next_pooled = False
+
+    async def _template_image(self, template: str, info: dict[str, object]) -> Path | None:
+        return self.image
+
+    async def _boot(self, row: SandboxRow, image: Path | None, *,
+                    template_boot: bool = False) -> Live:
+        self.booting += 1
+        self.most_booting = max(self.most_booting, self.booting)
+        try:
+            await asyncio.sleep(self.RESTORE)
+            if row.state == "pooled" and self.fail_next_pooled:
+                self.fail_next_pooled = False
+                raise ApiError("internal", "restore failed (injected)")
+        finally:
+            self.booting -= 1
+        if row.state != "pooled":
+            self.own_boots += 1
+        spec = self._spec(row)
+        lv = Live(row, spec, AgentChannel(spec.sock_path))
+        self.live[row.id] = lv
+        return lv
+
+
+async def until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out: {what}"
+        await asyncio.sleep(0.01)
+
+
+def run(tmp_path: Path, test: Callable[[PoolManager, str, FakeHost], Awaitable[None]],
+        **cfg_kw: int) -> None:
+    async def main() -> None:
+        tdir = tmp_path / "templates"
+        (tdir / "rootfs").mkdir(parents=True)
+        (tdir / "python.json").write_text(json.dumps(
+            {"name": "python", "digest": "0" * 16, "rootfs": str(tdir / "rootfs")}))
+        cfg = Config(home=tmp_path / "home", **cfg_kw)  # type: ignore[arg-type]
+        cfg.pool_templates = ["python"]
+        os.environ["CPUOS_TEMPLATES_DIR"] = str(tdir)
+        store = Store(cfg.db_path)
+        store.create_workspace("default")
+        ws = store.create_workspace("w", {"max_sandboxes": 1000})
+        host = FakeHost()
+        mgr = PoolManager(cfg, store, host, tmp_path / "image")
+        try:
+            await test(mgr, ws, host)
+        finally:
+            for t in list(mgr._tasks):
+                t.cancel()
+            store.close()
+            os.environ.pop("CPUOS_TEMPLATES_DIR")
+
+    asyncio.run(main())
+
+
+async def create(mgr: Manager, ws: str) -> SandboxRow:
+    return await mgr.create(ws, "python", 60, {}, {}, 2, 2048)
+
+
+def test_a_burst_is_served_by_refills_within_bounds(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pool_mod, "DEMAND_WINDOW", 1.0)
+
+    async def test(mgr: PoolManager, ws: str, host: FakeHost) -> None:
+        pool = mgr.pool.setdefault("python", [])
+        mgr._pool_want("python")
+        await until(lambda: len(pool) == 1, "the pool filled to CPUOS_POOL_SIZE")
+        most = 0
+        for _ in range(12):  # back to back: each from the pool or a refill under way
+            row = await create(mgr, ws)
+            assert row.state == "running"
+            most = max(most, len(pool))
+        assert mgr.own_boots == 0
+        assert mgr.most_booting <= 2  # CPUOS_POOL_PARALLEL
+        # recent demand: the pool grows to CPUOS_POOL_MAX, not past it
+        await until(lambda: len(pool) == 4, "the pool grown to its bound")
+        await asyncio.sleep(0.2)
+        assert len(pool) == 4 and mgr._pool_inflight["python"] == 0 and most <= 4
+        # demand stops: the pool gives back what it held beyond CPUOS_POOL_SIZE
+        await asyncio.sleep(1.1)
+
+        def shrunk() -> bool:
+            mgr._pool_tick()
+            return len(pool) == 1
+
+        await until(shrunk, "the pool shrunk back")
+        await until(lambda: sum(r.state == "pooled" for r in mgr.store.list_sandboxes())
+                    == 1, "the discarded pooled sandboxes killed")
+
+    run(tmp_path, test, pool_size=1, pool_max=4, pool_parallel=2)
+
+
+def test_the_pool_yields_to_users_and_a_failed_refill_is_not_waited_for(
+        tmp_path: Path) -> None:
+    async def test(mgr: PoolManager, ws: str, host: FakeHost) -> None:
+        pool = mgr.pool.setdefault("python", [])
+        # a host with room for one more sandbox only: the pool does not take it
+        host.set(memory_available_mib=mgr.admission.memory_reserve + 60)
+        mgr._pool_want("python")
+        await asyncio.sleep(0.2)
+        assert pool == [] and not mgr._pool_inflight.get("python")
+        await create(mgr, ws)  # a user's create is admitted, and restores its own
+        assert mgr.own_boots == 1
+        # room again: the pool fills; a create waiting for a refill that fails makes its own
+        host.set(memory_available_mib=20000)
+        mgr._pool_retry.clear()
+        mgr.fail_next_pooled = True
+        mgr._pool_want("python")
+        assert mgr._pool_can_wait("python")
+        row = await create(mgr, ws)
+        assert row.state == "running" and mgr.own_boots == 2
+        # the failed refill backs off instead of retrying at once
+        assert not mgr._pool_inflight.get("python")
+
+    run(tmp_path, test, pool_size=1, pool_max=4, pool_parallel=2)
+
+
+def test_waiters_count_against_the_workspace_maximum(tmp_path: Path) -> None:
+    async def test(mgr: PoolManager, ws: str, host: FakeHost) -> None:
+        mgr.store.set_workspace_limits(ws, {"max_sandboxes": 2})
+        mgr._pool_want("python")  # one refill under way, none ready
+        first = asyncio.ensure_future(create(mgr, ws))
+        second = asyncio.ensure_future(create(mgr, ws))
+        third = asyncio.ensure_future(create(mgr, ws))
+        done = await asyncio.gather(first, second, third, return_exceptions=True)
+        errors = [d for d in done if isinstance(d, ApiError)]
+        assert len(errors) == 1 and errors[0].details["limit"] == "max_sandboxes"
+
+    run(tmp_path, test, pool_size=1, pool_max=4, pool_parallel=2)
