@@ -281,6 +281,29 @@ def test_repeats_are_one_row_then_one_with_a_count(tmp_path: Path) -> None:
         a.close()
 
 
+def test_a_repeat_past_its_window_before_the_row_is_made_keeps_the_count(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A repeat that comes after its window ended but before the writer made the row of the
+    repeats counted so far joins them (it used to start a new window and their count was
+    lost): every repeat is accounted for."""
+    clock = [1000.0]
+    monkeypatch.setattr(audit_mod.time, "monotonic", lambda: clock[0])
+    a = bounded(tmp_path, coalesce=5.0)
+    try:
+        w = {"source": "runtime", "op": "open", "path": "/tmp/x", "uid": 1000}
+        for _ in range(10):
+            assert a.record("sbx-w", "file_write", w, workspace="ws-1")
+        clock[0] += 5.5  # the window ended; the writer has not looked yet
+        for _ in range(10):
+            assert a.record("sbx-w", "file_write", w, workspace="ws-1")
+        assert a.flush(owed=True)
+        rows = a.query("sbx-w", limit=100)
+        assert sum(int(r["detail"].get("count") or 1) for r in rows) == 20, rows
+        assert len(rows) == 2
+    finally:
+        a.close()
+
+
 def test_row_budgets_per_sandbox_and_workspace(tmp_path: Path) -> None:
     """Past its budget a sandbox's rows are counted, by kind and directory, in one dropped
     row; the workspace's budget holds its sandboxes together; lifecycle rows always go."""

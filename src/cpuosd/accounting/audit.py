@@ -330,7 +330,9 @@ class AuditLog:
                 return False
             if key is not None:
                 c = self._coalescing.get(key)
-                if c is not None and now - c.since < self.limits.coalesce:
+                # within its window, or past it with repeats the writer has not made into
+                # their row yet (replacing it would lose their count)
+                if c is not None and (now - c.since < self.limits.coalesce or c.count):
                     c.count += int(detail.get("count") or 1)
                     c.first = c.first or when
                     c.last = Pending(when, ws, sandbox, kind, detail)
