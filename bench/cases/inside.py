@@ -322,7 +322,9 @@ class Raw(Place):
 class Cpuos(Place):
     def __init__(self, name: str, d: Any, files: Path) -> None:
         self.name, self.d = name, d
-        self.sbx = Sandbox.create(template="python", timeout="60m", **d.sdk_kwargs())
+        # never paused for idleness (lifecycle.idle) while other places take their turn
+        self.sbx = Sandbox.create(template="python", timeout="60m", idle_timeout=0,
+                                  **d.sdk_kwargs())
         self.sbx.files.upload_dir(files, "/tmp/bench")
 
     def _exec(self, *argv: str) -> str:
