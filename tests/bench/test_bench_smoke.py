@@ -96,6 +96,11 @@ CASES = {
                      "back-to-back create → first exec with 2 idle, p95",
                      "pause, idle sandbox, p50", "resume → first exec, idle sandbox, p50",
                      "paused snapshot on disk, idle sandbox"]),
+    "inside": Case("inside", "inside", "19. code inside",
+                   [], [f"{w}: {what}" for w in ("import", "fork100", "pass20", "pip", "git",
+                                                 "pytest", "compute", "syscalls")
+                        for what in ("cpuos audit on vs raw runsc", "audit on vs off")]
+                   + ["inside: repo files / tests / wheels"]),
     "e2b_sdk": Case("e2b", "e2b", "18. E2B SDK on cpuos",
                 ["ours_run_s", "floor_exec_login_s", "floor_exec_s", "ours_create_s",
                  "ours_create_run_s", "floor_create_s", "floor_create_exec_s"],
@@ -179,6 +184,14 @@ def check_figures(module: str, data: dict[str, Any]) -> None:
         rr = data["runtime_rows"]  # every exec inside recorded or counted as dropped
         assert rr["recorded"] + rr["dropped"] >= rr["expected"], rr
         assert data["store"]["verified"] and data["store"]["ours_rows_per_s"] > 0
+    if module == "inside":  # every workload in every place, its N; audit on and off
+        for w, places in data["samples"].items():
+            for place, xs in places.items():
+                assert len(xs["wall"]) == len(xs["cpu"]) == data["reps"], (w, place)
+                assert all(x > 0 for x in xs["wall"]), (w, place, xs)
+                assert place == "native" or all(x > 0 for x in xs["cpu"]), (w, place, xs)
+        assert set(data["samples"]["import"]) == {"native", "raw", "on", "off"}
+        assert data["audit_runtime"] and data["audit_runtime_off"] is None
     if module == "limits":
         assert len(data["loads"]) == 5 and data["daemon_healthy"]
         for load in data["loads"]:
