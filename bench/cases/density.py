@@ -508,8 +508,9 @@ def thousand(ctx: Context) -> dict[str, Any]:
                               f"failed; {st} ({now() - t_start:.0f} s)")
         create_wall = now() - t_start
         if ctx.mode == "smoke":  # so that the execs below resume (the full run's mostly do)
-            wait_until(lambda: states_now(d).get("running", 0) == 0,
-                       "the sandboxes to pause themselves", timeout=180)
+            wait_until(lambda: states_now(d).get("paused", 0) == len(made),
+                       "the sandboxes to pause themselves (all paused, none pausing)",
+                       timeout=180)
         at_end = states_now(d)
         mem_drop = max(0, mem_before - mem_available())
         snapshot_bytes = du(d.snapshots_dir)[1] if d.snapshots_dir.exists() else 0
