@@ -2,7 +2,10 @@ import uPlot from "uplot"
 import "uplot/dist/uPlot.min.css"
 import { useEffect, useRef } from "preact/hooks"
 
+const clockOf = (v: number) => new Date(v * 1000).toLocaleTimeString(undefined, { hour12: false })
+
 export interface SeriesDef { label: string; color: string; fill?: string }
+const WINDOW = 60 // s: a time chart spans at least this much
 
 /** A time series chart (uPlot): x = seconds since the epoch; one array per series. */
 export function Chart({ title, series, data, height = 160, unit = "", prefix = "", bars = false, ymax, fmt, xfmt }: {
@@ -19,10 +22,14 @@ export function Chart({ title, series, data, height = 160, unit = "", prefix = "
       width: Math.max(200, el.clientWidth), height,
       legend: { show: true, live: true },
       cursor: { drag: { x: false, y: false } },
-      scales: { x: { time: !bars }, y: { range: (_u, _min, max) => [0, Math.max(ymax ?? 0, max || 1) * 1.1] } },
+      scales: {
+        // a time chart shows at least its last WINDOW seconds (one point would span years)
+        x: bars ? { time: false } : { time: true, range: (_u, min, max) => [Math.min(min ?? max, (max ?? 0) - WINDOW), max ?? 0] },
+        y: { range: (_u, _min, max) => [0, Math.max(ymax ?? 0, max || 1) * 1.1] },
+      },
       axes: [
-        { stroke: "currentColor", grid: { stroke: "rgba(128,128,128,.15)" },
-          ...(xfmt ? { values: (_u: uPlot, vs: number[]) => vs.map(xfmt) } : {}) },
+        { stroke: "currentColor", grid: { stroke: "rgba(128,128,128,.15)" }, space: 70,
+          values: (_u: uPlot, vs: number[]) => vs.map(xfmt ?? clockOf) },
         { stroke: "currentColor", grid: { stroke: "rgba(128,128,128,.15)" }, size: 64,
           // ticks with as many decimals as their spacing needs, and the unit
           values: (_u: uPlot, vs: number[], _a: number, _s: number, incr: number) => {
@@ -31,7 +38,7 @@ export function Chart({ title, series, data, height = 160, unit = "", prefix = "
           } },
       ],
       series: [
-        { label: bars ? "day" : "time", value: (_u, v) => v == null ? "—" : xfmt ? xfmt(v) : new Date(v * 1000).toLocaleTimeString(undefined, { hour12: false }) },
+        { label: bars ? "day" : "time", value: (_u, v) => (v == null ? "—" : (xfmt ?? clockOf)(v)) },
         ...series.map((s) => ({
           label: s.label, stroke: s.color, fill: s.fill ?? (bars ? s.color : undefined), width: bars ? 0 : 1.5,
           value: (_u: uPlot, v: number | null) => (v == null ? "—" : fmtV(v)),
@@ -58,8 +65,8 @@ export function Chart({ title, series, data, height = 160, unit = "", prefix = "
 }
 
 /** A small line of recent values on a canvas (the sandbox list draws two per row). */
-export function Sparkline({ values, max, label, color = "#1f6feb" }: {
-  values: number[]; max?: number; label: string; color?: string
+export function Sparkline({ values, max, label, color = "#1f6feb", fmt }: {
+  values: number[]; max?: number; label: string; color?: string; fmt?: (v: number) => string
 }) {
   const ref = useRef<HTMLCanvasElement>(null)
   useEffect(() => {
@@ -73,7 +80,7 @@ export function Sparkline({ values, max, label, color = "#1f6feb" }: {
     g.scale(dpr, dpr)
     g.clearRect(0, 0, w, h)
     if (values.length < 2) return
-    const top = Math.max(max ?? 0, ...values, 1e-9)
+    const top = Math.max(max ?? 0, ...values.map((v) => v * 1.25), 1e-9)
     const step = w / (values.length - 1)
     g.beginPath()
     values.forEach((v, i) => {
@@ -92,5 +99,11 @@ export function Sparkline({ values, max, label, color = "#1f6feb" }: {
     g.fill()
   }, [values, max])
   const last = values.length ? values[values.length - 1] : null
-  return <canvas ref={ref} class="spark" role="img" aria-label={`${label}${last === null ? ": no data yet" : ""}`} />
+  const text = last === null ? "" : fmt ? fmt(last) : String(Math.round(last))
+  return (
+    <span class="spark-cell">
+      <canvas ref={ref} class="spark" role="img" aria-label={`${label}: ${text || "no data yet"}`} />
+      <span class="spark-value" aria-hidden="true">{text}</span>
+    </span>
+  )
 }

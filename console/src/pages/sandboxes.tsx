@@ -3,7 +3,7 @@ import { get, post, request } from "../api"
 import { useApp } from "../app"
 import { listen, type SandboxEvent } from "../events"
 import { href } from "../router"
-import { ACTIVE, ago, dur, usd } from "../util"
+import { ACTIVE, ago, bytes, dur, usd } from "../util"
 import { Sparkline } from "../components/chart"
 import { Dialog, Empty, ErrorBox, Spinner, StateBadge, toast, toastError, useConfirm } from "../components/ui"
 import { CreateForm } from "./create"
@@ -17,7 +17,7 @@ export interface Sbx {
   snapshot_bytes: number | null; idle_timeout: number
 }
 
-interface Hist { cpu: number[]; mem: number[]; memMax: number; last?: { t: number; cpu: number } }
+interface Hist { cpu: number[]; mem: number[]; last?: { t: number; cpu: number } }
 const SAMPLES = 40
 const METRICS_EVERY = 3000
 const COST_EVERY = 20000
@@ -92,8 +92,8 @@ export function SandboxesPage() {
         setHist((prev) => {
           const next = new Map<string, Hist>()
           for (const m of r.sandboxes) {
-            const h: Hist = prev.get(m.id) ?? { cpu: [], mem: [], memMax: m.memory_limit_bytes || 0 }
-            const nh: Hist = { cpu: h.cpu, mem: h.mem, memMax: m.memory_limit_bytes || h.memMax, last: h.last }
+            const h: Hist = prev.get(m.id) ?? { cpu: [], mem: [] }
+            const nh: Hist = { cpu: h.cpu, mem: h.mem, last: h.last }
             if (m.state === "running" && typeof m.cpu_seconds === "number") {
               if (h.last && m.time > h.last.t) {
                 const pct = (100 * (m.cpu_seconds - h.last.cpu)) / (m.time - h.last.t)
@@ -215,9 +215,9 @@ export function SandboxesPage() {
                       <td><StateBadge state={s.state} reason={s.reason} /></td>
                       <td>{s.template}</td>
                       {scope === "*" && <td class="wide">{app.wsName(s.workspace)}</td>}
-                      <td title={new Date(s.created_at * 1000).toLocaleString()}>{ago(s.created_at)}</td>
-                      <td class="wide"><Sparkline values={h?.cpu ?? []} max={100} label={`CPU of ${s.id}`} /></td>
-                      <td class="wide"><Sparkline values={h?.mem ?? []} max={h?.memMax} color="#8250df" label={`memory of ${s.id}`} /></td>
+                      <td class="nowrap" title={new Date(s.created_at * 1000).toLocaleString()}>{ago(s.created_at)}</td>
+                      <td class="wide"><Sparkline values={h?.cpu ?? []} max={5} label={`CPU of ${s.id}`} fmt={(v) => `${v < 10 ? v.toFixed(1) : Math.round(v)}%`} /></td>
+                      <td class="wide"><Sparkline values={h?.mem ?? []} max={64 << 20} color="#8250df" label={`memory of ${s.id}`} fmt={bytes} /></td>
                       <td class="wide">{s.state === "paused" ? `paused ${ago(s.paused_at)}` : s.state === "running" ? (s.idle_timeout ? `pauses after ${dur(s.idle_timeout)} idle` : "never pauses") : "—"}</td>
                       <td>{usd(costs.get(s.id))}</td>
                       <td class="row-actions">

@@ -1,6 +1,6 @@
 import { useEffect, useState } from "preact/hooks"
 import { get } from "../../api"
-import { bytes, when } from "../../util"
+import { bytes, clock, when } from "../../util"
 import { Empty, ErrorBox, Spinner } from "../../components/ui"
 import type { TabProps } from "../sandbox"
 
@@ -96,9 +96,9 @@ export function AuditTab({ s, ws }: TabProps) {
             <tbody>{shown.map((r) => (
               <>
                 <tr key={r.seq} data-kind={r.kind}>
-                  <td class="mono">{r.seq}</td><td>{when(r.time)}</td>
+                  <td class="mono">{r.seq}</td><td class="nowrap" title={when(r.time)}>{clock(r.time)}</td>
                   <td><span class={`badge kind-${r.kind}`}>{r.kind}</span>{r.detail.source ? <span class="small"> {r.detail.source}</span> : null}</td>
-                  <td><button type="button" class="link mono what" aria-expanded={open === r.seq} onClick={() => setOpen(open === r.seq ? null : r.seq)}>{summary(r)}</button></td>
+                  <td><button type="button" class={`link mono what ${open === r.seq ? "" : "clamp"}`} aria-expanded={open === r.seq} onClick={() => setOpen(open === r.seq ? null : r.seq)}>{summary(r)}</button></td>
                 </tr>
                 {open === r.seq && <tr><td colSpan={4}><pre class="code">{JSON.stringify({ ...r.detail, hash: r.hash }, null, 2)}</pre></td></tr>}
               </>

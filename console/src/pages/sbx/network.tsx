@@ -42,7 +42,7 @@ export function NetworkTab({ s, ws, onEvent }: TabProps) {
           <textarea rows={3} value={allow} onInput={(e) => setAllow((e.target as HTMLTextAreaElement).value)} /></label>}
         <button type="submit" disabled={s.state !== "running" && s.state !== "paused"}>Apply</button>
       </form>
-      <div class="toolbar">
+      <div class="toolbar section">
         <h2>Connections</h2>
         <label>Verdict <select value={verdict} onChange={(e) => setVerdict((e.target as HTMLSelectElement).value)}>
           <option value="">any</option><option value="allowed">allowed</option><option value="denied">denied</option><option value="error">error</option>
@@ -58,7 +58,7 @@ export function NetworkTab({ s, ws, onEvent }: TabProps) {
             <tbody>{rows.map((c) => (
               <tr key={c.n} data-verdict={c.verdict}>
                 <td>{clock(c.time)}</td><td>{c.proto}</td>
-                <td class="mono">{c.name ? `${c.name} ` : ""}{c.dst ? `(${c.dst})` : ""}{c.port ? `:${c.port}` : ""}</td>
+                <td class="mono">{c.name ?? c.dst ?? "?"}{c.port ? `:${c.port}` : ""}{c.name && c.dst ? <span class="small"> {c.dst}</span> : null}</td>
                 <td><span class={`badge verdict-${c.verdict}`}>{c.verdict}</span></td>
                 <td class="wide">{c.rule ?? ""}{c.reason ? ` — ${c.reason}` : ""}</td>
                 <td class="wide">{bytes(c.bytes_out ?? 0)} / {bytes(c.bytes_in ?? 0)}</td>
