@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import pytest
 
+from cpuosd.console.testing import chromium_unavailable
 from cpuosd.templates.builder import template_info
 from cpuosd.testing import TEMPLATES, e2e_unavailable
 
@@ -89,6 +90,10 @@ CASES = {
                         ["keystroke echo through a terminal, p50", "streamed stdin, median",
                          "reattach to a command → first byte, p50",
                          "reattach to a terminal → first byte, p50"]),
+    "console": Case("console", "console", "19. console: first paint with N sandboxes",
+                    ["ours_paint_s", "floor_api_s"],
+                    ["console first paint of the sandboxes page, p50",
+                     "console event → screen, p50"]),
     "e2b_sdk": Case("e2b", "e2b", "18. E2B SDK on cpuos",
                 ["ours_run_s", "floor_exec_login_s", "floor_exec_s", "ours_create_s",
                  "ours_create_run_s", "floor_create_s", "floor_create_exec_s"],
@@ -176,6 +181,10 @@ def check_figures(module: str, data: dict[str, Any]) -> None:
         assert len(data["loads"]) == 5 and data["daemon_healthy"]
         for load in data["loads"]:
             assert len(load["samples_s"]) == data["n"] and load["noisy_alive"], load["name"]
+    if module == "console":
+        assert data["sandboxes"] == data["n_asked"] and data["events"] >= 4
+        assert len(data["ours_event_s"]) >= 4 and all(x >= 0 for x in data["ours_event_s"])
+        assert len(data["floor_event_s"]) == data["events"]
     if module == "microvm":
         assert set(data["probe"]) == {"ok", "reason", "seconds"}
         assert data["gvisor"]["ours_create_s"] and data["gvisor"]["floor_restore_s"]
@@ -189,6 +198,8 @@ def test_case_smoke(module: str) -> None:
     """bench/cases/<module>.py --smoke by itself: its own daemon, its table, its summary
     rows and samples, and nothing left behind."""
     case = CASES[module]
+    if module == "console" and chromium_unavailable():
+        pytest.skip(f"the console benchmark drives a browser: {chromium_unavailable()}")
     if module == "browser" and template_info(TEMPLATES, "browser") is None:
         pytest.skip(f"the browser template is not built in {TEMPLATES} "
                     "(`cpuosd template build browser`; scripts/test.sh builds it)")
