@@ -318,6 +318,23 @@ def test_admin_sees_every_workspace_with_a_filter(browser: Browser, d: Daemon, s
         p.wait_for_selector("main h1", timeout=T)
         expect(p.locator(".loading")).to_have_count(0, timeout=T)
         shot(p, page_, full_page=True)
+    # a workspace's settings (admin): a spending cap for team-b
+    p.locator("header .scope select").select_option(label="team-b")
+    p.goto(d.url + "/ui/#/workspace")
+    expect(p.locator("main h1")).to_contain_text("team-b", timeout=T)
+    p.get_by_label("Spending cap (USD a month)").fill("12.5")
+    p.get_by_role("button", name="Save").click()
+    expect(p.locator(".toast")).to_contain_text("saved", timeout=T)
+    with d.client() as c:
+        w = c.get("/workspace", headers={"X-Cpuos-Workspace": teams["team-b"]["id"]}).json()
+    assert w["settings"]["spending_cap"] == 12.5
+    # a template build the daemon refuses before building anything: its message is shown
+    p.goto(d.url + "/ui/#/templates")
+    p.get_by_label("a Dockerfile").check()
+    p.locator("textarea").fill("FROM nowhere.example/image:1\nRUN true\n")
+    p.get_by_role("button", name="Build").click()
+    expect(p.locator(".error")).to_contain_text("Build failed", timeout=T)
+    shot(p, "templates-build-refused")
     ctx.close()
 
 
@@ -339,4 +356,36 @@ def test_narrow_window(browser: Browser, d: Daemon, sid: str,
     p.keyboard.press("ArrowRight")
     expect(p.locator("#tab-terminal")).to_be_focused()
     assert p.url.endswith(f"/sandboxes/{sid}/terminal")
+    ctx.close()
+
+
+def test_ports_expose_and_unexpose(page: Page, d: Daemon, sid: str) -> None:
+    page.goto(d.url + f"/ui/#/sandboxes/{sid}/ports")
+    page.get_by_role("spinbutton", name="Port").fill("8000")
+    page.get_by_role("button", name="Expose").click()
+    link = page.locator(f"a[href*='8000-{sid}.']").first
+    expect(link).to_be_visible(timeout=T)
+    assert "cpuos_token=" in (link.get_attribute("href") or "")
+    assert link.get_attribute("rel") == "noopener noreferrer"
+    shot(page, "sandbox-ports")
+    page.get_by_role("button", name="Unexpose 8000").click()
+    expect(page.locator(".empty-title")).to_have_text("No port exposed", timeout=T)
+
+
+def test_sign_out_and_kill(browser: Browser, d: Daemon, teams: dict[str, dict[str, str]]
+                           ) -> None:
+    """Last: a sandbox killed from the console leaves the list; signing out ends the
+    session (the page's next API call is refused)."""
+    ctx = browser.new_context(viewport={"width": 1280, "height": 800})
+    p = ctx.new_page()
+    sign_in(p, d.url, teams["team-a"]["key"])
+    row = p.locator("tr[data-sid]").first
+    expect(row).to_be_visible(timeout=T)
+    victim = row.get_attribute("data-sid")
+    row.get_by_role("button", name=f"Kill {victim}").click()
+    p.locator("dialog[open]").get_by_role("button", name="Yes, do it").click()
+    expect(p.locator(f"tr[data-sid='{victim}']")).to_have_count(0, timeout=T)
+    p.get_by_role("button", name="Sign out").click()
+    expect(p.locator("#key")).to_be_visible(timeout=T)
+    assert fetch(p, "/sandboxes")[0] == 401
     ctx.close()
