@@ -11,8 +11,9 @@ export default defineConfig({
     assetsDir: "assets",
     sourcemap: false,
     target: "es2022",
-    // one script and one stylesheet: no inline module-preload helper, nothing for the
-    // Content-Security-Policy to allow beyond 'self'
+    // no inline module-preload helper: nothing for the Content-Security-Policy to allow
+    // beyond 'self'. Chunks: the first page (sign-in, the sandbox list); the other pages with
+    // uPlot (pages/lazy.ts); the terminal with xterm.js
     modulePreload: { polyfill: false },
     chunkSizeWarningLimit: 1024,
   },

@@ -6,10 +6,17 @@ import { href, useRoute } from "./router"
 import { ErrorBox, Spinner, Toasts } from "./components/ui"
 import { SignIn } from "./pages/signin"
 import { SandboxesPage } from "./pages/sandboxes"
-import { SandboxPage } from "./pages/sandbox"
-import { TemplatesPage } from "./pages/templates"
-import { UsagePage } from "./pages/usage"
-import { WorkspacePage } from "./pages/workspace"
+
+// the list is the first page; the others (and uPlot, xterm.js) load when first opened
+type Pages = typeof import("./pages/lazy")
+let pages: Pages | null = null
+function useLazyPages(): Pages | null {
+  const [p, setP] = useState<Pages | null>(pages)
+  useEffect(() => {
+    if (!p) import("./pages/lazy").then((m) => { pages = m; setP(m) })
+  }, [])
+  return p
+}
 
 export interface Workspace { id: string; name: string; sandboxes?: number; keys?: number; settings?: Record<string, any>; limits?: Record<string, number> }
 
@@ -72,12 +79,15 @@ function Signed({ who, onSignOut }: { who: Who; onSignOut: () => void }) {
     wsName: (w) => workspaces.find((x) => x.id === w)?.name ?? w,
   }
   const page = route.parts[0] ?? "sandboxes"
+  const lazy = useLazyPages()
   let body
-  if (page === "sandboxes" && route.parts[1]) {
-    body = <SandboxPage sid={route.parts[1]} tab={route.parts[2] ?? "overview"} ws={route.query.get("ws")} />
-  } else if (page === "templates") body = <TemplatesPage />
-  else if (page === "usage") body = <UsagePage />
-  else if (page === "workspace") body = <WorkspacePage />
+  if (page === "sandboxes" && !route.parts[1]) body = <SandboxesPage />
+  else if (!lazy) body = <Spinner />
+  else if (page === "sandboxes") {
+    body = <lazy.SandboxPage sid={route.parts[1]} tab={route.parts[2] ?? "overview"} ws={route.query.get("ws")} />
+  } else if (page === "templates") body = <lazy.TemplatesPage />
+  else if (page === "usage") body = <lazy.UsagePage />
+  else if (page === "workspace") body = <lazy.WorkspacePage />
   else body = <SandboxesPage />
   return (
     <AppCtx.Provider value={ctx}>

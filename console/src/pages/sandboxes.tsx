@@ -4,7 +4,7 @@ import { useApp } from "../app"
 import { listen, type SandboxEvent } from "../events"
 import { href } from "../router"
 import { ACTIVE, ago, bytes, dur, usd } from "../util"
-import { Sparkline } from "../components/chart"
+import { Sparkline } from "../components/sparkline"
 import { Dialog, Empty, ErrorBox, Spinner, StateBadge, toast, toastError, useConfirm } from "../components/ui"
 import { CreateForm } from "./create"
 
@@ -81,8 +81,11 @@ export function SandboxesPage() {
     return () => { stop(); clearInterval(t); clearTimeout(resyncTimer.current) }
   }, [wsq, showEnded])
 
-  // CPU and memory of each running sandbox, for the sparklines (GET /metrics)
+  // CPU and memory of each running sandbox, for the sparklines (GET /metrics): once the
+  // list is on the screen (the first paint waits for nothing else)
+  const listed = rows !== null
   useEffect(() => {
+    if (!listed) return
     let stop = false
     const poll = async () => {
       if (document.hidden) return
@@ -108,10 +111,10 @@ export function SandboxesPage() {
         })
       } catch { /* the list shows errors; sparklines wait */ }
     }
-    poll()
+    const first = setTimeout(poll, 200)
     const t = setInterval(poll, METRICS_EVERY)
-    return () => { stop = true; clearInterval(t) }
-  }, [wsq])
+    return () => { stop = true; clearTimeout(first); clearInterval(t) }
+  }, [wsq, listed])
 
   // cost so far of each sandbox (GET /usage, per workspace shown)
   useEffect(() => {
@@ -130,10 +133,10 @@ export function SandboxesPage() {
       }))
       if (!stop) setCosts(out)
     }
-    const first = setTimeout(poll, 300)
+    const first = setTimeout(poll, 600)
     const t = setInterval(poll, COST_EVERY)
     return () => { stop = true; clearTimeout(first); clearInterval(t) }
-  }, [wsq, rows === null])
+  }, [wsq, listed])
 
   const all = rows ? [...rows.values()] : []
   const templates = useMemo(() => [...new Set(all.map((s) => s.template))].sort(), [rows])
