@@ -1,4 +1,4 @@
-"""Benchmark 19: the web console (/ui) in a real browser (Debian's chromium, headless, through
+"""Benchmark 20: the web console (/ui) in a real browser (Debian's chromium, headless, through
 Playwright) with N sandboxes alive (full 100, quick 30, smoke 3; ``--sandboxes N``):
 
 - first paint of the sandboxes page: from the navigation's start (an open session, a fresh
@@ -35,7 +35,7 @@ from cpuosd.console.testing import chromium_unavailable, launch
 from cpuosd.testing import Daemon
 
 SECTION = KEY = "console"
-TITLE = "19. console: first paint with N sandboxes, event-to-screen latency"
+TITLE = "20. console: first paint with N sandboxes, event-to-screen latency"
 DAEMON = FROM_SNAPSHOT
 STATES = ("pausing", "paused", "resuming", "running")
 
@@ -213,7 +213,7 @@ def measure(ctx: Context) -> dict[str, Any]:
 
 def report(r: dict[str, Any]) -> list[Row]:
     timing_table(
-        f"19. console: first paint with N sandboxes, event-to-screen latency "
+        f"20. console: first paint with N sandboxes, event-to-screen latency "
         f"(N={r['sandboxes']} sandboxes, {r['runs']} page loads, {r['cycles']} pause/resume "
         "cycles)",
         [("ours: first paint of the sandboxes page", r["ours_paint_s"]),
