@@ -23,8 +23,14 @@ export function Chart({ title, series, data, height = 160, unit = "", prefix = "
       legend: { show: true, live: true },
       cursor: { drag: { x: false, y: false } },
       scales: {
-        // a time chart shows at least its last WINDOW seconds (one point would span years)
-        x: bars ? { time: false } : { time: true, range: (_u, min, max) => [Math.min(min ?? max, (max ?? 0) - WINDOW), max ?? 0] },
+        // a time chart shows at least the last WINDOW seconds of its data, from the data
+        // itself (uPlot widens a single point to a thousand days; none yet: 1970), or the
+        // minute up to now while there is none
+        x: bars ? { time: false } : { time: true, range: (u) => {
+          const xs = (u.data?.[0] ?? []) as number[]
+          const hi = xs.length ? xs[xs.length - 1] : Date.now() / 1000
+          return [Math.min(xs.length ? xs[0] : hi, hi - WINDOW), hi]
+        } },
         y: { range: (_u, _min, max) => [0, Math.max(ymax ?? 0, max || 1) * 1.1] },
       },
       axes: [
