@@ -39,3 +39,10 @@ export function clock(t: number): string {
 }
 
 export const ACTIVE = ["creating", "running", "pausing", "paused", "resuming", "killing"]
+
+/** Paused for idleness (its idle timeout passed with nothing to do): any call that needs the
+ * machine (a command, a terminal, files, a fork) wakes it first. A sandbox paused on request
+ * (or at its timeout) refuses those calls (409) until it is resumed. */
+export function idlePaused(s: { state: string; reason: string | null }): boolean {
+  return s.state === "paused" && s.reason === "idle"
+}

@@ -18,10 +18,10 @@ from typing import Any
 import httpx
 import pytest
 
-from cpuos import Sandbox
+from cpuos import Conflict, Sandbox
 from cpuosd.console.testing import COUNT_PIXELS, chromium_unavailable, launch, shot, sign_in
 from cpuosd.fakenet import DENIED_LISTENERS, FakeInternet
-from cpuosd.testing import Daemon, e2e_unavailable, new_daemon
+from cpuosd.testing import Daemon, e2e_unavailable, new_daemon, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.net, pytest.mark.timeout(600)]
 
@@ -209,6 +209,7 @@ def test_exec_appears_in_the_audit_timeline_and_the_chain_verifies(page: Page, d
     expect(page.locator("tr[data-kind=connection]").first).to_be_visible(timeout=T)
     expect(page.locator("tr[data-kind=command]")).to_have_count(0)
     page.get_by_label("connection", exact=True).uncheck()
+    expect(page.locator("tr[data-kind=command]").first).to_be_visible(timeout=T)  # all again
     shot(page, "sandbox-audit")
 
 
@@ -271,6 +272,57 @@ def test_pause_and_resume_from_the_list_update_live(page: Page, d: Daemon, sid: 
         expect(badge).to_have_attribute("data-state", "paused", timeout=T)
         assert c.post(f"/sandboxes/{sid}/resume").status_code == 200
         expect(badge).to_have_attribute("data-state", "running", timeout=T)
+
+
+def test_a_sandbox_paused_while_idle_shows_asleep_and_wakes_on_demand(
+        page: Page, d: Daemon, teams: dict[str, dict[str, str]]) -> None:
+    """Paused for idleness (any call wakes it) is told apart from paused on request (calls
+    refused until a resume): the list says it sleeps and wakes on a call; a tab that needs
+    the machine does not wake it by merely being opened, but offers to; waking it from there
+    shows live; an explicit pause then asks for a resume instead."""
+    sbx = Sandbox.create(template="python", timeout="10m", idle_timeout="2s",
+                         **d.sdk_kwargs(teams["team-a"]["key"]))
+    try:
+        def asleep() -> bool:
+            i = sbx.info()
+            return i.state == "paused" and i.reason == "idle"
+        wait_until(asleep, f"{sbx.id} paused for idleness", 120)
+        sbx.set_idle_timeout(0)  # (woken below, it must stay up for the rest)
+        page.goto(d.url + "/ui/#/sandboxes")
+        row = page.locator(f"tr[data-sid='{sbx.id}']")
+        expect(row).to_have_attribute("data-state", "paused", timeout=T)
+        expect(row.locator("[data-idle=asleep]")).to_contain_text("wakes on a call", timeout=T)
+        expect(row.locator(".badge")).to_contain_text("idle")
+        expect(row.get_by_role("button", name=f"Fork {sbx.id}")).to_be_visible()
+        shot(page, "sandboxes-idle-paused")
+        page.goto(d.url + f"/ui/#/sandboxes/{sbx.id}/terminal")
+        wake = page.get_by_role("button", name="Wake it to open a terminal")
+        expect(wake).to_be_visible(timeout=T)
+        page.goto(d.url + f"/ui/#/sandboxes/{sbx.id}/files")
+        expect(page.get_by_role("button", name="Wake it to browse its files")).to_be_visible(
+            timeout=T)
+        shot(page, "sandbox-idle-paused")
+        assert asleep()  # looking woke nothing
+        page.goto(d.url + f"/ui/#/sandboxes/{sbx.id}/terminal")
+        wake.click()
+        badge = page.locator(".page-head [data-state]")
+        expect(badge).to_have_attribute("data-state", "running", timeout=T)
+        expect(page.get_by_role("button", name="New terminal")).to_be_visible(timeout=T)
+        # paused on request: no wake button; the page asks for a resume
+        def paused() -> bool:  # (refused while a call the wake served is still ending)
+            try:
+                sbx.pause()
+            except Conflict:
+                return False
+            return True
+        wait_until(paused, f"{sbx.id} paused on request", 120)
+        expect(badge).to_have_attribute("data-state", "paused", timeout=T)
+        expect(page.locator("[data-asleep=paused]")).to_contain_text("Resume it to open a terminal", timeout=T)
+        expect(page.get_by_role("button", name="Wake it to open a terminal")).to_have_count(0)
+        expect(page.locator(".head-actions").get_by_role("button", name="Fork")).to_have_count(0)
+    finally:
+        sbx.kill()
+        sbx.close()
 
 
 def test_another_workspaces_sandbox_is_invisible(page: Page, d: Daemon, sid: str,

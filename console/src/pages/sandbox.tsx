@@ -3,7 +3,7 @@ import { get, post, request } from "../api"
 import { useApp } from "../app"
 import { listen, type SandboxEvent } from "../events"
 import { go, href } from "../router"
-import { ago, bytes, dur, when } from "../util"
+import { ago, bytes, dur, idlePaused, when } from "../util"
 import { Chart } from "../components/chart"
 import { ErrorBox, Spinner, StateBadge, Tabs, toast, toastError, useConfirm } from "../components/ui"
 import type { Sbx } from "./sandboxes"
@@ -82,7 +82,7 @@ export function SandboxPage({ sid, tab, ws }: { sid: string; tab: string; ws: st
         <div class="head-actions">
           {s.state === "running" && <button type="button" onClick={() => act("pause")}>Pause</button>}
           {s.state === "paused" && <button type="button" onClick={() => act("resume")}>Resume</button>}
-          {(s.state === "running" || s.state === "paused") && <button type="button" onClick={() => act("fork")}>Fork</button>}
+          {(s.state === "running" || idlePaused(s)) && <button type="button" onClick={() => act("fork")}>Fork</button>}
           {alive && <button type="button" class="danger" onClick={() => act("kill")}>Kill</button>}
         </div>
       </div>
@@ -156,8 +156,10 @@ function Overview({ s, ws, reload }: TabProps & { reload: () => void }) {
   return (
     <div class="overview">
       {s.state !== "running" && (
-        <p class="note">{s.state === "paused"
-          ? `Paused${s.reason ? ` (${s.reason})` : ""}: nothing runs; its snapshot holds ${bytes(m?.snapshot_bytes ?? s.snapshot_bytes)}. Resume it to see live figures.`
+        <p class="note">{idlePaused(s)
+          ? `Paused while idle ${ago(s.paused_at)}: nothing runs; its snapshot holds ${bytes(m?.snapshot_bytes ?? s.snapshot_bytes)}. A command, a terminal or a file call wakes it (Resume does it now); live figures return while it runs.`
+          : s.state === "paused"
+          ? `Paused${s.reason ? ` (${s.reason})` : ""}: nothing runs; its snapshot holds ${bytes(m?.snapshot_bytes ?? s.snapshot_bytes)}. Calls to it are refused until it is resumed; resume it to see live figures.`
           : `The sandbox is ${s.state}: live figures are shown while it runs.`}</p>
       )}
       <div class="charts">
@@ -168,7 +170,7 @@ function Overview({ s, ws, reload }: TabProps & { reload: () => void }) {
       </div>
       <div class="cols">
         <dl class="facts">
-          <dt>State</dt><dd>{s.state}{s.reason ? ` (${s.reason})` : ""}</dd>
+          <dt>State</dt><dd>{idlePaused(s) ? "paused while idle (wakes on a call)" : `${s.state}${s.reason ? ` (${s.reason})` : ""}`}</dd>
           <dt>Template</dt><dd>{s.template}</dd>
           <dt>Size</dt><dd>{s.vcpus} vCPUs, {s.memory_mib} MiB memory, {s.disk_mib} MiB disk, {s.pids} tasks</dd>
           <dt>Tasks now</dt><dd>{m?.pids ?? "—"}</dd>

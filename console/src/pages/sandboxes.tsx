@@ -3,7 +3,7 @@ import { get, post, request } from "../api"
 import { useApp } from "../app"
 import { listen, type SandboxEvent } from "../events"
 import { href } from "../router"
-import { ACTIVE, ago, bytes, dur, usd } from "../util"
+import { ACTIVE, ago, bytes, dur, idlePaused, usd } from "../util"
 import { Sparkline } from "../components/sparkline"
 import { Dialog, Empty, ErrorBox, Spinner, StateBadge, toast, toastError, useConfirm } from "../components/ui"
 import { CreateForm } from "./create"
@@ -221,12 +221,12 @@ export function SandboxesPage() {
                       <td class="nowrap" title={new Date(s.created_at * 1000).toLocaleString()}>{ago(s.created_at)}</td>
                       <td class="wide"><Sparkline values={h?.cpu ?? []} max={5} label={`CPU of ${s.id}`} fmt={(v) => `${v < 10 ? v.toFixed(1) : Math.round(v)}%`} /></td>
                       <td class="wide"><Sparkline values={h?.mem ?? []} max={64 << 20} color="#8250df" label={`memory of ${s.id}`} fmt={bytes} /></td>
-                      <td class="wide">{s.state === "paused" ? `paused ${ago(s.paused_at)}` : s.state === "running" ? (s.idle_timeout ? `pauses after ${dur(s.idle_timeout)} idle` : "never pauses") : "—"}</td>
+                      <td class="wide" data-idle={idlePaused(s) ? "asleep" : undefined}>{idlePaused(s) ? `asleep ${ago(s.paused_at)}; wakes on a call` : s.state === "paused" ? `paused ${ago(s.paused_at)}` : s.state === "running" ? (s.idle_timeout ? `pauses after ${dur(s.idle_timeout)} idle` : "never pauses") : "—"}</td>
                       <td>{usd(costs.get(s.id))}</td>
                       <td class="row-actions">
                         {s.state === "running" && <button type="button" onClick={() => act(s, "pause")} aria-label={`Pause ${s.id}`}>Pause</button>}
                         {s.state === "paused" && <button type="button" onClick={() => act(s, "resume")} aria-label={`Resume ${s.id}`}>Resume</button>}
-                        {(s.state === "running" || s.state === "paused") && <button type="button" onClick={() => act(s, "fork")} aria-label={`Fork ${s.id}`}>Fork</button>}
+                        {(s.state === "running" || idlePaused(s)) && <button type="button" onClick={() => act(s, "fork")} aria-label={`Fork ${s.id}`}>Fork</button>}
                         {alive && <button type="button" class="danger" onClick={() => act(s, "kill")} aria-label={`Kill ${s.id}`}>Kill</button>}
                       </td>
                     </tr>

@@ -2,6 +2,7 @@ import { useState } from "preact/hooks"
 import { get, request, url } from "../../api"
 import { bytes, when } from "../../util"
 import { Empty, ErrorBox, Spinner, toast, toastError, useConfirm, useLoad } from "../../components/ui"
+import { NotRunning } from "../../components/asleep"
 import type { TabProps } from "../sandbox"
 
 interface Entry { name: string; path: string; type: "file" | "dir" | "symlink" | "other"; size: number; mode: number; mtime: number; target?: string | null }
@@ -17,11 +18,12 @@ export function FilesTab({ s, ws }: TabProps) {
   const [view, setView] = useState<{ path: string; text: string | null; why?: string } | null>(null)
   const [uploading, setUploading] = useState<string | null>(null)
   const [confirm, confirmEl] = useConfirm()
-  const list = useLoad((signal) => get<{ entries: Entry[] }>(`/sandboxes/${s.id}/files/list`, { query: { path: dir }, ws, signal }), [s.id, dir])
+  // (only while it runs: a listing would wake a sandbox paused for idleness)
+  const list = useLoad((signal) => (s.state === "running"
+    ? get<{ entries: Entry[] }>(`/sandboxes/${s.id}/files/list`, { query: { path: dir }, ws, signal })
+    : Promise.resolve({ entries: [] as Entry[] })), [s.id, dir, s.state])
 
-  if (s.state !== "running" && !(s.state === "paused" && s.reason === "idle")) {
-    return <p class="note">The sandbox is {s.state}{s.reason ? ` (${s.reason})` : ""}: resume it to browse its files.</p>
-  }
+  if (s.state !== "running") return <NotRunning s={s} ws={ws} what="browse its files" />
   const cd = (p: string) => { setDir(p); setTyped(p); setView(null) }
   const parts = dir.split("/").filter(Boolean)
   const open = async (e: Entry) => {

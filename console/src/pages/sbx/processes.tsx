@@ -2,6 +2,7 @@ import { useEffect, useState } from "preact/hooks"
 import { exec, frames, get, post, request } from "../../api"
 import { bytes, dur, when } from "../../util"
 import { Empty, ErrorBox, Spinner, toastError, useLoad } from "../../components/ui"
+import { NotRunning } from "../../components/asleep"
 import type { TabProps } from "../sandbox"
 
 interface Cmd {
@@ -27,12 +28,14 @@ for p in os.listdir('/proc'):
 print(json.dumps(sorted(out)))`
 
 export function ProcessesTab({ s, ws }: TabProps) {
-  const cmds = useLoad((signal) => get<{ commands: Cmd[] }>(`/sandboxes/${s.id}/commands`, { ws, signal }), [s.id, s.state])
+  // (only while it runs: a call for them would wake a sandbox paused for idleness)
+  const cmds = useLoad((signal) => (s.state === "running"
+    ? get<{ commands: Cmd[] }>(`/sandboxes/${s.id}/commands`, { ws, signal }) : Promise.resolve({ commands: [] })), [s.id, s.state])
   const [ps, setPs] = useState<{ rows: any[][] | null; busy: boolean; err: unknown }>({ rows: null, busy: false, err: null })
   const [open, setOpen] = useState<number | null>(null)
   const [cmd, setCmd] = useState("")
 
-  if (s.state !== "running") return <p class="note">The sandbox is {s.state}: resume it to see its processes.</p>
+  if (s.state !== "running") return <NotRunning s={s} ws={ws} what="see its processes" />
   const listPs = async () => {
     setPs({ rows: ps.rows, busy: true, err: null })
     try {

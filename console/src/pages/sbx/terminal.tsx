@@ -2,6 +2,7 @@ import { useEffect, useRef, useState } from "preact/hooks"
 import { get, post } from "../../api"
 import type { TermStatus } from "../../components/terminal"
 import { ErrorBox, Spinner, toastError, useLoad } from "../../components/ui"
+import { NotRunning } from "../../components/asleep"
 import type { TabProps } from "../sandbox"
 
 // the terminal each sandbox page had open: a tab switch or a reload of the list reattaches
@@ -26,9 +27,7 @@ export function TerminalTab({ s, ws }: TabProps) {
   const cmds = useLoad((signal) => (s.state === "running"
     ? get<{ commands: Cmd[] }>(`/sandboxes/${s.id}/commands`, { ws, signal }) : Promise.resolve({ commands: [] })), [s.id, s.state, pid])
 
-  if (s.state !== "running" && pid === null) {
-    return <p class="note">The sandbox is {s.state}: {s.state === "paused" ? "resume it" : "it must be running"} to open a terminal.</p>
-  }
+  if (s.state !== "running" && pid === null) return <NotRunning s={s} ws={ws} what="open a terminal" />
   const open = async () => {
     setBusy(true)
     try {
