@@ -317,7 +317,8 @@ def test_a_sandbox_paused_while_idle_shows_asleep_and_wakes_on_demand(
             return True
         wait_until(paused, f"{sbx.id} paused on request", 120)
         expect(badge).to_have_attribute("data-state", "paused", timeout=T)
-        expect(page.locator("[data-asleep=paused]")).to_contain_text("Resume it to open a terminal", timeout=T)
+        expect(page.locator("[data-asleep=paused]")).to_contain_text(
+            "Resume it to open a terminal", timeout=T)
         expect(page.get_by_role("button", name="Wake it to open a terminal")).to_have_count(0)
         expect(page.locator(".head-actions").get_by_role("button", name="Fork")).to_have_count(0)
     finally:
