@@ -7,14 +7,20 @@ import { ErrorBox, Spinner, Toasts } from "./components/ui"
 import { SignIn } from "./pages/signin"
 import { SandboxesPage } from "./pages/sandboxes"
 
-// the list is the first page; the others (and uPlot, xterm.js) load when first opened
+// the list is the first page; the others (with uPlot) load when one is first opened, or
+// once the browser is idle after the first page is up (not while it is being drawn)
 type Pages = typeof import("./pages/lazy")
 let pages: Pages | null = null
-function useLazyPages(): Pages | null {
+function useLazyPages(wanted: boolean): Pages | null {
   const [p, setP] = useState<Pages | null>(pages)
   useEffect(() => {
-    if (!p) import("./pages/lazy").then((m) => { pages = m; setP(m) })
-  }, [])
+    if (p) return
+    const load = () => import("./pages/lazy").then((m) => { pages = m; setP(m) })
+    if (wanted) { load(); return }
+    const idle = window.requestIdleCallback ?? ((f: () => void) => window.setTimeout(f, 2000))
+    const t = window.setTimeout(() => idle(load, { timeout: 5000 }), 1500)
+    return () => clearTimeout(t)
+  }, [wanted])
   return p
 }
 
@@ -79,9 +85,10 @@ function Signed({ who, onSignOut }: { who: Who; onSignOut: () => void }) {
     wsName: (w) => workspaces.find((x) => x.id === w)?.name ?? w,
   }
   const page = route.parts[0] ?? "sandboxes"
-  const lazy = useLazyPages()
+  const first = page === "sandboxes" && !route.parts[1]
+  const lazy = useLazyPages(!first)
   let body
-  if (page === "sandboxes" && !route.parts[1]) body = <SandboxesPage />
+  if (first) body = <SandboxesPage />
   else if (!lazy) body = <Spinner />
   else if (page === "sandboxes") {
     body = <lazy.SandboxPage sid={route.parts[1]} tab={route.parts[2] ?? "overview"} ws={route.query.get("ws")} />
