@@ -425,6 +425,29 @@ def test_ports_expose_and_unexpose(page: Page, d: Daemon, sid: str) -> None:
     expect(page.locator(".empty-title")).to_have_text("No port exposed", timeout=T)
 
 
+def test_a_key_made_and_revoked_in_the_workspace_page(page: Page, d: Daemon) -> None:
+    """The workspace page's keys are the API's (GET/POST /workspace/keys, DELETE
+    /workspace/keys/{id}): a new key is shown once and works; revoked, it is refused."""
+    page.goto(d.url + "/ui/#/workspace")
+    expect(page.locator("td.mono", has_text="(this session)")).to_be_visible(timeout=T)
+    page.get_by_label("Label").fill("from-console")
+    page.get_by_role("button", name="New key").click()
+    shown = page.locator("dialog[open] input.wide-input")
+    expect(shown).to_have_value(re.compile(r"^cpk_"), timeout=T)
+    key = shown.input_value()
+    page.locator("dialog[open]").get_by_role("button", name="Close").click()
+    row = page.locator("tr", has_text="from-console")
+    expect(row).to_be_visible(timeout=T)
+    with httpx.Client(base_url=d.url, timeout=30,
+                      headers={"Authorization": f"Bearer {key}"}) as c:
+        assert c.get("/sandboxes").status_code == 200
+        row.get_by_role("button", name="Revoke").click()
+        page.locator("dialog[open]").get_by_role("button", name="Yes, do it").click()
+        expect(row).to_contain_text("revoked", timeout=T)
+        assert c.get("/sandboxes").status_code == 401
+    assert fetch(page, "/sandboxes")[0] == 200  # the session's own key is untouched
+
+
 def test_sign_out_and_kill(browser: Browser, d: Daemon, teams: dict[str, dict[str, str]]
                            ) -> None:
     """Last: a sandbox killed from the console leaves the list; signing out ends the
