@@ -17,8 +17,9 @@ fi
 
 need_pkgs=(runsc mmdebstrap iproute2 nftables python3 python3-venv python3-pip ca-certificates procps
            qemu-system-x86 busybox-static cpio lz4 e2fsprogs zstd xz-utils tmux)
-# --dev: nginx, the front proxy the preview tests start on loopback (tests/security)
-[ $dev -eq 1 ] && need_pkgs+=(nginx)
+# --dev: nginx, the front proxy the preview tests start on loopback (tests/security), and
+# chromium, the browser the web console's tests drive headless (tests/e2e/test_console_ui.py)
+[ $dev -eq 1 ] && need_pkgs+=(nginx chromium)
 missing=()
 for p in "${need_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -47,6 +48,22 @@ extra="server"
 echo "==> pip install -e .[$extra]"
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q -e ".[$extra]"
+
+# the web console (/ui): built from console/ with npm (Vite) into the package, when its
+# sources changed (a hash of them is stamped into the bundle; tests/unit/test_console_bundle.py)
+if node -e 'const [a,b]=process.versions.node.split(".").map(Number);process.exit(a>20||(a==20&&b>=19)?0:1)' \
+    2>/dev/null && command -v npm >/dev/null; then
+  if ! node console/scripts/stamp.mjs --check >/dev/null 2>&1; then
+    echo "==> building the web console (console/: npm ci && npm run build)"
+    (cd console && npm ci --no-audit --no-fund && npm run build)
+  fi
+elif [ "${CI:-}" = "true" ]; then
+  echo "error: building the web console needs node >= 20.19 and npm" >&2
+  exit 1
+else
+  echo "WARNING: the web console is not built (it needs node >= 20.19 and npm); /ui says so," \
+       "the API and SDKs work without it" >&2
+fi
 
 echo "==> building the python template (cached by content hash)"
 .venv/bin/cpuosd template build python

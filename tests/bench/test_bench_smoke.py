@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import pytest
 
+from cpuosd.console.testing import chromium_unavailable
 from cpuosd.templates.builder import template_info
 from cpuosd.testing import TEMPLATES, e2e_unavailable
 
@@ -101,6 +102,10 @@ CASES = {
                                                  "pytest", "compute", "syscalls")
                         for what in ("cpuos audit on vs raw runsc", "audit on vs off")]
                    + ["inside: repo files / tests / wheels"]),
+    "console": Case("console", "console", "20. console: first paint with N sandboxes",
+                    ["ours_paint_s", "floor_api_s"],
+                    ["console first paint of the sandboxes page, p50",
+                     "console event → screen, p50"]),
     "e2b_sdk": Case("e2b", "e2b", "18. E2B SDK on cpuos",
                 ["ours_run_s", "floor_exec_login_s", "floor_exec_s", "ours_create_s",
                  "ours_create_run_s", "floor_create_s", "floor_create_exec_s"],
@@ -196,6 +201,10 @@ def check_figures(module: str, data: dict[str, Any]) -> None:
         assert len(data["loads"]) == 5 and data["daemon_healthy"]
         for load in data["loads"]:
             assert len(load["samples_s"]) == data["n"] and load["noisy_alive"], load["name"]
+    if module == "console":
+        assert data["sandboxes"] == data["n_asked"] and data["events"] >= 4
+        assert len(data["ours_event_s"]) >= 4 and all(x >= 0 for x in data["ours_event_s"])
+        assert len(data["floor_event_s"]) == data["events"]
     if module == "density":
         n = data["n"]
         mem, cpu = data["memory"], data["cpu"]
@@ -230,6 +239,8 @@ def test_case_smoke(module: str) -> None:
     """bench/cases/<module>.py --smoke by itself: its own daemon, its table, its summary
     rows and samples, and nothing left behind."""
     case = CASES[module]
+    if module == "console" and chromium_unavailable():
+        pytest.skip(f"the console benchmark drives a browser: {chromium_unavailable()}")
     for needs, template in (("browser", "browser"), ("run_code", "code-interpreter")):
         if module == needs and template_info(TEMPLATES, template) is None:
             pytest.skip(f"the {template} template is not built in {TEMPLATES} "

@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cpuos_agent import protocol as P
 from cpuos_agent.protocol import parse_duration
 
-from .auth import Guard, Ws, bearer_key, is_admin, require_admin
+from .auth import Guard, Ws, all_workspaces, bearer_key, is_admin, require_admin
 from .browser import router as browser_router
 from .interp import router as interp_router
 from .templates import TemplateBuilds, router as templates_router
@@ -42,6 +42,8 @@ from .dirs import router as dirs_router
 from .streams import MaxBytesQ
 from .usage import router as usage_router, sandbox_metrics
 from .workspaces import router as workspaces_router
+from .eventstream import router as events_router
+from ..console.routes import router as console_router
 from ..proxy.preview import Preview
 from .. import e2b as e2b_surface
 from ..backends.microvm.selection import BackendUnavailable, select_backend
@@ -302,7 +304,8 @@ def sandbox_size(body: CreateSandbox, workspace: dict[str, Any] | None, cfg: Con
 def sandbox_json(row: SandboxRow) -> dict[str, Any]:
     now = time.time()
     return {
-        "id": row.id, "template": row.template, "state": row.state, "reason": row.reason,
+        "id": row.id, "workspace": row.workspace_id, "template": row.template,
+        "state": row.state, "reason": row.reason,
         "backend": row.backend, "created_at": row.created_at, "started_at": row.started_at,
         "ended_at": row.ended_at, "deadline": row.deadline,
         "timeout_remaining": max(0.0, row.deadline - now)
@@ -437,6 +440,8 @@ def create_app(cfg: Config | None = None) -> FastAPI:
     document(app)  # the answers' schemas in /openapi.json (sdk/js's types)
     app.include_router(usage_router)
     app.include_router(workspaces_router)
+    app.include_router(events_router)  # GET /events: the event bus, server-sent
+    app.include_router(console_router)  # /ui: the web console (cpuosd.console)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, e: ApiError) -> JSONResponse:
@@ -658,9 +663,13 @@ def create_app(cfg: Config | None = None) -> FastAPI:
 
     @app.get("/sandboxes")
     async def list_(request: Request, ws: Ws, all: bool = False) -> dict[str, Any]:
+        """The caller's sandboxes (``all``: ended ones too); the admin's ``workspace=*``:
+        every workspace's."""
         states: tuple[str, ...] = ("creating", "running", "pausing", "paused", "resuming",
                                    "killing", "killed", "error") if all else ACTIVE_STATES
-        rows = request.app.state.store.list_sandboxes(ws, states)
+        every = all_workspaces(request)
+        rows = [r for r in request.app.state.store.list_sandboxes(None if every else ws, states)
+                if r.workspace_id]  # (not a template's boot: the daemon's own)
         return {"sandboxes": [sandbox_json(r) for r in rows]}
 
     @app.get("/sandboxes/{sid}")

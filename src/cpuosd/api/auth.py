@@ -12,6 +12,13 @@ that key (``LiveRequests``): revoking the key (or deleting its workspace) ends t
 (an exec stream, a follower, a terminal), not only the requests that come after. A request
 whose answer had not started gets 401; a started stream is cut (the client sees it end
 early: the SDK raises); a WebSocket is closed with 4401.
+
+The web console (cpuosd.console) calls the same routes with a session cookie instead of the
+key (a session is its key's: revoked with it); a request that changes something must then
+carry the session's CSRF token (``X-Cpuos-Csrf``), and a WebSocket must come from a page of
+the daemon's own origin. The admin may act in another workspace (``X-Cpuos-Workspace: <id>``
+or ``?workspace=<id>`` where a header cannot be set: EventSource, WebSocket, a download
+link), and list every workspace's sandboxes and events (``workspace=*``).
 """
 
 from __future__ import annotations
@@ -19,13 +26,16 @@ from __future__ import annotations
 import json
 import re
 from typing import Annotated, Any
+from urllib.parse import parse_qs
 
 import anyio
 from fastapi import Depends, Request
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..errors import ApiError
+from ..console.sessions import (SAFE_METHODS, cookie_token, csrf_ok, header, live_session,
+                                same_origin)
+from ..errors import ApiError, not_found
 
 MAX_JSON_BODY = 8 << 20  # exec stdin rides in the JSON body
 OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
@@ -113,33 +123,50 @@ class Guard:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket":
-            # the handler checks the key itself (and refuses with its close code); one that
-            # is valid is filed, so revoking it closes the socket
-            key = bearer_key(scope["headers"])
-            found = scope["app"].state.store.key_lookup(key) if key else None
+            # the handler checks the caller itself (and refuses with its close code); one
+            # that is valid is filed, so revoking its key closes the socket
+            found = websocket_caller(scope)
             if found is None:
                 await self.app(scope, receive, send)
             else:
                 await _live(scope).run(found[0], scope, receive, send, self.app)
             return
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path in OPEN_PATHS or path == "/ui" \
+                or path.startswith("/ui/"):  # the console's page and sign-in: cpuosd.console
             await self.app(scope, receive, send)
             return
         headers = scope["headers"]
         key = bearer_key(headers)
-        if key is None:
-            await _reply(send, ApiError(
-                "unauthorized", "missing API key: send 'Authorization: Bearer <key>'"))
-            return
         store = scope["app"].state.store
-        found = store.key_lookup(key)
-        if found is None:
-            await _reply(send, ApiError("unauthorized", "invalid API key (unknown, revoked, "
-                                                        "or of a deleted workspace)"))
-            return
+        if key is not None:
+            found = store.key_lookup(key)
+            if found is None:
+                await _reply(send, ApiError("unauthorized", "invalid API key (unknown, "
+                                            "revoked, or of a deleted workspace)"))
+                return
+        else:
+            session = live_session(scope)
+            if session is None:
+                await _reply(send, ApiError("unauthorized", (
+                    "console session expired or signed out: sign in again at /ui"
+                    if cookie_token(headers) else
+                    "missing API key: send 'Authorization: Bearer <key>'")))
+                return
+            if scope["method"] not in SAFE_METHODS and not csrf_ok(session, headers):
+                await _reply(send, ApiError("permission_denied", (
+                    "a console session's request that changes something needs the "
+                    "session's X-Cpuos-Csrf header")))
+                return
+            found = (session.key_id, session.workspace)
         key_id, wid = found
+        try:
+            wid, every = target_workspace(scope, store, wid)
+        except ApiError as e:
+            await _reply(send, e)
+            return
         state = scope.setdefault("state", {})
-        state["workspace"], state["key_id"] = wid, key_id
+        state["workspace"], state["key_id"], state["all_workspaces"] = wid, key_id, every
         live = _live(scope)
         if any(m == scope["method"] and p.fullmatch(scope["path"]) for m, p in STREAMED):
             await live.run(key_id, scope, receive, send, self.app)
@@ -162,6 +189,49 @@ class Guard:
             return msg
 
         await live.run(key_id, scope, counted, send, self.app)
+
+
+def target_workspace(scope: Scope, store: Any, wid: str) -> tuple[str, bool]:
+    """The workspace a request acts in: the key's, or (the admin only) the one it names
+    in ``X-Cpuos-Workspace`` or ``?workspace=``; and whether it asked for every workspace
+    (``*``: the sandbox list and the event stream)."""
+    want = header(scope["headers"], b"x-cpuos-workspace")
+    if want is None:
+        q = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("workspace")
+        want = q[-1] if q else None
+    if want is None or want == "" or want == wid:
+        return wid, False
+    admin = wid == store.workspace_by_name("default")
+    if want == "*":
+        if not admin:
+            raise ApiError("permission_denied", "only the admin sees every workspace "
+                           "(workspace=*)")
+        return wid, True
+    if not admin or store.workspace(want) is None:
+        raise not_found("workspace", want[:64])
+    return want, False
+
+
+def websocket_caller(scope: Scope) -> tuple[str, str] | None:
+    """(key id, workspace) of a WebSocket's caller: its API key, or a console session
+    whose page is of the daemon's own origin (a page of another site cannot ride on the
+    cookie); None if neither, or if it names a workspace it may not act in."""
+    store = scope["app"].state.store
+    key = bearer_key(scope["headers"])
+    found: tuple[str, str] | None = None
+    if key is not None:
+        found = store.key_lookup(key)
+    else:
+        s = live_session(scope)
+        if s is not None and same_origin(scope):
+            found = (s.key_id, s.workspace)
+    if found is None:
+        return None
+    try:
+        wid, _ = target_workspace(scope, store, found[1])
+    except ApiError:
+        return None
+    return found[0], wid
 
 
 def _live(scope: Scope) -> LiveRequests:
@@ -209,3 +279,8 @@ def require_admin(request: Request, ws: str) -> None:
 
 def live_requests(request: Request) -> LiveRequests:
     return _live(request.scope)
+
+
+def all_workspaces(request: Request) -> bool:
+    """The admin asked for every workspace (``workspace=*``)."""
+    return bool(getattr(request.state, "all_workspaces", False))

@@ -8,7 +8,8 @@ programs). It outlives its client: detach (close the WebSocket) and attach again
 - ``POST /sandboxes/{id}/pty``: ``{"cols": 120, "rows": 40, "cmd": null}`` (default: a
   login bash) -> its record (201).
 - ``POST /sandboxes/{id}/pty/{pid}/resize``: ``{"cols", "rows"}``.
-- ``WS /sandboxes/{id}/pty/{pid}/ws?offset=0`` (``Authorization: Bearer <key>``):
+- ``WS /sandboxes/{id}/pty/{pid}/ws?offset=0`` (``Authorization: Bearer <key>``, or the
+  console's session cookie from a page of the daemon's origin):
   binary messages from the server are its output (from ``offset``; -1: only what comes
   next); text messages are JSON: ``{"type": "attached", "start", "end", "offset"}`` first,
   ``{"type": "exit", "exit_code", "signal", ...}`` last, or ``{"type": "error", "code",
@@ -33,7 +34,7 @@ from ..errors import ApiError
 from ..lifecycle import commands as C
 from ..lifecycle.manager import Manager
 from ..paths import check_path
-from .auth import Ws, bearer_key
+from .auth import Ws, websocket_caller
 from .commands import CommandInfo, StartCommand
 
 log = logging.getLogger("cpuosd.pty")
@@ -94,11 +95,11 @@ async def _close(websocket: WebSocket, e: ApiError) -> None:
 @router.websocket("/sandboxes/{sid}/pty/{pid}/ws")
 async def pty_socket(websocket: WebSocket, sid: str, pid: int, offset: int = 0) -> None:
     app = websocket.app
-    key = bearer_key(list(websocket.scope["headers"]))
-    ws = app.state.store.workspace_for_key(key) if key else None
-    if ws is None:
+    found = websocket_caller(websocket.scope)  # the key, or the console's session cookie
+    if found is None:
         await websocket.close(CLOSE_BASE + 401, "missing or invalid API key")
         return
+    ws = found[1]
     m = _mgr(app)
     try:
         lv = await m.ready(ws, sid)

@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field
 
 class Sandbox(BaseModel):
     id: str
+    workspace: str = Field(description="the id of the workspace it belongs to")
     template: str
     state: str = Field(description="creating | running | pausing | paused | resuming | "
                        "killing | killed | error | pooled")
@@ -103,6 +104,12 @@ class SpendingCap(BaseModel):
     reached: bool
 
 
+class UsageDay(UsageFigures):
+    date: str = Field(description="the UTC day, YYYY-MM-DD")
+    since: float
+    until: float
+
+
 class Usage(BaseModel):
     workspace: str
     since: float
@@ -112,6 +119,8 @@ class Usage(BaseModel):
     total: UsageFigures
     sandboxes: list[SandboxUsage]
     spending_cap: SpendingCap
+    days: list[UsageDay] | None = Field(None, description="with by=day: the totals of each "
+                                        "UTC day between since and until")
 
 
 class Metrics(BaseModel):

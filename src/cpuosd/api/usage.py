@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 
 from ..accounting.usage import Meter, month_start, spending_cap
 from ..errors import invalid
 from ..store import SandboxRow
-from .auth import Ws
+from .auth import Ws, all_workspaces
 
 if TYPE_CHECKING:
     from ..lifecycle.manager import Manager
@@ -44,7 +44,9 @@ async def usage(request: Request, ws: Ws,
                 since: str | None = Query(None, description="default: the start of this "
                                           "month (UTC); epoch seconds or ISO 8601"),
                 until: str | None = Query(None, description="default: now"),
-                sandbox: str | None = Query(None, description="only this sandbox")
+                sandbox: str | None = Query(None, description="only this sandbox"),
+                by: Literal["day"] | None = Query(None, description="day: also the totals "
+                                                  "of each UTC day (days)")
                 ) -> dict[str, Any]:
     """Running seconds (x vCPUs, x GiB of memory) and paused seconds (x snapshot GiB) of
     the caller's sandboxes between since and until, per sandbox and in total, with their
@@ -62,6 +64,28 @@ async def usage(request: Request, ws: Ws,
     month = meter.month_cost(ws, now)
     out["spending_cap"] = {"cap": cap, "month_spent": round(month, 8),
                            "reached": cap is not None and month >= cap}
+    if by == "day":
+        out["days"] = per_day(meter, ws, t0, min(t1, now), sandbox)
+    return out
+
+
+MAX_DAYS = 400
+
+
+def per_day(meter: Meter, ws: str, t0: float, t1: float, sandbox: str | None
+            ) -> list[dict[str, Any]]:
+    """The totals of each UTC day that [t0, t1) touches, each day cut to that range."""
+    day = datetime.fromtimestamp(t0, UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    out: list[dict[str, Any]] = []
+    while day.timestamp() < t1 or not out:
+        d0, d1 = day.timestamp(), (day + timedelta(days=1)).timestamp()
+        if len(out) >= MAX_DAYS:
+            raise invalid(f"by=day covers at most {MAX_DAYS} days: narrow since/until",
+                          field="by")
+        a, b = max(d0, t0), min(d1, t1)
+        out.append({"date": day.date().isoformat(), "since": a, "until": b,
+                    **meter.summary(ws, a, b, sandbox)["total"]})
+        day += timedelta(days=1)
     return out
 
 
@@ -88,8 +112,11 @@ async def sandbox_metrics(m: Manager, row: SandboxRow) -> dict[str, Any]:
 
 @router.get("/metrics")
 async def all_metrics(request: Request, ws: Ws) -> dict[str, Any]:
-    """sandbox_metrics of each of the caller's running and paused sandboxes (cpuos top)."""
+    """sandbox_metrics of each of the caller's running and paused sandboxes (cpuos top);
+    the admin's ``workspace=*``: every workspace's."""
     m: Manager = request.app.state.mgr
-    rows = m.store.list_sandboxes(ws, ("running", "paused"))[:1000]
+    every = all_workspaces(request)
+    rows = [r for r in m.store.list_sandboxes(None if every else ws, ("running", "paused"))
+            if r.workspace_id][:1000]
     return {"time": time.time(),
             "sandboxes": [await sandbox_metrics(m, r) for r in rows]}

@@ -95,7 +95,8 @@ MAX_PENDING = _env_int("CPUOS_PREVIEW_MAX_PENDING", 1024)
 MAX_PENDING_PER_IP = _env_int("CPUOS_PREVIEW_MAX_PENDING_PER_IP", 64)
 MAX_PER_SANDBOX = _env_int("CPUOS_PREVIEW_MAX_PER_SANDBOX", 256)
 PATH_RE = re.compile(r"^/sandboxes/(sbx-[a-z0-9]{12})/ports/(\d{1,5})(/.*)?$")
-# the request headers that never reach a sandbox (cookies: every cpuos_token*)
+# the request headers that never reach a sandbox (cookies: every cpuos_token*, and the
+# console's cpuos_session)
 DROP_HEADERS = {b"authorization", b"x-cpuos-token", b"x-forwarded-host"}
 # hop-by-hop: about this connection, not the request (RFC 9110 7.6.1)
 HOP_HEADERS = {b"connection", b"keep-alive", b"proxy-connection", b"te", b"upgrade",
@@ -780,9 +781,11 @@ def _cookies(raw: bytes, name: str) -> list[str]:
 
 
 def _drop_cookies(raw: bytes) -> bytes:
-    """A Cookie header without any cpuos token cookie."""
+    """A Cookie header without any cpuos token cookie, nor the web console's session
+    (cookies ignore ports: a console on this host's API port has its cookie sent here)."""
     keep = [p.strip() for p in raw.decode("latin-1").split(";")
-            if p.strip() and not p.strip().partition("=")[0].startswith("cpuos_token")]
+            if p.strip() and not p.strip().partition("=")[0].startswith(
+                ("cpuos_token", "cpuos_session", "__Host-cpuos_session"))]
     return "; ".join(keep).encode("latin-1")
 
 

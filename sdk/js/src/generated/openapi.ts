@@ -25,6 +25,26 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/events": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * Events
+         * @description The caller's workspace's sandbox events as they happen (server-sent events).
+         */
+        get: operations["events_events_get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/health": {
         parameters: {
             query?: never;
@@ -55,7 +75,8 @@ export interface paths {
         };
         /**
          * All Metrics
-         * @description sandbox_metrics of each of the caller's running and paused sandboxes (cpuos top).
+         * @description sandbox_metrics of each of the caller's running and paused sandboxes (cpuos top);
+         *     the admin's ``workspace=*``: every workspace's.
          */
         get: operations["all_metrics_metrics_get"];
         put?: never;
@@ -73,7 +94,11 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** List */
+        /**
+         * List
+         * @description The caller's sandboxes (``all``: ended ones too); the admin's ``workspace=*``:
+         *     every workspace's.
+         */
         get: operations["list__sandboxes_get"];
         put?: never;
         /** Create */
@@ -1663,6 +1688,11 @@ export interface components {
             timeout_remaining: number | null;
             /** Vcpus */
             vcpus: number | null;
+            /**
+             * Workspace
+             * @description the id of the workspace it belongs to
+             */
+            workspace: string;
         };
         /** SandboxList */
         SandboxList: {
@@ -1867,6 +1897,12 @@ export interface components {
             /** Currency */
             currency: string;
             /**
+             * Days
+             * @description with by=day: the totals of each UTC day between since and until
+             * @default null
+             */
+            days?: components["schemas"]["UsageDay"][] | null;
+            /**
              * Prices
              * @description vcpu_hour, gib_hour, snapshot_gib_hour
              */
@@ -1883,6 +1919,38 @@ export interface components {
             until: number;
             /** Workspace */
             workspace: string;
+        };
+        /** UsageDay */
+        UsageDay: {
+            /**
+             * Cost
+             * @description USD at the daemon's prices
+             */
+            cost: number;
+            /**
+             * Date
+             * @description the UTC day, YYYY-MM-DD
+             */
+            date: string;
+            /**
+             * Idle Paused Seconds
+             * @description of paused_seconds: paused for idleness (idle_timeout)
+             */
+            idle_paused_seconds: number;
+            /** Memory Gib Seconds */
+            memory_gib_seconds: number;
+            /** Paused Seconds */
+            paused_seconds: number;
+            /** Running Seconds */
+            running_seconds: number;
+            /** Since */
+            since: number;
+            /** Snapshot Gib Seconds */
+            snapshot_gib_seconds: number;
+            /** Until */
+            until: number;
+            /** Vcpu Seconds */
+            vcpu_seconds: number;
         };
         /** UsageFigures */
         UsageFigures: {
@@ -2025,6 +2093,41 @@ export interface operations {
                     "application/json": {
                         [key: string]: unknown;
                     };
+                };
+            };
+        };
+    };
+    events_events_get: {
+        parameters: {
+            query?: {
+                /** @description only these kinds (repeated or comma-separated) */
+                kind?: string[] | null;
+                /** @description only this sandbox's events */
+                sandbox?: string | null;
+            };
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description server-sent events (see the module) */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": unknown;
+                    "text/event-stream": unknown;
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
                 };
             };
         };
@@ -3938,6 +4041,8 @@ export interface operations {
     usage_usage_get: {
         parameters: {
             query?: {
+                /** @description day: also the totals of each UTC day (days) */
+                by?: "day" | null;
                 /** @description only this sandbox */
                 sandbox?: string | null;
                 /** @description default: the start of this month (UTC); epoch seconds or ISO 8601 */
