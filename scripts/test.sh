@@ -29,7 +29,7 @@ echo "==> lint and types"
 args=("$@")
 [ ${#args[@]} -eq 0 ] && args=(-m "not slow and not kvm")
 set +e
-.venv/bin/python -m pytest tests "${args[@]}"
+.venv/bin/python -m pytest tests --durations=25 "${args[@]}"
 rc=$?
 set -e
 if [ $rc -eq 5 ]; then
