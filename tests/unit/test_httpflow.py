@@ -184,6 +184,23 @@ def test_first_request_that_never_completes_is_refused(monkeypatch: pytest.Monke
     run(body)
 
 
+@pytest.mark.parametrize("pieces", [1, 8])
+def test_a_head_over_the_limit_is_one_refusal_however_it_arrives(pieces: int) -> None:
+    """A request head over MAX_HEAD is refused with the same reason whether it came whole
+    (checked once parsed) or in reads (h11 gives up on the incomplete head first)."""
+    async def body() -> None:
+        r = Run(RULES)
+        big = get("/x", extra="X: " + "a" * 100_000 + "\r\n")
+        step = -(-len(big) // pieces)
+        task = r.start(big[:step])
+        for i in range(step, len(big), step):
+            r.client.feed(big[i:i + step])
+        o = await task
+        assert o.denied == f"a request head over {httpflow.MAX_HEAD // 1024} KiB", o
+        assert bytes(r.client.sent).split(b" ", 2)[1] == b"403" and b"/x" not in r.server.sent
+    run(body)
+
+
 def req(head: bytes) -> h11.Request:
     c = h11.Connection(h11.SERVER)
     c.receive_data(head)

@@ -515,7 +515,12 @@ class _Exchange:
             for piece in _answer(self.srv, status, f"refused: {e}"):
                 self.client.write(piece)
         elif isinstance(e, h11.RemoteProtocolError) and which == "requests":
-            if not self.client_eof:  # (a request cut short by the sandbox is no attack)
+            if e.error_status_hint == 431:  # (h11: a head still incomplete past MAX_HEAD;
+                # the same refusal as a whole head over it, however the bytes arrived)
+                o.denied = f"a request head over {MAX_HEAD // 1024} KiB"
+                for piece in _answer(self.srv, 403, f"refused: {o.denied}"):
+                    self.client.write(piece)
+            elif not self.client_eof:  # (a request cut short by the sandbox is no attack)
                 o.denied = f"not HTTP/1.x the proxy can follow: {e}"
                 for piece in _answer(self.srv, 400, o.denied):
                     self.client.write(piece)
