@@ -11,7 +11,6 @@ import fcntl
 import os
 import re
 import selectors
-import signal
 import struct
 import termios
 import threading
@@ -255,10 +254,10 @@ class Exec:
         self.started = time.monotonic()
         self.done_ev, self.status_box = self.agent.reaper.register(self.pid, spawned_at,
                                                                    self._exited)
-        if lost is not None and lost.is_set() and not os.path.exists(f"/proc/{pid}"):
+        if lost is not None and lost.is_set():
             # its spawner died after reaping it and before reporting it, and before we
             # registered (the reaper's settle_lost ran too early to see it)
-            self.agent.reaper.deliver(pid, signal.SIGKILL)
+            self.agent.reaper.settle_lost(only=pid)
         return None
 
     def _exited(self) -> None:

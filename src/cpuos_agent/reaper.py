@@ -23,7 +23,7 @@ class Reaper:
     time they were reaped, and a waiter accepts one only if it was reaped after its spawn
     began (so a recycled pid never hands over a stale status).
 
-    No periodic wakeup: the thread blocks in ``waitpid`` while there is a child (in root
+    No periodic wakeup: the thread blocks in ``waitid`` while there is a child (in root
     mode the spawner always is one); with none it sleeps on a pipe written when one may
     appear: a spawn of ours (``kick``) or a SIGCHLD (an orphan reparented to us has
     exited: the interpreter's wakeup fd, set up here from the main thread). A child that
@@ -32,6 +32,7 @@ class Reaper:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._reaping = threading.Lock()
         self._waiters: dict[int, Waiter] = {}
         self._early: dict[int, tuple[float, int]] = {}
         self._kick_r, self._kick_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -63,8 +64,8 @@ class Reaper:
 
     def _run(self) -> None:
         while True:
-            try:
-                pid, status = os.waitpid(-1, os.WUNTRACED)
+            try:  # which child changed, left waitable (WNOWAIT): see settle_lost
+                info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WSTOPPED | os.WNOWAIT)
             except ChildProcessError:  # no child at all: until one may exist
                 select.select([self._kick_r], [], [], self._idle_wait)
                 with contextlib.suppress(OSError):
@@ -72,12 +73,21 @@ class Reaper:
                 continue
             except InterruptedError:
                 continue
-            if os.WIFSTOPPED(status):
-                cb = self.on_stop
-                if cb is not None:
-                    cb(pid)
+            if info is None:
                 continue
-            self.deliver(pid, status)
+            with self._reaping:  # reaped and delivered as one step
+                try:
+                    pid, status = os.waitpid(info.si_pid, os.WUNTRACED | os.WNOHANG)
+                except (ChildProcessError, InterruptedError):
+                    continue
+                if pid == 0:
+                    continue
+                if not os.WIFSTOPPED(status):
+                    self.deliver(pid, status)
+                    continue
+            cb = self.on_stop
+            if cb is not None:
+                cb(pid)
 
     def deliver(self, pid: int, status: int) -> None:
         """pid exited with status (reaped here, or by the spawner, which reports it)."""
@@ -94,15 +104,16 @@ class Reaper:
         if w[2] is not None:
             w[2]()
 
-    def settle_lost(self) -> None:
+    def settle_lost(self, only: int | None = None) -> None:
         """The spawner died: its children are ours now (the kernel reparents them to PID 1
         and we reap them), except those it reaped and never reported. Those no longer
-        exist: they are settled as killed (SIGKILL)."""
-        with self._lock:
-            pids = list(self._waiters)
-        for pid in pids:
-            if not os.path.exists(f"/proc/{pid}"):
-                self.deliver(pid, signal.SIGKILL)
+        exist: they are settled as killed (SIGKILL). ``only``: just that waiter."""
+        with self._reaping:  # (not one the reaper has reaped and not yet delivered)
+            with self._lock:
+                pids = [p for p in self._waiters if only is None or p == only]
+            for pid in pids:
+                if not os.path.exists(f"/proc/{pid}"):
+                    self.deliver(pid, signal.SIGKILL)
 
 
 def _noop(signum: int, frame: object) -> None:
