@@ -97,13 +97,20 @@ export class HttpClient {
     if (body !== undefined) headers["Content-Length"] = String(body.length);
     const signal = opts.signal;
     const mod = url.protocol === "https:" ? https : http;
-    const agent = fresh ? false : agents[url.protocol as "http:" | "https:"];
+    // A streamed upload has a connection of its own, closed after it: answered before
+    // the upload ended, its last write may fail (the daemon reset the connection) once the
+    // answer is in, and a kept-alive socket has no error listener on its way back to the
+    // pool (Node's responseKeepAlive): that error would be uncaught.
+    const agent = fresh || opts.stream !== undefined ? false
+      : agents[url.protocol as "http:" | "https:"];
     return new Promise<IncomingMessage>((resolve, reject) => {
       signal?.throwIfAborted();
       const req = mod.request(url, { method, headers, agent, signal });
       let connectTimer: NodeJS.Timeout | undefined;
       let localError: Error | undefined;
       req.on("socket", (sock) => {
+        // (its own connection: a write failing after the answer is no one's error)
+        if (opts.stream !== undefined) sock.on("error", () => undefined);
         if (!sock.connecting) return;
         connectTimer = setTimeout(() => req.destroy(new Timeout(
           `${method} ${path}: could not connect to cpuosd at ${this.url} in ` +
