@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cpuos_agent import protocol as P
+from cpuos_agent.protocol import ErrorCode, Kind
 
 from .errors import ApiError
 from .fdbudget import BUDGET
@@ -32,7 +33,6 @@ CREDIT_BATCH = 1 << 20
 # What one stream may have queued here: the agent's send window, plus a margin for the
 # control frames that need no credit. More is a protocol violation and drops the agent.
 MAX_QUEUED = P.WINDOW + 2 * P.MAX_PAYLOAD
-DATA_TYPES = ("out", "data", "events")
 # s a device agent (a microVM's: it cannot hang up itself) gets to see the host hang up after
 # a quiesce: whoever checkpoints one waits this long after disconnect()
 DEVICE_SETTLE = 0.1
@@ -54,6 +54,25 @@ class AgentGone(ApiError):
         super().__init__("unavailable", message)
 
 
+_AGENT_CODES = frozenset(ErrorCode)
+
+
+class AgentError(ApiError):
+    """The agent's ``err`` answer: its code if it is one an agent may report
+    (``cpuos_agent.protocol.ErrorCode``), else ``internal``; its message, bounded."""
+
+    def __init__(self, h: P.Header) -> None:
+        code, msg = h.get("code"), h.get("message")
+        # (a code that is not a string, say a list, is no error of ours: checked first)
+        super().__init__(code if isinstance(code, str) and code in _AGENT_CODES
+                         else "internal",
+                         msg[:500] if isinstance(msg, str) else "sandbox agent error")
+
+
+# a stream's end of its own (never sent: queued to its reader when the agent is gone)
+GONE = "_gone"
+
+
 class Stream:
     def __init__(self, chan: AgentChannel, sid: int) -> None:
         self.chan = chan
@@ -71,7 +90,7 @@ class Stream:
 
     def on_stdin(self, h: P.Header) -> None:
         """A ``stdin_credit`` or ``stdin_closed`` from the agent (never queued)."""
-        if h["t"] == "stdin_credit":
+        if h["t"] == Kind.STDIN_CREDIT:
             n = h.get("n")
             if isinstance(n, int) and n > 0:
                 self.stdin_inflight = max(0, self.stdin_inflight - n)
@@ -105,7 +124,7 @@ class Stream:
             if self.stdin_closed:
                 raise StdinClosed(self.stdin_closed)
             last = not view
-            h: P.Header = {"t": "stdin"}
+            h: P.Header = {"t": Kind.STDIN}
             if last and close:
                 h["close"] = True
             if last and ack:
@@ -126,15 +145,15 @@ class Stream:
             h, payload = await self.queue.get()
         else:
             h, payload = await asyncio.wait_for(self.queue.get(), timeout)
-        if h["t"] == "_gone":
+        if h["t"] == GONE:
             raise AgentGone(h.get("message") or "sandbox agent disconnected")
         self.queued -= len(payload) + 64
-        if h["t"] in DATA_TYPES:
+        if h["t"] in P.DATA_KINDS:
             self._uncredited += len(payload)
             if self._uncredited >= CREDIT_BATCH or self.queue.empty():
                 n, self._uncredited = self._uncredited, 0
                 with contextlib.suppress(AgentGone):
-                    await self.chan.send({"t": "credit", "id": self.id, "n": n},
+                    await self.chan.send({"t": Kind.CREDIT, "id": self.id, "n": n},
                                          generation=self.gen)
         return h, payload
 
@@ -330,8 +349,8 @@ class AgentChannel:
                 self.last_rx = time.monotonic()
                 sid = hdr.get("id")
                 st = self.streams.get(sid) if isinstance(sid, int) else None
-                if st is not None and st.gen == gen and hdr["t"] in ("stdin_credit",
-                                                                     "stdin_closed"):
+                if st is not None and st.gen == gen and hdr["t"] in (Kind.STDIN_CREDIT,
+                                                                     Kind.STDIN_CLOSED):
                     st.on_stdin(hdr)
                 elif st is not None and st.gen == gen:
                     st.queued += len(payload) + 64
@@ -387,10 +406,10 @@ class AgentChannel:
                 return
             if idle >= tick:
                 with contextlib.suppress(AgentGone):
-                    await asyncio.wait_for(self.send({"t": "ping", "id": 0}), tick)
+                    await asyncio.wait_for(self.send({"t": Kind.PING, "id": 0}), tick)
 
     def _check_hello(self, h: P.Header) -> None:
-        if h["t"] != "hello":
+        if h["t"] != Kind.HELLO:
             raise P.ProtocolError("first frame must be hello")
         v = h.get("version")
         if v != P.PROTOCOL_VERSION:
@@ -428,7 +447,7 @@ class AgentChannel:
         for st in list(self.streams.values()):
             st.gone = True
             st._stdin_ev.set()
-            st.queue.put_nowait(({"t": "_gone", "message": why}, b""))
+            st.queue.put_nowait(({"t": GONE, "message": why}, b""))
         self.streams.clear()
         if had:
             for cb in self.on_disconnect:
@@ -501,12 +520,8 @@ async def _recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, n:
 
 
 def raise_for_agent_error(h: P.Header) -> None:
-    if h.get("t") != "err":
-        return
-    code = h.get("code")
-    msg = h.get("message")
-    msg = msg[:500] if isinstance(msg, str) else "sandbox agent error"
-    raise ApiError(code if code in P.AGENT_ERROR_CODES else "internal", msg)
+    if h.get("t") == Kind.ERR:
+        raise AgentError(h)
 
 
 async def open_stream(chan: AgentChannel, msg: P.Header, wait: float, what: str,
@@ -524,7 +539,7 @@ async def open_stream(chan: AgentChannel, msg: P.Header, wait: float, what: str,
         except TimeoutError:
             raise ApiError("timeout", f"sandbox agent did not {what}") from None
         raise_for_agent_error(h)
-        if h.get("t") != "ok":
+        if h.get("t") != Kind.OK:
             raise ApiError("internal", f"unexpected agent answer {h.get('t')!r}")
     except BaseException:
         if on_error is not None:

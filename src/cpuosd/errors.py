@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from cpuos_agent.protocol import ERROR_CODES
+from cpuos._errors import ERROR_CODES
 
-# code -> HTTP status, from the one table (cpuos_agent.protocol.ERROR_CODES)
-STATUS = {code: status for code, (status, _, _) in ERROR_CODES.items()}
+# code -> the HTTP status it is answered with, from the API's one table of error codes (the
+# SDK's: cpuos._errors.ERROR_CODES, which maps each to the exception a client gets)
+STATUS = {code: status for code, (status, _) in ERROR_CODES.items()}
 
 
 class ApiError(Exception):
