@@ -28,6 +28,8 @@ from typing import Any
 from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
 from pydantic import BaseModel, ConfigDict, Field
 
+from cpuos_agent.protocol import Kind
+
 from ..agentconn import AgentGone, StdinClosed, raise_for_agent_error
 from ..errors import ApiError
 from ..lifecycle import commands as C
@@ -121,13 +123,13 @@ async def pty_socket(websocket: WebSocket, sid: str, pid: int, offset: int = 0) 
         while True:
             h, payload = await out.get()
             t = h["t"]
-            if t == "out":
+            if t == Kind.OUT:
                 off = C._int(h.get("off"))
                 if off is None or off < pos:
                     raise ApiError("internal", "sandbox agent sent a malformed output frame")
                 pos = off + len(payload)
                 await websocket.send_bytes(payload)
-            elif t == "exit":
+            elif t == Kind.EXIT:
                 await websocket.send_text(json.dumps({"type": "exit", **C.exit_fields(h)}))
                 await websocket.close(1000)
                 return

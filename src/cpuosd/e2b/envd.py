@@ -34,6 +34,8 @@ from protobuf import Oneof
 from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
 
 from cpuos_agent import protocol as P
+from cpuos_agent.messages import Frame
+from cpuos_agent.protocol import Kind
 
 from ..agentconn import AgentGone, Stream, open_stream, raise_for_agent_error
 from ..api.dirs import _clean_events
@@ -315,11 +317,11 @@ class ProcessService:
                     yield _ev(one("keepalive", PP.ProcessEvent.KeepAlive()))
                     continue
                 h, payload = item
-                if h["t"] == "out":
+                if h["t"] == Frame.OUT:
                     field = "pty" if pty else ("stderr" if h.get("fd") == 2 else "stdout")
                     yield _ev(one("data", PP.ProcessEvent.DataEvent(
                         output=one(field, payload))))
-                elif h["t"] == "exit":
+                elif h["t"] == Frame.EXIT:
                     # the agent's stream is let go before the client hears of the end (a
                     # pause right after must not find it open)
                     await frames.aclose()
@@ -328,7 +330,7 @@ class ProcessService:
                         raise ConnectError(Code.DEADLINE_EXCEEDED, "context deadline exceeded")
                     yield _ev(one("end", _end(h)))
                     return
-                elif h["t"] == "error":
+                elif h["t"] == Frame.ERROR:
                     # (a killed sandbox: the SDK then asks /health, which says it is gone)
                     raise ConnectError(CODES.get(str(h.get("code")), Code.UNAVAILABLE),
                                        str(h.get("message") or "the command's stream ended"))
@@ -471,7 +473,7 @@ class FilesystemService:
                 w.stop()
 
     async def _stat(self, lv: Live, path: str) -> dict[str, Any]:
-        d: dict[str, Any] = await self.e2b.mgr.file_call(lv, "stat", path)
+        d: dict[str, Any] = await self.e2b.mgr.file_call(lv, Kind.STAT, path)
         return d
 
     async def _resolved(self, lv: Live, d: dict[str, Any]) -> dict[str, Any]:
@@ -512,7 +514,7 @@ class FilesystemService:
                 await self._stat(lv, path)
                 raise ConnectError(Code.ALREADY_EXISTS, f"{path} already exists")
             self.e2b.touch(t.sid)
-            d: dict[str, Any] = await self.e2b.mgr.file_call(lv, "mkdir", path)
+            d: dict[str, Any] = await self.e2b.mgr.file_call(lv, Kind.MKDIR, path)
             return F.MakeDirResponse(entry=entry(d))
         return await _call(go)
 
@@ -532,11 +534,11 @@ class FilesystemService:
             dec, code, err = P.FrameDecoder(), None, b""
             async for raw in frames:
                 for h, payload in dec.feed(raw):
-                    if h["t"] == "out" and h.get("fd") == 2:
+                    if h["t"] == Frame.OUT and h.get("fd") == 2:
                         err = (err + payload)[-1000:]
-                    elif h["t"] == "exit":
+                    elif h["t"] == Frame.EXIT:
                         code = h.get("exit_code")
-                    elif h["t"] == "error":
+                    elif h["t"] == Frame.ERROR:
                         raise ApiError(str(h.get("code")), str(h.get("message")))
             if code != 0:
                 raise ConnectError(Code.INVALID_ARGUMENT if b"No such" not in err
@@ -562,7 +564,7 @@ class FilesystemService:
             out: list[F.EntryInfo] = []
 
             async def walk(path: str, level: int) -> None:
-                entries = await self.e2b.mgr.file_call(lv, "list", path)
+                entries = await self.e2b.mgr.file_call(lv, Kind.LIST, path)
                 for d in entries:
                     if len(out) >= MAX_ENTRIES:
                         return
@@ -584,7 +586,7 @@ class FilesystemService:
                 raise ConnectError(Code.INVALID_ARGUMENT, "refusing to remove /")
             self.e2b.touch(t.sid)
             try:
-                await self.e2b.mgr.file_call(lv, "remove", path, recursive=True)
+                await self.e2b.mgr.file_call(lv, Kind.REMOVE, path, recursive=True)
             except ApiError as e:
                 if e.code != "not_found":  # (envd: removing what is not there succeeds)
                     raise
@@ -598,7 +600,7 @@ class FilesystemService:
         st = await self._stat(lv, root)
         if st["type"] != "dir":
             raise ConnectError(Code.INVALID_ARGUMENT, f"{root} is not a directory")
-        stream, _ = await open_stream(lv.chan, {"t": "watch", "path": root,
+        stream, _ = await open_stream(lv.chan, {"t": Kind.WATCH, "path": root,
                                                 "recursive": recursive}, 60.0,
                                       f"watch {root}")
         return lv, stream, root
@@ -683,13 +685,13 @@ async def watch_events(e2b: E2B, lv: Live, st: Stream, root: str, with_entry: bo
         out = F.FilesystemEvent(name=path[len(prefix):], type=kind)
         if with_entry and kind not in (F.EventType.REMOVE, F.EventType.RENAME):
             with contextlib.suppress(ApiError, AgentGone):
-                out.entry = entry(await e2b.mgr.file_call(lv, "stat", path))
+                out.entry = entry(await e2b.mgr.file_call(lv, Kind.STAT, path))
         return out
 
     try:
         while True:
             h, payload = await st.get()
-            if h["t"] == "events":
+            if h["t"] == Kind.EVENTS:
                 for ev in _clean_events(payload):
                     path = ev["path"]
                     if not path.startswith(prefix):
@@ -712,7 +714,7 @@ async def watch_events(e2b: E2B, lv: Live, st: Stream, root: str, with_entry: bo
                         yield await ev_(path, kind)
                         kind = F.EventType.WRITE
                     yield await ev_(path, kind)
-            elif h["t"] == "eof":
+            elif h["t"] == Kind.EOF:
                 done = True
                 return
             else:
@@ -723,7 +725,7 @@ async def watch_events(e2b: E2B, lv: Live, st: Stream, root: str, with_entry: bo
     finally:
         st.close()
         if not done:
-            e2b.mgr._spawn(lv.chan.send({"t": "kill", "id": st.id, "reason": "cancelled"}))
+            e2b.mgr._spawn(lv.chan.send({"t": Kind.KILL, "id": st.id, "reason": "cancelled"}))
 
 
 class Watcher:

@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from cpuos_agent import protocol as P
+from cpuos_agent.messages import Frame
+from cpuos_agent.protocol import Kind
 from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import Request
@@ -108,7 +110,7 @@ class Plain:
             _user(request)
             path = t.path(request.query_params.get("path") or "")
             lv = await t.ready()
-            st = await self.e2b.mgr.file_call(lv, "stat", path)
+            st = await self.e2b.mgr.file_call(lv, Kind.STAT, path)
             if st["type"] == "dir":
                 raise E2BError(400, f"{path} is a directory")
             body = await self.e2b.mgr.read_file(lv, path)
@@ -347,7 +349,7 @@ async def _ndjson(frames: AsyncIterator[bytes], gone: Any = None) -> AsyncIterat
     async for raw in frames:
         for h, payload in dec.feed(raw):
             t = h.get("t")
-            if t == "item":
+            if t == Frame.ITEM:
                 if h.get("n") != item_n:
                     for b in flush():
                         yield b
@@ -372,15 +374,15 @@ async def _ndjson(frames: AsyncIterator[bytes], gone: Any = None) -> AsyncIterat
                 continue
             for b in flush():
                 yield b
-            if t == "out":
+            if t == Frame.OUT:
                 yield line({"type": "stderr" if h.get("fd") == 2 else "stdout",
                             "text": payload.decode("utf-8", "replace"),
                             "timestamp": time.time_ns() // 1000})
-            elif t == "exception":
+            elif t == Frame.EXCEPTION:
                 yield line({"type": "error", "name": h.get("ename") or "Error",
                             "value": h.get("evalue") or "",
                             "traceback": payload.decode("utf-8", "replace")})
-            elif t == "done":
+            elif t == Frame.DONE:
                 if h.get("execution_count") is not None:
                     yield line({"type": "number_of_executions",
                                 "execution_count": h["execution_count"]})
@@ -388,7 +390,7 @@ async def _ndjson(frames: AsyncIterator[bytes], gone: Any = None) -> AsyncIterat
                     yield line({"type": "error", "name": "TimeoutError",
                                 "value": "the cell was interrupted at its timeout",
                                 "traceback": ""})
-            elif t == "error":
+            elif t == Frame.ERROR:
                 if h.get("code") == "unavailable" and gone is not None and gone():
                     raise StreamCut(str(h.get("message")))
                 yield line({"type": "error", "name": str(h.get("code") or "Error"),

@@ -25,6 +25,7 @@ from typing import Any
 
 import cpuos_agent
 from cpuos_agent import protocol as P
+from cpuos_agent.protocol import Kind
 
 from .. import procs
 from ..agentconn import AgentChannel, raise_for_agent_error
@@ -159,7 +160,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
             await setter(lv.row.id, lv.spec.network)
             if self.backend.capabilities.guest_net and lv.spec.ca_pem != had:
                 # a VM's guest takes its CA from the agent (e.g. a pooled one given secrets)
-                h = await lv.chan.call({"t": "identity", "ca": lv.spec.ca_pem}, timeout=30)
+                h = await lv.chan.call({"t": Kind.IDENTITY, "ca": lv.spec.ca_pem}, timeout=30)
                 raise_for_agent_error(h)
 
     async def set_network(self, workspace_id: str, sid: str, network: dict[str, Any]
@@ -337,7 +338,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         randomness for the guest's RNG, the time, for a VM its network address
         (cpuos_agent.agent.apply_identity), and the memory limit the agent's OOM killer
         holds the sandbox to (gVisor: cpuos_agent.memguard)."""
-        msg: dict[str, Any] = {"t": "identity", "hostname": lv.row.id,
+        msg: dict[str, Any] = {"t": Kind.IDENTITY, "hostname": lv.row.id,
                                "machine_id": lv.row.spec["machine_id"],
                                "seed": secrets.token_hex(64), "time": time.time(),
                                "memory_limit": int(lv.row.spec["memory_mib"]) << 20,

@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from cpuos_agent import protocol as P
+from cpuos_agent.messages import Frame
+from cpuos_agent.protocol import Kind
 
 from ..agentconn import AgentGone, open_stream, raise_for_agent_error
 from ..errors import ApiError
@@ -64,7 +66,7 @@ class FileStream:
         try:
             while True:
                 h, payload = await self.st.get(READ_IDLE)
-                if h["t"] == "data":
+                if h["t"] == Kind.DATA:
                     n += len(payload)
                     if n > self.limit:
                         raise ApiError("too_large", f"{self.path}: more than the limit of "
@@ -73,7 +75,7 @@ class FileStream:
                         raise ApiError("internal", f"sandbox agent sent more of {self.path} "
                                        f"than the {self.length} bytes it declared")
                     yield payload
-                elif h["t"] == "eof":
+                elif h["t"] == Kind.EOF:
                     if self.length is not None and n != self.length:
                         raise ApiError("internal", f"{self.path}: {n} bytes of the "
                                        f"{self.length} declared")
@@ -94,7 +96,7 @@ class FileStream:
             self.st.close()
             if not done:  # the agent stops reading (a client that left, a failure)
                 with contextlib.suppress(Exception):
-                    self.mgr._spawn(self.lv.chan.send({"t": "kill", "id": self.st.id,
+                    self.mgr._spawn(self.lv.chan.send({"t": Kind.KILL, "id": self.st.id,
                                                        "reason": "cancelled"}))
 
     async def framed(self) -> AsyncIterator[bytes]:
@@ -102,13 +104,13 @@ class FileStream:
         try:
             async for chunk in self._chunks():
                 n += len(chunk)
-                yield P.encode({"t": "data"}, chunk)
+                yield P.encode({"t": Frame.DATA}, chunk)
         except ApiError as e:
             log.info("read of %s in %s failed after %d bytes: %s", self.path,
                      self.lv.row.id, n, e.message)
-            yield P.encode({"t": "error", "code": e.code, "message": e.message, "size": n})
+            yield P.encode({"t": Frame.ERROR, "code": e.code, "message": e.message, "size": n})
             return
-        yield P.encode({"t": "eof", "size": n})
+        yield P.encode({"t": Frame.EOF, "size": n})
 
     async def raw(self) -> AsyncIterator[bytes]:
         n = 0
@@ -140,16 +142,16 @@ class Session:
         try:
             target = {"shell": cmd} if isinstance(cmd, str) else {"argv": cmd}
             cwd = cwd or lv.row.spec.get("workdir") or "/work"
-            await st.send({"t": "exec", **target, "env": {**_base_env(lv.row), **env},
+            await st.send({"t": Kind.EXEC, **target, "env": {**_base_env(lv.row), **env},
                            "cwd": cwd, "timeout": timeout,
                            "stdin": stdin is not None or stdin_stream})
             if stdin is not None:
                 for i in range(0, len(stdin), P.CHUNK):
-                    await st.send({"t": "stdin"}, stdin[i:i + P.CHUNK])
-                await st.send({"t": "stdin", "close": True})
+                    await st.send({"t": Kind.STDIN}, stdin[i:i + P.CHUNK])
+                await st.send({"t": Kind.STDIN, "close": True})
             h, _ = await st.get(15.0)
             raise_for_agent_error(h)
-            if h["t"] != "started":
+            if h["t"] != Kind.STARTED:
                 raise ApiError("internal", f"unexpected agent answer {h['t']!r}")
         except TimeoutError:
             st.close()
@@ -173,7 +175,7 @@ class Session:
         done = False
         result: dict[str, Any] = {}
         try:
-            yield P.encode({"t": "started", "exec_id": eid})
+            yield P.encode({"t": Frame.STARTED, "exec_id": eid})
             # The agent enforces the timeout; the host allows a grace period on top.
             host_deadline = None if timeout is None else t0 + timeout + 10.0
             while True:
@@ -181,18 +183,18 @@ class Session:
                 try:
                     h, payload = await st.get(wait)
                 except TimeoutError:
-                    result = {"t": "error", "code": "timeout",
+                    result = {"t": Frame.ERROR, "code": "timeout",
                               "message": "command did not finish after its timeout"}
                     yield P.encode(result)
                     break
                 t = h["t"]
-                if t == "out":
+                if t == Kind.OUT:
                     fd = h.get("fd")
                     if fd not in (1, 2):
                         continue
                     counts[fd] += len(payload)
-                    yield P.encode({"t": "out", "fd": fd}, payload)
-                elif t == "exit":
+                    yield P.encode({"t": Frame.OUT, "fd": fd}, payload)
+                elif t == Kind.EXIT:
                     result = _exit_frame(h, time.monotonic() - t0)
                     if result["oom"]:
                         self.events.emit(SandboxEvent(
@@ -201,22 +203,22 @@ class Session:
                     yield P.encode(result)
                     done = True
                     break
-                elif t == "err":
+                elif t == Kind.ERR:
                     raise_for_agent_error(h)
         except AgentGone as e:
             row = self.store.get_sandbox(lv.row.id)
             why = f"sandbox is {row.state} ({row.reason})" if row and row.state != "running" \
                 else e.message
-            result = {"t": "error", "code": "unavailable", "message": why}
+            result = {"t": Frame.ERROR, "code": "unavailable", "message": why}
             yield P.encode(result)
         except ApiError as e:
-            result = {"t": "error", "code": e.code, "message": e.message}
+            result = {"t": Frame.ERROR, "code": e.code, "message": e.message}
             yield P.encode(result)
         finally:
             if not done:
                 # client went away or we gave up: kill the command's whole tree
                 with contextlib.suppress(Exception):
-                    self._spawn(lv.chan.send({"t": "kill", "id": st.id, "reason": "cancelled"}))
+                    self._spawn(lv.chan.send({"t": Kind.KILL, "id": st.id, "reason": "cancelled"}))
             commands.end_exec_stdin(lv.row.id, eid, st)
             st.close()
             self.store.finish_exec(
@@ -238,7 +240,7 @@ class Session:
         st = lv.chan.open()
         digest, size, error = hashlib.sha256(), 0, "cancelled"  # (the audit's: on the stream)
         try:
-            await st.send({"t": "write", "path": path})
+            await st.send({"t": Kind.WRITE, "path": path})
             async for chunk in body:
                 digest.update(chunk)
                 size += len(chunk)
@@ -246,8 +248,8 @@ class Session:
                     if not st.queue.empty():  # the agent refused early (e.g. permission)
                         h, _ = await st.get()
                         raise_for_agent_error(h)
-                    await st.send({"t": "data"}, chunk[i:i + P.CHUNK])
-            await st.send({"t": "eof"})
+                    await st.send({"t": Kind.DATA}, chunk[i:i + P.CHUNK])
+            await st.send({"t": Kind.EOF})
             h, _ = await st.get(120.0)
             raise_for_agent_error(h)
             error = ""
@@ -259,7 +261,7 @@ class Session:
             if isinstance(e, ApiError):
                 error = e.message
             with contextlib.suppress(Exception):
-                self._spawn(lv.chan.send({"t": "eof", "id": st.id, "abort": True}))
+                self._spawn(lv.chan.send({"t": Kind.EOF, "id": st.id, "abort": True}))
             raise
         finally:
             st.close()
@@ -280,19 +282,19 @@ class Session:
         declared size is over the read's limit: 413 ``too_large``, before a byte of it);
         what happens after (the body is on its way) is the FileStream's to report."""
         limit = self.read_limit(max_bytes)
-        st, h = await open_stream(lv.chan, {"t": "read", "path": path}, 30.0, f"open {path}")
+        st, h = await open_stream(lv.chan, {"t": Kind.READ, "path": path}, 30.0, f"open {path}")
         size = h.get("size")
         exact = h.get("exact") is True and isinstance(size, int) and 0 < size <= MAX_FILE
         if exact and isinstance(size, int) and size > limit:
             st.close()
             with contextlib.suppress(Exception):
-                self._spawn(lv.chan.send({"t": "kill", "id": st.id, "reason": "cancelled"}))
+                self._spawn(lv.chan.send({"t": Kind.KILL, "id": st.id, "reason": "cancelled"}))
             raise ApiError("too_large", f"{path} is {size} bytes, over the limit of {limit}",
                            {"path": path, "size": size, "limit": limit})
         return FileStream(self, lv, st, path, size if exact else None, limit)
 
     async def file_call(self: Manager, lv: Live, op: str, path: str, **extra: Any) -> Any:
-        if op in ("remove", "mkdir"):  # changes: on the audit trail, as file writes are
+        if op in (Kind.REMOVE, Kind.MKDIR):  # changes: on the audit trail, as file writes are
             error = "cancelled"
             try:
                 h, payload = await lv.chan.call_full({"t": op, "path": path, **extra})
@@ -307,7 +309,7 @@ class Session:
                             **({"error": error} if error else {})}))
         else:
             h, payload = await lv.chan.call_full({"t": op, "path": path, **extra})
-        if op == "list":
+        if op == Kind.LIST:
             entries = h.get("entries")  # (agents before the listing moved to the payload)
             if entries is None and payload:
                 try:
@@ -317,7 +319,7 @@ class Session:
             if not isinstance(entries, list):
                 raise ApiError("internal", "sandbox agent sent a malformed listing")
             return [_clean_stat(e, None, parent=path) for e in entries[:MAX_ENTRIES]]
-        if op in ("stat", "mkdir"):
+        if op in (Kind.STAT, Kind.MKDIR):
             return _clean_stat(h.get("stat"), path)
         return None
 
@@ -327,7 +329,7 @@ def _exit_frame(h: P.Header, duration: float) -> dict[str, Any]:
     code = h.get("exit_code")
     sig = h.get("signal")
     return {
-        "t": "exit",
+        "t": Frame.EXIT,
         "exit_code": code if isinstance(code, int) and -1 <= code <= 255 else -1,
         "signal": sig if isinstance(sig, int) and 0 < sig < 128 else None,
         "timed_out": h.get("timed_out") is True,

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 
+from cpuos_agent.protocol import Kind
+
 from ..agentconn import DEVICE_SETTLE
 from ..errors import ApiError
 from ..store import SandboxRow
@@ -33,7 +35,7 @@ class Snapshots:
                            "sandbox; wait for them to finish")
         lv.chan.stop_listening()
         try:
-            await lv.chan.call({"t": "quiesce"}, timeout=10)
+            await lv.chan.call({"t": Kind.QUIESCE}, timeout=10)
             if (lv.chan.hello or {}).get("transport") == "device":
                 # a device agent (microVM) cannot hang up: we do, and give it the moment
                 # it needs to see that (else a restored copy would wait for it)
