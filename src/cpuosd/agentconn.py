@@ -44,14 +44,31 @@ LIVENESS = float(os.environ.get("CPUOS_AGENT_LIVENESS") or 15.0)
 STDIN_STALL = 60.0
 
 
+class TransportError(Exception):
+    """The agent channel failed: not an API error (no HTTP status here). Whoever answers a
+    client maps it (``cpuosd.errors.api_error``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class AgentGone(TransportError):
+    """The agent is not connected, went away, or stopped answering (its streams end)."""
+
+    def __init__(self, message: str = "sandbox agent disconnected") -> None:
+        super().__init__(message)
+
+
+class AgentTimeout(TransportError):
+    """The agent did not answer (or take stdin) within the time given."""
+
+
 class StdinClosed(ApiError):
+    """The agent says the command's stdin is gone (its ``stdin_closed``)."""
+
     def __init__(self, message: str = "the command's stdin is closed") -> None:
         super().__init__("invalid_argument", message)
-
-
-class AgentGone(ApiError):
-    def __init__(self, message: str = "sandbox agent disconnected") -> None:
-        super().__init__("unavailable", message)
 
 
 _AGENT_CODES = frozenset(ErrorCode)
@@ -117,8 +134,8 @@ class Stream:
                 try:
                     await asyncio.wait_for(self._stdin_ev.wait(), stall)
                 except TimeoutError:
-                    raise ApiError("timeout", f"the command took no stdin for {stall:.0f}s"
-                                   ) from None
+                    raise AgentTimeout(f"the command took no stdin for {stall:.0f}s"
+                                       ) from None
             if self.gone:
                 raise AgentGone()
             if self.stdin_closed:
@@ -305,7 +322,7 @@ class AgentChannel:
         deadline = asyncio.get_running_loop().time() + timeout
         while self.connected:
             if asyncio.get_running_loop().time() > deadline:
-                raise ApiError("timeout", "sandbox agent did not let go of its connection")
+                raise AgentTimeout("sandbox agent did not let go of its connection")
             await asyncio.sleep(0.005)
 
     def disconnect(self) -> None:
@@ -321,8 +338,8 @@ class AgentChannel:
             await asyncio.wait_for(self._connected.wait(), timeout)
         except TimeoutError:
             why = f" (refused: {self.last_refusal})" if self.last_refusal else ""
-            raise ApiError("unavailable", f"sandbox agent did not connect within "
-                           f"{timeout:.0f}s{why}") from None
+            raise AgentGone(f"sandbox agent did not connect within {timeout:.0f}s{why}"
+                            ) from None
 
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                           h: P.Header) -> None:
@@ -487,8 +504,8 @@ class AgentChannel:
             try:
                 h, payload = await st.get(timeout)
             except TimeoutError:
-                raise ApiError("timeout", f"sandbox agent did not answer {header['t']!r}"
-                               ) from None
+                raise AgentTimeout(f"sandbox agent did not answer {header['t']!r}"
+                                   ) from None
             raise_for_agent_error(h)
             return h, payload
         finally:
@@ -537,7 +554,7 @@ async def open_stream(chan: AgentChannel, msg: P.Header, wait: float, what: str,
         try:
             h, _ = await st.get(wait)
         except TimeoutError:
-            raise ApiError("timeout", f"sandbox agent did not {what}") from None
+            raise AgentTimeout(f"sandbox agent did not {what}") from None
         raise_for_agent_error(h)
         if h.get("t") != Kind.OK:
             raise ApiError("internal", f"unexpected agent answer {h.get('t')!r}")

@@ -33,3 +33,17 @@ def not_found(what: str, ident: str) -> ApiError:
 
 def invalid(message: str, **details: Any) -> ApiError:
     return ApiError("invalid_argument", message, details)
+
+
+def api_error(e: Exception) -> ApiError:
+    """What a client is told of a failure: an ApiError as it is; a failure of the agent
+    channel (``cpuosd.agentconn.TransportError``) as ``unavailable`` (the agent is gone) or
+    ``timeout`` (it did not answer); anything else is ``internal``."""
+    from .agentconn import AgentTimeout, TransportError  # (agentconn imports this module)
+
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, TransportError):
+        return ApiError("timeout" if isinstance(e, AgentTimeout) else "unavailable",
+                        e.message)
+    return ApiError("internal", f"internal error: {type(e).__name__}")

@@ -36,3 +36,24 @@ def test_one_table_for_agent_daemon_and_sdk() -> None:
     assert {str(c) for c in ErrorCode} <= set(ERROR_CODES)
     for sdk_cls in CpuosError.__subclasses__():
         assert sdk_cls.code in ERROR_CODES, sdk_cls
+
+
+def test_the_transport_raises_transport_errors_that_the_api_maps() -> None:
+    from cpuosd.agentconn import AgentGone, AgentTimeout, StdinClosed, TransportError
+    from cpuosd.errors import ApiError, api_error
+
+    # not API errors: the channel knows no HTTP status
+    assert not issubclass(TransportError, ApiError)
+    gone, late = api_error(AgentGone("went away")), api_error(AgentTimeout("no answer"))
+    assert (gone.code, gone.status, gone.message) == ("unavailable", 503, "went away")
+    assert (late.code, late.status, late.message) == ("timeout", 504, "no answer")
+    own = StdinClosed("closed")  # the agent's own answer: an API error as it is
+    assert api_error(own) is own and own.status == 422
+    assert api_error(RuntimeError("x")).code == "internal"
+
+
+def test_an_agent_error_code_that_is_not_a_string_is_internal() -> None:
+    from cpuosd.agentconn import AgentError
+
+    assert AgentError({"t": "err", "code": ["not_found"], "message": 7}).code == "internal"
+    assert AgentError({"t": "err", "code": {"a": 1}}).message == "sandbox agent error"

@@ -31,9 +31,9 @@ from cpuos_agent import protocol as P
 from cpuos_agent.messages import Frame
 from cpuos_agent.protocol import Kind
 
-from ..agentconn import AgentGone, Stream, open_stream, raise_for_agent_error
+from ..agentconn import AgentGone, Stream, TransportError, open_stream, raise_for_agent_error
 from ..lifecycle.commands import gone_message
-from ..errors import ApiError
+from ..errors import ApiError, api_error
 from ..lifecycle.manager import Manager
 from ..lifecycle.session import FileStream
 from ..paths import check_path
@@ -156,8 +156,9 @@ async def _watch_frames(m: Manager, lv: Any, st: Stream, root: str, watches: Any
     except AgentGone as e:
         yield P.encode({"t": Frame.ERROR, "code": "unavailable",
                         "message": gone_message(m.store, lv, e)})
-    except ApiError as e:
-        yield P.encode({"t": Frame.ERROR, "code": e.code, "message": e.message})
+    except (ApiError, TransportError) as e:
+        err = api_error(e)
+        yield P.encode({"t": Frame.ERROR, "code": err.code, "message": err.message})
     finally:
         st.close()
         if not done:

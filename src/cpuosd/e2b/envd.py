@@ -37,9 +37,10 @@ from cpuos_agent import protocol as P
 from cpuos_agent.messages import Frame
 from cpuos_agent.protocol import Kind
 
-from ..agentconn import AgentGone, Stream, open_stream, raise_for_agent_error
+from ..agentconn import (AgentGone, Stream, TransportError, open_stream,
+                         raise_for_agent_error)
 from ..api.dirs import _clean_events
-from ..errors import ApiError
+from ..errors import ApiError, api_error
 from ..events import SandboxEvent
 from ..lifecycle import commands as C
 from ..lifecycle.common import Live
@@ -78,7 +79,9 @@ def one(field: str, value: Any) -> Any:
     return Oneof(field, value)
 
 
-def connect_error(e: ApiError | E2BError) -> ConnectError:
+def connect_error(e: ApiError | E2BError | TransportError) -> ConnectError:
+    if isinstance(e, TransportError):
+        e = api_error(e)
     if isinstance(e, E2BError):
         return ConnectError(Code.UNAVAILABLE if e.status == 502 else Code.UNAUTHENTICATED
                             if e.status == 401 else Code.UNKNOWN, e.message)
@@ -88,10 +91,8 @@ def connect_error(e: ApiError | E2BError) -> ConnectError:
 async def _call(fn: Callable[[], Awaitable[T]]) -> T:
     try:
         return await fn()
-    except (ApiError, E2BError) as e:
+    except (ApiError, E2BError, TransportError) as e:
         raise connect_error(e) from None
-    except AgentGone as e:
-        raise ConnectError(Code.UNAVAILABLE, e.message) from None
 
 
 async def _guarded(gen: AsyncGenerator[T, None]) -> AsyncIterator[T]:
@@ -102,10 +103,8 @@ async def _guarded(gen: AsyncGenerator[T, None]) -> AsyncIterator[T]:
         async with contextlib.aclosing(gen):
             async for x in gen:
                 yield x
-    except (ApiError, E2BError) as e:
+    except (ApiError, E2BError, TransportError) as e:
         raise connect_error(e) from None
-    except AgentGone as e:
-        raise ConnectError(Code.UNAVAILABLE, e.message) from None
 
 
 def check_user(ctx: RequestContext[Any, Any]) -> None:
@@ -276,7 +275,7 @@ class ProcessService:
         try:
             info = await C.start(lv, argv, env, cwd, timeout, OUTPUT_BUFFER, bool(stdin),
                                  pty, record=False)
-        except ApiError as e:
+        except (ApiError, TransportError) as e:
             self._audit(t, {**what, "error": e.message})
             raise
         pid = info["pid"]
@@ -487,7 +486,7 @@ class FilesystemService:
                                                        str(cur.get("target") or "")))
             try:
                 cur = await self._stat(lv, target)
-            except ApiError:
+            except (ApiError, TransportError):
                 return d
             if cur["type"] != "symlink":
                 return {**d, "type": cur["type"], "target": target}
@@ -510,7 +509,7 @@ class FilesystemService:
             t = CURRENT.get()
             lv = await t.ready()
             path = t.path(request.path)
-            with contextlib.suppress(ApiError):
+            with contextlib.suppress(ApiError, TransportError):
                 await self._stat(lv, path)
                 raise ConnectError(Code.ALREADY_EXISTS, f"{path} already exists")
             self.e2b.touch(t.sid)
@@ -657,7 +656,8 @@ class FilesystemService:
             await w.settle(touched)
         if w.error is not None and not w.events:
             self.watchers.pop(request.watcher_id, None)
-            raise connect_error(w.error) if isinstance(w.error, ApiError | E2BError) \
+            raise connect_error(w.error) \
+                if isinstance(w.error, ApiError | E2BError | TransportError) \
                 else ConnectError(Code.UNAVAILABLE, str(w.error))
         events = list(w.events)
         w.events.clear()
@@ -684,7 +684,7 @@ async def watch_events(e2b: E2B, lv: Live, st: Stream, root: str, with_entry: bo
     async def ev_(path: str, kind: F.EventType) -> F.FilesystemEvent:
         out = F.FilesystemEvent(name=path[len(prefix):], type=kind)
         if with_entry and kind not in (F.EventType.REMOVE, F.EventType.RENAME):
-            with contextlib.suppress(ApiError, AgentGone):
+            with contextlib.suppress(ApiError, TransportError):
                 out.entry = entry(await e2b.mgr.file_call(lv, Kind.STAT, path))
         return out
 

@@ -25,7 +25,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, Router
 
 from ..api.streams import CutOnFailure, file_response
-from ..errors import STATUS, ApiError
+from ..agentconn import TransportError
+from ..errors import STATUS, ApiError, api_error
 from ..lifecycle.kernel import LANGUAGE_RE, restart_kernel, run_code
 from ..lifecycle.session import StreamCut
 from .envd import CURRENT
@@ -39,7 +40,9 @@ MAX_INFLATE = 1 << 20  # bytes inflated from a gzip upload per step
 UPLOAD_QUEUE = 8  # chunks between the request body and the agent
 
 
-def _error(e: ApiError | E2BError) -> JSONResponse:
+def _error(e: ApiError | E2BError | TransportError) -> JSONResponse:
+    if isinstance(e, TransportError):
+        e = api_error(e)
     if isinstance(e, E2BError):
         return JSONResponse(e.body(), status_code=e.status)
     status = STATUS.get(e.code, 500)
@@ -114,7 +117,7 @@ class Plain:
             if st["type"] == "dir":
                 raise E2BError(400, f"{path} is a directory")
             body = await self.e2b.mgr.read_file(lv, path)
-        except (ApiError, E2BError) as e:
+        except (ApiError, E2BError, TransportError) as e:
             return _error(e)
         return file_response(body, "")
 
@@ -149,7 +152,7 @@ class Plain:
             self.e2b.touch(t.sid)
             if not written:
                 raise E2BError(400, "no file in the upload")
-        except (ApiError, E2BError) as e:
+        except (ApiError, E2BError, TransportError) as e:
             return _error(e)
         return JSONResponse([{"name": p.rsplit("/", 1)[-1], "type": "file", "path": p}
                              for p in written])
@@ -251,7 +254,7 @@ class Plain:
                                "kernel: set envs at create")
             lv = await t.ready()
             frames = await run_code(self.e2b.mgr, lv, code, language, None)
-        except (ApiError, E2BError) as e:
+        except (ApiError, E2BError, TransportError) as e:
             return _error(e)
         def gone() -> bool:
             row = self.e2b.store.get_sandbox(t.sid)
@@ -277,7 +280,7 @@ class Plain:
                 raise E2BError(400, f"bad language {language[:40]!r}")
             if language != "python":
                 raise E2BError(400, f"no {language} kernel: cpuos's templates have Python's")
-        except (ApiError, E2BError) as e:
+        except (ApiError, E2BError, TransportError) as e:
             return _error(e)
         return JSONResponse(self._context(language))
 
@@ -286,7 +289,7 @@ class Plain:
         try:
             lv = await t.ready()
             await restart_kernel(self.e2b.mgr, lv, request.path_params["cid"])
-        except (ApiError, E2BError) as e:
+        except (ApiError, E2BError, TransportError) as e:
             return _error(e)
         return Response(status_code=204)
 

@@ -16,8 +16,8 @@ from cpuos_agent import protocol as P
 from cpuos_agent.messages import Frame
 from cpuos_agent.protocol import Kind
 
-from ..agentconn import AgentGone, Stream, open_stream, raise_for_agent_error
-from ..errors import ApiError
+from ..agentconn import AgentGone, Stream, TransportError, open_stream, raise_for_agent_error
+from ..errors import ApiError, api_error
 from ..store import Store
 from .common import Live, _base_env
 
@@ -221,7 +221,7 @@ async def release_stdin(st: Stream, lv: Live, spawn: Any) -> None:
     and detached): the agent writes what it has queued, then forgets the stream."""
     try:
         await asyncio.wait_for(st.send_stdin(b"", ack=True), 5.0)
-    except (ApiError, TimeoutError):
+    except (ApiError, TransportError, TimeoutError):
         _close_quietly(st, lv, spawn)
         return
     st.close()
@@ -317,8 +317,9 @@ class Output:
         except AgentGone as e:
             yield P.encode({"t": Frame.ERROR, "code": "unavailable",
                             "message": gone_message(self.store, self.lv, e)})
-        except ApiError as e:
-            yield P.encode({"t": Frame.ERROR, "code": e.code, "message": e.message})
+        except (ApiError, TransportError) as e:
+            err = api_error(e)
+            yield P.encode({"t": Frame.ERROR, "code": err.code, "message": err.message})
         finally:
             if done:
                 self.st.close()

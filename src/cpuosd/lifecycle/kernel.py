@@ -38,8 +38,8 @@ from cpuos_agent.kernel import SOCK
 from cpuos_agent.messages import Frame, InterpKind
 from cpuos_agent.protocol import Kind
 
-from ..agentconn import AgentGone, raise_for_agent_error
-from ..errors import ApiError, invalid
+from ..agentconn import AgentGone, TransportError, raise_for_agent_error
+from ..errors import ApiError, api_error, invalid
 from ..events import SandboxEvent
 from .common import Live
 
@@ -253,8 +253,9 @@ async def _cell_frames(mgr: Manager, lv: Live, st: Any, eid: str, timeout: float
         why = f"sandbox is {row.state} ({row.reason})" if row and row.state != "running" \
             else "sandbox agent disconnected"
         err = {"t": Frame.ERROR, "code": "unavailable", "message": why}
-    except ApiError as e:
-        err = {"t": Frame.ERROR, "code": e.code, "message": e.message}
+    except (ApiError, TransportError) as e:
+        e2 = api_error(e)
+        err = {"t": Frame.ERROR, "code": e2.code, "message": e2.message}
     finally:
         if done is None or err is not None:
             # the client left or we gave up: the driver sees its socket close and

@@ -28,7 +28,7 @@ from cpuos_agent import protocol as P
 from cpuos_agent.protocol import Kind
 
 from .. import procs
-from ..agentconn import AgentChannel, raise_for_agent_error
+from ..agentconn import AgentChannel, TransportError, raise_for_agent_error
 from ..backends.base import Backend, SandboxSpec
 from ..config import Config
 from ..errors import ApiError, not_found
@@ -441,7 +441,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
             for attempt in (1, 2):
                 try:
                     return await self._boot(row, image)
-                except ApiError as e:
+                except (ApiError, TransportError) as e:
                     log.warning("restore of %s from %s failed (attempt %d): %s", row.id,
                                 image.name, attempt, e.message)
             log.warning("sandbox %s: restores failed; booting it instead", row.id)
@@ -478,7 +478,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         lv = self.running(workspace_id, sid, op)
         self.idle.touch(sid)
         if not lv.chan.connected:
-            with contextlib.suppress(ApiError):
+            with contextlib.suppress(TransportError):
                 await lv.chan.wait_connected(RECONNECT_GRACE)
         return lv
 

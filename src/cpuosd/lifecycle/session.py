@@ -16,8 +16,8 @@ from cpuos_agent import protocol as P
 from cpuos_agent.messages import Frame
 from cpuos_agent.protocol import Kind
 
-from ..agentconn import AgentGone, open_stream, raise_for_agent_error
-from ..errors import ApiError
+from ..agentconn import AgentGone, TransportError, open_stream, raise_for_agent_error
+from ..errors import ApiError, api_error
 from ..events import SandboxEvent
 from . import commands
 from .common import (Live, _base_env)
@@ -105,10 +105,12 @@ class FileStream:
             async for chunk in self._chunks():
                 n += len(chunk)
                 yield P.encode({"t": Frame.DATA}, chunk)
-        except ApiError as e:
+        except (ApiError, TransportError) as e:
+            err = api_error(e)
             log.info("read of %s in %s failed after %d bytes: %s", self.path,
-                     self.lv.row.id, n, e.message)
-            yield P.encode({"t": Frame.ERROR, "code": e.code, "message": e.message, "size": n})
+                     self.lv.row.id, n, err.message)
+            yield P.encode({"t": Frame.ERROR, "code": err.code, "message": err.message,
+                            "size": n})
             return
         yield P.encode({"t": Frame.EOF, "size": n})
 
@@ -118,7 +120,7 @@ class FileStream:
             async for chunk in self._chunks():
                 n += len(chunk)
                 yield chunk
-        except ApiError as e:
+        except (ApiError, TransportError) as e:
             log.info("read of %s in %s failed after %d bytes (response cut): %s", self.path,
                      self.lv.row.id, n, e.message)
             raise StreamCut(e.message) from None
@@ -211,8 +213,9 @@ class Session:
                 else e.message
             result = {"t": Frame.ERROR, "code": "unavailable", "message": why}
             yield P.encode(result)
-        except ApiError as e:
-            result = {"t": Frame.ERROR, "code": e.code, "message": e.message}
+        except (ApiError, TransportError) as e:
+            err = api_error(e)
+            result = {"t": Frame.ERROR, "code": err.code, "message": err.message}
             yield P.encode(result)
         finally:
             if not done:
@@ -258,7 +261,7 @@ class Session:
             error = "timeout"
             raise ApiError("timeout", f"sandbox agent did not finish writing {path}") from None
         except BaseException as e:
-            if isinstance(e, ApiError):
+            if isinstance(e, ApiError | TransportError):
                 error = e.message
             with contextlib.suppress(Exception):
                 self._spawn(lv.chan.send({"t": Kind.EOF, "id": st.id, "abort": True}))
@@ -299,7 +302,7 @@ class Session:
             try:
                 h, payload = await lv.chan.call_full({"t": op, "path": path, **extra})
                 error = ""
-            except ApiError as e:
+            except (ApiError, TransportError) as e:
                 error = e.message
                 raise
             finally:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from cpuos_agent.protocol import Kind
 
-from ..agentconn import DEVICE_SETTLE
+from ..agentconn import DEVICE_SETTLE, TransportError
 from ..errors import ApiError
 from ..store import SandboxRow
 from . import states
@@ -44,7 +44,7 @@ class Snapshots:
             else:
                 try:  # a socket agent closes its end
                     await lv.chan.wait_disconnected(1.0)
-                except ApiError:
+                except TransportError:
                     lv.chan.disconnect()
         except asyncio.CancelledError:
             raise  # (a DELETE, or the daemon stopping: whoever cancelled tears it down)
@@ -99,7 +99,7 @@ class Snapshots:
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
             await self._teardown(sid)
-            msg = e.message if isinstance(e, ApiError) else str(e)
+            msg = e.message if isinstance(e, ApiError | TransportError) else str(e)
             self._finish(sid, "error", f"checkpoint failed: {msg}"[:500])
             raise
         t2 = time.monotonic()
