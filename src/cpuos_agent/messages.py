@@ -20,10 +20,17 @@ from typing import Any, Literal, NotRequired, TypedDict
 
 from .protocol import ErrorCode, Kind
 
+
+class _Msg(TypedDict):
+    """``id``: the stream (every answer carries it; a host's stream sets it on what it
+    sends, ``Stream.send``)."""
+    id: NotRequired[int]
+
+
 # ---- the session ---------------------------------------------------------------------
 
 
-class Hello(TypedDict):
+class Hello(_Msg):
     """agent -> host, the first frame of every connection (at most 4 KiB, no payload)."""
     t: Literal[Kind.HELLO]
     version: int  # protocol.PROTOCOL_VERSION
@@ -35,70 +42,62 @@ class Hello(TypedDict):
     tracking: str  # "cgroup-v1", "cgroup-v2" or "tree-scan"
 
 
-class Ping(TypedDict):
+class Ping(_Msg):
     t: Literal[Kind.PING]
-    id: NotRequired[int]
 
 
-class Pong(TypedDict):
+class Pong(_Msg):
     t: Literal[Kind.PONG]
-    id: int
     time: float
 
 
-class Identity(TypedDict, total=False):
+class Identity(_Msg):
     """New for every boot, restore and clone (identity.apply_identity)."""
     t: Literal[Kind.IDENTITY]
-    hostname: str
-    machine_id: str
-    seed: str
-    time: float
-    ca: str
-    net: dict[str, Any]  # a VM's interface: address, gateway, prefix
-    memory_limit: int  # bytes (gVisor: memguard's limit)
-    spawner_idle_exit: float
+    hostname: NotRequired[str]
+    machine_id: NotRequired[str]
+    seed: NotRequired[str]
+    time: NotRequired[float]
+    ca: NotRequired[str | None]  # a PEM (anything else is ignored)
+    net: NotRequired[dict[str, Any]]  # a VM's interface: address, gateway, prefix
+    memory_limit: NotRequired[int]  # bytes (gVisor: memguard's limit)
+    spawner_idle_exit: NotRequired[float]
 
 
-class IdentityOk(TypedDict):
+class IdentityOk(_Msg):
     t: Literal[Kind.IDENTITY_OK]
-    id: int
     applied: list[str]
 
 
-class Memory(TypedDict):
+class Memory(_Msg):
     """host -> agent on id 0, unanswered: the host watches the sandbox's memory."""
     t: Literal[Kind.MEMORY]
-    id: int
     watched: bool
     high: bool
 
 
-class Quiesce(TypedDict):
+class Quiesce(_Msg):
     """Answered OK (then the agent hangs up) or ERR (commands or transfers running)."""
     t: Literal[Kind.QUIESCE]
 
 
-class Credit(TypedDict):
+class Credit(_Msg):
     t: Literal[Kind.CREDIT]
-    id: int
     n: int
 
 
-class Kill(TypedDict):
+class Kill(_Msg):
     t: Literal[Kind.KILL]
-    id: int
     reason: NotRequired[str]
 
 
-class Ok(TypedDict, total=False):
+class Ok(_Msg):
     """The answer to a request; its fields are the request's (stat, size, pid...)."""
     t: Literal[Kind.OK]
-    id: int
 
 
-class Err(TypedDict):
+class Err(_Msg):
     t: Literal[Kind.ERR]
-    id: int
     code: ErrorCode
     message: str
 
@@ -106,39 +105,41 @@ class Err(TypedDict):
 # ---- commands ------------------------------------------------------------------------
 
 
-class Exec(TypedDict, total=False):
+class Exec(_Msg):
     """``shell`` (a bash line) or ``argv``; answered STARTED (pid), then OUT..., EXIT (a
     background one: STARTED with ``background`` and the stream ends)."""
     t: Literal[Kind.EXEC]
-    shell: str
-    argv: list[str]
-    env: dict[str, str]
-    cwd: str
-    timeout: float | None
-    stdin: bool
-    background: bool
-    buffer: int | None  # a background command's output ring, bytes
-    pty: dict[str, int] | None  # {cols, rows}: a terminal
+    shell: NotRequired[str]
+    argv: NotRequired[list[str]]
+    env: NotRequired[dict[str, str]]
+    cwd: NotRequired[str]
+    timeout: NotRequired[float | None]
+    stdin: NotRequired[bool]
+    background: NotRequired[bool]
+    buffer: NotRequired[int | None]  # a background command's output ring, bytes
+    pty: NotRequired[dict[str, int] | None]  # {cols, rows}: a terminal
 
 
-class Started(TypedDict):
+def command(cmd: str | list[str]) -> Exec:
+    """An exec of cmd: a shell line, or an argv."""
+    return Exec(t=Kind.EXEC, shell=cmd) if isinstance(cmd, str) else Exec(t=Kind.EXEC, argv=cmd)
+
+
+class Started(_Msg):
     t: Literal[Kind.STARTED]
-    id: int
     pid: int
     background: NotRequired[bool]
 
 
-class Out(TypedDict):
+class Out(_Msg):
     """Output bytes in the payload; ``off`` in a background read (its offset)."""
     t: Literal[Kind.OUT]
-    id: int
     fd: int
     off: NotRequired[int]
 
 
-class Exit(TypedDict):
+class Exit(_Msg):
     t: Literal[Kind.EXIT]
-    id: int
     exit_code: int
     signal: int | None
     timed_out: bool
@@ -148,39 +149,37 @@ class Exit(TypedDict):
     next: NotRequired[int]  # a background read's next offset
 
 
-class Stdin(TypedDict):
+class Stdin(_Msg):
     """Bytes in the payload; ``close`` ends the stdin, ``ack`` asks for an OK."""
     t: Literal[Kind.STDIN]
     close: NotRequired[bool]
     ack: NotRequired[bool]
 
 
-class StdinCredit(TypedDict):
+class StdinCredit(_Msg):
     t: Literal[Kind.STDIN_CREDIT]
-    id: int
     n: int
 
 
-class StdinClosed(TypedDict):
+class StdinClosed(_Msg):
     t: Literal[Kind.STDIN_CLOSED]
-    id: int
     message: str
 
 
 # ---- background commands and terminals ----------------------------------------------
 
 
-class BgList(TypedDict):
+class BgList(_Msg):
     """Answered OK with ``n`` and the infos as a JSON array in the payload."""
     t: Literal[Kind.BG_LIST]
 
 
-class BgInfo(TypedDict):
+class BgInfo(_Msg):
     t: Literal[Kind.BG_INFO]
     pid: int
 
 
-class BgAttach(TypedDict):
+class BgAttach(_Msg):
     """Answered OK (pid, start, end, offset, running), OUT... then EXIT or EOF (next)."""
     t: Literal[Kind.BG_ATTACH]
     pid: int
@@ -188,26 +187,26 @@ class BgAttach(TypedDict):
     follow: bool
 
 
-class BgResize(TypedDict):
+class BgResize(_Msg):
     t: Literal[Kind.BG_RESIZE]
     pid: int
     cols: int
     rows: int
 
 
-class BgSignal(TypedDict):
+class BgSignal(_Msg):
     t: Literal[Kind.BG_SIGNAL]
     pid: int
     signal: int
 
 
-class BgWait(TypedDict):
+class BgWait(_Msg):
     t: Literal[Kind.BG_WAIT]
     pid: int
     timeout: float
 
 
-class BgStdin(TypedDict):
+class BgStdin(_Msg):
     """The stream becomes a stdin sender to the command (its STDIN frames)."""
     t: Literal[Kind.BG_STDIN]
     pid: int
@@ -216,66 +215,63 @@ class BgStdin(TypedDict):
 # ---- files ---------------------------------------------------------------------------
 
 
-class Write(TypedDict):
+class Write(_Msg):
     """Then DATA... and EOF (``abort``: dropped); answered OK (stat) or ERR."""
     t: Literal[Kind.WRITE]
     path: str
 
 
-class Data(TypedDict):
+class Data(_Msg):
     """Bytes in the payload (a file, a tar, a dial's stream)."""
     t: Literal[Kind.DATA]
-    id: NotRequired[int]
 
 
-class Eof(TypedDict, total=False):
+class Eof(_Msg):
     t: Literal[Kind.EOF]
-    id: int
-    abort: bool  # host -> agent: drop the file being written
-    next: int  # a background read's next offset
+    abort: NotRequired[bool]  # host -> agent: drop the file being written
+    next: NotRequired[int]  # a background read's next offset
 
 
-class Read(TypedDict):
+class Read(_Msg):
     """Answered OK (size, exact), DATA..., EOF or ERR."""
     t: Literal[Kind.READ]
     path: str
 
 
-class PathRequest(TypedDict):
+class PathRequest(_Msg):
     """STAT, MKDIR (answered OK with ``stat``), LIST (OK, ``n``, the entries as JSON in
     the payload), TAR (as a read)."""
     t: Literal[Kind.STAT, Kind.MKDIR, Kind.LIST, Kind.TAR]
     path: str
 
 
-class Remove(TypedDict):
+class Remove(_Msg):
     t: Literal[Kind.REMOVE]
     path: str
-    recursive: bool
+    recursive: NotRequired[bool]  # (default true)
 
 
-class Untar(TypedDict):
+class Untar(_Msg):
     """An uploaded archive extracted into path; answered OK (``extracted``) or ERR."""
     t: Literal[Kind.UNTAR]
     archive: str
     path: str
 
 
-class Watch(TypedDict):
+class Watch(_Msg):
     """Answered OK (``watches``), EVENTS... (JSON in the payload), EOF or ERR."""
     t: Literal[Kind.WATCH]
     path: str
     recursive: bool
 
 
-class Events(TypedDict):
+class Events(_Msg):
     t: Literal[Kind.EVENTS]
-    id: int
     n: int
     overflow: bool
 
 
-class Dial(TypedDict):
+class Dial(_Msg):
     """The request's bytes in the payload; answered OK, DATA..., EOF or ERR."""
     t: Literal[Kind.DIAL]
     path: str
@@ -312,3 +308,10 @@ class InterpKind(StrEnum):
     DISPLAY = "display"
     ERROR = "error"
     DONE = "done"
+
+
+# What the host sends the agent (``cpuosd.agentconn``'s send, call and open_stream take
+# only these).
+Request = (Ping | Identity | Memory | Quiesce | Credit | Kill | Exec | Stdin | BgList | BgInfo
+           | BgAttach | BgResize | BgSignal | BgWait | BgStdin | Write | Data | Eof | Read
+           | PathRequest | Remove | Untar | Watch | Dial)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any
 
@@ -125,7 +126,8 @@ class ProtocolError(Exception):
 Header = dict[str, Any]
 
 
-def encode(header: Header, payload: bytes | bytearray | memoryview = b"") -> bytes:
+def encode(header: Mapping[str, Any], payload: bytes | bytearray | memoryview = b""
+           ) -> bytes:
     h = json.dumps(header, separators=(",", ":")).encode()
     if len(h) > MAX_HEADER:
         raise ProtocolError(f"header too large ({len(h)} bytes)")

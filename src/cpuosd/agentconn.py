@@ -21,6 +21,7 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
+from cpuos_agent import messages as M
 from cpuos_agent import protocol as P
 from cpuos_agent.protocol import ErrorCode, Kind
 
@@ -141,7 +142,7 @@ class Stream:
             if self.stdin_closed:
                 raise StdinClosed(self.stdin_closed)
             last = not view
-            h: P.Header = {"t": Kind.STDIN}
+            h = M.Stdin(t=Kind.STDIN)
             if last and close:
                 h["close"] = True
             if last and ack:
@@ -153,7 +154,7 @@ class Stream:
             if last:
                 return
 
-    async def send(self, header: P.Header, payload: bytes = b"") -> None:
+    async def send(self, header: M.Request, payload: bytes = b"") -> None:
         header["id"] = self.id
         await self.chan.send(header, payload, generation=self.gen)
 
@@ -470,8 +471,9 @@ class AgentChannel:
             for cb in self.on_disconnect:
                 cb()
 
-    async def send(self, header: P.Header, payload: bytes = b"", generation: int | None = None
-                   ) -> None:
+    async def send(self, header: M.Request, payload: bytes = b"",
+                   generation: int | None = None) -> None:
+        """header: a message to the agent (cpuos_agent.messages)."""
         w = self._writer
         if w is None or (generation is not None and generation != self.generation):
             raise AgentGone()
@@ -491,11 +493,11 @@ class AgentChannel:
         self._start_watch()
         return st
 
-    async def call(self, header: P.Header, timeout: float = 30.0) -> P.Header:
+    async def call(self, header: M.Request, timeout: float = 30.0) -> P.Header:
         """One request, one ok/err answer."""
         return (await self.call_full(header, timeout))[0]
 
-    async def call_full(self, header: P.Header, timeout: float = 30.0
+    async def call_full(self, header: M.Request, timeout: float = 30.0
                         ) -> tuple[P.Header, bytes]:
         """One request, one ok/err answer, with its payload."""
         st = self.open()
@@ -541,7 +543,7 @@ def raise_for_agent_error(h: P.Header) -> None:
         raise AgentError(h)
 
 
-async def open_stream(chan: AgentChannel, msg: P.Header, wait: float, what: str,
+async def open_stream(chan: AgentChannel, msg: M.Request, wait: float, what: str,
                       on_error: Callable[[Stream], None] | None = None
                       ) -> tuple[Stream, P.Header]:
     """A new stream on chan: msg sent and its first answer awaited, which must be ``ok``

@@ -12,6 +12,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+from cpuos_agent import messages as M
 from cpuos_agent import protocol as P
 from cpuos_agent.messages import Frame
 from cpuos_agent.protocol import Kind
@@ -136,14 +137,14 @@ async def start(lv: Live, cmd: str | list[str], env: dict[str, str], cwd: str | 
     record (``record`` false: only its pid, one agent round trip less)."""
     st = lv.chan.open()
     try:
-        target = {"shell": cmd} if isinstance(cmd, str) else {"argv": cmd}
         base = _base_env(lv.row)
         if pty is not None:
             base["TERM"] = "xterm-256color"
-        await st.send({"t": Kind.EXEC, **target, "env": {**base, **env},
+        msg: M.Exec = {**M.command(cmd), "env": {**base, **env},
                        "cwd": cwd or lv.row.spec.get("workdir") or "/work",
                        "timeout": timeout, "stdin": stdin, "background": True,
-                       "buffer": buffer, "pty": pty})
+                       "buffer": buffer, "pty": pty}
+        await st.send(msg)
         try:
             h, _ = await st.get(START_WAIT)
         except TimeoutError:

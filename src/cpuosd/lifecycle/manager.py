@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import cpuos_agent
+from cpuos_agent import messages as M
 from cpuos_agent import protocol as P
 from cpuos_agent.protocol import Kind
 
@@ -338,11 +339,11 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         randomness for the guest's RNG, the time, for a VM its network address
         (cpuos_agent.agent.apply_identity), and the memory limit the agent's OOM killer
         holds the sandbox to (gVisor: cpuos_agent.memguard)."""
-        msg: dict[str, Any] = {"t": Kind.IDENTITY, "hostname": lv.row.id,
-                               "machine_id": lv.row.spec["machine_id"],
-                               "seed": secrets.token_hex(64), "time": time.time(),
-                               "memory_limit": int(lv.row.spec["memory_mib"]) << 20,
-                               "spawner_idle_exit": self.cfg.spawner_idle_exit}
+        msg = M.Identity(t=Kind.IDENTITY, hostname=lv.row.id,
+                         machine_id=lv.row.spec["machine_id"],
+                         seed=secrets.token_hex(64), time=time.time(),
+                         memory_limit=int(lv.row.spec["memory_mib"]) << 20,
+                         spawner_idle_exit=self.cfg.spawner_idle_exit)
         if self.backend.capabilities.guest_net and lv.spec.address and lv.spec.gateway:
             # a VM's interface: every restore and clone has an address of its own
             msg["net"] = {"address": lv.spec.address, "gateway": lv.spec.gateway,

@@ -10,8 +10,9 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
+from cpuos_agent import messages as M
 from cpuos_agent import protocol as P
 from cpuos_agent.messages import Frame
 from cpuos_agent.protocol import Kind
@@ -32,6 +33,8 @@ ENTRY_TYPES = {"file", "dir", "symlink", "other"}
 MAX_ENTRIES = 10000
 MAX_FILE = 1 << 50  # a declared size beyond this is not believed
 READ_IDLE = 60.0  # s: a file read with no data from the agent for this long fails
+_PATH_OPS: dict[str, Literal[Kind.STAT, Kind.LIST, Kind.MKDIR]] = {
+    Kind.STAT: Kind.STAT, Kind.LIST: Kind.LIST, Kind.MKDIR: Kind.MKDIR}
 
 
 class StreamCut(Exception):
@@ -142,11 +145,11 @@ class Session:
         eid = "exe-" + secrets.token_hex(6)
         st = lv.chan.open()
         try:
-            target = {"shell": cmd} if isinstance(cmd, str) else {"argv": cmd}
             cwd = cwd or lv.row.spec.get("workdir") or "/work"
-            await st.send({"t": Kind.EXEC, **target, "env": {**_base_env(lv.row), **env},
+            msg: M.Exec = {**M.command(cmd), "env": {**_base_env(lv.row), **env},
                            "cwd": cwd, "timeout": timeout,
-                           "stdin": stdin is not None or stdin_stream})
+                           "stdin": stdin is not None or stdin_stream}
+            await st.send(msg)
             if stdin is not None:
                 for i in range(0, len(stdin), P.CHUNK):
                     await st.send({"t": Kind.STDIN}, stdin[i:i + P.CHUNK])
@@ -297,10 +300,20 @@ class Session:
         return FileStream(self, lv, st, path, size if exact else None, limit)
 
     async def file_call(self: Manager, lv: Live, op: str, path: str, **extra: Any) -> Any:
+        """op: Kind.STAT, LIST, MKDIR or REMOVE (``recursive``, default true)."""
+        msg: M.Remove | M.PathRequest
+        if op == Kind.REMOVE:
+            msg = M.Remove(t=Kind.REMOVE, path=path)
+            if "recursive" in extra:
+                msg["recursive"] = bool(extra["recursive"])
+        elif op in _PATH_OPS:
+            msg = M.PathRequest(t=_PATH_OPS[op], path=path)
+        else:
+            raise ValueError(f"not a file call: {op!r}")
         if op in (Kind.REMOVE, Kind.MKDIR):  # changes: on the audit trail, as file writes are
             error = "cancelled"
             try:
-                h, payload = await lv.chan.call_full({"t": op, "path": path, **extra})
+                h, payload = await lv.chan.call_full(msg)
                 error = ""
             except (ApiError, TransportError) as e:
                 error = e.message
@@ -311,7 +324,7 @@ class Session:
                     fields={"op": op, "path": path, "ok": not error, "source": "api",
                             **({"error": error} if error else {})}))
         else:
-            h, payload = await lv.chan.call_full({"t": op, "path": path, **extra})
+            h, payload = await lv.chan.call_full(msg)
         if op == Kind.LIST:
             entries = h.get("entries")  # (agents before the listing moved to the payload)
             if entries is None and payload:
