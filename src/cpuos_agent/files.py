@@ -14,7 +14,6 @@ Stdlib only: it runs inside every sandbox."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
@@ -24,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import protocol as P
 from .protocol import Kind
-from .service import errcode, in_thread
+from .service import errcode, in_thread, send_oserror
 from .transport import Closed
 
 if TYPE_CHECKING:
@@ -293,9 +292,7 @@ def _tar(conn: Conn, sid: int, path: str) -> None:
     except Closed:
         pass
     except OSError as e:
-        with contextlib.suppress(Closed):
-            conn.send({"t": Kind.ERR, "id": sid, "code": errcode(e),
-                       "message": f"{path}: {e.strerror or e}"})
+        send_oserror(conn, sid, e, f"{path}: ")
 
 
 def _read(conn: Conn, sid: int, path: str) -> None:
@@ -333,9 +330,7 @@ def _read(conn: Conn, sid: int, path: str) -> None:
     except Closed:
         pass
     except OSError as e:
-        with contextlib.suppress(Closed):
-            conn.send({"t": Kind.ERR, "id": sid, "code": errcode(e),
-                       "message": f"{path}: {e.strerror or e}"})
+        send_oserror(conn, sid, e, f"{path}: ")
 
 
 def _untar(archive: str, dest: str) -> dict[str, Any]:

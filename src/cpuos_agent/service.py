@@ -46,6 +46,13 @@ def errcode(e: OSError) -> ErrorCode:
     return _ERRNO_CODES.get(e.errno or 0, ErrorCode.INTERNAL)
 
 
+def send_oserror(conn: Conn, sid: int, e: OSError, prefix: str = "") -> None:
+    """Answer ``err`` for an OS error (on a connection already gone: nothing to tell)."""
+    with contextlib.suppress(Closed):
+        conn.send({"t": Kind.ERR, "id": sid, "code": errcode(e),
+                   "message": f"{prefix}{e.strerror or e}"})
+
+
 def in_thread(conn: Conn, sid: int, fn: Callable[[], Any]) -> None:
     """Answer a request from a thread of its own (it may take long: a big tree): ``ok``
     with what fn returns (fields, or fields and a payload), or ``err``."""
@@ -57,9 +64,7 @@ def in_thread(conn: Conn, sid: int, fn: Callable[[], Any]) -> None:
         except Closed:
             pass
         except OSError as e:
-            with contextlib.suppress(Closed):
-                conn.send({"t": Kind.ERR, "id": sid, "code": errcode(e),
-                           "message": f"{e.strerror or e}"})
+            send_oserror(conn, sid, e)
         except Exception as e:
             with contextlib.suppress(Closed):
                 conn.send({"t": Kind.ERR, "id": sid, "code": ErrorCode.INTERNAL,
