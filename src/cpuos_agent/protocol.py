@@ -20,6 +20,15 @@ bytes follow, else the length is known at ``eof``), ``data``..., ``eof`` or ``er
 host ends one early with ``kill`` on its id. ``list`` is answered ``ok`` with the entries
 as a JSON array in the payload (a header holds at most ``MAX_HEADER`` bytes).
 
+Message kinds are ``Kind``, their fields ``cpuos_agent.messages``. To add a message: a
+``Kind`` member; its TypedDict in ``messages`` (in ``messages.Request`` if the host sends
+it: the daemon's channel sends nothing else); its handler in the ``HANDLERS`` of the service
+module that owns it (``agent.SERVICES``); then tests/unit/test_agent_dispatch.py and
+test_agent_protocol.py. An agent that does not know a kind answers ``err``
+(``invalid_argument``, "unknown"); one a paused sandbox or a template snapshot holds is
+as old as the cpuos that made it, so a kind the host cannot do without, or a changed
+meaning, needs ``PROTOCOL_VERSION`` raised (those sandboxes then cannot resume).
+
 This module is stdlib-only: it is imported inside every sandbox.
 """
 
