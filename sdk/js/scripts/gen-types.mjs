@@ -40,7 +40,7 @@ const ast = await openapiTS(fromPython([]), { alphabetize: true, defaultNonNulla
 const codes = fromPython(["--error-codes"]);
 const outputs = {
   [OUT]: HEAD.replace("{what}", "OpenAPI document (openapi-typescript)") + astToString(ast),
-  [CODES]: HEAD.replace("{what}", "error-code table (cpuos_agent.protocol.ERROR_CODES)") +
+  [CODES]: HEAD.replace("{what}", "error-code table (cpuos._errors.ERROR_CODES)") +
     "/** code -> the HTTP status the daemon answers with and the SDK's error class. */\n" +
     "export const ERROR_TABLE = " + JSON.stringify(codes, Object.keys(codes).sort().concat(
       ["status", "class"]), 2) + " as const;\n",

@@ -51,7 +51,8 @@ from .. import homedir
 from ..config import Config
 from ..accounting.quotas import Limits, check_limits_body
 from ..accounting.usage import Enforcer, Meter
-from ..errors import ApiError, invalid, not_found
+from ..agentconn import TransportError
+from ..errors import ApiError, api_error, invalid, not_found
 from ..events import EventBus, SandboxEvent, log_event
 from ..backends.base import Backend
 from ..network.backend import Networked
@@ -446,6 +447,11 @@ def create_app(cfg: Config | None = None) -> FastAPI:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, e: ApiError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(TransportError)  # the agent channel's: unavailable or timeout
+    async def _transport_error(_: Request, e: TransportError) -> JSONResponse:
+        err = api_error(e)
+        return JSONResponse(err.body(), status_code=err.status)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, e: Exception) -> JSONResponse:

@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from cpuos_agent import protocol as P
 from cpuos_agent.protocol import parse_duration
 
+from ..agentconn import TransportError
 from ..errors import ApiError, invalid
 from ..events import SandboxEvent
 from ..lifecycle import commands as C
@@ -174,7 +175,7 @@ async def start_command(sid: str, body: StartCommand, request: Request, ws: Ws
                             "env": sorted(body.env)}
     try:
         out = await C.start(lv, body.cmd, body.env, cwd, timeout, body.buffer, body.stdin)
-    except ApiError as e:
+    except (ApiError, TransportError) as e:
         _audit(request, lv, {**what, "error": e.message})
         raise
     _audit(request, lv, {**what, "pid": out["pid"]})

@@ -29,8 +29,10 @@ from typing import Any
 from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..agentconn import AgentGone, StdinClosed, raise_for_agent_error
-from ..errors import ApiError
+from cpuos_agent.protocol import Kind
+
+from ..agentconn import AgentGone, StdinClosed, TransportError, raise_for_agent_error
+from ..errors import ApiError, api_error
 from ..lifecycle import commands as C
 from ..lifecycle.manager import Manager
 from ..paths import check_path
@@ -104,13 +106,13 @@ async def pty_socket(websocket: WebSocket, sid: str, pid: int, offset: int = 0) 
     try:
         lv = await m.ready(ws, sid)
         out, head = await C.attach(lv, pid, max(-1, offset), m._spawn)
-    except ApiError as e:
+    except (ApiError, TransportError) as e:
         await websocket.accept()
-        await _close(websocket, e)
+        await _close(websocket, api_error(e))
         return
     try:
         inp = await C.open_stdin(lv, pid, m._spawn)
-    except ApiError:
+    except (ApiError, TransportError):
         inp = None  # it ended (or closed its input): its output can still be read
     await websocket.accept()
     await websocket.send_text(json.dumps({
@@ -122,13 +124,13 @@ async def pty_socket(websocket: WebSocket, sid: str, pid: int, offset: int = 0) 
         while True:
             h, payload = await out.get()
             t = h["t"]
-            if t == "out":
+            if t == Kind.OUT:
                 off = C._int(h.get("off"))
                 if off is None or off < pos:
                     raise ApiError("internal", "sandbox agent sent a malformed output frame")
                 pos = off + len(payload)
                 await websocket.send_bytes(payload)
-            elif t == "exit":
+            elif t == Kind.EXIT:
                 await websocket.send_text(json.dumps({"type": "exit", **C.exit_fields(h)}))
                 await websocket.close(1000)
                 return
@@ -166,8 +168,8 @@ async def pty_socket(websocket: WebSocket, sid: str, pid: int, offset: int = 0) 
             if isinstance(err, AgentGone):
                 await _close(websocket, ApiError("unavailable",
                                                  C.gone_message(m.store, lv, err)))
-            elif isinstance(err, ApiError):
-                await _close(websocket, err)
+            elif isinstance(err, ApiError | TransportError):
+                await _close(websocket, api_error(err))
             elif err is not None and not isinstance(err, WebSocketDisconnect):
                 log.warning("terminal %s of %s: %r", pid, sid, err)
                 await _close(websocket, ApiError("internal", f"{type(err).__name__}"))

@@ -21,7 +21,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..api.app import CreateSandbox, sandbox_size
 from ..api.usage import sandbox_metrics
-from ..errors import STATUS, ApiError
+from ..agentconn import TransportError
+from ..errors import STATUS, ApiError, api_error
 from ..network.policy import Policy
 from ..store import SandboxRow
 from .state import E2B, ENVD_VERSION, E2BError, new_e2b_key
@@ -95,6 +96,11 @@ def build(e2b: E2B) -> FastAPI:
     @app.exception_handler(ApiError)
     async def _api(_: Request, e: ApiError) -> JSONResponse:
         err = _e2b_error(e)
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(TransportError)
+    async def _transport(_: Request, e: TransportError) -> JSONResponse:
+        err = _e2b_error(api_error(e))
         return JSONResponse(err.body(), status_code=err.status)
 
     @app.exception_handler(RequestValidationError)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..agentconn import TransportError
 from ..errors import ApiError
 from ..events import SandboxEvent
 from ..paths import check_path
@@ -106,7 +107,7 @@ class Target:
         """The running sandbox (cpuos's Manager.ready: the same checks as its own API)."""
         try:
             return await self.e2b.mgr.ready(self.ws, self.sid)
-        except ApiError:
+        except (ApiError, TransportError):
             row = self.e2b.store.get_sandbox(self.sid)
             if row is None or row.state in GONE:
                 raise not_running(self.sid) from None

@@ -24,10 +24,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import cpuos_agent
+from cpuos_agent import messages as M
 from cpuos_agent import protocol as P
+from cpuos_agent.protocol import Kind
 
 from .. import procs
-from ..agentconn import AgentChannel, raise_for_agent_error
+from ..agentconn import AgentChannel, TransportError, raise_for_agent_error
 from ..backends.base import Backend, SandboxSpec
 from ..config import Config
 from ..errors import ApiError, not_found
@@ -159,7 +161,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
             await setter(lv.row.id, lv.spec.network)
             if self.backend.capabilities.guest_net and lv.spec.ca_pem != had:
                 # a VM's guest takes its CA from the agent (e.g. a pooled one given secrets)
-                h = await lv.chan.call({"t": "identity", "ca": lv.spec.ca_pem}, timeout=30)
+                h = await lv.chan.call({"t": Kind.IDENTITY, "ca": lv.spec.ca_pem}, timeout=30)
                 raise_for_agent_error(h)
 
     async def set_network(self, workspace_id: str, sid: str, network: dict[str, Any]
@@ -337,11 +339,11 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         randomness for the guest's RNG, the time, for a VM its network address
         (cpuos_agent.agent.apply_identity), and the memory limit the agent's OOM killer
         holds the sandbox to (gVisor: cpuos_agent.memguard)."""
-        msg: dict[str, Any] = {"t": "identity", "hostname": lv.row.id,
-                               "machine_id": lv.row.spec["machine_id"],
-                               "seed": secrets.token_hex(64), "time": time.time(),
-                               "memory_limit": int(lv.row.spec["memory_mib"]) << 20,
-                               "spawner_idle_exit": self.cfg.spawner_idle_exit}
+        msg = M.Identity(t=Kind.IDENTITY, hostname=lv.row.id,
+                         machine_id=lv.row.spec["machine_id"],
+                         seed=secrets.token_hex(64), time=time.time(),
+                         memory_limit=int(lv.row.spec["memory_mib"]) << 20,
+                         spawner_idle_exit=self.cfg.spawner_idle_exit)
         if self.backend.capabilities.guest_net and lv.spec.address and lv.spec.gateway:
             # a VM's interface: every restore and clone has an address of its own
             msg["net"] = {"address": lv.spec.address, "gateway": lv.spec.gateway,
@@ -440,7 +442,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
             for attempt in (1, 2):
                 try:
                     return await self._boot(row, image)
-                except ApiError as e:
+                except (ApiError, TransportError) as e:
                     log.warning("restore of %s from %s failed (attempt %d): %s", row.id,
                                 image.name, attempt, e.message)
             log.warning("sandbox %s: restores failed; booting it instead", row.id)
@@ -477,7 +479,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         lv = self.running(workspace_id, sid, op)
         self.idle.touch(sid)
         if not lv.chan.connected:
-            with contextlib.suppress(ApiError):
+            with contextlib.suppress(TransportError):
                 await lv.chan.wait_connected(RECONNECT_GRACE)
         return lv
 

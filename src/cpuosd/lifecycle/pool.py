@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 
+from cpuos_agent.protocol import Kind
+
 from ..agentconn import raise_for_agent_error
 from ..errors import ApiError
 from ..store import SandboxRow
@@ -249,15 +251,15 @@ class Templates:
         """Run a shell line in the sandbox for the daemon itself: (exit code, output tail)."""
         st = lv.chan.open()
         try:
-            await st.send({"t": "exec", "shell": cmd, "env": _base_env(lv.row), "cwd": "/",
+            await st.send({"t": Kind.EXEC, "shell": cmd, "env": _base_env(lv.row), "cwd": "/",
                            "timeout": timeout, "stdin": False})
             out = b""
             while True:
                 h, payload = await st.get(timeout + 10)
                 raise_for_agent_error(h)
-                if h["t"] == "out":
+                if h["t"] == Kind.OUT:
                     out = (out + payload)[-4000:]
-                elif h["t"] == "exit":
+                elif h["t"] == Kind.EXIT:
                     code = h.get("exit_code")
                     return (code if isinstance(code, int) else -1), out
         except TimeoutError:

@@ -10,8 +10,7 @@ import shutil
 from typing import TYPE_CHECKING
 
 
-from ..agentconn import AgentChannel
-from ..errors import ApiError
+from ..agentconn import AgentChannel, TransportError
 from ..store import LIVE_STATES, SandboxRow
 from ..templates.builder import list_templates
 from .common import (Live, _du, _now)
@@ -99,7 +98,7 @@ class Reconcile:
             return
         try:
             await lv.chan.wait_connected(self.cfg.agent_connect_timeout)
-        except ApiError:
+        except TransportError:
             log.warning("sandbox %s: agent did not reconnect; killing it", sid)
             await self.kill(sid, reason="lost", final_state="error")
             return
