@@ -160,14 +160,16 @@ class Var:
     env: str
     doc: str
     parse: Parse
-    secret: bool = False
+    secret: bool = False  # masked by ``cpuosd config``
     shown: str | None = None  # the default as documented, where it is not the field's
+    resolved: str | None = None  # the Config property with the value in effect when unset
 
 
 def var(env: str, default: Any, doc: str, parse: Parse, *, secret: bool = False,
-        shown: str | None = None) -> Any:
+        shown: str | None = None, resolved: str | None = None) -> Any:
     """A field set by ``env`` (unset or empty: ``default``)."""
-    return field(default=default, metadata={"var": Var(env, doc, parse, secret, shown)})
+    return field(default=default,
+                 metadata={"var": Var(env, doc, parse, secret, shown, resolved)})
 
 
 def section(cls: type[T]) -> T:
@@ -193,10 +195,10 @@ class SandboxConfig:
 
     output_cap: int = var("CPUOS_OUTPUT_CAP", 1 << 20,
                           "bytes of output kept per exec stream in the daemon's record "
-                          "(head + tail)", _int)
+                          "(head + tail)", _int, shown="1048576 (1 MiB)")
     max_read_bytes: int = var("CPUOS_MAX_READ_BYTES", 64 << 30,
                               "bytes one file read or directory tar from a sandbox may carry "
-                              "at most", _int)
+                              "at most", _int, shown="68719476736 (64 GiB)")
     default_pids: int = var("CPUOS_DEFAULT_PIDS", 512,
                             "tasks a sandbox's commands may have (past it: EAGAIN)", _int)
     default_disk_mib: int = var("CPUOS_DEFAULT_DISK_MIB", 5120,
@@ -382,7 +384,8 @@ class RunscConfig:
 @dataclass(frozen=True)
 class MicrovmConfig:
     dir: Path | None = var("CPUOS_MICROVM_DIR", None,
-                           "the microVM guest artifacts (default $CPUOS_HOME/microvm)", _path)
+                           "the microVM guest artifacts (default $CPUOS_HOME/microvm)", _path,
+                           resolved="microvm_dir")
     accel: str = var("CPUOS_MICROVM_ACCEL", "kvm",
                      "the microVM backend's accelerator: kvm, or tcg (emulated: tests)", _str)
     standby: int = var("CPUOS_MICROVM_STANDBY", 1,
@@ -401,7 +404,8 @@ class BuildConfig:
                               "build steps' egress: off | on | allowlist | names (default "
                               "allowlist, off where CPUOS_DEFAULT_NETWORK=off)", _str)
     max_upload: int = var("CPUOS_MAX_TEMPLATE_UPLOAD", 8 << 30,
-                          "bytes of a template build's context upload", _int)
+                          "bytes of a template build's context upload", _int,
+                          shown="8589934592 (8 GiB)")
     timeout: float = var("CPUOS_TEMPLATE_BUILD_TIMEOUT", 3600.0, "s a build may take",
                          _float)
 
@@ -411,7 +415,7 @@ class LogsConfig:
     file: str | None = var("CPUOS_LOG_FILE", None,
                            "log here, rotated by size (default: stderr)", _str)
     max_bytes: int = var("CPUOS_LOG_MAX_BYTES", 64 << 20, "the log file's size at rotation",
-                         _int)
+                         _int, shown="67108864 (64 MiB)")
     backups: int = var("CPUOS_LOG_BACKUPS", 3, "rotated log files kept", _int)
     level: str = var("CPUOS_LOG_LEVEL", "INFO", "the log level", _str)
 
@@ -437,9 +441,11 @@ class Config:
                        "passes)", _str)
     templates_path: Path | None = var("CPUOS_TEMPLATES_DIR", None,
                                       "template builds, shareable between daemons (default "
-                                      "$CPUOS_HOME/templates)", _path)
+                                      "$CPUOS_HOME/templates)", _path,
+                                      resolved="templates_dir")
     snapshots_path: Path | None = var("CPUOS_SNAPSHOTS_DIR", None,
-                                      "snapshots (default $CPUOS_HOME/snapshots)", _path)
+                                      "snapshots (default $CPUOS_HOME/snapshots)", _path,
+                                      resolved="snapshots_dir")
     api: ApiConfig = section(ApiConfig)
     sandbox: SandboxConfig = section(SandboxConfig)
     pool: PoolConfig = section(PoolConfig)
@@ -554,6 +560,8 @@ def effective(cfg: Config) -> list[tuple[str, str, str]]:
     for d in declarations():
         obj: Any = getattr(cfg, d.section) if d.section else cfg
         value = getattr(obj, d.field)
+        if value is None and d.var.resolved:
+            value = getattr(cfg, d.var.resolved)
         text = show(value)
         if d.var.secret and text:
             text = "****"
