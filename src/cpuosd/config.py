@@ -69,28 +69,23 @@ def _at_least_1(name: str, v: str) -> int:
     return max(1, _int(name, v))
 
 
-def _duration(name: str, v: str) -> float:
-    """A duration (``"10m"``, seconds); ``0``, ``0s`` or ``never``: none (0)."""
-    if v in ("0", "0s", "never"):
-        return 0.0
+def _seconds(name: str, v: str) -> float:
     from cpuos_agent.protocol import parse_duration
 
     try:
         return parse_duration(v, name)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _duration(name: str, v: str) -> float:
+    """A duration (``"10m"``, seconds); ``0``, ``0s`` or ``never``: none (0)."""
+    return 0.0 if v in ("0", "0s", "never") else _seconds(name, v)
 
 
 def _retention(name: str, v: str) -> float | None:
     """A duration; ``0``, ``forever`` or ``none``: keep everything (None)."""
-    if v in ("0", "forever", "none"):
-        return None
-    from cpuos_agent.protocol import parse_duration
-
-    try:
-        return parse_duration(v, name)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    return None if v in ("0", "forever", "none") else _seconds(name, v)
 
 
 def _rows(name: str, v: str) -> float | None:
