@@ -6,8 +6,10 @@ its default and a one-line doc (``var``). This module is the only place in ``cpu
 reads the environment (tests/unit/test_config.py enforces it); everything else is handed
 its ``Config`` (or the section it needs) by whoever built it: ``cpuosd.main`` for the
 daemon, the entry point of a tool (``cpuosd template``, the microVM artifact build) for
-itself. ``cpuosd config`` prints the effective configuration; README.md's table of
-variables is generated from these declarations (``scripts/gen_config_docs.py``).
+itself; the few helpers tools and tests call without one (``find_runsc``,
+``StepBox.default``, ``kernel.cache_dir``) take ``Config.from_env()``. ``cpuosd config``
+prints the effective configuration; README.md's table of variables is generated from these
+declarations (``scripts/gen_config_docs.py``).
 
 A value that does not parse is a ``ConfigError`` naming the variable, at start.
 """
