@@ -363,7 +363,7 @@ def measure(ctx: Context) -> dict[str, Any]:
     first = Sandbox.create(template="python", timeout="10m", **d.sdk_kwargs())
     raw.match(d, first.id)
     kill_quietly(first)
-    pooled = Config().pool_size  # the daemon's (DAEMON sets no size)
+    pooled = Config.from_env().pool.size  # the daemon's (DAEMON sets no size)
     wait_until(lambda: containers(d) >= pooled, "the warm pool", timeout=120)
     sandboxes: list[Sandbox] = []
     sleepers: list[str] = []
@@ -373,7 +373,7 @@ def measure(ctx: Context) -> dict[str, Any]:
         sandboxes = create_idle(d, n)
         wait_until(lambda: containers(d) >= n + pooled, "the pool to refill", timeout=120)
         # (smoke: no wait, the spawners are measured too)
-        spell = float(getattr(Config(), "spawner_idle_exit", 0))  # (0: a cpuos without it)
+        spell = Config.from_env().sandbox.spawner_idle_exit
         out["idle_wait_s"] = wait_idle(sandboxes, ctx.pick(spell, spell, -60))
         ours_drop = settled_drop(before)
         ids = [s.id for s in sandboxes]

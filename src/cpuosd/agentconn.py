@@ -25,6 +25,7 @@ from cpuos_agent import messages as M
 from cpuos_agent import protocol as P
 from cpuos_agent.protocol import ErrorCode, Kind
 
+from .config import SandboxConfig
 from .errors import ApiError
 from .fdbudget import BUDGET
 
@@ -37,10 +38,6 @@ MAX_QUEUED = P.WINDOW + 2 * P.MAX_PAYLOAD
 # s a device agent (a microVM's: it cannot hang up itself) gets to see the host hang up after
 # a quiesce: whoever checkpoints one waits this long after disconnect()
 DEVICE_SETTLE = 0.1
-# s without a frame from an agent that has streams open before the host gives up on it: its
-# connection is dropped and every stream on it ends ``unavailable`` (a frozen or wedged
-# sandbox must not hang a client). The host pings it after a quarter of that.
-LIVENESS = float(os.environ.get("CPUOS_AGENT_LIVENESS") or 15.0)
 # s a stdin sender waits for the command to take bytes (credit) before it gives up
 STDIN_STALL = 60.0
 
@@ -202,7 +199,8 @@ class AgentChannel:
     (code inside the sandbox knocking on the socket) is refused and never displaces the
     connected agent; only a hello with the key, i.e. the agent itself reconnecting, may."""
 
-    def __init__(self, sock_path: Path, key: str | None = None) -> None:
+    def __init__(self, sock_path: Path, key: str | None = None,
+                 liveness: float = SandboxConfig.agent_liveness) -> None:
         self.sock_path = sock_path
         self.key = key
         self.refusals = 0
@@ -223,7 +221,11 @@ class AgentChannel:
         self.on_disconnect: list[Any] = []
         self.on_connect: list[Callable[[], None]] = []  # after each accepted hello
         self.last_rx = 0.0
-        self.liveness = LIVENESS
+        # s without a frame from an agent that has streams open before the host gives up on
+        # it (CPUOS_AGENT_LIVENESS): its connection is dropped and every stream on it ends
+        # ``unavailable`` (a frozen or wedged sandbox must not hang a client). The host
+        # pings it after a quarter of that.
+        self.liveness = liveness
         # the liveness watch runs only while streams are open (an idle sandbox costs no
         # wakeup here): started by open(), it ends when the last stream has closed
         self._watch_task: asyncio.Task[None] | None = None

@@ -296,7 +296,8 @@ def sandbox_size(body: CreateSandbox, workspace: dict[str, Any] | None, cfg: Con
     for name in ("vcpus", "memory_mib", "disk_mib", "pids"):
         v = getattr(body, name)
         if v is None:
-            v = min(int(settings.get(f"default_{name}") or getattr(cfg, f"default_{name}")),
+            v = min(int(settings.get(f"default_{name}")
+                        or getattr(cfg.sandbox, f"default_{name}")),
                     getattr(limits, f"max_{name}"))
         out[name] = int(v)
     return out
@@ -324,7 +325,7 @@ async def start_network(cfg: Config, backend: Backend, store: Store, events: Eve
                         ) -> Network | None:
     """The daemon's network (per-sandbox namespaces, nftables, resolver, egress proxy) where
     it can run: the gVisor or microVM backend, nft installed, CPUOS_NETWORK not 0."""
-    if not cfg.network:
+    if not cfg.network.enabled:
         log.info("network: off (CPUOS_NETWORK=0): sandboxes have no network")
         return None
     if backend.capabilities.name not in ("gvisor", "microvm"):
@@ -337,7 +338,7 @@ async def start_network(cfg: Config, backend: Backend, store: Store, events: Eve
         return None
 
     records = RecordWriter(store, events)
-    net = Network(records.put, cfg.home / "secrets")
+    net = Network(records.put, cfg.home / "secrets", cfg.network)
     net.records = records
 
     def forget_secrets(ev: SandboxEvent) -> None:
@@ -368,7 +369,7 @@ async def stop_for_cap(mgr: Manager, workspace_id: str, sid: str) -> str:
 
 
 def create_app(cfg: Config | None = None) -> FastAPI:
-    cfg = cfg or Config()
+    cfg = cfg or Config.from_env()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -390,9 +391,9 @@ def create_app(cfg: Config | None = None) -> FastAPI:
         events = EventBus()
         events.subscribe(log_event)
         audit = start_audit(cfg, events, store)
-        if cfg.audit and cfg.audit_runtime and backend.capabilities.name == "gvisor":
+        if cfg.audit.enabled and cfg.audit.runtime and backend.capabilities.name == "gvisor":
             backend = Traced(backend, audit, cfg.sandboxes_dir)
-        meter = Meter(store)
+        meter = Meter(store, cfg.pricing)
         events.subscribe(meter.on_event)
         network = await start_network(cfg, backend, store, events)
         if network is not None:
@@ -407,8 +408,8 @@ def create_app(cfg: Config | None = None) -> FastAPI:
         app.state.store, app.state.mgr, app.state.network = store, mgr, network
         app.state.audit = audit
         app.state.builds = TemplateBuilds(cfg)
-        preview = Preview(mgr, network, cfg.port + 1 if cfg.preview_port < 0
-                          else cfg.preview_port, cfg.host)
+        preview = Preview(mgr, network, cfg.port + 1 if cfg.preview.port < 0
+                          else cfg.preview.port, cfg.host, cfg.preview)
         await preview.start()
         app.state.preview = preview
         app.state.e2b.attach(mgr, store, preview)  # the E2B surface (cpuosd.e2b)
@@ -555,8 +556,9 @@ def create_app(cfg: Config | None = None) -> FastAPI:
     @app.post("/sandboxes", status_code=201)
     async def create(body: CreateSandbox, request: Request, ws: Ws) -> dict[str, Any]:
         cfg_ = mgr(request).cfg
-        if float(body.timeout) > cfg_.max_timeout:
-            raise invalid(f"timeout may be at most {cfg_.max_timeout:.0f}s", field="timeout")
+        if float(body.timeout) > cfg_.sandbox.max_timeout:
+            raise invalid(f"timeout may be at most {cfg_.sandbox.max_timeout:.0f}s",
+                          field="timeout")
         if body.network is not None:
             network: dict[str, Any] | None = Policy.parse(body.network).to_json()
         else:  # the workspace's default, else the daemon's
@@ -576,7 +578,7 @@ def create_app(cfg: Config | None = None) -> FastAPI:
                               field="secrets")
             env.update(placeholders)
             pol = Policy.stored(network) if network else Policy.parse(
-                mgr(request).cfg.default_network)
+                mgr(request).cfg.network.default_policy)
             pol.secrets, pol.ca = view, ca
             network = pol.to_json()
         wsrow = request.app.state.store.workspace(ws)
@@ -584,7 +586,7 @@ def create_app(cfg: Config | None = None) -> FastAPI:
         idle = body.idle_timeout
         if idle is None:
             idle = ((wsrow or {}).get("settings") or {}).get("default_idle_timeout")
-        idle_timeout = float(cfg_.idle_timeout if idle is None else idle)
+        idle_timeout = float(cfg_.idle.timeout if idle is None else idle)
         try:
             row = await mgr(request).create(ws, body.template, float(body.timeout),
                                             body.metadata, env, size["vcpus"],
@@ -693,7 +695,8 @@ def create_app(cfg: Config | None = None) -> FastAPI:
                           ) -> dict[str, Any]:
         if body.timeout is None and body.idle_timeout is None:
             raise invalid("give timeout, idle_timeout or both", field="timeout")
-        if body.timeout is not None and float(body.timeout) > mgr(request).cfg.max_timeout:
+        if (body.timeout is not None
+                and float(body.timeout) > mgr(request).cfg.sandbox.max_timeout):
             raise invalid("timeout too long", field="timeout")
         if body.idle_timeout is not None:
             mgr(request).set_idle_timeout(ws, sid, float(body.idle_timeout))

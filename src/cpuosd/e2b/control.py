@@ -169,8 +169,8 @@ def build(e2b: E2B) -> FastAPI:
         ws = ws_of(request)
         mgr = e2b.mgr
         timeout = float(body.timeout if body.timeout is not None else DEFAULT_TIMEOUT)
-        if timeout > mgr.cfg.max_timeout:
-            raise E2BError(400, f"timeout may be at most {mgr.cfg.max_timeout:.0f}s")
+        if timeout > mgr.cfg.sandbox.max_timeout:
+            raise E2BError(400, f"timeout may be at most {mgr.cfg.sandbox.max_timeout:.0f}s")
         network: dict[str, Any] | None = None
         if body.allow_internet_access is False:
             network = Policy.parse("off").to_json()
@@ -269,7 +269,7 @@ def build(e2b: E2B) -> FastAPI:
     @app.post("/sandboxes/{sid}/timeout", status_code=204)
     async def set_timeout(sid: str, body: TimeoutBody, request: Request) -> Response:
         get(request, sid)
-        if body.timeout > e2b.mgr.cfg.max_timeout:
+        if body.timeout > e2b.mgr.cfg.sandbox.max_timeout:
             raise E2BError(400, "timeout too long")
         e2b.mgr.set_timeout(ws_of(request), sid, float(body.timeout))
         return Response(status_code=204)

@@ -51,8 +51,6 @@ HOME = "/home/user"
 USER = "user"
 KEY_RE = re.compile(r"^e2b_[0-9a-f]{40}$")
 SID_RE = re.compile(r"^sbx-[a-z0-9]{12}$")
-# E2B template name -> cpuos templates, the first one built wins
-DEFAULT_TEMPLATES = "base=python;code-interpreter-v1=code-interpreter,python"
 GONE = ("killing", "killed", "error")
 
 
@@ -124,9 +122,8 @@ class E2B:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self._key = self._load_key(cfg.home / "e2b.key")
-        self.templates = parse_templates(os.environ.get("CPUOS_E2B_TEMPLATES")
-                                         or DEFAULT_TEMPLATES)
-        self.domain_override = os.environ.get("CPUOS_E2B_DOMAIN") or None
+        self.templates = parse_templates(cfg.e2b.templates)
+        self.domain_override = cfg.e2b.domain
         self._db_path = cfg.home / "e2b.db"
         self._db: sqlite3.Connection | None = None
         self._lock = threading.Lock()
@@ -285,10 +282,8 @@ class E2B:
         ``<port>-<id>.<domain>``, which the preview proxy routes."""
         if self.domain_override:
             return self.domain_override
-        from ..proxy.preview import domain as preview_domain
-
         port = getattr(self.preview, "port", None)
-        return f"{preview_domain()}:{port}" if port else preview_domain()
+        return f"{self.cfg.preview.domain}:{port}" if port else self.cfg.preview.domain
 
     # -- a request of the sandbox plane ---------------------------------------------------
     def target(self, sid: str, port: int, token: str | None,

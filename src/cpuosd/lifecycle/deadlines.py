@@ -24,7 +24,7 @@ class Deadlines:
         stuck kill never holds up another workspace's deadlines."""
         expiring: set[str] = set()
         while True:
-            await asyncio.sleep(self.cfg.reaper_interval)
+            await asyncio.sleep(self.cfg.sandbox.reaper_interval)
             for sid, on_timeout in self.store.expired(_now()):
                 if sid in expiring:
                     continue

@@ -65,8 +65,10 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         # admission by what the host really uses (accounting.quotas): ``measure`` stands in
         # for the host's measurement in tests
         # (disk: where writable layers grow; a pause checks its snapshot's room itself)
-        self.host_meter = HostMeter([cfg.sandboxes_dir], ours=lambda: list(self.live))
-        self.admission = Admission(store, measure or self.host_meter.measure)
+        self.host_meter = HostMeter([cfg.sandboxes_dir], ours=lambda: list(self.live),
+                                    limits=cfg.limits)
+        self.admission = Admission(store, measure or self.host_meter.measure,
+                                   limits=cfg.limits)
         self.live: dict[str, Live] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         # what a pause leaves of a sandbox on the host (its stopped runsc container, its
@@ -86,9 +88,9 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         self._pool_retry: dict[str, float] = {}
         # idleness (lifecycle.idle): the watch, the auto-pauses and wakes under way, and
         # what holds a sandbox in use besides its agent streams (preview connections)
-        self.idle = IdleWatch(self._idle_cpu, self._idle_in_use)
+        self.idle = IdleWatch(self._idle_cpu, self._idle_in_use, cfg.idle.cpu)
         self._idle_pausing: dict[str, asyncio.Task[Any]] = {}
-        self._idle_pauses = asyncio.Semaphore(cfg.idle_pause_parallel)
+        self._idle_pauses = asyncio.Semaphore(cfg.idle.pause_parallel)
         self._waking: dict[str, asyncio.Task[Any]] = {}
         self.connections: collections.Counter[str] = collections.Counter()
         self.events.subscribe(self._idle_on_event)
@@ -151,7 +153,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
 
     @property
     def default_network(self) -> dict[str, Any]:
-        return Policy.parse(self.cfg.default_network).to_json()
+        return Policy.parse(self.cfg.network.default_policy).to_json()
 
     async def _apply_network(self, lv: Live) -> None:
         """The sandbox's policy to its backend (a backend without networking ignores it)."""
@@ -204,7 +206,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         self._spawn(self._reaper())
         self._spawn(self._idle_loop())
         self._spawn(procs.reap_loop())  # the runsc/QEMU processes we adopted
-        for template in self.cfg.pool_templates if self.cfg.pool_size > 0 else []:
+        for template in self.cfg.pool.templates if self.cfg.pool.size > 0 else []:
             if template_info(self.cfg.templates_dir, template):
                 self._pool_want(template)
 
@@ -249,8 +251,8 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
             backend=self.backend.capabilities.name, state=state, reason=None,
             created_at=now, started_at=None, ended_at=None, deadline=now + timeout,
             spec={"rootfs": info["rootfs"], "template_digest": info["digest"], "vcpus": vcpus,
-                  "memory_mib": memory_mib, "pids": pids or self.cfg.default_pids,
-                  "disk_mib": disk_mib or self.cfg.default_disk_mib,
+                  "memory_mib": memory_mib, "pids": pids or self.cfg.sandbox.default_pids,
+                  "disk_mib": disk_mib or self.cfg.sandbox.default_disk_mib,
                   "hostname": "sandbox", "env": env,
                   "timeout": timeout, "machine_id": secrets.token_hex(16),
                   "template_env": info.get("env") or {}, "workdir": info.get("workdir"),
@@ -270,7 +272,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         await self._settle_teardown(row.id)  # (a pause's, of the same id: its directory)
         spec = self._spec(row)
         key = self._agent_key(row, image)
-        chan = AgentChannel(spec.sock_path, key)
+        chan = AgentChannel(spec.sock_path, key, self.cfg.sandbox.agent_liveness)
         spec.template_boot, spec.adopt = template_boot, chan.adopt
         lv = Live(row, spec, chan)
         self.live[row.id] = lv
@@ -297,7 +299,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
             else:
                 await self.backend.restore(spec, image)
             t1 = time.monotonic()
-            await chan.wait_connected(self.cfg.agent_connect_timeout)
+            await chan.wait_connected(self.cfg.sandbox.agent_connect_timeout)
             key_file.unlink(missing_ok=True)
             t2 = time.monotonic()
             if not resume or self.backend.capabilities.guest_net:
@@ -343,7 +345,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
                          machine_id=lv.row.spec["machine_id"],
                          seed=secrets.token_hex(64), time=time.time(),
                          memory_limit=int(lv.row.spec["memory_mib"]) << 20,
-                         spawner_idle_exit=self.cfg.spawner_idle_exit)
+                         spawner_idle_exit=self.cfg.sandbox.spawner_idle_exit)
         if self.backend.capabilities.guest_net and lv.spec.address and lv.spec.gateway:
             # a VM's interface: every restore and clone has an address of its own
             msg["net"] = {"address": lv.spec.address, "gateway": lv.spec.gateway,
@@ -372,7 +374,8 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         """``idle_timeout``: seconds without activity before it is paused (0: never;
         lifecycle.idle)."""
         network = network or self.default_network
-        pids, disk_mib = pids or self.cfg.default_pids, disk_mib or self.cfg.default_disk_mib
+        pids = pids or self.cfg.sandbox.default_pids
+        disk_mib = disk_mib or self.cfg.sandbox.default_disk_mib
         info = template_info(self.cfg.templates_dir, template)
         if info is None:
             raise ApiError("not_found", f"template {template!r} is not built; run "
@@ -381,8 +384,9 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         # the template's image and the pool are of the default size (a checkpoint carries
         # its rlimits and its disk's size): another size boots
         default_size = (vcpus, memory_mib, pids, disk_mib) == (
-            self.cfg.default_vcpus, self.cfg.default_memory_mib, self.cfg.default_pids,
-            self.cfg.default_disk_mib)
+            self.cfg.sandbox.default_vcpus, self.cfg.sandbox.default_memory_mib,
+            self.cfg.sandbox.default_pids,
+            self.cfg.sandbox.default_disk_mib)
         pooled = default_size and self._pool_on(template)
         # no await from here to the row's insert (or the pop): admission is atomic
         ready = pooled and bool(self.pool.get(template))

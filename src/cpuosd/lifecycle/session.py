@@ -279,7 +279,7 @@ class Session:
 
     def read_limit(self: Manager, max_bytes: int | None) -> int:
         """The bound of one read: the client's ``max_bytes``, at most CPUOS_MAX_READ_BYTES."""
-        cap = self.cfg.max_read_bytes
+        cap = self.cfg.sandbox.max_read_bytes
         return cap if max_bytes is None else min(max_bytes, cap)
 
     async def read_file(self: Manager, lv: Live, path: str, max_bytes: int | None = None

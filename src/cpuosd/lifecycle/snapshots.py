@@ -50,7 +50,7 @@ class Snapshots:
             raise  # (a DELETE, or the daemon stopping: whoever cancelled tears it down)
         except BaseException as e:
             await lv.chan.listen()  # the agent keeps retrying: it comes back
-            await lv.chan.wait_connected(self.cfg.agent_connect_timeout)
+            await lv.chan.wait_connected(self.cfg.sandbox.agent_connect_timeout)
             if isinstance(e, ApiError) and e.code == "already_exists":
                 raise ApiError("conflict", e.message) from None
             raise
@@ -59,7 +59,7 @@ class Snapshots:
         # its memory and what its writable layer holds (a file on the host, not memory)
         need = (int(self.backend.memory_usage(sid) or 0)
                 + int(self.backend.stats(sid).get("disk_used_bytes") or 0)
-                + self.cfg.snapshot_margin)
+                + self.cfg.sandbox.snapshot_margin)
         where.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(where).free
         if free < need:
