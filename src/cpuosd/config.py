@@ -85,6 +85,10 @@ def _duration(name: str, v: str) -> float:
     return 0.0 if v in ("0", "0s", "never") else _seconds(name, v)
 
 
+def _session_ttl(name: str, v: str) -> float:
+    return max(60.0, _seconds(name, v))
+
+
 def _retention(name: str, v: str) -> float | None:
     """A duration; ``0``, ``forever`` or ``none``: keep everything (None)."""
     return None if v in ("0", "forever", "none") else _seconds(name, v)
@@ -184,6 +188,9 @@ class ApiConfig:
                               "s an API request head has to arrive whole", _float)
     keepalive: float = var("CPUOS_API_KEEPALIVE", 310.0,
                            "s an idle kept-alive API connection is kept", _float)
+    console_session_ttl: float = var("CPUOS_CONSOLE_SESSION_TTL", 12 * 3600.0,
+                                     "how long a console sign-in lasts (a duration, at "
+                                     "least 1m)", _session_ttl, shown="12h")
 
 
 @dataclass(frozen=True)

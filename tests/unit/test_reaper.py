@@ -27,8 +27,9 @@ def slow_waitpid(pid, options):
 reaper_mod.os.waitpid = slow_waitpid
 r = reaper_mod.Reaper()
 spawned_at = time.monotonic()
-child = subprocess.Popen(["sh", "-c", "exit 3"])
+child = subprocess.Popen(["sh", "-c", "read x; exit 3"], stdin=subprocess.PIPE)
 ev, box = r.register(child.pid, spawned_at)
+child.stdin.close()  # (it exits now: child is known by then)
 assert reaped.wait(10), "the reaper never reaped the child"
 assert not os.path.exists(f"/proc/{child.pid}")
 settler = threading.Thread(target=r.settle_lost)  # (its spawner is gone, say)

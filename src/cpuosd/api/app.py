@@ -44,6 +44,7 @@ from .usage import router as usage_router, sandbox_metrics
 from .workspaces import router as workspaces_router
 from .eventstream import router as events_router
 from ..console.routes import router as console_router
+from ..console.sessions import Sessions
 from ..proxy.preview import Preview
 from .. import e2b as e2b_surface
 from ..backends.microvm.selection import BackendUnavailable, select_backend
@@ -430,6 +431,7 @@ def create_app(cfg: Config | None = None) -> FastAPI:
             store.close()
 
     app = FastAPI(title="cpuos", version=VERSION, lifespan=lifespan)
+    app.state.console_sessions = Sessions(ttl=cfg.api.console_session_ttl)
     app.add_middleware(Guard)  # the key is checked before any body is read
     e2b_surface.install(app, cfg)  # /e2b and E2B's sandbox headers, before the Guard
     app.include_router(templates_router)
