@@ -40,7 +40,8 @@ ALLOWED = {
 }
 # CPUOS_* names in cpuosd that are not the daemon's configuration: set inside sandboxes
 # for the agent, or read by the SDK and CLI (testing.py drops them for test daemons)
-NOT_CONFIG = {"CPUOS_TEST_CHROMIUM", "CPUOS_AGENT_SOCKET", "CPUOS_UID", "CPUOS_TEMPLATE_SNAPSHOT", "CPUOS_API_KEY",
+NOT_CONFIG = {"CPUOS_TEST_CHROMIUM",
+              "CPUOS_AGENT_SOCKET", "CPUOS_UID", "CPUOS_TEMPLATE_SNAPSHOT", "CPUOS_API_KEY",
               "CPUOS_API_URL"}
 
 
