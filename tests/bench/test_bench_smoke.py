@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import pytest
 
 from cpuosd.templates.builder import template_info
-from cpuosd.testing import TEMPLATES, e2e_unavailable
+from support.daemon import TEMPLATES, e2e_unavailable
 
 REPO = Path(__file__).resolve().parents[2]
 OUT = REPO / ".cache" / "bench"

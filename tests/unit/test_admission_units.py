@@ -14,7 +14,7 @@ from cpuosd.accounting import quotas
 from cpuosd.accounting.quotas import Admission, HostMeter, Measure
 from cpuosd.errors import ApiError
 from cpuosd.store import SandboxRow, Store
-from cpuosd.testing import FakeHost
+from support.fakes import FakeHost
 
 
 class Clock:
