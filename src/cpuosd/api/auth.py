@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Annotated, Any
+from typing import Any
 
 import anyio
-from fastapi import Depends, Request
+from fastapi import Request
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import ApiError
+from .deps import services_of
 
 MAX_JSON_BODY = 8 << 20  # exec stdin rides in the JSON body
 OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
@@ -116,7 +117,7 @@ class Guard:
             # the handler checks the key itself (and refuses with its close code); one that
             # is valid is filed, so revoking it closes the socket
             key = bearer_key(scope["headers"])
-            found = scope["app"].state.store.key_lookup(key) if key else None
+            found = services_of(scope["app"]).store.key_lookup(key) if key else None
             if found is None:
                 await self.app(scope, receive, send)
             else:
@@ -131,7 +132,7 @@ class Guard:
             await _reply(send, ApiError(
                 "unauthorized", "missing API key: send 'Authorization: Bearer <key>'"))
             return
-        store = scope["app"].state.store
+        store = services_of(scope["app"]).store
         found = store.key_lookup(key)
         if found is None:
             await _reply(send, ApiError("unauthorized", "invalid API key (unknown, revoked, "
@@ -185,26 +186,6 @@ async def _reply(send: Send, err: ApiError) -> None:
                             (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})
     await send({"type": "http.response.body", "body": body})
-
-
-def workspace(request: Request) -> str:
-    """The caller's workspace (the Guard has checked the key)."""
-    wid: Any = getattr(request.state, "workspace", None)
-    if not isinstance(wid, str):  # not behind the Guard (it covers every keyed route)
-        raise ApiError("unauthorized", "missing API key: send 'Authorization: Bearer <key>'")
-    return wid
-
-
-Ws = Annotated[str, Depends(workspace)]
-
-
-def is_admin(request: Request, ws: str) -> bool:
-    return bool(ws == request.app.state.store.workspace_by_name("default"))
-
-
-def require_admin(request: Request, ws: str) -> None:
-    if not is_admin(request, ws):
-        raise ApiError("permission_denied", "only the admin workspace may do this")
 
 
 def live_requests(request: Request) -> LiveRequests:

@@ -6,17 +6,15 @@ from __future__ import annotations
 import asyncio
 import time
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query
 
-from ..accounting.usage import Meter, month_start, spending_cap
+from ..accounting.usage import month_start, spending_cap
 from ..errors import invalid
 from ..store import SandboxRow
-from .auth import Ws
-
-if TYPE_CHECKING:
-    from ..lifecycle.manager import Manager
+from ..lifecycle.manager import Manager
+from .deps import ManagerDep, MeterDep, StoreDep, Ws
 
 router = APIRouter()
 
@@ -40,7 +38,7 @@ def _when(v: str | None, default: float, what: str) -> float:
 
 
 @router.get("/usage")
-async def usage(request: Request, ws: Ws,
+async def usage(mgr: ManagerDep, meter: MeterDep, store: StoreDep, ws: Ws,
                 since: str | None = Query(None, description="default: the start of this "
                                           "month (UTC); epoch seconds or ISO 8601"),
                 until: str | None = Query(None, description="default: now"),
@@ -55,10 +53,9 @@ async def usage(request: Request, ws: Ws,
     if t1 < t0:
         raise invalid("until is before since", field="until")
     if sandbox is not None:
-        request.app.state.mgr.get(ws, sandbox)  # 404 unless the caller's
-    meter: Meter = request.app.state.meter
+        mgr.get(ws, sandbox)  # 404 unless the caller's
     out = meter.summary(ws, t0, min(t1, now), sandbox)
-    cap = spending_cap(request.app.state.store, ws)
+    cap = spending_cap(store, ws)
     month = meter.month_cost(ws, now)
     out["spending_cap"] = {"cap": cap, "month_spent": round(month, 8),
                            "reached": cap is not None and month >= cap}
@@ -87,9 +84,8 @@ async def sandbox_metrics(m: Manager, row: SandboxRow) -> dict[str, Any]:
 
 
 @router.get("/metrics")
-async def all_metrics(request: Request, ws: Ws) -> dict[str, Any]:
+async def all_metrics(m: ManagerDep, ws: Ws) -> dict[str, Any]:
     """sandbox_metrics of each of the caller's running and paused sandboxes (cpuos top)."""
-    m: Manager = request.app.state.mgr
     rows = m.store.list_sandboxes(ws, ("running", "paused"))[:1000]
     return {"time": time.time(),
             "sandboxes": [await sandbox_metrics(m, r) for r in rows]}
