@@ -10,7 +10,24 @@ from cpuosd.accounting.quotas import HostUse
 from cpuosd.backends.base import Capabilities, SandboxSpec
 
 
-class FakeBackend:
+class Unmeasured:
+    """The measuring half of a Backend, for backends whose sandboxes the host does not
+    measure: every figure unknown, no memory event."""
+
+    def memory_usage(self, sandbox_id: str) -> int | None:
+        return None
+
+    def memory_watch(self, sandbox_id: str, threshold: int) -> int | None:
+        return None
+
+    def cpu_seconds(self, sandbox_id: str) -> float | None:
+        return None
+
+    def stats(self, sandbox_id: str) -> dict[str, int | float]:
+        return {}
+
+
+class FakeBackend(Unmeasured):
     """A Backend that runs nothing and records the calls it gets: for tests of the API
     layer's own logic (never the proof that a feature works)."""
 
@@ -37,18 +54,6 @@ class FakeBackend:
 
     async def restore(self, spec: SandboxSpec, image_dir: Path) -> None:
         self.calls.append("restore")
-
-    def memory_usage(self, sandbox_id: str) -> int | None:
-        return None
-
-    def memory_watch(self, sandbox_id: str, threshold: int) -> int | None:
-        return None
-
-    def cpu_seconds(self, sandbox_id: str) -> float | None:
-        return None
-
-    def stats(self, sandbox_id: str) -> dict[str, int | float]:
-        return {}
 
     async def close(self) -> None:
         pass

@@ -36,7 +36,7 @@ from cpuosd.config import Config
 from cpuosd.wiring import Services, build_services
 
 from .daemon import SdkKwargs
-from .fakes import FakeHost
+from .fakes import FakeHost, Unmeasured
 
 NOBODY = 65534
 PYTHON = "/usr/bin/python3"  # the agent is stdlib-only; readable by nobody (not /root's)
@@ -53,7 +53,7 @@ def local_unavailable() -> str | None:
     return None
 
 
-class LocalAgentBackend:
+class LocalAgentBackend(Unmeasured):
     """A Backend running each sandbox's agent as a local process (see the module)."""
 
     image_kind = "local"
@@ -101,18 +101,6 @@ class LocalAgentBackend:
 
     async def restore(self, spec: SandboxSpec, image_dir: Path) -> None:
         raise NotImplementedError("the local backend cannot restore")
-
-    def memory_usage(self, sandbox_id: str) -> int | None:
-        return None
-
-    def memory_watch(self, sandbox_id: str, threshold: int) -> int | None:
-        return None
-
-    def cpu_seconds(self, sandbox_id: str) -> float | None:
-        return None
-
-    def stats(self, sandbox_id: str) -> dict[str, int | float]:
-        return {}
 
     async def close(self) -> None:
         """Unlike a real backend's, its sandboxes end with it: nothing would reattach."""

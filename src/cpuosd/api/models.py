@@ -165,59 +165,46 @@ class ForkRequest(BaseModel):
 
 
 # ---- commands ---------------------------------------------------------------------------
-class ExecRequest(BaseModel):
+class _Command(BaseModel):
+    # what starting a command takes (exec, background, terminal), and its checks
     model_config = ConfigDict(extra="forbid")
-    cmd: str | list[str] = Field(description="a shell command line (run by bash -c) or an argv")
+    cmd: str | list[str]
     env: dict[str, str] = Field(default_factory=dict)
     cwd: str | None = Field(None, description="default: the template's workdir (/work)")
     timeout: float | str | None = None
+
+    @field_validator("cmd")
+    @classmethod
+    def _cmd(cls, v: str | list[str]) -> str | list[str]:
+        return check_cmd(v)
+
+    @field_validator("timeout")
+    @classmethod
+    def _to(cls, v: Any) -> float | None:
+        return None if v is None else duration(v, "timeout")
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        return check_env(v)
+
+
+class ExecRequest(_Command):
+    cmd: str | list[str] = Field(description="a shell command line (run by bash -c) or an argv")
     stdin: str | None = Field(None, description="text fed to the command's stdin")
     stdin_b64: str | None = Field(None, description="bytes (base64) fed to stdin")
     stdin_stream: bool = Field(False, description="keep its stdin open for POST "
                                "/sandboxes/{id}/execs/{exec_id}/stdin (streamed, flow-"
                                "controlled; the started frame names the exec id)")
 
-    @field_validator("cmd")
-    @classmethod
-    def _cmd(cls, v: str | list[str]) -> str | list[str]:
-        return check_cmd(v)
 
-    @field_validator("timeout")
-    @classmethod
-    def _to(cls, v: Any) -> float | None:
-        return None if v is None else duration(v, "timeout")
-
-    @field_validator("env")
-    @classmethod
-    def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        return check_env(v)
-
-
-class StartCommand(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class StartCommand(_Command):
     cmd: str | list[str] = Field(description="a shell command line (bash -c) or an argv")
-    env: dict[str, str] = Field(default_factory=dict)
-    cwd: str | None = Field(None, description="default: the template's workdir (/work)")
     timeout: float | str | None = Field(None, description="kill it after this long "
                                         "(default: none; the sandbox's life bounds it)")
     buffer: int = Field(1 << 20, ge=4096, le=MAX_BUFFER, description="bytes of its output "
                         "kept (stdout and stderr together; the oldest go first)")
     stdin: bool = Field(True, description="keep a pipe to its stdin (else /dev/null)")
-
-    @field_validator("cmd")
-    @classmethod
-    def _cmd(cls, v: str | list[str]) -> str | list[str]:
-        return check_cmd(v)
-
-    @field_validator("timeout")
-    @classmethod
-    def _to(cls, v: Any) -> float | None:
-        return None if v is None else duration(v, "timeout")
-
-    @field_validator("env")
-    @classmethod
-    def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        return check_env(v)
 
 
 class SignalRequest(BaseModel):
