@@ -25,11 +25,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # for `support`
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `cases`
 
 from cpuos import CpuosError, LimitExceeded, Sandbox
 from cpuosd.config import Config
-from cpuosd.testing import Daemon, wait_until
+from support.daemon import Daemon, wait_until
 
 from cases._common import (Context, RawRunsc, Row, case_main, console, du, info_row,
                            kill_quietly, mib, ms, now, pause_resume_exec, pct, table)

@@ -36,12 +36,12 @@ import httpx
 import pytest
 
 from cpuosd.config import Config
-from cpuosd.fakenet import WEB, FakeInternet
+from support.fakenet import WEB, FakeInternet
 from cpuosd.network.policy import Policy
 from cpuosd.network.service import Network
 from cpuosd.templates.builder import TemplateError, run_steps, shell_steps
 from cpuosd.templates.stepbox import StepBox
-from cpuosd.testing import (
+from support.daemon import (
     Daemon,
     build_steps_left,
     e2e_unavailable,

@@ -15,7 +15,7 @@ from cpuosd.accounting.quotas import Admission, HostMeter, Measure
 from cpuosd.config import Config
 from cpuosd.errors import ApiError
 from cpuosd.store import SandboxRow, Store
-from cpuosd.testing import FakeHost
+from support.fakes import FakeHost
 
 
 class Clock:

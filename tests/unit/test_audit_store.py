@@ -18,7 +18,7 @@ from cpuosd.accounting import trace
 from cpuosd.accounting.audit import AuditLog, verify_file
 from cpuosd.config import Config, ConfigError
 from cpuosd.events import SandboxEvent
-from cpuosd.testing import wait_until
+from support.daemon import wait_until
 
 pb: Any = trace.pb
 

@@ -21,7 +21,7 @@ from cpuosd.lifecycle import pool as pool_mod
 from cpuosd.lifecycle.common import Live
 from cpuosd.lifecycle.manager import Manager
 from cpuosd.store import SandboxRow, Store
-from cpuosd.testing import FakeBackend, FakeHost
+from support.fakes import FakeBackend, FakeHost
 
 
 class PoolManager(Manager):

@@ -18,7 +18,7 @@ from cpuosd.events import EventBus, SandboxEvent
 from cpuosd.lifecycle import states
 from cpuosd.lifecycle.manager import Manager
 from cpuosd.store import LIVE_STATES, Store
-from cpuosd.testing import FakeBackend
+from support.fakes import FakeBackend
 
 
 def test_the_table_is_closed_and_every_live_state_can_end() -> None:

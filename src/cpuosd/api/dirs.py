@@ -37,7 +37,7 @@ from ..errors import ApiError, api_error
 from ..lifecycle.manager import Manager
 from ..lifecycle.session import FileStream
 from ..paths import check_path
-from .auth import Ws
+from .deps import ManagerDep, Ws
 from .streams import MaxBytesQ, file_response
 
 router = APIRouter(tags=["files"])
@@ -57,9 +57,9 @@ def _count(v: Any) -> int:
 
 
 @router.put("/sandboxes/{sid}/files/tar", response_model=Extracted)
-async def put_tar(sid: str, path: str, request: Request, ws: Ws) -> dict[str, Any]:
+async def put_tar(sid: str, path: str, request: Request, m: ManagerDep, ws: Ws
+                  ) -> dict[str, Any]:
     """Extract the tar in the body into the directory ``path`` (all or nothing)."""
-    m: Manager = request.app.state.mgr
     lv = await m.ready(ws, sid, "files")
     dest = check_path(path)
     if dest == "/":
@@ -77,9 +77,8 @@ async def put_tar(sid: str, path: str, request: Request, ws: Ws) -> dict[str, An
             responses={200: {"content": {"application/x-tar": {}, P.CONTENT_TYPE: {}},
                              "description": "a tar of the directory (raw; or frames with "
                              f"Accept: {P.CONTENT_TYPE}: data..., then eof or error)"}})
-async def get_tar(sid: str, path: str, request: Request, ws: Ws,
+async def get_tar(sid: str, path: str, request: Request, m: ManagerDep, ws: Ws,
                   max_bytes: MaxBytesQ = None) -> StreamingResponse:
-    m: Manager = request.app.state.mgr
     lv = await m.ready(ws, sid, "files")
     src = check_path(path)
     limit = m.read_limit(max_bytes)
@@ -120,10 +119,9 @@ def _clean_events(payload: bytes) -> list[dict[str, Any]]:
             responses={200: {"content": {P.CONTENT_TYPE: {}},
                              "description": "frames: watching, events (JSON array "
                              "payload)..., then eof or error"}})
-async def watch(sid: str, path: str, request: Request, ws: Ws, recursive: bool = True
+async def watch(sid: str, path: str, m: ManagerDep, ws: Ws, recursive: bool = True
                 ) -> StreamingResponse:
     """Changes under a directory as they happen (until the client leaves)."""
-    m: Manager = request.app.state.mgr
     lv = await m.ready(ws, sid, "files")
     root = check_path(path)
     st, h = await open_stream(lv.chan, {"t": Kind.WATCH, "path": root, "recursive": recursive},

@@ -52,7 +52,7 @@ from ..paths import ID_RE
 from ..procs import Child, spawn
 from ..store import ACTIVE_STATES
 from ..templates.builder import disk_usage, list_templates, remove_template, template_info
-from .auth import Ws, is_admin, require_admin
+from .deps import ManagerDep, NetworkDep, StoreDep, Ws, is_admin, require_admin, services_of
 
 log = logging.getLogger("cpuosd.templates")
 router = APIRouter()
@@ -177,8 +177,7 @@ async def stop_build(child: Child) -> None:
 
 
 def _builds(request: Request) -> TemplateBuilds:
-    b: TemplateBuilds = request.app.state.builds
-    return b
+    return services_of(request.app).builds
 
 
 def _check_name(name: str, what: str = "name") -> str:
@@ -197,9 +196,9 @@ def _shown(info: dict[str, Any], admin: bool) -> dict[str, Any]:
 
 
 @router.get("/templates")
-async def list_(request: Request, ws: Ws) -> dict[str, Any]:
+async def list_(request: Request, mgr: ManagerDep, ws: Ws) -> dict[str, Any]:
     """The templates built on the daemon's host (host paths for the admin only)."""
-    tdir = request.app.state.mgr.cfg.templates_dir
+    tdir = mgr.cfg.templates_dir
     items = await asyncio.to_thread(lambda: list_templates(tdir) if tdir.is_dir() else [])
     for i in items:
         if not i.get("size_bytes"):
@@ -209,24 +208,23 @@ async def list_(request: Request, ws: Ws) -> dict[str, Any]:
 
 
 @router.get("/templates/{name}")
-async def get(name: str, request: Request, ws: Ws) -> dict[str, Any]:
-    info = template_info(request.app.state.mgr.cfg.templates_dir, _check_name(name))
+async def get(name: str, request: Request, mgr: ManagerDep, ws: Ws) -> dict[str, Any]:
+    info = template_info(mgr.cfg.templates_dir, _check_name(name))
     if info is None:
         raise not_found("template", name)
     return _shown(info, is_admin(request, ws))
 
 
 @router.delete("/templates/{name}")
-async def remove(name: str, request: Request, ws: Ws,
+async def remove(name: str, request: Request, mgr: ManagerDep, store: StoreDep, ws: Ws,
                  force: bool = Query(False, description="remove even while sandboxes of this "
                                                         "template are alive (they may break)")
                  ) -> dict[str, Any]:
     require_admin(request, ws)
-    mgr = request.app.state.mgr
     _check_name(name)
     if template_info(mgr.cfg.templates_dir, name) is None:
         raise not_found("template", name)
-    users = [r.id for r in request.app.state.store.list_sandboxes(None, ACTIVE_STATES)
+    users = [r.id for r in store.list_sandboxes(None, ACTIVE_STATES)
              if r.template == name]
     if users and not force:
         raise ApiError("conflict", f"{len(users)} sandbox(es) of template {name!r} are alive; "
@@ -239,7 +237,7 @@ async def remove(name: str, request: Request, ws: Ws,
 
 @router.post("/templates/build", responses={200: {"content": {NDJSON: {}}}})
 async def build(
-    request: Request, ws: Ws,
+    request: Request, net: NetworkDep, ws: Ws,
     builtin: str | None = Query(None, description="a built-in template: python, node, devbox"),
     file: str | None = Query(None, description="the spec (TOML) or Dockerfile inside the "
                                                "uploaded context (a tar, optionally gzip)"),
@@ -280,7 +278,6 @@ async def build(
             argv += ["--name", name]
         if force:
             argv.append("--force")
-        net: Network | None = request.app.state.network
         policy = build_policy(builds.cfg) if not oci else None  # (an image runs no steps)
         if net is not None and policy is not None:
             builds.net = await BuildNet.attach(net, policy)

@@ -144,7 +144,9 @@ def live_session(scope: Scope) -> Session | None:
     s = sessions.get(token)
     if s is None:
         return None
-    live = app.state.store.execute(
+    from ..api.deps import services_of  # (here: api imports this module)
+
+    live = services_of(app).store.execute(
         "SELECT 1 FROM api_keys k JOIN workspaces w ON w.id=k.workspace_id WHERE k.id=? AND "
         "k.revoked_at IS NULL AND w.deleted_at IS NULL", (s.key_id,)).fetchone()
     if live is None:

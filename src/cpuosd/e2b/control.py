@@ -19,7 +19,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..api.app import CreateSandbox, sandbox_size
+from ..api.models import CreateSandbox
+from ..api.sandboxes import sandbox_size
 from ..api.usage import sandbox_metrics
 from ..agentconn import TransportError
 from ..errors import STATUS, ApiError, api_error
