@@ -19,7 +19,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import e2b as e2b_surface
 from ..backends.microvm.selection import BackendUnavailable
 from ..config import Config
-from ..errors import ApiError, invalid
+from ..agentconn import TransportError
+from ..errors import ApiError, api_error, invalid
 from ..wiring import Services, build_services
 from ..console.routes import router as console_router
 from ..console.sessions import Sessions
@@ -85,6 +86,11 @@ def create_app(cfg: Config | None = None, services: Services | None = None) -> F
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, e: ApiError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(TransportError)  # the agent channel's: unavailable or timeout
+    async def _transport_error(_: Request, e: TransportError) -> JSONResponse:
+        err = api_error(e)
+        return JSONResponse(err.body(), status_code=err.status)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, e: Exception) -> JSONResponse:
