@@ -1,6 +1,6 @@
 // Generates src/generated/openapi.ts from the daemon's OpenAPI document
 // (cpuosd.api.app.create_app().openapi(), via scripts/openapi.py) with openapi-typescript,
-// and src/generated/error-codes.ts from the error-code table (cpuos_agent.protocol).
+// and src/generated/error-codes.ts from the error-code table (cpuos._errors.ERROR_CODES, through openapi.py --error-codes).
 // --check: exit 1 if a committed file differs from what would be generated (stale).
 import { execFileSync } from "node:child_process";
 import { readFileSync, writeFileSync } from "node:fs";
