@@ -2,7 +2,7 @@
 import type { IncomingMessage } from "node:http";
 import type { ConnectionOptions } from "./config.js";
 import { parseDuration, parseSizeMib, type Duration, type Size } from "./durations.js";
-import { Conflict, CpuosError, InvalidArgument, NotFound } from "./errors.js";
+import { Conflict, CpuosError, InvalidArgument, NotFound, Unavailable } from "./errors.js";
 import { ExecStreamReader, type ExecResult, type OutputCallback } from "./exec.js";
 import { Commands, CommandHandle, stdinBody, type StdinSource } from "./commands.js";
 import { Files } from "./files.js";
@@ -292,6 +292,12 @@ export class Sandbox {
         // the rest is not sent, and that is no error of the exec's
         if (pumpStop.signal.aborted || e instanceof InvalidArgument || e instanceof NotFound ||
             e instanceof Conflict) return;
+        // the daemon closed the upload's connection while its body was still being sent:
+        // it had answered (the command stopped reading, the exec is over) and the answer was
+        // lost with the connection. The exec's own stream says how it ended (a daemon that
+        // died ends that stream too).
+        const code = (e as { cause?: { code?: string } } | undefined)?.cause?.code;
+        if (e instanceof Unavailable && (code === "EPIPE" || code === "ECONNRESET")) return;
         // else the command would wait for the end of its stdin for ever: the exec fails
         pumpError = e;
         res?.destroy();
