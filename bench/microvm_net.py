@@ -8,7 +8,7 @@ of the sandbox's veth → tc redirect → tap → virtio-net), (2) through the d
 proxy*; and (3) *egress*: curl inside the guest downloading N MiB from the fake internet's
 web server in mode ``on`` (every TCP connection relayed by the egress proxy; curl's own
 clock). One warm-up of each first (TCG translates the guest's code once). All traffic stays
-in namespaces made here (cpuosd.fakenet is the daemon's uplink).
+in namespaces made here (support.fakenet is the daemon's uplink).
 
     sudo .venv/bin/python bench/microvm_net.py [MiB] [runs]
 """
@@ -23,10 +23,12 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # for `support`
+
 from cpuos import Sandbox
 from cpuosd.backends.microvm import kernel
-from cpuosd.fakenet import WEB, FakeInternet
-from cpuosd.testing import Daemon
+from support.fakenet import WEB, FakeInternet
+from support.daemon import Daemon
 
 MiB = 1 << 20
 ADDRESS = ("import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "

@@ -4,7 +4,7 @@
                                        [--microvm-tcg]
 
 Runs the cases of bench/cases/ (one module per benchmark; each also runs by itself) on its
-own cpuosds, one after the other (cpuosd.testing.new_daemon: own CPUOS_HOME, shared
+own cpuosds, one after the other (support.daemon.new_daemon: own CPUOS_HOME, shared
 template cache; cold, template-snapshot and warm-pool configurations), always tears them
 down, and deletes every runsc container it made itself (a separate ``--root`` for the raw
 runs), even on Ctrl-C or an exception. Prints one table per benchmark plus a summary, and
@@ -19,12 +19,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # for `support`
+
 from cases import (audit, browser, console, create, density, e2b_sdk, exec_roundtrip, files,
                    inside, interactive, limits, microvm, network, pause, pool, ports, run_code,
                    size, snap_create, stream)
 from cases._common import OUT, Case, execute
 
-from cpuosd.testing import e2e_unavailable
+from support.daemon import e2e_unavailable
 
 CASES: dict[str, Case] = {c.SECTION: c for c in (  # the report's order (their numbers)
     create, exec_roundtrip, stream, files, snap_create, pool, pause, size, microvm, network,

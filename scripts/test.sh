@@ -2,8 +2,24 @@
 # Installs what the tests need (as root) and runs them: unit tests, then the end-to-end
 # suite against real daemons on real runsc. Slow suites are excluded (run them with
 # `scripts/test.sh -m slow`). Extra arguments go to pytest.
+#
+# `scripts/test.sh --fast`: tier 0 only, for the edit-test loop (no root, no runsc, no
+# template, nothing installed; needs .venv): ruff, the unit tests and the component tests
+# (the real daemon in process over the real agent as a local process, tests/component).
+# The default run runs them too, with everything else.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+if [ "${1:-}" = "--fast" ]; then
+  shift
+  if [ ! -x .venv/bin/python ]; then
+    echo "error: no .venv (python3 -m venv .venv && .venv/bin/pip install -e '.[dev]')" >&2
+    exit 1
+  fi
+  .venv/bin/ruff check .
+  exec .venv/bin/python -m pytest tests/unit tests/component -q --durations=5 "$@"
+fi
+
 bash scripts/setup.sh --dev
 
 # the microVM guest (kernel + initramfs from Debian packages): the TCG tests boot it

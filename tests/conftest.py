@@ -1,5 +1,5 @@
 """Test fixtures: a real cpuosd (real runsc, real SQLite, real HTTP) per test session.
-The daemon harness lives in cpuosd.testing (shared with bench/)."""
+The daemon harness lives in support.daemon (shared with bench/)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cpuosd.testing import Daemon, busybox_root, busybox_unavailable, e2e_unavailable, new_daemon
+from support.daemon import Daemon, busybox_root, busybox_unavailable, e2e_unavailable, new_daemon
 
 
 # the only skips CI accepts: KVM guests where this host's /dev/kvm cannot run them (their

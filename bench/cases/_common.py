@@ -4,7 +4,7 @@ time) and reports them. bench/run.py runs many cases with it; each case module r
 itself with ``case_main``.
 
 Cases reach the daemon through the public SDK (``cpuos.Sandbox``), its HTTP API and
-``cpuosd.testing`` (a real cpuosd in a home of its own); the raw floor runs ``runsc``
+``support.daemon`` (a real cpuosd in a home of its own); the raw floor runs ``runsc``
 directly, with the gVisor backend's OCI spec builder and the daemon's choice of runsc.
 """
 
@@ -36,7 +36,7 @@ from cpuos import Sandbox
 from cpuosd.backends.base import SandboxSpec
 from cpuosd.backends.gvisor import SANDBOX_GID, SANDBOX_UID, oci_spec, overlay_flag
 from cpuosd.backends.runsc import Runsc, find_runsc
-from cpuosd.testing import (TEMPLATES, Daemon, SdkKwargs, e2e_unavailable, new_daemon,
+from support.daemon import (TEMPLATES, Daemon, SdkKwargs, e2e_unavailable, new_daemon,
                              wait_until)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,7 +44,7 @@ OUT = REPO / ".cache" / "bench"
 MB = 1_000_000  # throughput is reported in MB/s, 1 MB = 10^6 bytes
 MiB = 1 << 20
 
-# The daemon configurations the cases run on (environment of cpuosd.testing.new_daemon).
+# The daemon configurations the cases run on (environment of support.daemon.new_daemon).
 # Cold boot, as the floor (runsc run) is: no template snapshot and no warm pool (a pool
 # refill would also run beside the floor's runsc).
 COLD_BOOT = {"CPUOS_POOL_SIZE": "0", "CPUOS_TEMPLATE_SNAPSHOTS": "0"}
@@ -550,7 +550,7 @@ class Context:
     def _start_daemon(self, env: dict[str, str]) -> Daemon:
         d = new_daemon(**env)
         # snapshots under this daemon's home even if CPUOS_SNAPSHOTS_DIR is set around us
-        # (cpuosd.testing runs it with CPUOS_BACKEND=gvisor: the floors are runsc's)
+        # (support.daemon runs it with CPUOS_BACKEND=gvisor: the floors are runsc's)
         d.extra_env["CPUOS_SNAPSHOTS_DIR"] = str(d.home / "snapshots")
         self.daemons.append(d)
         d.start()

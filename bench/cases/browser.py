@@ -6,7 +6,7 @@ Also: a screenshot of a sandbox that has taken one already (the helper's own cos
 First with a daemon that restores the template snapshot for each create (CPUOS_POOL_SIZE=0:
 no warm pool refilling in the background during the measurement), then with a warm pool of
 browser sandboxes (CPUOS_POOL_SIZE=1, CPUOS_POOL_TEMPLATES=browser; before each sample the
-pool is full again). The sandboxes' network is off (cpuosd.testing).
+pool is full again). The sandboxes' network is off (support.daemon).
 Needs the browser template built (``cpuosd template build browser``).
 
     .venv/bin/python bench/cases/browser.py [--quick | --smoke]
@@ -18,11 +18,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # for `support`
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `cases`
 
 from cpuos import Sandbox
 from cpuosd.templates.builder import template_info
-from cpuosd.testing import TEMPLATES
+from support.daemon import TEMPLATES
 
 from cases._common import (FROM_SNAPSHOT, Context, Row, case_main, console, kill_quietly,
                            median, ms, now, target_row, timing_table)

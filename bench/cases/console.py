@@ -32,7 +32,7 @@ from cases._common import (FROM_SNAPSHOT, Context, Row, case_main, console, medi
                            target_row, timing_table)
 
 from cpuosd.console.testing import chromium_unavailable, launch
-from cpuosd.testing import Daemon
+from support.daemon import Daemon
 
 SECTION = KEY = "console"
 TITLE = "20. console: first paint with N sandboxes, event-to-screen latency"

@@ -25,11 +25,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # for `support`
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `cases`
 
 from cpuos import CpuosError, LimitExceeded, Sandbox
 from cpuosd.config import Config
-from cpuosd.testing import Daemon, wait_until
+from support.daemon import Daemon, wait_until
 
 from cases._common import (Context, RawRunsc, Row, case_main, console, du, info_row,
                            kill_quietly, mib, ms, now, pause_resume_exec, pct, table)
@@ -363,7 +364,7 @@ def measure(ctx: Context) -> dict[str, Any]:
     first = Sandbox.create(template="python", timeout="10m", **d.sdk_kwargs())
     raw.match(d, first.id)
     kill_quietly(first)
-    pooled = Config().pool_size  # the daemon's (DAEMON sets no size)
+    pooled = Config.from_env().pool.size  # the daemon's (DAEMON sets no size)
     wait_until(lambda: containers(d) >= pooled, "the warm pool", timeout=120)
     sandboxes: list[Sandbox] = []
     sleepers: list[str] = []
@@ -373,7 +374,7 @@ def measure(ctx: Context) -> dict[str, Any]:
         sandboxes = create_idle(d, n)
         wait_until(lambda: containers(d) >= n + pooled, "the pool to refill", timeout=120)
         # (smoke: no wait, the spawners are measured too)
-        spell = float(getattr(Config(), "spawner_idle_exit", 0))  # (0: a cpuos without it)
+        spell = Config.from_env().sandbox.spawner_idle_exit
         out["idle_wait_s"] = wait_idle(sandboxes, ctx.pick(spell, spell, -60))
         ours_drop = settled_drop(before)
         ids = [s.id for s in sandboxes]

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # for `support`
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `cases`
 
 from cases._common import (COLD_BOOT, PROCS, Context, Row, case_main, console, info_row, median,

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # for `support`
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `cases`
 
 from cases._common import (COLD_BOOT, MB, PROCS, Context, Row, MiB, case_main, console, mbps,

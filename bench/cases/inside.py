@@ -39,6 +39,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # for `support`
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `cases`
 
 from cases._common import (FROM_SNAPSHOT, PROCS, Context, Row, case_main, console, info_row,

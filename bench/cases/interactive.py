@@ -17,6 +17,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # for `support`
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `cases`
 
 from cases._common import (COLD_BOOT, MB, PROCS, Context, MiB, Row, case_main, console, mbps,

@@ -5,7 +5,7 @@ runsc sandbox on gVisor's netstack whose namespace is joined by a veth straight 
 fake internet (no proxy); and create from the template snapshot → first exec with the
 network on vs a daemon with CPUOS_NETWORK=0.
 
-All traffic stays in namespaces this case makes: the fake internet (cpuosd.fakenet, no route
+All traffic stays in namespaces this case makes: the fake internet (support.fakenet, no route
 off the machine) is the daemon's uplink (CPUOS_UPLINK_NETNS) and the floor's only neighbour.
 
     .venv/bin/python bench/cases/network.py [--quick | --smoke]
@@ -23,11 +23,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # for `support`
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `cases`
 
 from cpuos import Sandbox
-from cpuosd.fakenet import WEB, FakeInternet
-from cpuosd.testing import Daemon
+from support.fakenet import WEB, FakeInternet
+from support.daemon import Daemon
 
 from cases._common import (FROM_SNAPSHOT, MB, PROCS, Context, MiB, Row, case_main, console,
                            create_exec_true, info_row, kill_quietly, mbps, median, ms, pct,

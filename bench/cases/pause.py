@@ -13,10 +13,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # for `support`
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `cases`
 
 from cpuos import Sandbox
-from cpuosd.testing import Daemon
+from support.daemon import Daemon
 
 from cases._common import (FROM_SNAPSHOT, HEAP_HOLDER, Context, Row, case_main, console, du,
                            kill_quietly, median, ms, now, pause_resume_exec, start_heap_holder,

@@ -13,12 +13,13 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # for `support`
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `cases`
 
 import httpx
 
 from cpuos import Sandbox
-from cpuosd.testing import Daemon
+from support.daemon import Daemon
 
 from cases._common import (PROCS, Context, Row, case_main, console, info_row, kill_quietly,
                            median, ms, now, runsc_exec, runsc_procs, target_row,

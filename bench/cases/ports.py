@@ -10,7 +10,7 @@ host side). Ours: the daemon's preview listener (127.0.0.1:<preview port>) with 
 token in ``X-Cpuos-Token``. Floor: the host connecting to the sandbox's own address (its
 end of the veth the daemon made, a /30 whose host end is the gateway), which the daemon's
 firewall lets the host open. No traffic leaves the host and the sandbox's namespace; the
-sandbox's network mode stays ``off`` (cpuosd.testing's default).
+sandbox's network mode stays ``off`` (support.daemon's default).
 
     .venv/bin/python bench/cases/ports.py [--quick | --smoke]
 """
@@ -23,10 +23,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # for `support`
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `cases`
 
 from cpuos import Sandbox
-from cpuosd.testing import Daemon, wait_until
+from support.daemon import Daemon, wait_until
 
 from cases._common import (FROM_SNAPSHOT, MB, Context, MiB, Row, case_main, console,
                            kill_quietly, mbps, median, ms, now, pct, table, target_row,

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/cases/runtimes.py [--smoke] [--runtimes pinned,debian]
 
-Runtimes, each measured through its own cpuosd (cpuosd.testing.new_daemon; public SDK
+Runtimes, each measured through its own cpuosd (support.daemon.new_daemon; public SDK
 only, no daemon internals):
 
 * ``pinned``  the runsc the project builds (scripts/build-runsc.sh), systrap platform;
@@ -40,10 +40,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # for `support`
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `cases`
 
 from cpuos import Sandbox
-from cpuosd.testing import Daemon, e2e_unavailable, new_daemon, wait_until
+from support.daemon import Daemon, e2e_unavailable, new_daemon, wait_until
 
 from cases._common import OUT, median, ms, now, template_rootfs
 

@@ -11,9 +11,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # for `support`
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `cases`
 
-from cpuosd.testing import Daemon
+from support.daemon import Daemon
 
 from cases._common import (FROM_SNAPSHOT, Context, RawRunsc, Row, case_main, console,
                            create_exec_true, du, median, mib, ms, now, target_row,

@@ -14,10 +14,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # for `support`
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `cases`
 
 from cpuos import Sandbox
-from cpuosd.testing import Daemon
+from support.daemon import Daemon
 
 from cases._common import (COLD_BOOT, MB, PROCS, Context, Row, MiB, case_main, console, mbps,
                            median, now, runsc_exec, throughput_table)

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from cpuos_agent.protocol import ERROR_CODES
-
 
 class CpuosError(Exception):
     code = "internal"
@@ -75,11 +73,31 @@ class ServerError(CpuosError):
     code = "internal"
 
 
-# from the one table of codes (cpuos_agent.protocol.ERROR_CODES)
-_BY_CODE: dict[str, type[CpuosError]] = {
-    code: globals()[cls] for code, (_, cls, _) in ERROR_CODES.items()}
+# The API's error codes, the one table: code -> (the HTTP status the daemon answers with,
+# the exception this SDK raises). The daemon takes its statuses from here
+# (cpuosd.errors.STATUS), the JS SDK's table is generated from it (sdk/js/scripts/
+# gen-types.mjs, via openapi.py --error-codes), and the codes an agent may report
+# (cpuos_agent.protocol.ErrorCode) are among them (tests/unit/test_errors.py).
+ERROR_CODES: dict[str, tuple[int, type[CpuosError]]] = {
+    "invalid_argument": (422, InvalidArgument),
+    "unauthorized": (401, AuthError),
+    "permission_denied": (403, PermissionDenied),
+    "not_found": (404, NotFound),
+    "conflict": (409, Conflict),
+    "already_exists": (409, Conflict),
+    "is_a_directory": (409, Conflict),
+    "not_a_directory": (409, Conflict),
+    "too_large": (413, InvalidArgument),
+    "limit_exceeded": (429, LimitExceeded),
+    "spending_cap": (402, LimitExceeded),
+    "no_space": (507, NoSpace),
+    "timeout": (504, Timeout),
+    "unavailable": (503, Unavailable),
+    "internal": (500, ServerError),
+}
+_BY_CODE: dict[str, type[CpuosError]] = {code: cls for code, (_, cls) in ERROR_CODES.items()}
 _BY_STATUS: dict[int, type[CpuosError]] = {
-    status: globals()[cls] for _, (status, cls, _) in ERROR_CODES.items() if status != 500}
+    status: cls for status, cls in ERROR_CODES.values() if status != 500}
 
 
 def error_from(status: int | None, code: str | None, message: str,

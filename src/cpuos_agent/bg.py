@@ -11,19 +11,29 @@ jumps), never a stalled process.
 Readers (``bg_attach``): any number per process, each a stream of its own on a host
 connection, read from any offset the ring still holds, under the stream's send credits.
 
+The requests, by pid: ``bg_list``, ``bg_info``, ``bg_attach``, ``bg_signal``, ``bg_wait``,
+``bg_stdin`` (a terminal's ``bg_resize``: ``terminal.py``).
+
 Stdlib only: it runs inside every sandbox."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
 import threading
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from . import protocol as P
+from .protocol import ErrorCode, Kind
+from .service import in_thread
 from .transport import Closed
 
 if TYPE_CHECKING:
+    from .agent import Agent, Handler
     from .conn import Conn
     from .exec import Exec
 
@@ -171,7 +181,7 @@ class Reader:
                 if self.pos < 0:  # from the end: only what comes next
                     self.pos = bg.ring.end
                 end = bg.ring.end
-                head = {"t": "ok", "id": sid, "pid": bg.pid, "start": bg.ring.start,
+                head = {"t": Kind.OK, "id": sid, "pid": bg.pid, "start": bg.ring.start,
                         "end": bg.ring.end, "offset": max(self.pos, bg.ring.start),
                         "running": bg.result is None}
             conn.open_stream(sid)
@@ -192,13 +202,13 @@ class Reader:
                     result = bg.result
                 if not chunks:
                     if stop_at is not None:
-                        conn.send({"t": "eof", "id": sid, "next": max(self.pos, stop_at)})
+                        conn.send({"t": Kind.EOF, "id": sid, "next": max(self.pos, stop_at)})
                     else:
                         assert result is not None
-                        conn.send({"t": "exit", "id": sid, "next": self.pos, **result})
+                        conn.send({"t": Kind.EXIT, "id": sid, "next": self.pos, **result})
                     return
                 for off, fd, data in chunks:
-                    conn.send_data(sid, {"t": "out", "id": sid, "fd": fd, "off": off}, data)
+                    conn.send_data(sid, {"t": Kind.OUT, "id": sid, "fd": fd, "off": off}, data)
                     self.pos = off + len(data)
         except Closed:
             pass
@@ -206,3 +216,89 @@ class Reader:
             conn.close_stream(sid)
             if self.registry.get(sid) is self:
                 self.registry.pop(sid, None)
+
+
+# ---- the requests ---------------------------------------------------------------------
+def lookup(agent: Agent, conn: Conn, sid: int, h: P.Header) -> Background | None:
+    """The background command the request's ``pid`` names; None (answered ``err``) if
+    there is none."""
+    pid = h.get("pid")
+    bg = agent.bg.get(pid) if isinstance(pid, int) else None
+    if bg is None:
+        conn.send({"t": Kind.ERR, "id": sid, "code": ErrorCode.NOT_FOUND,
+                   "message": f"no background command with pid {pid!r}"})
+    return bg
+
+
+def bg_list(agent: Agent, conn: Conn, sid: int, h: P.Header, payload: bytes) -> None:
+    infos = [b.info() for b in agent.bg.values()]
+    conn.send({"t": Kind.OK, "id": sid, "n": len(infos)},
+              json.dumps(infos, separators=(",", ":")).encode())
+
+
+def bg_info(agent: Agent, conn: Conn, sid: int, h: P.Header, payload: bytes) -> None:
+    bg = lookup(agent, conn, sid, h)
+    if bg is not None:
+        conn.send({"t": Kind.OK, "id": sid, "info": bg.info()})
+
+
+def bg_attach(agent: Agent, conn: Conn, sid: int, h: P.Header, payload: bytes) -> None:
+    bg = lookup(agent, conn, sid, h)
+    if bg is not None:
+        off = h.get("offset")
+        rd = Reader(bg, conn, sid, off if isinstance(off, int) else 0,
+                    h.get("follow") is True, agent.readers)
+        threading.Thread(target=rd.run, name=f"bg-read-{sid}", daemon=True).start()
+
+
+def bg_signal(agent: Agent, conn: Conn, sid: int, h: P.Header, payload: bytes) -> None:
+    bg = lookup(agent, conn, sid, h)
+    if bg is None:
+        return
+    sig = h.get("signal")
+    if not isinstance(sig, int) or not 0 < sig < 65:
+        conn.send({"t": Kind.ERR, "id": sid, "code": ErrorCode.INVALID,
+                   "message": f"bad signal {sig!r}"})
+        return
+    if bg.result is None:  # not reaped, so the pid is still this command's
+        if sig == signal.SIGKILL:
+            bg.ex.kill("killed")  # its whole cgroup (or tree)
+        else:
+            try:
+                os.killpg(bg.pid, sig)  # its process group (it leads one)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.kill(bg.pid, sig)
+    conn.send({"t": Kind.OK, "id": sid, "running": bg.result is None})
+
+
+def bg_wait(agent: Agent, conn: Conn, sid: int, h: P.Header, payload: bytes) -> None:
+    bg = lookup(agent, conn, sid, h)
+    if bg is not None:
+        timeout = h.get("timeout")
+        limit = float(timeout) if isinstance(timeout, (int, float)) else 60.0
+        limit = min(max(limit, 0.0), 600.0)
+        in_thread(conn, sid, lambda: {"ended": bg.wait(limit), "info": bg.info()})
+
+
+def bg_stdin(agent: Agent, conn: Conn, sid: int, h: P.Header, payload: bytes) -> None:
+    """The stream becomes a stdin sender to the command (its ``stdin`` frames: exec.py)."""
+    bg = lookup(agent, conn, sid, h)
+    if bg is None:
+        return
+    if not bg.ex.stdin_open:
+        conn.send({"t": Kind.ERR, "id": sid, "code": ErrorCode.INVALID,
+                   "message": f"the stdin of {bg.pid} is closed"})
+    else:
+        agent.stdin_to[sid] = bg.ex
+        conn.send({"t": Kind.OK, "id": sid})
+
+
+HANDLERS: dict[Kind, Handler] = {
+    Kind.BG_LIST: bg_list,
+    Kind.BG_INFO: bg_info,
+    Kind.BG_ATTACH: bg_attach,
+    Kind.BG_SIGNAL: bg_signal,
+    Kind.BG_WAIT: bg_wait,
+    Kind.BG_STDIN: bg_stdin,
+}

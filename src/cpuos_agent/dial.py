@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING
 
 from . import protocol as P
 from .conn import Conn
-from .files import _errcode
+from .protocol import ErrorCode, Kind
+from .service import errcode
 from .transport import Closed
 
 if TYPE_CHECKING:
-    from .agent import Agent
+    from .agent import Agent, Handler
 
 CONNECT_TIMEOUT = 5.0
 
@@ -41,7 +42,7 @@ class Dial:
     def start(self) -> None:
         p = self.path
         if not isinstance(p, str) or not p.startswith("/") or "\x00" in p or len(p) > 107:
-            self.conn.send({"t": "err", "id": self.sid, "code": P.E_INVALID,
+            self.conn.send({"t": Kind.ERR, "id": self.sid, "code": ErrorCode.INVALID,
                             "message": "dial needs an absolute socket path"})
             return
         self.agent.dials[self.sid] = self
@@ -67,15 +68,15 @@ class Dial:
                 s.connect(str(self.path))
                 s.sendall(self.payload)
             except OSError as e:
-                code = P.E_NOT_FOUND if e.errno in (errno.ENOENT, errno.ECONNREFUSED) \
-                    else _errcode(e)
-                self.conn.send({"t": "err", "id": self.sid, "code": code,
+                code = ErrorCode.NOT_FOUND if e.errno in (errno.ENOENT, errno.ECONNREFUSED) \
+                    else errcode(e)
+                self.conn.send({"t": Kind.ERR, "id": self.sid, "code": code,
                                 "message": f"{self.path}: {e.strerror or e}"})
                 return
             s.settimeout(None)
             self.conn.open_stream(self.sid)
             try:
-                self.conn.send({"t": "ok", "id": self.sid})
+                self.conn.send({"t": Kind.OK, "id": self.sid})
                 while True:
                     try:
                         data = s.recv(P.CHUNK)
@@ -83,8 +84,8 @@ class Dial:
                         data = b""
                     if not data or self.closed:
                         break
-                    self.conn.send_data(self.sid, {"t": "data", "id": self.sid}, data)
-                self.conn.send({"t": "eof", "id": self.sid})
+                    self.conn.send_data(self.sid, {"t": Kind.DATA, "id": self.sid}, data)
+                self.conn.send({"t": Kind.EOF, "id": self.sid})
             finally:
                 self.conn.close_stream(self.sid)
         except Closed:
@@ -92,3 +93,12 @@ class Dial:
         finally:
             self.agent.dials.pop(self.sid, None)
             s.close()
+
+
+def dial(agent: Agent, conn: Conn, sid: int, h: P.Header, payload: bytes) -> None:
+    Dial(agent, conn, sid, h, payload).start()
+
+
+HANDLERS: dict[Kind, Handler] = {
+    Kind.DIAL: dial,
+}

@@ -1,5 +1,5 @@
-"""Commands: start one (argv or shell line), stream its output, report its exit, enforce
-its timeout.
+"""Commands: ``exec`` starts one (argv or shell line), streams its output, reports its
+exit, enforces its timeout; ``stdin`` feeds it (or a background command: ``bg_stdin``).
 
 Stdlib only: it runs inside every sandbox."""
 
@@ -11,8 +11,6 @@ import fcntl
 import os
 import re
 import selectors
-import struct
-import termios
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -20,14 +18,16 @@ from typing import TYPE_CHECKING
 from . import protocol as P
 from .bg import Background
 from .conn import Conn
-from .files import _errcode
 from .privs import root_mode
+from .protocol import ErrorCode, Kind
 from .reaper import kill_tree
+from .service import errcode
 from .spawner import popen
+from .terminal import set_winsize
 from .transport import Closed
 
 if TYPE_CHECKING:
-    from .agent import Agent
+    from .agent import Agent, Handler
     from .cgroups import Cgroup
 
 EXEC_MARK = "CPUOS_EXEC_ID"
@@ -50,13 +50,6 @@ SIMPLE = re.compile(r"^[A-Za-z0-9_./,:+@%-]+( +[A-Za-z0-9_./,:=+@%-]+)*$")
 SHELL_WORDS = {"cd", "export", "source", ".", "exit", "set", "unset", "alias", "exec", "eval",
                "read", "ulimit", "umask", "wait", "trap", "shopt", "type", "hash", "command",
                "builtin", "declare", "local", "let", "times", "jobs", "fg", "bg", "history"}
-
-
-def set_winsize(fd: int, cols: object, rows: object) -> None:
-    """A terminal's size (its foreground process group gets SIGWINCH); bounded."""
-    c = cols if isinstance(cols, int) and 1 <= cols <= 1000 else 80
-    r = rows if isinstance(rows, int) and 1 <= rows <= 1000 else 24
-    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", r, c, 0, 0))
 
 
 def _argv_for(h: P.Header) -> list[list[str]]:
@@ -115,12 +108,13 @@ class Exec:
         try:
             self.argvs = _argv_for(self.h)
         except ValueError as e:
-            self.conn.send({"t": "err", "id": self.sid, "code": P.E_INVALID, "message": str(e)})
+            self.conn.send({"t": Kind.ERR, "id": self.sid, "code": ErrorCode.INVALID,
+                            "message": str(e)})
             return
         if self.background:
             running = sum(1 for b in self.agent.bg.values() if b.result is None)
             if running >= MAX_BG_RUNNING:
-                self.conn.send({"t": "err", "id": self.sid, "code": P.E_LIMIT,
+                self.conn.send({"t": Kind.ERR, "id": self.sid, "code": ErrorCode.LIMIT,
                                 "message": f"{running} background commands are running "
                                 f"(at most {MAX_BG_RUNNING})"})
                 return
@@ -139,14 +133,14 @@ class Exec:
         try:
             err = self._spawn()
         except BaseException as e:  # never leave the exec registered
-            err = {"code": P.E_INTERNAL, "message": f"{type(e).__name__}: {e}"}
+            err = {"code": ErrorCode.INTERNAL, "message": f"{type(e).__name__}: {e}"}
         if err is not None:
             self.agent.execs.pop(self.sid, None)
             if self.cgroup is not None and self.agent.cgroups is not None:
                 self.agent.cgroups.kill(self.cgroup)  # whatever started, untracked: gone
                 self.agent.cgroups.release(self.cgroup)
             try:
-                self.conn.send({"t": "err", "id": self.sid, **err})
+                self.conn.send({"t": Kind.ERR, "id": self.sid, **err})
             except Closed:
                 pass
             return
@@ -155,14 +149,14 @@ class Exec:
             self.agent.add_bg(self.bg)
             self.agent.execs.pop(self.sid, None)
             try:
-                self.conn.send({"t": "started", "id": self.sid, "pid": self.pid,
+                self.conn.send({"t": Kind.STARTED, "id": self.sid, "pid": self.pid,
                                 "background": True})
             except Closed:
                 pass
         else:
             try:
                 self.conn.open_stream(self.sid)
-                self.conn.send({"t": "started", "id": self.sid, "pid": self.pid})
+                self.conn.send({"t": Kind.STARTED, "id": self.sid, "pid": self.pid})
             except Closed:
                 self.kill("disconnected")
         if self.killed_reason is not None:  # a kill that came while it was starting
@@ -185,7 +179,7 @@ class Exec:
         env[EXEC_MARK] = self.mark.split("=", 1)[1]
         cwd = h.get("cwd") or "/work"
         if not isinstance(cwd, str):
-            return {"code": P.E_INVALID, "message": "cwd must be a string"}
+            return {"code": ErrorCode.INVALID, "message": "cwd must be a string"}
         cgroups = self.agent.cgroups
         if cgroups is not None:
             try:
@@ -241,9 +235,9 @@ class Exec:
                 os.close(self.pty_fd)
                 self.pty_fd = None
             if e.errno == errno.EAGAIN:  # a fork past the sandbox's process limit
-                return {"code": P.E_LIMIT, "message": f"cannot start {self.argvs[0][0]!r}: "
+                return {"code": ErrorCode.LIMIT, "message": f"cannot start {self.argvs[0][0]!r}: "
                         f"the sandbox is at its process limit (pids)"}
-            return {"code": _errcode(e), "message":
+            return {"code": errcode(e), "message":
                     f"cannot start {self.argvs[0][0]!r} in {cwd!r}: {e.strerror or e}"}
         finally:
             for fd in (in_r, out_w, err_w):
@@ -318,10 +312,10 @@ class Exec:
                     written += len(data)
                     if conn is not None:
                         with contextlib.suppress(Closed):
-                            conn.send({"t": "stdin_credit", "id": sid, "n": len(data)})
+                            conn.send({"t": Kind.STDIN_CREDIT, "id": sid, "n": len(data)})
                 if ack and conn is not None:
                     with contextlib.suppress(Closed):
-                        conn.send({"t": "ok", "id": sid, "written": written,
+                        conn.send({"t": Kind.OK, "id": sid, "written": written,
                                    "closed": close})
                 if close:
                     return
@@ -340,9 +334,9 @@ class Exec:
         if conn is None:
             return
         with contextlib.suppress(Closed):
-            conn.send({"t": "stdin_closed", "id": sid, "message": message})
+            conn.send({"t": Kind.STDIN_CLOSED, "id": sid, "message": message})
             if ack:
-                conn.send({"t": "err", "id": sid, "code": P.E_INVALID, "message": message})
+                conn.send({"t": Kind.ERR, "id": sid, "code": ErrorCode.INVALID, "message": message})
 
     def kill(self, reason: str) -> None:
         if self.done_ev.is_set():
@@ -406,7 +400,7 @@ class Exec:
                     if self.bg is not None:
                         self.bg.output(key.data, data)
                     else:
-                        self.conn.send_data(self.sid, {"t": "out", "id": self.sid,
+                        self.conn.send_data(self.sid, {"t": Kind.OUT, "id": self.sid,
                                                        "fd": key.data}, data)
             while not self.done_ev.wait(None if deadline is None
                                         else max(0.0, deadline - time.monotonic())):
@@ -431,7 +425,7 @@ class Exec:
             if self.bg is not None:
                 self.bg.finish(result)
             else:
-                self.conn.send({"t": "exit", "id": self.sid, **result})
+                self.conn.send({"t": Kind.EXIT, "id": self.sid, **result})
         except Closed:
             self.kill("disconnected")
         finally:
@@ -459,3 +453,26 @@ class Exec:
                 self.agent.memguard.wake()
             if self.agent.spawner is not None:
                 self.agent.spawner.idle()
+
+
+# ---- the requests ---------------------------------------------------------------------
+def exec_(agent: Agent, conn: Conn, sid: int, h: P.Header, payload: bytes) -> None:
+    Exec(agent, conn, sid, h).start()
+
+
+def stdin(agent: Agent, conn: Conn, sid: int, h: P.Header, payload: bytes) -> None:
+    """Bytes for the stream's command, or for the background command the stream was made
+    a stdin sender to (``bg_stdin``); ``close`` ends its stdin, ``ack`` asks for an ``ok``
+    once written (and ends the sender)."""
+    ex = agent.execs.get(sid) or agent.stdin_to.get(sid)
+    if ex is not None:
+        ack = h.get("ack") is True
+        ex.feed_stdin(conn, sid, payload, close=h.get("close") is True, ack=ack)
+        if ack:
+            agent.stdin_to.pop(sid, None)
+
+
+HANDLERS: dict[Kind, Handler] = {
+    Kind.EXEC: exec_,
+    Kind.STDIN: stdin,
+}

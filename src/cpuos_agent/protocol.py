@@ -20,6 +20,15 @@ bytes follow, else the length is known at ``eof``), ``data``..., ``eof`` or ``er
 host ends one early with ``kill`` on its id. ``list`` is answered ``ok`` with the entries
 as a JSON array in the payload (a header holds at most ``MAX_HEADER`` bytes).
 
+Message kinds are ``Kind``, their fields ``cpuos_agent.messages``. To add a message: a
+``Kind`` member; its TypedDict in ``messages`` (in ``messages.Request`` if the host sends
+it: the daemon's channel sends nothing else); its handler in the ``HANDLERS`` of the service
+module that owns it (``agent.SERVICES``); then tests/unit/test_agent_dispatch.py and
+test_agent_protocol.py. An agent that does not know a kind answers ``err``
+(``invalid_argument``, "unknown"); one a paused sandbox or a template snapshot holds is
+as old as the cpuos that made it, so a kind the host cannot do without, or a changed
+meaning, needs ``PROTOCOL_VERSION`` raised (those sandboxes then cannot resume).
+
 This module is stdlib-only: it is imported inside every sandbox.
 """
 
@@ -28,6 +37,8 @@ from __future__ import annotations
 import json
 import re
 import struct
+from collections.abc import Mapping
+from enum import StrEnum
 from typing import Any
 
 # 2: the hello carries the per-sandbox agent key (the host refuses other versions)
@@ -55,6 +66,64 @@ WINDOW = 8 * 1024 * 1024
 # ``stdin_credit`` (written to the command's pipe), per stream.
 STDIN_WINDOW = 8 * 1024 * 1024
 
+
+class Kind(StrEnum):
+    """The message kinds (a header's ``t``) between the host and the agent. The fields each
+    carries: ``cpuos_agent.messages`` (one TypedDict per message; the agent's handlers, one
+    module per service, are listed in ``cpuos_agent.agent.HANDLERS``). A member is its
+    string on the wire: the format is the one of protocol version 3, unchanged."""
+
+    # the session (agent.py, control.py)
+    HELLO = "hello"  # agent -> host, first frame of every connection
+    PING = "ping"  # host -> agent (liveness); answered PONG
+    PONG = "pong"
+    IDENTITY = "identity"  # hostname, CA, clock, memory limit...; answered IDENTITY_OK
+    IDENTITY_OK = "identity_ok"
+    MEMORY = "memory"  # the host's watch on the sandbox's memory (id 0, unanswered)
+    QUIESCE = "quiesce"  # before a checkpoint: OK and the agent hangs up, or ERR
+    CREDIT = "credit"  # host -> agent: stream-data credit (flow control)
+    KILL = "kill"  # host -> agent: end the stream's command, read, watch or dial
+    # answers to any request
+    OK = "ok"
+    ERR = "err"  # code (ErrorCode), message
+    # commands (exec.py)
+    EXEC = "exec"
+    STARTED = "started"
+    OUT = "out"  # fd, off (background reads); the bytes in the payload
+    EXIT = "exit"
+    STDIN = "stdin"  # host -> agent: bytes for the command (close, ack)
+    STDIN_CREDIT = "stdin_credit"  # agent -> host: n bytes of stdin written
+    STDIN_CLOSED = "stdin_closed"  # agent -> host: the command's stdin is gone
+    # background commands and terminals (bg.py)
+    BG_LIST = "bg_list"
+    BG_INFO = "bg_info"
+    BG_ATTACH = "bg_attach"
+    BG_RESIZE = "bg_resize"
+    BG_SIGNAL = "bg_signal"
+    BG_WAIT = "bg_wait"
+    BG_STDIN = "bg_stdin"
+    # files (files.py); DATA and EOF also end reads, tars and dials (agent -> host)
+    WRITE = "write"
+    DATA = "data"
+    EOF = "eof"
+    READ = "read"
+    STAT = "stat"
+    LIST = "list"
+    REMOVE = "remove"
+    MKDIR = "mkdir"
+    TAR = "tar"
+    UNTAR = "untar"
+    # watch.py
+    WATCH = "watch"
+    EVENTS = "events"
+    # dial.py (the code interpreter's driver)
+    DIAL = "dial"
+
+
+# kinds whose payload is stream data, under the receiver's credits
+DATA_KINDS = frozenset((Kind.OUT, Kind.DATA, Kind.EVENTS))
+
+
 _PREFIX = struct.Struct("!II")
 PREFIX_LEN = _PREFIX.size
 
@@ -66,7 +135,8 @@ class ProtocolError(Exception):
 Header = dict[str, Any]
 
 
-def encode(header: Header, payload: bytes | bytearray | memoryview = b"") -> bytes:
+def encode(header: Mapping[str, Any], payload: bytes | bytearray | memoryview = b""
+           ) -> bytes:
     h = json.dumps(header, separators=(",", ":")).encode()
     if len(h) > MAX_HEADER:
         raise ProtocolError(f"header too large ({len(h)} bytes)")
@@ -149,37 +219,20 @@ def _read_exact(f: Any, n: int, allow_eof: bool) -> bytes | None:
     return b"".join(chunks)
 
 
-# The error codes: the one table for agent, daemon and SDK.
-# code -> (HTTP status the daemon answers with, the SDK's exception class, may the agent
-# report it: anything else from an agent becomes "internal")
-ERROR_CODES: dict[str, tuple[int, str, bool]] = {
-    "invalid_argument": (422, "InvalidArgument", True),
-    "unauthorized": (401, "AuthError", False),
-    "permission_denied": (403, "PermissionDenied", True),
-    "not_found": (404, "NotFound", True),
-    "conflict": (409, "Conflict", False),
-    "already_exists": (409, "Conflict", True),
-    "is_a_directory": (409, "Conflict", True),
-    "not_a_directory": (409, "Conflict", True),
-    "too_large": (413, "InvalidArgument", False),
-    "limit_exceeded": (429, "LimitExceeded", True),
-    "spending_cap": (402, "LimitExceeded", False),
-    "no_space": (507, "NoSpace", True),
-    "timeout": (504, "Timeout", False),
-    "unavailable": (503, "Unavailable", False),
-    "internal": (500, "ServerError", False),
-}
-AGENT_ERROR_CODES = frozenset(c for c, (_, _, agent) in ERROR_CODES.items() if agent)
+class ErrorCode(StrEnum):
+    """The codes an agent's ``err`` may carry (the host turns any other into ``internal``).
+    What each becomes for a client (HTTP status, SDK exception) is not the guest's business:
+    the API's table of codes is ``cpuos._errors.ERROR_CODES``."""
 
-E_NOT_FOUND = "not_found"
-E_INVALID = "invalid_argument"
-E_PERMISSION = "permission_denied"
-E_EXISTS = "already_exists"
-E_IS_DIR = "is_a_directory"
-E_NOT_DIR = "not_a_directory"
-E_NO_SPACE = "no_space"
-E_INTERNAL = "internal"
-E_LIMIT = "limit_exceeded"
+    INVALID = "invalid_argument"
+    PERMISSION = "permission_denied"
+    NOT_FOUND = "not_found"
+    EXISTS = "already_exists"
+    IS_DIR = "is_a_directory"
+    NOT_DIR = "not_a_directory"
+    LIMIT = "limit_exceeded"
+    NO_SPACE = "no_space"
+    INTERNAL = "internal"
 
 
 # Durations in requests: "15m", "2m30s", "1h", "90s", "250ms" or a number of seconds (the

@@ -18,9 +18,12 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from . import protocol as P
+from .protocol import ErrorCode, Kind
+from .service import errcode
 from .transport import Closed
 
 if TYPE_CHECKING:
+    from .agent import Agent, Handler
     from .conn import Conn
 
 IN_MODIFY, IN_ATTRIB, IN_CLOSE_WRITE = 0x2, 0x4, 0x8
@@ -117,7 +120,7 @@ class Watch:
         for i in range(0, max(1, len(items)), MAX_BATCH):
             part = items[i:i + MAX_BATCH]
             data = json.dumps(part, separators=(",", ":")).encode()
-            self.conn.send_data(self.sid, {"t": "events", "id": self.sid, "n": len(part),
+            self.conn.send_data(self.sid, {"t": Kind.EVENTS, "id": self.sid, "n": len(part),
                                            "overflow": overflow}, data)
             overflow = False
 
@@ -176,7 +179,7 @@ class Watch:
             if self.recursive:
                 self._add_tree(self.root, False)
             self.conn.open_stream(self.sid)
-            self.conn.send({"t": "ok", "id": self.sid, "watches": len(self.wds)})
+            self.conn.send({"t": Kind.OK, "id": self.sid, "watches": len(self.wds)})
             first: float | None = None
             while not self.cancelled and not self.conn.closed:
                 wait = None if first is None else max(0.0, first + WINDOW - time.monotonic())
@@ -193,14 +196,13 @@ class Watch:
                     first = None
                 if not self.wds:  # the root is gone
                     self._flush()
-                    self.conn.send({"t": "eof", "id": self.sid})
+                    self.conn.send({"t": Kind.EOF, "id": self.sid})
                     return
         except Closed:
             pass
         except OSError as e:
-            from .files import _errcode
             try:
-                self.conn.send({"t": "err", "id": self.sid, "code": _errcode(e),
+                self.conn.send({"t": Kind.ERR, "id": self.sid, "code": errcode(e),
                                 "message": f"watching {self.root}: {e.strerror or e}"})
             except Closed:
                 pass
@@ -216,10 +218,15 @@ class Watch:
                 self.registry.pop(self.sid, None)
 
 
-def start(conn: Conn, sid: int, h: P.Header, registry: dict[int, Watch]) -> None:
+def watch(agent: Agent, conn: Conn, sid: int, h: P.Header, payload: bytes) -> None:
     path = h.get("path")
     if not isinstance(path, str) or not path.startswith("/"):
-        conn.send({"t": "err", "id": sid, "code": P.E_INVALID, "message": "bad path"})
+        conn.send({"t": Kind.ERR, "id": sid, "code": ErrorCode.INVALID, "message": "bad path"})
         return
-    w = Watch(conn, sid, path, h.get("recursive") is not False, registry)
+    w = Watch(conn, sid, path, h.get("recursive") is not False, agent.watches)
     threading.Thread(target=w.run, name=f"watch-{sid}", daemon=True).start()
+
+
+HANDLERS: dict[Kind, Handler] = {
+    Kind.WATCH: watch,
+}

@@ -21,8 +21,11 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
+from cpuos_agent import messages as M
 from cpuos_agent import protocol as P
+from cpuos_agent.protocol import ErrorCode, Kind
 
+from .config import SandboxConfig
 from .errors import ApiError
 from .fdbudget import BUDGET
 
@@ -32,26 +35,57 @@ CREDIT_BATCH = 1 << 20
 # What one stream may have queued here: the agent's send window, plus a margin for the
 # control frames that need no credit. More is a protocol violation and drops the agent.
 MAX_QUEUED = P.WINDOW + 2 * P.MAX_PAYLOAD
-DATA_TYPES = ("out", "data", "events")
 # s a device agent (a microVM's: it cannot hang up itself) gets to see the host hang up after
 # a quiesce: whoever checkpoints one waits this long after disconnect()
 DEVICE_SETTLE = 0.1
-# s without a frame from an agent that has streams open before the host gives up on it: its
-# connection is dropped and every stream on it ends ``unavailable`` (a frozen or wedged
-# sandbox must not hang a client). The host pings it after a quarter of that.
-LIVENESS = float(os.environ.get("CPUOS_AGENT_LIVENESS") or 15.0)
 # s a stdin sender waits for the command to take bytes (credit) before it gives up
 STDIN_STALL = 60.0
 
 
+class TransportError(Exception):
+    """The agent channel failed: not an API error (no HTTP status here). Whoever answers a
+    client maps it (``cpuosd.errors.api_error``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class AgentGone(TransportError):
+    """The agent is not connected, went away, or stopped answering (its streams end)."""
+
+    def __init__(self, message: str = "sandbox agent disconnected") -> None:
+        super().__init__(message)
+
+
+class AgentTimeout(TransportError):
+    """The agent did not answer (or take stdin) within the time given."""
+
+
 class StdinClosed(ApiError):
+    """The agent says the command's stdin is gone (its ``stdin_closed``)."""
+
     def __init__(self, message: str = "the command's stdin is closed") -> None:
         super().__init__("invalid_argument", message)
 
 
-class AgentGone(ApiError):
-    def __init__(self, message: str = "sandbox agent disconnected") -> None:
-        super().__init__("unavailable", message)
+_AGENT_CODES = frozenset(ErrorCode)
+
+
+class AgentError(ApiError):
+    """The agent's ``err`` answer: its code if it is one an agent may report
+    (``cpuos_agent.protocol.ErrorCode``), else ``internal``; its message, bounded."""
+
+    def __init__(self, h: P.Header) -> None:
+        code, msg = h.get("code"), h.get("message")
+        # (a code that is not a string, say a list, is no error of ours: checked first)
+        super().__init__(code if isinstance(code, str) and code in _AGENT_CODES
+                         else "internal",
+                         msg[:500] if isinstance(msg, str) else "sandbox agent error")
+
+
+# a stream's end of its own (never sent: queued to its reader when the agent is gone)
+GONE = "_gone"
 
 
 class Stream:
@@ -71,7 +105,7 @@ class Stream:
 
     def on_stdin(self, h: P.Header) -> None:
         """A ``stdin_credit`` or ``stdin_closed`` from the agent (never queued)."""
-        if h["t"] == "stdin_credit":
+        if h["t"] == Kind.STDIN_CREDIT:
             n = h.get("n")
             if isinstance(n, int) and n > 0:
                 self.stdin_inflight = max(0, self.stdin_inflight - n)
@@ -98,14 +132,14 @@ class Stream:
                 try:
                     await asyncio.wait_for(self._stdin_ev.wait(), stall)
                 except TimeoutError:
-                    raise ApiError("timeout", f"the command took no stdin for {stall:.0f}s"
-                                   ) from None
+                    raise AgentTimeout(f"the command took no stdin for {stall:.0f}s"
+                                       ) from None
             if self.gone:
                 raise AgentGone()
             if self.stdin_closed:
                 raise StdinClosed(self.stdin_closed)
             last = not view
-            h: P.Header = {"t": "stdin"}
+            h = M.Stdin(t=Kind.STDIN)
             if last and close:
                 h["close"] = True
             if last and ack:
@@ -117,7 +151,7 @@ class Stream:
             if last:
                 return
 
-    async def send(self, header: P.Header, payload: bytes = b"") -> None:
+    async def send(self, header: M.Request, payload: bytes = b"") -> None:
         header["id"] = self.id
         await self.chan.send(header, payload, generation=self.gen)
 
@@ -126,15 +160,15 @@ class Stream:
             h, payload = await self.queue.get()
         else:
             h, payload = await asyncio.wait_for(self.queue.get(), timeout)
-        if h["t"] == "_gone":
+        if h["t"] == GONE:
             raise AgentGone(h.get("message") or "sandbox agent disconnected")
         self.queued -= len(payload) + 64
-        if h["t"] in DATA_TYPES:
+        if h["t"] in P.DATA_KINDS:
             self._uncredited += len(payload)
             if self._uncredited >= CREDIT_BATCH or self.queue.empty():
                 n, self._uncredited = self._uncredited, 0
                 with contextlib.suppress(AgentGone):
-                    await self.chan.send({"t": "credit", "id": self.id, "n": n},
+                    await self.chan.send({"t": Kind.CREDIT, "id": self.id, "n": n},
                                          generation=self.gen)
         return h, payload
 
@@ -165,7 +199,8 @@ class AgentChannel:
     (code inside the sandbox knocking on the socket) is refused and never displaces the
     connected agent; only a hello with the key, i.e. the agent itself reconnecting, may."""
 
-    def __init__(self, sock_path: Path, key: str | None = None) -> None:
+    def __init__(self, sock_path: Path, key: str | None = None,
+                 liveness: float = SandboxConfig.agent_liveness) -> None:
         self.sock_path = sock_path
         self.key = key
         self.refusals = 0
@@ -186,7 +221,11 @@ class AgentChannel:
         self.on_disconnect: list[Any] = []
         self.on_connect: list[Callable[[], None]] = []  # after each accepted hello
         self.last_rx = 0.0
-        self.liveness = LIVENESS
+        # s without a frame from an agent that has streams open before the host gives up on
+        # it (CPUOS_AGENT_LIVENESS): its connection is dropped and every stream on it ends
+        # ``unavailable`` (a frozen or wedged sandbox must not hang a client). The host
+        # pings it after a quarter of that.
+        self.liveness = liveness
         # the liveness watch runs only while streams are open (an idle sandbox costs no
         # wakeup here): started by open(), it ends when the last stream has closed
         self._watch_task: asyncio.Task[None] | None = None
@@ -286,7 +325,7 @@ class AgentChannel:
         deadline = asyncio.get_running_loop().time() + timeout
         while self.connected:
             if asyncio.get_running_loop().time() > deadline:
-                raise ApiError("timeout", "sandbox agent did not let go of its connection")
+                raise AgentTimeout("sandbox agent did not let go of its connection")
             await asyncio.sleep(0.005)
 
     def disconnect(self) -> None:
@@ -302,8 +341,8 @@ class AgentChannel:
             await asyncio.wait_for(self._connected.wait(), timeout)
         except TimeoutError:
             why = f" (refused: {self.last_refusal})" if self.last_refusal else ""
-            raise ApiError("unavailable", f"sandbox agent did not connect within "
-                           f"{timeout:.0f}s{why}") from None
+            raise AgentGone(f"sandbox agent did not connect within {timeout:.0f}s{why}"
+                            ) from None
 
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                           h: P.Header) -> None:
@@ -330,8 +369,8 @@ class AgentChannel:
                 self.last_rx = time.monotonic()
                 sid = hdr.get("id")
                 st = self.streams.get(sid) if isinstance(sid, int) else None
-                if st is not None and st.gen == gen and hdr["t"] in ("stdin_credit",
-                                                                     "stdin_closed"):
+                if st is not None and st.gen == gen and hdr["t"] in (Kind.STDIN_CREDIT,
+                                                                     Kind.STDIN_CLOSED):
                     st.on_stdin(hdr)
                 elif st is not None and st.gen == gen:
                     st.queued += len(payload) + 64
@@ -387,10 +426,10 @@ class AgentChannel:
                 return
             if idle >= tick:
                 with contextlib.suppress(AgentGone):
-                    await asyncio.wait_for(self.send({"t": "ping", "id": 0}), tick)
+                    await asyncio.wait_for(self.send({"t": Kind.PING, "id": 0}), tick)
 
     def _check_hello(self, h: P.Header) -> None:
-        if h["t"] != "hello":
+        if h["t"] != Kind.HELLO:
             raise P.ProtocolError("first frame must be hello")
         v = h.get("version")
         if v != P.PROTOCOL_VERSION:
@@ -428,14 +467,15 @@ class AgentChannel:
         for st in list(self.streams.values()):
             st.gone = True
             st._stdin_ev.set()
-            st.queue.put_nowait(({"t": "_gone", "message": why}, b""))
+            st.queue.put_nowait(({"t": GONE, "message": why}, b""))
         self.streams.clear()
         if had:
             for cb in self.on_disconnect:
                 cb()
 
-    async def send(self, header: P.Header, payload: bytes = b"", generation: int | None = None
-                   ) -> None:
+    async def send(self, header: M.Request, payload: bytes = b"",
+                   generation: int | None = None) -> None:
+        """header: a message to the agent (cpuos_agent.messages)."""
         w = self._writer
         if w is None or (generation is not None and generation != self.generation):
             raise AgentGone()
@@ -455,11 +495,11 @@ class AgentChannel:
         self._start_watch()
         return st
 
-    async def call(self, header: P.Header, timeout: float = 30.0) -> P.Header:
+    async def call(self, header: M.Request, timeout: float = 30.0) -> P.Header:
         """One request, one ok/err answer."""
         return (await self.call_full(header, timeout))[0]
 
-    async def call_full(self, header: P.Header, timeout: float = 30.0
+    async def call_full(self, header: M.Request, timeout: float = 30.0
                         ) -> tuple[P.Header, bytes]:
         """One request, one ok/err answer, with its payload."""
         st = self.open()
@@ -468,8 +508,8 @@ class AgentChannel:
             try:
                 h, payload = await st.get(timeout)
             except TimeoutError:
-                raise ApiError("timeout", f"sandbox agent did not answer {header['t']!r}"
-                               ) from None
+                raise AgentTimeout(f"sandbox agent did not answer {header['t']!r}"
+                                   ) from None
             raise_for_agent_error(h)
             return h, payload
         finally:
@@ -501,15 +541,11 @@ async def _recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, n:
 
 
 def raise_for_agent_error(h: P.Header) -> None:
-    if h.get("t") != "err":
-        return
-    code = h.get("code")
-    msg = h.get("message")
-    msg = msg[:500] if isinstance(msg, str) else "sandbox agent error"
-    raise ApiError(code if code in P.AGENT_ERROR_CODES else "internal", msg)
+    if h.get("t") == Kind.ERR:
+        raise AgentError(h)
 
 
-async def open_stream(chan: AgentChannel, msg: P.Header, wait: float, what: str,
+async def open_stream(chan: AgentChannel, msg: M.Request, wait: float, what: str,
                       on_error: Callable[[Stream], None] | None = None
                       ) -> tuple[Stream, P.Header]:
     """A new stream on chan: msg sent and its first answer awaited, which must be ``ok``
@@ -522,9 +558,9 @@ async def open_stream(chan: AgentChannel, msg: P.Header, wait: float, what: str,
         try:
             h, _ = await st.get(wait)
         except TimeoutError:
-            raise ApiError("timeout", f"sandbox agent did not {what}") from None
+            raise AgentTimeout(f"sandbox agent did not {what}") from None
         raise_for_agent_error(h)
-        if h.get("t") != "ok":
+        if h.get("t") != Kind.OK:
             raise ApiError("internal", f"unexpected agent answer {h.get('t')!r}")
     except BaseException:
         if on_error is not None:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from cpuos_agent.protocol import ERROR_CODES
+from cpuos._errors import ERROR_CODES
 
-# code -> HTTP status, from the one table (cpuos_agent.protocol.ERROR_CODES)
-STATUS = {code: status for code, (status, _, _) in ERROR_CODES.items()}
+# code -> the HTTP status it is answered with, from the API's one table of error codes (the
+# SDK's: cpuos._errors.ERROR_CODES, which maps each to the exception a client gets)
+STATUS = {code: status for code, (status, _) in ERROR_CODES.items()}
 
 
 class ApiError(Exception):
@@ -32,3 +33,17 @@ def not_found(what: str, ident: str) -> ApiError:
 
 def invalid(message: str, **details: Any) -> ApiError:
     return ApiError("invalid_argument", message, details)
+
+
+def api_error(e: Exception) -> ApiError:
+    """What a client is told of a failure: an ApiError as it is; a failure of the agent
+    channel (``cpuosd.agentconn.TransportError``) as ``unavailable`` (the agent is gone) or
+    ``timeout`` (it did not answer); anything else is ``internal``."""
+    from .agentconn import AgentTimeout, TransportError  # (agentconn imports this module)
+
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, TransportError):
+        return ApiError("timeout" if isinstance(e, AgentTimeout) else "unavailable",
+                        e.message)
+    return ApiError("internal", f"internal error: {type(e).__name__}")

@@ -15,7 +15,6 @@ so that no sandbox or client can bring the daemon to EMFILE or shut its API out 
 from __future__ import annotations
 
 import logging
-import os
 import resource
 import time
 from collections.abc import Callable
@@ -27,9 +26,10 @@ WANT_NOFILE = 65536
 LOG_INTERVAL = 10.0
 
 
-def raise_nofile(want: int = WANT_NOFILE) -> int:
+def raise_nofile(want: int = WANT_NOFILE, conn_fds: int | None = None) -> int:
     """The soft RLIMIT_NOFILE raised to ``want`` if the hard limit allows or can be raised
-    (root), else to the hard limit; returns the soft limit in force."""
+    (root), else to the hard limit; returns the soft limit in force. ``conn_fds``
+    (CPUOS_CONN_FDS): the budget, instead of half of it."""
     inf = resource.RLIM_INFINITY
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != inf and hard < want:
@@ -45,13 +45,13 @@ def raise_nofile(want: int = WANT_NOFILE) -> int:
         except (ValueError, OSError):
             pass
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    BUDGET.resize(soft)
+    BUDGET.resize(soft, conn_fds)
     return soft
 
 
 class Budget:
     """Descriptors connections opened by others may hold (half the soft RLIMIT_NOFILE;
-    ``CPUOS_CONN_FDS`` overrides it)."""
+    ``CPUOS_CONN_FDS``, ``conn_fds``, overrides it)."""
 
     def __init__(self, nofile: int) -> None:
         self.limit = self.nofile = 0
@@ -61,10 +61,9 @@ class Budget:
         self._sources: list[Callable[[], int]] = []
         self.resize(nofile)
 
-    def resize(self, nofile: int) -> None:
-        env = os.environ.get("CPUOS_CONN_FDS")
+    def resize(self, nofile: int, conn_fds: int | None = None) -> None:
         self.nofile = nofile
-        self.limit = int(env) if env else max(64, nofile // 2)
+        self.limit = conn_fds if conn_fds is not None else max(64, nofile // 2)
 
     @property
     def reserve(self) -> int:

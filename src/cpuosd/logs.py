@@ -13,12 +13,10 @@ from __future__ import annotations
 import json
 import logging
 import logging.handlers
-import os
 import threading
 import time
 
-DEFAULT_MAX_BYTES = 64 << 20
-DEFAULT_BACKUPS = 3
+from .config import LogsConfig
 
 
 class JsonFormatter(logging.Formatter):
@@ -60,14 +58,16 @@ class RateLimit(logging.Filter):
             return False
 
 
-def setup(level: str | None = None, path: str | None = None) -> logging.Handler:
-    """Configure the root logger once; returns its handler."""
-    path = path if path is not None else os.environ.get("CPUOS_LOG_FILE")
+def setup(level: str | None = None, path: str | None = None,
+          cfg: LogsConfig | None = None) -> logging.Handler:
+    """Configure the root logger once (``cfg``: CPUOS_LOG_*; ``level`` and ``path`` win
+    over its level and file); returns its handler."""
+    cfg = cfg or LogsConfig()
+    path = path if path is not None else cfg.file
     handler: logging.Handler
     if path:
         handler = logging.handlers.RotatingFileHandler(
-            path, maxBytes=int(os.environ.get("CPUOS_LOG_MAX_BYTES") or DEFAULT_MAX_BYTES),
-            backupCount=int(os.environ.get("CPUOS_LOG_BACKUPS") or DEFAULT_BACKUPS))
+            path, maxBytes=cfg.max_bytes, backupCount=cfg.backups)
     else:
         handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter())
@@ -76,5 +76,5 @@ def setup(level: str | None = None, path: str | None = None) -> logging.Handler:
     for h in list(root.handlers):
         root.removeHandler(h)
     root.addHandler(handler)
-    root.setLevel(level or os.environ.get("CPUOS_LOG_LEVEL", "INFO"))
+    root.setLevel(level or cfg.level)
     return handler

@@ -1,12 +1,33 @@
-"""``cpuosd``: run the daemon (``cpuosd [--host H] [--port P] [--home DIR]``), or administer
-templates on this host (``cpuosd template build|ls|rm``, see cpuosd.templates.admin)."""
+"""``cpuosd``: run the daemon (``cpuosd [--host H] [--port P] [--home DIR]``), print its
+configuration (``cpuosd config``), or administer templates on this host (``cpuosd template
+build|ls|rm``, see cpuosd.templates.admin)."""
 
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
-from .config import Config
+from .config import Config, ConfigError, effective
+
+
+def load_config(home: str | None = None, host: str | None = None,
+                port: int | None = None) -> Config:
+    """The configuration of this process's environment, with the command line's overrides;
+    a bad value: a one-line error and exit status 2."""
+    try:
+        cfg = Config.from_env()
+    except ConfigError as e:
+        print(f"cpuosd: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    changes: dict[str, object] = {}
+    if home:
+        changes["home"] = Path(home)
+    if host:
+        changes["host"] = host
+    if port:
+        changes["port"] = port
+    return cfg.replace(**changes) if changes else cfg
 
 
 def serve(host: str | None = None, port: int | None = None, home: str | None = None,
@@ -18,28 +39,42 @@ def serve(host: str | None = None, port: int | None = None, home: str | None = N
 
     homedir.private_umask()  # before anything is opened (finding 9: SQLite's side files)
 
-    if home:
-        os.environ["CPUOS_HOME"] = home
-    cfg = Config()
-    if host:
-        cfg.host = host
-    if port:
-        cfg.port = port
+    cfg = load_config(home, host, port)
     if os.geteuid() != 0:
         print("cpuosd: must run as root (runsc checkpoint/restore and cgroups need it)",
               file=sys.stderr)
         raise SystemExit(2)
-    logs.setup(path=log_file)  # JSON lines, rate-limited, rotated with CPUOS_LOG_FILE
+    logs.setup(path=log_file, cfg=cfg.logs)  # JSON lines, rate-limited, rotated
     # descriptors: the soft limit up to the hard one (root: 65536 at least), half of it kept
     # in reserve for the daemon itself (cpuosd.fdbudget)
-    from .api.listener import KEEPALIVE, MAX_CONNECTIONS, GuardedHTTP
+    from .api.listener import guarded_http
     from .fdbudget import raise_nofile
 
-    raise_nofile()
+    raise_nofile(conn_fds=cfg.limits.conn_fds)
     uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning",
                 log_config=None, access_log=False, timeout_graceful_shutdown=5,
-                http=GuardedHTTP, limit_concurrency=MAX_CONNECTIONS + 1,
-                timeout_keep_alive=int(KEEPALIVE))
+                http=guarded_http(cfg.api), limit_concurrency=cfg.api.max_connections + 1,
+                timeout_keep_alive=int(cfg.api.keepalive))
+
+
+def show_config(argv: list[str]) -> int:
+    """``cpuosd config [--home DIR] [--json]``: the effective configuration (every declared
+    variable, its value here, what it does; secrets masked)."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="cpuosd config")
+    ap.add_argument("--home", help="state directory (default $CPUOS_HOME or /var/lib/cpuos)")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    rows = effective(load_config(a.home))
+    if a.json:
+        print(json.dumps({name: value for name, value, _ in rows}, indent=2))
+        return 0
+    width = max(len(name) for name, _, _ in rows)
+    for name, value, doc in rows:
+        print(f"{name:<{width}}  {value or '-'}  # {doc}")
+    return 0
 
 
 def audit_verify(argv: list[str]) -> int:
@@ -47,7 +82,6 @@ def audit_verify(argv: list[str]) -> int:
     from the database and key on disk (the daemon need not run)."""
     import argparse
     import json
-    from pathlib import Path
 
     from . import homedir
     from .accounting.audit import verify_file
@@ -57,7 +91,7 @@ def audit_verify(argv: list[str]) -> int:
     ap.add_argument("--home", help="state directory (default $CPUOS_HOME or /var/lib/cpuos)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    out = verify_file(Path(a.home) if a.home else Config().home)
+    out = verify_file(load_config(a.home).home)
     if a.json:
         print(json.dumps(out, indent=2))
     else:
@@ -79,8 +113,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(template_main(argv[1:]))
     if argv[:2] == ["audit", "verify"]:
         raise SystemExit(audit_verify(argv[2:]))
+    if argv[:1] == ["config"]:
+        raise SystemExit(show_config(argv[1:]))
     ap = argparse.ArgumentParser(prog="cpuosd", description="the cpuos daemon "
-                                 "(`cpuosd template --help`: template administration)")
+                                 "(`cpuosd template --help`: template administration; "
+                                 "`cpuosd config`: the effective configuration)")
     ap.add_argument("--host")
     ap.add_argument("--port", type=int)
     ap.add_argument("--home", help="state directory (default $CPUOS_HOME or /var/lib/cpuos)")

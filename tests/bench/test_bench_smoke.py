@@ -14,7 +14,7 @@ import pytest
 
 from cpuosd.console.testing import chromium_unavailable
 from cpuosd.templates.builder import template_info
-from cpuosd.testing import TEMPLATES, e2e_unavailable
+from support.daemon import TEMPLATES, e2e_unavailable
 
 REPO = Path(__file__).resolve().parents[2]
 OUT = REPO / ".cache" / "bench"

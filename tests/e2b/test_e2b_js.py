@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cpuosd.testing import Daemon
+from support.daemon import Daemon
 
 pytestmark = [pytest.mark.e2e]
 

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from cpuosd.testing import Daemon, wait_until
+from support.daemon import Daemon, wait_until
 
 pytestmark = [pytest.mark.e2e]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cpuosd.testing import Daemon
+from support.daemon import Daemon
 
 pytestmark = [pytest.mark.e2e]
 

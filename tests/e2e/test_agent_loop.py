@@ -15,7 +15,7 @@ import pytest
 
 from cpuos import Sandbox
 from cpuos.tools import Tools
-from cpuosd.testing import Daemon
+from support.daemon import Daemon
 
 pytestmark = pytest.mark.e2e
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "agent_loop.py"

@@ -13,7 +13,7 @@ import pytest
 
 from cpuos import Conflict, InvalidArgument, NotFound, Sandbox, Unavailable
 from cpuosd.templates.builder import template_info
-from cpuosd.testing import TEMPLATES, Daemon
+from support.daemon import TEMPLATES, Daemon
 
 pytestmark = [pytest.mark.e2e]
 

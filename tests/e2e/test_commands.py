@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from cpuos import CommandHandle, InvalidArgument, NotFound, Sandbox
-from cpuosd.testing import Daemon, wait_until
+from support.daemon import Daemon, wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import websockets
 
-from cpuosd.testing import Daemon, e2e_unavailable, new_daemon
+from support.daemon import Daemon, e2e_unavailable, new_daemon
 
 pytestmark = pytest.mark.e2e
 

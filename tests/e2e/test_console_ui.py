@@ -1,6 +1,6 @@
 """Issue 27: the web console in a real browser (Debian's chromium, headless, through
 Playwright) against a real daemon and real sandboxes, whose uplink leads into a fake
-internet of this test's own (cpuosd.fakenet: no packet leaves the machine).
+internet of this test's own (support.fakenet: no packet leaves the machine).
 
 Two workspaces: ``team-a`` uses the console; ``team-b`` has a sandbox made through the API
 that team-a must not see, in the page or in the JSON behind it; the admin sees both. A
@@ -20,8 +20,8 @@ import pytest
 
 from cpuos import Conflict, Sandbox
 from cpuosd.console.testing import COUNT_PIXELS, chromium_unavailable, launch, shot, sign_in
-from cpuosd.fakenet import DENIED_LISTENERS, FakeInternet
-from cpuosd.testing import Daemon, e2e_unavailable, new_daemon, wait_until
+from support.fakenet import DENIED_LISTENERS, FakeInternet
+from support.daemon import Daemon, e2e_unavailable, new_daemon, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.net, pytest.mark.timeout(600)]
 

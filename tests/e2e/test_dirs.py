@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from cpuos import Sandbox
-from cpuosd.testing import Daemon
+from support.daemon import Daemon
 
 pytestmark = pytest.mark.e2e
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from cpuos import Conflict, InvalidArgument, Sandbox
-from cpuosd.testing import Daemon, e2e_unavailable, wait_until, wrapped_runsc_daemon
+from support.daemon import Daemon, e2e_unavailable, wait_until, wrapped_runsc_daemon
 
 pytestmark = pytest.mark.e2e
 

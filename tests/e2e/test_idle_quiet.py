@@ -17,7 +17,7 @@ import pytest
 
 from cpuos import Sandbox
 from cpuosd.templates.builder import template_info
-from cpuosd.testing import TEMPLATES, Daemon, wait_until
+from support.daemon import TEMPLATES, Daemon, wait_until
 
 pytestmark = pytest.mark.e2e
 

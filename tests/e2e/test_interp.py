@@ -10,7 +10,7 @@ import pytest
 
 from cpuos import CodeResult, CpuosError, InvalidArgument, Sandbox
 from cpuosd.templates.builder import template_info
-from cpuosd.testing import TEMPLATES, Daemon, png_size_and_colours
+from support.daemon import TEMPLATES, Daemon, png_size_and_colours
 
 pytestmark = pytest.mark.e2e
 

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from cpuosd.testing import Daemon, e2e_unavailable, wait_until, wrapped_runsc_daemon
+from support.daemon import Daemon, e2e_unavailable, wait_until, wrapped_runsc_daemon
 
 pytestmark = pytest.mark.e2e
 

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from cpuos import Sandbox
-from cpuosd.testing import Daemon, e2e_unavailable, new_daemon, wait_until, wrapped_runsc_daemon
+from support.daemon import Daemon, e2e_unavailable, new_daemon, wait_until, wrapped_runsc_daemon
 
 pytestmark = pytest.mark.e2e
 

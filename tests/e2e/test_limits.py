@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from cpuos import InvalidArgument, LimitExceeded, Sandbox
-from cpuosd.testing import Daemon, wait_until
+from support.daemon import Daemon, wait_until
 
 pytestmark = pytest.mark.e2e
 

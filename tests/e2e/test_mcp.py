@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 from cpuos import Sandbox
-from cpuosd.testing import Daemon
+from support.daemon import Daemon
 
 pytestmark = pytest.mark.e2e
 
@@ -77,7 +77,7 @@ def test_mcp_over_streamable_http_needs_its_token(daemon: Daemon) -> None:
     from mcp.client.streamable_http import streamable_http_client
     from mcp.shared._httpx_utils import create_mcp_http_client
 
-    from cpuosd.testing import wait_until
+    from support.daemon import wait_until
 
     kw = daemon.sdk_kwargs()
     with socket.socket() as s:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from cpuos import Sandbox
-from cpuosd.testing import Daemon, wait_until
+from support.daemon import Daemon, wait_until
 
 pytestmark = pytest.mark.e2e
 

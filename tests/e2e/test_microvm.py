@@ -27,7 +27,7 @@ import pytest
 from cpuos import Sandbox
 from cpuosd.backends.microvm import jailer, kernel
 from cpuosd.backends.microvm.probe import kvm_boot_probe
-from cpuosd.testing import Daemon, e2e_unavailable
+from support.daemon import Daemon, e2e_unavailable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.tcg]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from cpuos import NotFound, Sandbox
-from cpuosd.testing import Daemon, wait_until
+from support.daemon import Daemon, wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -13,7 +13,7 @@ import pytest
 
 from cpuos import Sandbox
 from cpuosd.backends.runsc import PINNED_VERSION, pinned_path
-from cpuosd.testing import Daemon
+from support.daemon import Daemon
 
 pytestmark = pytest.mark.e2e
 

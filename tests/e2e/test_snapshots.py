@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from cpuos import Conflict, NoSpace, Sandbox
-from cpuosd.testing import Daemon, new_daemon, wait_until
+from support.daemon import Daemon, new_daemon, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -277,7 +277,7 @@ def _ignore_errors(fn: object) -> None:
 
 
 def test_pause_with_full_snapshot_dir_fails_cleanly() -> None:
-    from cpuosd.testing import e2e_unavailable
+    from support.daemon import e2e_unavailable
 
     why = e2e_unavailable()
     if why:

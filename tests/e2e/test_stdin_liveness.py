@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from cpuos import Sandbox, Unavailable
-from cpuosd.testing import Daemon, wait_until
+from support.daemon import Daemon, wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from cpuos import Conflict, InvalidArgument, NotFound, PermissionDenied, Templates
 from cpuos.cli import main as cli
-from cpuosd.testing import Daemon, e2e_unavailable, mounts_under, new_daemon, wait_until
+from support.daemon import Daemon, e2e_unavailable, mounts_under, new_daemon, wait_until
 
 pytestmark = pytest.mark.e2e
 

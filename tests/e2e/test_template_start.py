@@ -10,7 +10,7 @@ import pytest
 
 from cpuos import Sandbox
 from cpuosd.templates.builder import TemplateSpec, build
-from cpuosd.testing import TEMPLATES, Daemon
+from support.daemon import TEMPLATES, Daemon
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

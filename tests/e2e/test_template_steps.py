@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from cpuosd.templates.builder import Step, TemplateError, run_steps, shell_steps
-from cpuosd.testing import build_steps_left, wait_until
+from support.daemon import build_steps_left, wait_until
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root (runsc)")]

@@ -11,7 +11,7 @@ import pytest
 from cpuos import tools as tools_mod
 from cpuos.tools import Tools, anthropic_tools, openai_tools
 from cpuosd.templates.builder import template_info
-from cpuosd.testing import TEMPLATES, Daemon, png_size_and_colours
+from support.daemon import TEMPLATES, Daemon, png_size_and_colours
 
 pytestmark = pytest.mark.e2e
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from cpuos import LimitExceeded, NotFound, Sandbox, Workspace
-from cpuosd.testing import Daemon, new_daemon, wait_until, e2e_unavailable
+from support.daemon import Daemon, new_daemon, wait_until, e2e_unavailable
 
 pytestmark = pytest.mark.e2e
 

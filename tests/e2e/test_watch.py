@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from cpuos import FileEvent, InvalidArgument, NotFound, Sandbox
-from cpuosd.testing import wait_until
+from support.daemon import wait_until
 
 pytestmark = pytest.mark.e2e
 

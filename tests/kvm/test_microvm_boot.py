@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import cpuos_agent
+from cpuos_agent.protocol import Kind
 from cpuosd.agentconn import AgentChannel
 from cpuosd.backends.base import SandboxSpec
 from cpuosd.backends.microvm import jailer, kernel
@@ -70,7 +71,7 @@ def _agent_dir(where: Path) -> Path:
 async def _exec(chan: AgentChannel, argv: list[str]) -> tuple[int, bytes]:
     st = chan.open()
     try:
-        await st.send({"t": "exec", "argv": argv, "env": {"PATH": "/usr/bin:/bin"},
+        await st.send({"t": Kind.EXEC, "argv": argv, "env": {"PATH": "/usr/bin:/bin"},
                        "cwd": "/", "timeout": 30, "stdin": False})
         out = b""
         while True:

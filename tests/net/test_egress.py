@@ -1,6 +1,6 @@
 """Issue 12: per-sandbox egress policy, attacked from inside real sandboxes.
 
-The daemon's uplink leads into a fake internet (cpuosd.fakenet: a namespace of this test's,
+The daemon's uplink leads into a fake internet (support.fakenet: a namespace of this test's,
 with no route off the machine); every server and every listener in a denied range lives
 there and logs what reaches it, so each test checks the servers' side too. No packet of
 these tests leaves the namespaces they made (the network safety rule).
@@ -22,8 +22,8 @@ import httpx
 import pytest
 
 from cpuos import InvalidArgument, Sandbox
-from cpuosd.fakenet import DENIED_LISTENERS, SMTP, WEB, FakeInternet
-from cpuosd.testing import Daemon, e2e_unavailable, new_daemon, wait_until
+from support.fakenet import DENIED_LISTENERS, SMTP, WEB, FakeInternet
+from support.daemon import Daemon, e2e_unavailable, new_daemon, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.net]
 

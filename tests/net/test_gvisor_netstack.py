@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from cpuosd.backends.runsc import Runsc, RunscUnavailable, find_runsc
-from cpuosd.testing import TEMPLATES
+from support.daemon import TEMPLATES
 
 pytestmark = [pytest.mark.net, pytest.mark.e2e]
 

@@ -4,7 +4,7 @@ proxy and records as gVisor's), the guest told its address at every boot, restor
 clone, and the preview proxy reaching a server inside the guest.
 
 The guest is emulated (TCG), like tests/e2e/test_microvm.py; the daemon's uplink leads into
-a fake internet of this module's (cpuosd.fakenet: no route off the machine), where the
+a fake internet of this module's (support.fakenet: no route off the machine), where the
 servers, and the listeners in denied ranges, log what reaches them. No packet of these
 tests leaves the namespaces they made (the network safety rule).
 
@@ -29,8 +29,8 @@ import pytest
 from cpuos import Sandbox
 from cpuosd.backends.microvm import jailer, kernel
 from cpuosd.config import Config
-from cpuosd.fakenet import DENIED_LISTENERS, SMTP, WEB, FakeInternet
-from cpuosd.testing import Daemon, e2e_unavailable, wait_until
+from support.fakenet import DENIED_LISTENERS, SMTP, WEB, FakeInternet
+from support.daemon import Daemon, e2e_unavailable, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.net, pytest.mark.tcg]
 

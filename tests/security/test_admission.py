@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from cpuos import InvalidArgument, LimitExceeded, Sandbox
-from cpuosd.testing import Daemon, e2e_unavailable, new_daemon, wait_until
+from support.daemon import Daemon, e2e_unavailable, new_daemon, wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -9,7 +9,7 @@ import secrets
 import pytest
 
 from cpuos import Sandbox
-from cpuosd.testing import Daemon
+from support.daemon import Daemon
 
 pytestmark = pytest.mark.e2e
 

@@ -31,7 +31,7 @@ import pytest
 
 from cpuos import InvalidArgument, Sandbox, ServerError
 from cpuos_agent import protocol as P
-from cpuosd.testing import Daemon
+from support.daemon import Daemon
 
 pytestmark = pytest.mark.e2e
 

@@ -35,12 +35,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cpuosd.fakenet import WEB, FakeInternet
+from cpuosd.config import Config
+from support.fakenet import WEB, FakeInternet
 from cpuosd.network.policy import Policy
 from cpuosd.network.service import Network
 from cpuosd.templates.builder import TemplateError, run_steps, shell_steps
 from cpuosd.templates.stepbox import StepBox
-from cpuosd.testing import (
+from support.daemon import (
     Daemon,
     build_steps_left,
     e2e_unavailable,
@@ -147,8 +148,7 @@ def http_get(ip: str, host: str, path: str = "/ok") -> str:
 
 
 def test_build_steps_network_is_a_sandbox_policy(root: Path, tmp_path: Path,
-                                                 inet: FakeInternet,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+                                                 inet: FakeInternet) -> None:
     (root / "bin" / "nslookup").symlink_to("sh")
     (root / "bin" / "head").symlink_to("sh")
     (root / "etc").mkdir()
@@ -156,12 +156,11 @@ def test_build_steps_network_is_a_sandbox_policy(root: Path, tmp_path: Path,
     records: list[dict[str, object]] = []
     lines: list[str] = []
     with net_slot_env() as env:
-        for k, v in {**env, **inet.env()}.items():
-            monkeypatch.setenv(k, v)
+        cfg = Config.from_env({**os.environ, **env, **inet.env()})
 
         async def build() -> None:
             net = Network(lambda sid, rec: records.append({"sid": sid, **rec}),
-                          tmp_path / "secrets")
+                          tmp_path / "secrets", cfg.network)
             await net.start()
             try:
                 slot = await net.attach("build-t", Policy.parse({"allow": ["allowed.test"]}))
@@ -172,7 +171,7 @@ def test_build_steps_network_is_a_sandbox_policy(root: Path, tmp_path: Path,
                         "nslookup other.test || echo other-refused",
                         http_get(WEB, "other.test") + " || true; echo other-done",
                         http_get("10.9.9.9", "10.9.9.9") + " || true; echo private-done",
-                    ]), on_line=lines.append, box=StepBox.default(slot.netns_path))
+                    ]), on_line=lines.append, box=StepBox.default(slot.netns_path, cfg))
                 finally:
                     await net.detach("build-t")
             finally:

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from cpuos import Sandbox
-from cpuosd.testing import Daemon, e2e_unavailable, new_daemon, wait_until
+from support.daemon import Daemon, e2e_unavailable, new_daemon, wait_until
 
 pytestmark = [pytest.mark.e2e]
 

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from cpuos import CpuosError, InvalidArgument, Sandbox, ServerError
-from cpuosd.testing import Daemon, wait_until
+from support.daemon import Daemon, wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from cpuos import Sandbox
-from cpuosd.testing import TEMPLATES, Daemon
+from support.daemon import TEMPLATES, Daemon
 
 pytestmark = pytest.mark.e2e
 MiB = 1 << 20

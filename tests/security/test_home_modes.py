@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from cpuos import Sandbox
-from cpuosd.testing import Daemon, e2e_unavailable, new_daemon
+from support.daemon import Daemon, e2e_unavailable, new_daemon
 
 pytestmark = pytest.mark.e2e
 

@@ -25,6 +25,7 @@ import pytest
 
 import cpuos_agent
 from cpuos_agent import protocol as P
+from cpuos_agent.protocol import Kind
 from cpuosd.agentconn import AgentChannel
 from cpuosd.backends.base import SandboxSpec
 from cpuosd.backends.microvm import jailer, kernel, ram
@@ -406,7 +407,7 @@ def test_guest_boots_to_the_agent_under_tcg_jailed(work: Path) -> None:
     async def run(chan: AgentChannel, argv: list[str]) -> tuple[list[str], P.Header, bytes]:
         st = chan.open()
         try:
-            await st.send({"t": "exec", "argv": argv, "cwd": "/", "stdin": False,
+            await st.send({"t": Kind.EXEC, "argv": argv, "cwd": "/", "stdin": False,
                            "env": {"PATH": "/usr/bin:/bin"}, "timeout": 60})
             kinds, out = [], b""
             while True:
@@ -430,7 +431,7 @@ def test_guest_boots_to_the_agent_under_tcg_jailed(work: Path) -> None:
             print(f"agent hello after {time.monotonic() - t0:.1f}s: {chan.hello}")
             assert chan.hello is not None
             assert chan.hello["pid"] == 1 and chan.hello["uid"] == kernel.AGENT_UID
-            assert (await chan.call({"t": "ping"}, timeout=60))["t"] == "pong"
+            assert (await chan.call({"t": Kind.PING}, timeout=60))["t"] == "pong"
             kinds, h, out = await run(chan, ["echo", "hi"])
             assert kinds == ["started", "out", "exit"], (kinds, h)
             assert h["exit_code"] == 0 and out == b"hi\n"

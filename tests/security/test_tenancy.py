@@ -32,7 +32,7 @@ from cpuos import (
 )
 from cpuosd.accounting.audit import DB_NAME
 from cpuosd.api.schemas import ApiKey, ApiKeyList, WorkspaceDeleted, WorkspaceRecord
-from cpuosd.testing import Daemon, e2e_unavailable, new_daemon
+from support.daemon import Daemon, e2e_unavailable, new_daemon
 
 pytestmark = pytest.mark.e2e
 

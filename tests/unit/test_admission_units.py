@@ -12,9 +12,10 @@ import pytest
 
 from cpuosd.accounting import quotas
 from cpuosd.accounting.quotas import Admission, HostMeter, Measure
+from cpuosd.config import Config
 from cpuosd.errors import ApiError
 from cpuosd.store import SandboxRow, Store
-from cpuosd.testing import FakeHost
+from support.fakes import FakeHost
 
 
 class Clock:
@@ -42,7 +43,7 @@ def env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def admission(store: Store, host: Measure, clock: Clock) -> Admission:
-    return Admission(store, host, clock=clock)
+    return Admission(store, host, clock=clock, limits=Config.from_env().limits)
 
 
 def limit_of(e: pytest.ExceptionInfo[ApiError]) -> str:
@@ -173,7 +174,7 @@ def test_host_meter_reads_the_sandboxes_cgroups(tmp_path: Path,
                                      f"total_rss {100 << 20}\ntotal_shmem {60 << 20}\n")
     (cpu / "cpuacct.usage").write_text(str(10 * 10**9))
     clock = Clock()
-    meter = HostMeter([tmp_path], root=root, clock=clock)
+    meter = HostMeter([tmp_path], root=root, clock=clock, limits=Config.from_env().limits)
     first = meter.measure()
     assert first.sandboxes == 4 and first.sandbox_mib == 40  # (100 + 60) / 4
     assert first.cpu_used_cores == 0.0  # one sample: no window yet

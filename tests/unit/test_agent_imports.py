@@ -10,6 +10,7 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 ON_DEMAND = ["tarfile", "cpuos_agent.tarx", "subprocess", "hashlib", "secrets", "platform",
+             "cpuos_agent.messages",  # (types only: imported when type-checking)
              "ipaddress"]
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import time
 
-from cpuosd.api.app import create_app, sandbox_json
+from cpuosd.api.app import create_app
+from cpuosd.api.sandboxes import sandbox_json
 from cpuosd.api.schemas import ANSWERS, Sandbox
 from cpuosd.lifecycle.session import _clean_stat, _exit_frame
 from cpuosd.api.schemas import ExecExitFrame, FileEntry

@@ -16,8 +16,9 @@ import pytest
 from cpuosd.accounting import audit as audit_mod
 from cpuosd.accounting import trace
 from cpuosd.accounting.audit import AuditLog, verify_file
+from cpuosd.config import Config, ConfigError
 from cpuosd.events import SandboxEvent
-from cpuosd.testing import wait_until
+from support.daemon import wait_until
 
 pb: Any = trace.pb
 
@@ -364,22 +365,18 @@ def test_low_disk_space_holds_back_all_but_lifecycle(tmp_path: Path,
         a.close()
 
 
-def test_limits_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    for k in ("CPUOS_AUDIT_SANDBOX_ROWS", "CPUOS_AUDIT_WORKSPACE_ROWS", "CPUOS_AUDIT_MIN_FREE",
-              "CPUOS_AUDIT_RETENTION"):
-        monkeypatch.delenv(k, raising=False)
-    lim = audit_mod.Limits.from_env()
+def test_limits_from_the_environment() -> None:
+    cfg = Config.from_env({}).audit
+    lim = audit_mod.Limits.of(cfg)
     assert (lim.sandbox_rows, lim.workspace_rows, lim.min_free) == (20_000, 200_000, 1 << 30)
-    assert audit_mod.retention_seconds() == 30 * 86400
-    monkeypatch.setenv("CPUOS_AUDIT_RETENTION", "forever")
-    monkeypatch.setenv("CPUOS_AUDIT_SANDBOX_ROWS", "0")
-    monkeypatch.setenv("CPUOS_AUDIT_MIN_FREE", "2GiB")
-    assert audit_mod.retention_seconds() is None
-    lim = audit_mod.Limits.from_env()
+    assert cfg.retention == 30 * 86400
+    cfg = Config.from_env({"CPUOS_AUDIT_RETENTION": "forever", "CPUOS_AUDIT_SANDBOX_ROWS": "0",
+                           "CPUOS_AUDIT_MIN_FREE": "2GiB"}).audit
+    assert cfg.retention is None
+    lim = audit_mod.Limits.of(cfg)
     assert lim.sandbox_rows is None and lim.min_free == 2 << 30
-    monkeypatch.setenv("CPUOS_AUDIT_WORKSPACE_ROWS", "lots")
-    with pytest.raises(ValueError, match="CPUOS_AUDIT_WORKSPACE_ROWS"):
-        audit_mod.Limits.from_env()
+    with pytest.raises(ConfigError, match="CPUOS_AUDIT_WORKSPACE_ROWS"):
+        Config.from_env({"CPUOS_AUDIT_WORKSPACE_ROWS": "lots"})
 
 
 # ---- cpuos's points (runsc patch level 2) --------------------------------------------------

@@ -69,11 +69,10 @@ def test_auto_falls_back_to_gvisor_when_the_probe_fails(
     assert not (cfg.home / "microvm").exists()  # nothing made for the backend not chosen
 
 
-def test_default_is_auto(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("CPUOS_BACKEND", raising=False)
+def test_default_is_auto() -> None:
     assert Config().backend == "auto"
-    monkeypatch.setenv("CPUOS_BACKEND", "microvm")
-    assert Config().backend == "microvm"
+    assert Config.from_env({}).backend == "auto"
+    assert Config.from_env({"CPUOS_BACKEND": "microvm"}).backend == "microvm"
 
 
 def test_forced_microvm_on_a_failing_host_refuses_with_one_line(

@@ -18,19 +18,42 @@ def test_mapping(status: int | None, code: str | None, cls: type) -> None:
 
 
 def test_one_table_for_agent_daemon_and_sdk() -> None:
-    import cpuos._errors as sdk_errors
-    from cpuos_agent import protocol as P
-    from cpuosd.agentconn import raise_for_agent_error
+    from cpuos._errors import ERROR_CODES
+    from cpuos_agent.protocol import ErrorCode
+    from cpuosd.agentconn import AgentError, raise_for_agent_error
     from cpuosd.errors import STATUS, ApiError
 
-    for code, (status, cls_name, agent_may) in P.ERROR_CODES.items():
+    assert set(STATUS) == set(ERROR_CODES)
+    for code, (status, cls) in ERROR_CODES.items():
         assert STATUS[code] == status == ApiError(code, "m").status
-        cls = getattr(sdk_errors, cls_name)
         assert type(error_from(status, code, "m")) is cls
-        try:
+        # what an agent may report is its own code; anything else (the codes only the
+        # daemon gives: unauthorized, spending_cap...) becomes internal
+        with pytest.raises(AgentError) as e:
             raise_for_agent_error({"t": "err", "code": code, "message": "m"})
-        except ApiError as e:
-            assert e.code == (code if agent_may else "internal")
-    # every SDK class's own code is in the table
-    for cls in CpuosError.__subclasses__():
-        assert cls.code in P.ERROR_CODES, cls
+        assert e.value.code == (code if code in set(ErrorCode) else "internal")
+    # every code an agent reports is one of the API's, and every SDK class's own code too
+    assert {str(c) for c in ErrorCode} <= set(ERROR_CODES)
+    for sdk_cls in CpuosError.__subclasses__():
+        assert sdk_cls.code in ERROR_CODES, sdk_cls
+
+
+def test_the_transport_raises_transport_errors_that_the_api_maps() -> None:
+    from cpuosd.agentconn import AgentGone, AgentTimeout, StdinClosed, TransportError
+    from cpuosd.errors import ApiError, api_error
+
+    # not API errors: the channel knows no HTTP status
+    assert not issubclass(TransportError, ApiError)
+    gone, late = api_error(AgentGone("went away")), api_error(AgentTimeout("no answer"))
+    assert (gone.code, gone.status, gone.message) == ("unavailable", 503, "went away")
+    assert (late.code, late.status, late.message) == ("timeout", 504, "no answer")
+    own = StdinClosed("closed")  # the agent's own answer: an API error as it is
+    assert api_error(own) is own and own.status == 422
+    assert api_error(RuntimeError("x")).code == "internal"
+
+
+def test_an_agent_error_code_that_is_not_a_string_is_internal() -> None:
+    from cpuosd.agentconn import AgentError
+
+    assert AgentError({"t": "err", "code": ["not_found"], "message": 7}).code == "internal"
+    assert AgentError({"t": "err", "code": {"a": 1}}).message == "sandbox agent error"

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from cpuosd import logs
+from cpuosd.config import Config
 
 
 @pytest.fixture
@@ -24,12 +25,10 @@ def restore_root() -> object:
     root.setLevel(level)
 
 
-def test_rate_limit_by_kind(restore_root: object, tmp_path: Path,
-                            monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CPUOS_LOG_MAX_BYTES", str(64 * 1024))
-    monkeypatch.setenv("CPUOS_LOG_BACKUPS", "2")
+def test_rate_limit_by_kind(restore_root: object, tmp_path: Path) -> None:
+    cfg = Config.from_env({"CPUOS_LOG_MAX_BYTES": str(64 * 1024), "CPUOS_LOG_BACKUPS": "2"})
     path = tmp_path / "cpuosd.log"
-    handler = logs.setup("INFO", str(path))
+    handler = logs.setup("INFO", str(path), cfg.logs)
     limit = next(f for f in handler.filters if isinstance(f, logs.RateLimit))
     log = logging.getLogger("cpuosd.test")
     for i in range(10_000):  # a flood of one kind, as code in a sandbox could cause
@@ -44,12 +43,10 @@ def test_rate_limit_by_kind(restore_root: object, tmp_path: Path,
     assert f"[{10_000 - limit.burst} similar message(s) dropped]" in last["msg"]
 
 
-def test_rotation_bounds_the_files(restore_root: object, tmp_path: Path,
-                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CPUOS_LOG_MAX_BYTES", str(16 * 1024))
-    monkeypatch.setenv("CPUOS_LOG_BACKUPS", "2")
+def test_rotation_bounds_the_files(restore_root: object, tmp_path: Path) -> None:
+    cfg = Config.from_env({"CPUOS_LOG_MAX_BYTES": str(16 * 1024), "CPUOS_LOG_BACKUPS": "2"})
     path = tmp_path / "cpuosd.log"
-    logs.setup("INFO", str(path))
+    logs.setup("INFO", str(path), cfg.logs)
     log = logging.getLogger("cpuosd.test")
     for i in range(2000):  # distinct kinds: not rate-limited, so rotation must bound them
         log.info(f"line {i} " + "z" * 100)

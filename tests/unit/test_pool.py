@@ -9,20 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
 
 from cpuosd.agentconn import AgentChannel
-from cpuosd.config import Config
+from cpuosd.config import Config, PoolConfig
 from cpuosd.errors import ApiError
 from cpuosd.lifecycle import pool as pool_mod
 from cpuosd.lifecycle.common import Live
 from cpuosd.lifecycle.manager import Manager
 from cpuosd.store import SandboxRow, Store
-from cpuosd.testing import FakeBackend, FakeHost
+from support.fakes import FakeBackend, FakeHost
 
 
 class PoolManager(Manager):
@@ -67,15 +66,14 @@ async def until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> N
 
 
 def run(tmp_path: Path, test: Callable[[PoolManager, str, FakeHost], Awaitable[None]],
-        **cfg_kw: int) -> None:
+        **pool_kw: int) -> None:
     async def main() -> None:
         tdir = tmp_path / "templates"
         (tdir / "rootfs").mkdir(parents=True)
         (tdir / "python.json").write_text(json.dumps(
             {"name": "python", "digest": "0" * 16, "rootfs": str(tdir / "rootfs")}))
-        cfg = Config(home=tmp_path / "home", **cfg_kw)  # type: ignore[arg-type]
-        cfg.pool_templates = ["python"]
-        os.environ["CPUOS_TEMPLATES_DIR"] = str(tdir)
+        cfg = Config(home=tmp_path / "home", templates_path=tdir,
+                     pool=PoolConfig(templates=("python",), **pool_kw))  # type: ignore[arg-type]
         store = Store(cfg.db_path)
         store.create_workspace("default")
         ws = store.create_workspace("w", {"max_sandboxes": 1000})
@@ -87,7 +85,6 @@ def run(tmp_path: Path, test: Callable[[PoolManager, str, FakeHost], Awaitable[N
             for t in list(mgr._tasks):
                 t.cancel()
             store.close()
-            os.environ.pop("CPUOS_TEMPLATES_DIR")
 
     asyncio.run(main())
 
@@ -126,7 +123,7 @@ def test_a_burst_is_served_by_refills_within_bounds(tmp_path: Path,
         await until(lambda: sum(r.state == "pooled" for r in mgr.store.list_sandboxes())
                     == 1, "the discarded pooled sandboxes killed")
 
-    run(tmp_path, test, pool_size=1, pool_max=4, pool_parallel=2)
+    run(tmp_path, test, size=1, max=4, parallel=2)
 
 
 def test_the_pool_yields_to_users_and_a_failed_refill_is_not_waited_for(
@@ -151,7 +148,7 @@ def test_the_pool_yields_to_users_and_a_failed_refill_is_not_waited_for(
         # the failed refill backs off instead of retrying at once
         assert not mgr._pool_inflight.get("python")
 
-    run(tmp_path, test, pool_size=1, pool_max=4, pool_parallel=2)
+    run(tmp_path, test, size=1, max=4, parallel=2)
 
 
 def test_waiters_count_against_the_workspace_maximum(tmp_path: Path) -> None:
@@ -165,4 +162,4 @@ def test_waiters_count_against_the_workspace_maximum(tmp_path: Path) -> None:
         errors = [d for d in done if isinstance(d, ApiError)]
         assert len(errors) == 1 and errors[0].details["limit"] == "max_sandboxes"
 
-    run(tmp_path, test, pool_size=1, pool_max=4, pool_parallel=2)
+    run(tmp_path, test, size=1, max=4, parallel=2)

@@ -18,6 +18,7 @@ from typing import Any, cast
 import httpx
 import pytest
 
+from cpuosd.config import PreviewConfig
 from cpuosd.proxy import preview
 
 SID = "sbx-aaaaaaaaaaaa"
@@ -53,7 +54,7 @@ Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, list[bytes]], Aw
 
 
 @asynccontextmanager
-async def proxied(handler: Handler, public: bool = False
+async def proxied(handler: Handler, public: bool = False, cfg: PreviewConfig | None = None
                   ) -> AsyncIterator[tuple[preview.Preview, str, list[bytes]]]:
     """(the proxy, its path-form base URL, the raw request heads the upstream got)."""
     heads: list[bytes] = []
@@ -69,7 +70,7 @@ async def proxied(handler: Handler, public: bool = False
     srv = await asyncio.start_server(upstream, "127.0.0.1", 0)
     port = srv.sockets[0].getsockname()[1]
     mgr, net = _fakes(port, public)
-    pv = preview.Preview(cast(Any, mgr), cast(Any, net), 0)
+    pv = preview.Preview(cast(Any, mgr), cast(Any, net), 0, cfg=cfg)
     await pv.start()
     try:
         yield pv, f"http://127.0.0.1:{pv.port}/sandboxes/{SID}/ports/{port}/", heads
@@ -189,12 +190,11 @@ def test_pipelined_requests_and_bad_heads() -> None:
 
 
 def test_connections_waiting_for_a_head_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(preview, "MAX_PENDING_PER_IP", 5)
-    monkeypatch.setattr(preview, "MAX_PENDING", 8)
     monkeypatch.setattr(preview, "HEAD_TIMEOUT", 0.5)
 
     async def main() -> None:
-        async with proxied(echo) as (pv, url, _):
+        cfg = PreviewConfig(max_pending_per_ip=5, max_pending=8)
+        async with proxied(echo, cfg=cfg) as (pv, url, _):
             u = httpx.URL(url)
             socks = []
             for _ in range(20):

@@ -13,7 +13,7 @@ from cpuosd.config import Config
 from cpuosd.errors import ApiError
 from cpuosd.lifecycle.manager import Live, Manager
 from cpuosd.store import Store
-from cpuosd.testing import FakeBackend
+from support.fakes import FakeBackend
 
 
 def test_no_checkpoint_capability(tmp_path: Path) -> None:

@@ -12,13 +12,13 @@ from typing import Any
 import pytest
 
 from cpuosd.backends.base import Backend
-from cpuosd.config import Config
+from cpuosd.config import Config, SandboxConfig
 from cpuosd.errors import ApiError
 from cpuosd.events import EventBus, SandboxEvent
 from cpuosd.lifecycle import states
 from cpuosd.lifecycle.manager import Manager
 from cpuosd.store import LIVE_STATES, Store
-from cpuosd.testing import FakeBackend
+from support.fakes import FakeBackend
 
 
 def test_the_table_is_closed_and_every_live_state_can_end() -> None:
@@ -44,7 +44,8 @@ def test_the_table_is_closed_and_every_live_state_can_end() -> None:
 @pytest.mark.parametrize("state", states.STATES)
 def test_every_state_and_operation(tmp_path: Path, state: str) -> None:
     async def main() -> None:
-        cfg = Config(home=tmp_path, agent_connect_timeout=0.2)  # the fake has no agent
+        # the fake has no agent
+        cfg = Config(home=tmp_path, sandbox=SandboxConfig(agent_connect_timeout=0.2))
         store = Store(cfg.db_path)
         fake = FakeBackend(checkpoint=True)
         backend: Backend = fake  # the fake must be a Backend (mypy checks tests/)

@@ -1,6 +1,6 @@
 // Generates src/generated/openapi.ts from the daemon's OpenAPI document
 // (cpuosd.api.app.create_app().openapi(), via scripts/openapi.py) with openapi-typescript,
-// and src/generated/error-codes.ts from the error-code table (cpuos_agent.protocol).
+// and src/generated/error-codes.ts from the error-code table (cpuos._errors.ERROR_CODES, through openapi.py --error-codes).
 // --check: exit 1 if a committed file differs from what would be generated (stale).
 import { execFileSync } from "node:child_process";
 import { readFileSync, writeFileSync } from "node:fs";
@@ -40,7 +40,7 @@ const ast = await openapiTS(fromPython([]), { alphabetize: true, defaultNonNulla
 const codes = fromPython(["--error-codes"]);
 const outputs = {
   [OUT]: HEAD.replace("{what}", "OpenAPI document (openapi-typescript)") + astToString(ast),
-  [CODES]: HEAD.replace("{what}", "error-code table (cpuos_agent.protocol.ERROR_CODES)") +
+  [CODES]: HEAD.replace("{what}", "error-code table (cpuos._errors.ERROR_CODES)") +
     "/** code -> the HTTP status the daemon answers with and the SDK's error class. */\n" +
     "export const ERROR_TABLE = " + JSON.stringify(codes, Object.keys(codes).sort().concat(
       ["status", "class"]), 2) + " as const;\n",

@@ -70,7 +70,7 @@ const CLASSES: Record<(typeof ERROR_TABLE)[keyof typeof ERROR_TABLE]["class"], E
 
 /**
  * The error codes: code -> [HTTP status, class], from the one table
- * (cpuos_agent.protocol.ERROR_CODES, generated into ./generated/error-codes.ts).
+ * (cpuos._errors.ERROR_CODES, generated into ./generated/error-codes.ts).
  */
 export const ERROR_CODES: Readonly<Record<string, readonly [number, ErrorClass]>> =
   Object.fromEntries(Object.entries(ERROR_TABLE).map(

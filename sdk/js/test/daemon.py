@@ -1,4 +1,4 @@
-"""A real cpuosd for sdk/js's tests (cpuosd.testing.new_daemon): prints one JSON line,
+"""A real cpuosd for sdk/js's tests (support.daemon.new_daemon): prints one JSON line,
 {"url", "key"} (or {"skip": reason} where the end-to-end tests cannot run), then waits
 until its stdin closes and tears the daemon down: every sandbox killed, the daemon
 stopped, leftovers removed. Leftovers found are printed to stderr and make the exit code 1.
@@ -10,9 +10,12 @@ from __future__ import annotations
 import json
 import signal
 import sys
+from pathlib import Path
 from typing import NoReturn
 
-from cpuosd.testing import e2e_unavailable, new_daemon
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))  # for `support`
+
+from support.daemon import e2e_unavailable, new_daemon
 
 
 def _stop(*_: object) -> NoReturn:

@@ -141,7 +141,7 @@ describe("sizes: shared vectors", () => {
 });
 
 describe("errors", () => {
-  it("match the Python table (cpuos_agent.protocol.ERROR_CODES)", (t) => {
+  it("match the Python table (cpuos._errors.ERROR_CODES)", (t) => {
     const python = findPython();
     if (!python) return t.skip(skipOrFail("no Python with cpuos for the error table"));
     const table = JSON.parse(execFileSync(python, [join(REPO_DIR, "sdk", "js", "scripts",

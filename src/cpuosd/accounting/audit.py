@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import homedir
+from ..config import AuditConfig
 from ..events import NOT_TRANSITIONS, SandboxEvent
 
 log = logging.getLogger("cpuosd.audit")
@@ -82,10 +83,6 @@ MAX_COALESCING = 20_000  # rows being coalesced at once (beyond: written as they
 DROP_EVERY = 10.0  # s: at most one dropped row per sandbox and cause in this time
 EXEMPT = frozenset({"lifecycle", "limit", "dropped"})  # never held back by budget or space
 NET_KINDS = frozenset({"connection", "port"})  # budgets of their own (see _within_budget)
-DEFAULT_RETENTION = "30d"
-DEFAULT_SANDBOX_ROWS = 20_000  # an hour
-DEFAULT_WORKSPACE_ROWS = 200_000  # an hour
-DEFAULT_MIN_FREE = 1 << 30
 SPACE_CHECK = 5.0  # s
 # fields that differ between repeats of "the same" row
 VOLATILE = frozenset({"time_ns", "pid", "ppid", "fd", "count", "time", "first_time"})
@@ -106,16 +103,6 @@ CREATE TABLE IF NOT EXISTS audit_anchor (
 COLS = "seq, time, workspace, sandbox, kind, detail, prev_hash, hash"
 
 
-def retention_seconds() -> float | None:
-    """``CPUOS_AUDIT_RETENTION`` (default 30 days); None: keep every row."""
-    from cpuos_agent.protocol import parse_duration
-
-    v = os.environ.get("CPUOS_AUDIT_RETENTION", DEFAULT_RETENTION)
-    if v in ("0", "forever", "none"):
-        return None
-    return parse_duration(v, "CPUOS_AUDIT_RETENTION")
-
-
 @dataclass(frozen=True)
 class Limits:
     """What bounds the audit's growth (None: no bound)."""
@@ -126,28 +113,9 @@ class Limits:
     coalesce: float = 0.0  # s (0: no coalescing)
 
     @classmethod
-    def from_env(cls) -> Limits:
-        from cpuos_agent.protocol import parse_size_mib
-
-        def rows(name: str, default: int) -> float | None:
-            v = os.environ.get(name, str(default)).strip()
-            if v in ("0", "none", "unlimited"):
-                return None
-            try:
-                n = float(v)
-            except ValueError:
-                raise ValueError(f"{name} must be a number of rows an hour, or 0 "
-                                 f"(unlimited), not {v!r}") from None
-            if n < 0:
-                raise ValueError(f"{name} must not be negative")
-            return n
-
-        free = os.environ.get("CPUOS_AUDIT_MIN_FREE")
-        return cls(rows("CPUOS_AUDIT_SANDBOX_ROWS", DEFAULT_SANDBOX_ROWS),
-                   rows("CPUOS_AUDIT_WORKSPACE_ROWS", DEFAULT_WORKSPACE_ROWS),
-                   DEFAULT_MIN_FREE if free is None else None if free.strip() == "0" else
-                   parse_size_mib(free, "CPUOS_AUDIT_MIN_FREE") << 20,
-                   COALESCE_WINDOW)
+    def of(cls, cfg: AuditConfig) -> Limits:
+        """The bounds the daemon's configuration sets (CPUOS_AUDIT_*)."""
+        return cls(cfg.sandbox_rows, cfg.workspace_rows, cfg.min_free, COALESCE_WINDOW)
 
 
 class Bucket:

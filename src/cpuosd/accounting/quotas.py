@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from ..config import LimitsConfig
 from ..errors import ApiError, invalid
 from ..store import ACTIVE_STATES, Store
 
@@ -57,13 +58,13 @@ CGROUP_PARENTS = ("cpuos", "cpuos-microvm")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
-def host_vcpus() -> int:
-    return int(os.environ.get("CPUOS_HOST_VCPUS") or os.cpu_count() or 1)
+def host_vcpus(cfg: LimitsConfig) -> int:
+    return cfg.host_vcpus or os.cpu_count() or 1
 
 
-def host_memory_mib() -> int:
-    if os.environ.get("CPUOS_HOST_MEMORY_MIB"):
-        return int(os.environ["CPUOS_HOST_MEMORY_MIB"])
+def host_memory_mib(cfg: LimitsConfig) -> int:
+    if cfg.host_memory_mib:
+        return cfg.host_memory_mib
     return _meminfo().get("MemTotal", 1 << 30) >> 20
 
 
@@ -111,8 +112,10 @@ class HostMeter:
     def __init__(self, disk_paths: Sequence[Path], root: Path = CGROUP_ROOT,
                  parents: Sequence[str] = CGROUP_PARENTS,
                  clock: Callable[[], float] = time.monotonic,
-                 ours: Callable[[], Iterable[str]] | None = None) -> None:
+                 ours: Callable[[], Iterable[str]] | None = None,
+                 limits: LimitsConfig | None = None) -> None:
         self.disk_paths, self.root, self.parents, self.clock = disk_paths, root, parents, clock
+        self.cfg = limits or LimitsConfig()
         self.ours = ours
         self._cpu: collections.deque[tuple[float, float]] = collections.deque()
 
@@ -186,17 +189,17 @@ class HostMeter:
         (t0, c0), (t1, c1) = self._cpu[0], self._cpu[-1]
         cpu_used = max(0.0, c1 - c0) / (t1 - t0) if t1 - t0 >= 1.0 else 0.0
         mem = _meminfo()
-        total = host_memory_mib()
+        total = host_memory_mib(self.cfg)
         available = mem.get("MemAvailable", 0) >> 20
         used, count = self.sandboxes_memory()
-        if os.environ.get("CPUOS_HOST_MEMORY_MIB"):  # a host smaller than the machine
+        if self.cfg.host_memory_mib:  # a host smaller than the machine
             mine = self.sandboxes_memory(list(self.ours()))[0] if self.ours else used
             available = min(available, total - (mine >> 20))
         per = max(MIN_SANDBOX_MIB, (used >> 20) // count) if count else DEFAULT_SANDBOX_MIB
         free = min((shutil.disk_usage(p).free >> 20 for p in self.disk_paths if p.exists()),
                    default=1 << 30)
         return HostUse(memory_total_mib=total, memory_available_mib=max(0, available),
-                       sandbox_mib=per, sandboxes=count, cpu_cores=float(host_vcpus()),
+                       sandbox_mib=per, sandboxes=count, cpu_cores=float(host_vcpus(self.cfg)),
                        cpu_used_cores=cpu_used, disk_free_mib=free)
 
 
@@ -217,10 +220,10 @@ class Limits:
         return tuple(f.name for f in fields(cls))
 
     @classmethod
-    def of(cls, stored: dict[str, Any]) -> Limits:
+    def of(cls, stored: dict[str, Any], host: LimitsConfig) -> Limits:
         lim = cls(**{k: int(v) for k, v in stored.items() if k in cls.names()})
-        lim.max_vcpus = lim.max_vcpus or host_vcpus()
-        lim.max_memory_mib = lim.max_memory_mib or host_memory_mib()
+        lim.max_vcpus = lim.max_vcpus or host_vcpus(host)
+        lim.max_memory_mib = lim.max_memory_mib or host_memory_mib(host)
         lim.max_disk_mib = lim.max_disk_mib or DEFAULT_MAX_DISK_MIB
         lim.max_pids = lim.max_pids or DEFAULT_MAX_PIDS
         return lim
@@ -241,16 +244,16 @@ def check_limits_body(limits: dict[str, Any]) -> dict[str, int]:
 
 class Admission:
     def __init__(self, store: Store, measure: Measure,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 limits: LimitsConfig | None = None) -> None:
         self.store, self.measure, self.clock = store, measure, clock
-        env = os.environ.get
+        self.cfg = cfg = limits or LimitsConfig()
         # nominal ceilings: only where the operator sets a ratio
-        self.cpu_ratio = float(env("CPUOS_CPU_OVERCOMMIT") or 0)
-        self.mem_ratio = float(env("CPUOS_MEMORY_OVERCOMMIT") or 0)
-        self.cpu_load = float(env("CPUOS_ADMIT_CPU") or 0.95)
-        self.memory_reserve = int(env("CPUOS_MEMORY_RESERVE_MIB") or 0) or max(
-            512, host_memory_mib() // 20)
-        self.disk_reserve = int(env("CPUOS_DISK_RESERVE_MIB") or 1024)
+        self.cpu_ratio = cfg.cpu_overcommit
+        self.mem_ratio = cfg.memory_overcommit
+        self.cpu_load = cfg.admit_cpu
+        self.memory_reserve = cfg.memory_reserve_mib or max(512, host_memory_mib(cfg) // 20)
+        self.disk_reserve = cfg.disk_reserve_mib
         # MiB promised to sandboxes admitted in the last RECENT seconds: (when, MiB)
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         # (workspace, what) -> raises at the workspace's spending cap (accounting.usage)
@@ -258,8 +261,8 @@ class Admission:
 
     def capacity(self) -> dict[str, int]:
         """The nominal ceilings (0: none set)."""
-        return {"vcpus": int(host_vcpus() * self.cpu_ratio),
-                "memory_mib": int(host_memory_mib() * self.mem_ratio)}
+        return {"vcpus": int(host_vcpus(self.cfg) * self.cpu_ratio),
+                "memory_mib": int(host_memory_mib(self.cfg) * self.mem_ratio)}
 
     def _reserved(self, workspace_id: str | None) -> tuple[int, int]:
         """The vCPUs and memory (sizes) of running sandboxes: the workspace's (pooled ones
@@ -271,7 +274,7 @@ class Admission:
 
     def limits(self, workspace_id: str) -> Limits:
         ws = self.store.workspace(workspace_id)
-        return Limits.of(ws["limits"] if ws else {})
+        return Limits.of(ws["limits"] if ws else {}, self.cfg)
 
     def _promised(self) -> int:
         now = self.clock()

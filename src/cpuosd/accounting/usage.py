@@ -26,12 +26,12 @@ from __future__ import annotations
 import asyncio
 import calendar
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
+from ..config import PricingConfig
 from ..errors import ApiError
 from ..events import EventBus, SandboxEvent
 from ..store import Store
@@ -42,24 +42,6 @@ GIB = float(1 << 30)
 CLOSES = frozenset({"paused", "resuming", "killing", "killed", "error"})
 
 
-def _price(name: str, default: float) -> float:
-    v = os.environ.get(name)
-    return float(v) if v else default
-
-
-@dataclass(frozen=True)
-class Prices:
-    vcpu_hour: float = 0.0504  # per vCPU-hour running
-    gib_hour: float = 0.0162  # per GiB-hour of memory running
-    snapshot_gib_hour: float = 0.00014  # per GiB-hour of snapshot while paused
-
-    @classmethod
-    def from_env(cls) -> Prices:
-        return cls(_price("CPUOS_PRICE_VCPU_HOUR", cls.vcpu_hour),
-                   _price("CPUOS_PRICE_GIB_HOUR", cls.gib_hour),
-                   _price("CPUOS_PRICE_SNAPSHOT_GIB_HOUR", cls.snapshot_gib_hour))
-
-
 def month_start(now: float) -> float:
     t = time.gmtime(now)
     return float(calendar.timegm((t.tm_year, t.tm_mon, 1, 0, 0, 0)))
@@ -68,9 +50,9 @@ def month_start(now: float) -> float:
 class Meter:
     """Writes the usage intervals (subscribed to the event bus) and sums them."""
 
-    def __init__(self, store: Store, prices: Prices | None = None) -> None:
+    def __init__(self, store: Store, prices: PricingConfig | None = None) -> None:
         self.store = store
-        self.prices = prices or Prices.from_env()
+        self.prices = prices or PricingConfig()
         # (workspace, month start) -> (t, cost of the month's intervals that ended by t)
         self._closed: dict[tuple[str, float], tuple[float, float]] = {}
 

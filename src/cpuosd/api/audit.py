@@ -14,12 +14,12 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
-from ..accounting.audit import DB_NAME, KINDS, AuditLog, Limits, retention_seconds
+from ..accounting.audit import DB_NAME, KINDS, AuditLog, Limits
 from ..config import Config
 from ..errors import invalid
 from ..events import EventBus
 from ..store import Store
-from .auth import Ws, is_admin
+from .deps import AuditDep, ManagerDep, StoreDep, Ws, is_admin
 
 router = APIRouter()
 MAX_WAIT = 30.0
@@ -36,15 +36,10 @@ def start_audit(cfg: Config, events: EventBus, store: Store) -> AuditLog:
         return row.workspace_id if row is not None and row.state != "pooled" else None
 
     audit = AuditLog(cfg.home / DB_NAME, cfg.home / "audit.key", cfg.home / "audit.head",
-                     retention_seconds(), workspace, Limits.from_env())
-    if cfg.audit:
+                     cfg.audit.retention, workspace, Limits.of(cfg.audit))
+    if cfg.audit.enabled:
         events.subscribe(audit.on_event)
     return audit
-
-
-def _audit(request: Request) -> AuditLog:
-    a: AuditLog = request.app.state.audit
-    return a
 
 
 def _time(v: str | None, name: str) -> float | None:
@@ -74,7 +69,7 @@ def _kinds(kind: list[str] | None) -> tuple[str, ...]:
 
 
 @router.get("/sandboxes/{sid}/audit")
-async def sandbox_audit(sid: str, request: Request, ws: Ws, kind: KindQ = None,
+async def sandbox_audit(sid: str, mgr: ManagerDep, audit: AuditDep, ws: Ws, kind: KindQ = None,
                         since: TimeQ = None, until: TimeQ = None,
                         after: int = Query(0, ge=0, description="only rows after this seq"),
                         limit: int = Query(1000, ge=1, le=10000),
@@ -83,8 +78,8 @@ async def sandbox_audit(sid: str, request: Request, ws: Ws, kind: KindQ = None,
                             "(a follower's long poll)"))) -> dict[str, Any]:
     """The sandbox's audit rows, oldest first: seq, time, kind, detail, prev_hash, hash.
     Page with ``after`` (the last seq seen; ``next_after`` in the answer)."""
-    request.app.state.mgr.get(ws, sid)
-    audit, kinds = _audit(request), _kinds(kind)
+    mgr.get(ws, sid)
+    kinds = _kinds(kind)
     t_since, t_until = _time(since, "since"), _time(until, "until")
     deadline = time.monotonic() + wait
     while True:
@@ -99,12 +94,12 @@ async def sandbox_audit(sid: str, request: Request, ws: Ws, kind: KindQ = None,
 @router.get("/sandboxes/{sid}/audit/export",
             responses={200: {"content": {"application/x-ndjson": {}},
                              "description": "one audit row (JSON) per line"}})
-async def export_audit(sid: str, request: Request, ws: Ws, kind: KindQ = None,
+async def export_audit(sid: str, mgr: ManagerDep, audit: AuditDep, ws: Ws, kind: KindQ = None,
                        since: TimeQ = None, until: TimeQ = None,
                        after: int = Query(0, ge=0)) -> StreamingResponse:
     """Every row of the sandbox as JSON lines (streamed: no limit)."""
-    request.app.state.mgr.get(ws, sid)
-    audit, kinds = _audit(request), _kinds(kind)
+    mgr.get(ws, sid)
+    kinds = _kinds(kind)
     t_since, t_until = _time(since, "since"), _time(until, "until")
     await asyncio.to_thread(audit.flush)
 
@@ -123,12 +118,11 @@ async def export_audit(sid: str, request: Request, ws: Ws, kind: KindQ = None,
 
 
 @router.get("/audit/verify")
-async def verify(request: Request, ws: Ws) -> dict[str, Any]:
+async def verify(request: Request, audit: AuditDep, store: StoreDep, ws: Ws) -> dict[str, Any]:
     """Check the whole chain: every row's hash (an HMAC under the daemon's key) and its link
     to the row before, the start against the retention anchor, the end against the head the
     writer last recorded. The admin gets the whole answer (rows, head, every problem);
     another workspace only whether the chain holds for its own sandboxes' rows."""
-    audit = _audit(request)
     lock: asyncio.Lock | None = getattr(request.app.state, "audit_verify_lock", None)
     if lock is None:
         lock = request.app.state.audit_verify_lock = asyncio.Lock()
@@ -140,7 +134,7 @@ async def verify(request: Request, ws: Ws) -> dict[str, Any]:
     # another workspace learns nothing of the chain but what concerns it: no row count, no
     # head, no problem in another workspace's rows; the chain's own breaks (rows missing,
     # the anchor or the newest row altered: whose rows they were cannot be told) are shown
-    mine = {r.id for r in request.app.state.store.list_sandboxes(ws, (
+    mine = {r.id for r in store.list_sandboxes(ws, (
         "creating", "running", "pausing", "paused", "resuming", "killing", "killed",
         "error"))}
     shown = [p for p in out["problems"] if p.get("sandbox") in mine or p.get("sandbox") is None]

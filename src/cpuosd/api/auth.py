@@ -25,17 +25,18 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Annotated, Any
+from typing import Any
 from urllib.parse import parse_qs
 
 import anyio
-from fastapi import Depends, Request
+from fastapi import Request
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..console.sessions import (SAFE_METHODS, cookie_token, csrf_ok, header, live_session,
                                 same_origin)
 from ..errors import ApiError, not_found
+from .deps import services_of
 
 MAX_JSON_BODY = 8 << 20  # exec stdin rides in the JSON body
 OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
@@ -138,7 +139,7 @@ class Guard:
             return
         headers = scope["headers"]
         key = bearer_key(headers)
-        store = scope["app"].state.store
+        store = services_of(scope["app"]).store
         if key is not None:
             found = store.key_lookup(key)
             if found is None:
@@ -216,7 +217,7 @@ def websocket_caller(scope: Scope) -> tuple[str, str] | None:
     """(key id, workspace) of a WebSocket's caller: its API key, or a console session
     whose page is of the daemon's own origin (a page of another site cannot ride on the
     cookie); None if neither, or if it names a workspace it may not act in."""
-    store = scope["app"].state.store
+    store = services_of(scope["app"]).store
     key = bearer_key(scope["headers"])
     found: tuple[str, str] | None = None
     if key is not None:
@@ -255,26 +256,6 @@ async def _reply(send: Send, err: ApiError) -> None:
                             (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})
     await send({"type": "http.response.body", "body": body})
-
-
-def workspace(request: Request) -> str:
-    """The caller's workspace (the Guard has checked the key)."""
-    wid: Any = getattr(request.state, "workspace", None)
-    if not isinstance(wid, str):  # not behind the Guard (it covers every keyed route)
-        raise ApiError("unauthorized", "missing API key: send 'Authorization: Bearer <key>'")
-    return wid
-
-
-Ws = Annotated[str, Depends(workspace)]
-
-
-def is_admin(request: Request, ws: str) -> bool:
-    return bool(ws == request.app.state.store.workspace_by_name("default"))
-
-
-def require_admin(request: Request, ws: str) -> None:
-    if not is_admin(request, ws):
-        raise ApiError("permission_denied", "only the admin workspace may do this")
 
 
 def live_requests(request: Request) -> LiveRequests:

@@ -20,60 +20,44 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field
 
 from .. import browser as cdp
 from ..errors import ApiError
+from ..lifecycle.manager import Manager
+from ..network.service import Network
 from ..proxy.preview import Preview
-from .auth import Ws
+from .deps import ManagerDep, NetworkDep, PreviewDep, Ws
+from .models import MAX_BROWSER_TIMEOUT as MAX_TIMEOUT, Click, Fill, Goto
 
 router = APIRouter()
-MAX_TIMEOUT = 600.0
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    timeout: float = Field(30.0, gt=0, le=MAX_TIMEOUT)
-
-
-class Goto(_Body):
-    url: str = Field(min_length=1, max_length=cdp.MAX_URL)
-
-
-class Click(_Body):
-    selector: str = Field(min_length=1, max_length=10_000)
-
-
-class Fill(Click):
-    text: str = Field(max_length=1 << 20)
 
 
 @contextlib.asynccontextmanager
-async def _address(request: Request, ws: str, sid: str) -> AsyncIterator[tuple[str, str]]:
+async def _address(mgr: Manager, pv: Preview, net: Network | None, ws: str, sid: str
+                   ) -> AsyncIterator[tuple[str, str]]:
     """The sandbox's address (its owner checked; a paused one resumed first), and its
     family for cpuosd.browser (its workspace and template); the sandbox is in use (not
     idle) until the block ends."""
-    pv: Preview = request.app.state.preview
-    if request.app.state.network is None:
+    if net is None:
         raise ApiError("conflict", "the browser needs the sandbox network, which is off here "
                        "(the gVisor backend with CPUOS_NETWORK on)")
-    row = request.app.state.mgr.get(ws, sid)  # 404 for another workspace's sandbox
+    row = mgr.get(ws, sid)  # 404 for another workspace's sandbox
     addr = await pv._running_address(row.id, row.workspace_id, row.state, row.spec)
     if isinstance(addr, tuple):
         raise ApiError("unavailable" if addr[0] == 503 else "conflict", addr[1])
-    with request.app.state.mgr.using(sid):
+    with mgr.using(sid):
         yield addr, f"{row.workspace_id}/{row.template}"
 
 
 @router.get("/sandboxes/{sid}/browser")
-async def browser_info(sid: str, request: Request, ws: Ws) -> dict[str, Any]:
+async def browser_info(sid: str, mgr: ManagerDep, pv: PreviewDep, net: NetworkDep, ws: Ws
+                       ) -> dict[str, Any]:
     """The DevTools WebSocket URL through the preview proxy (token in its query: keep it
     secret) and the browser's version."""
-    async with _address(request, ws, sid) as (addr, _):
+    async with _address(mgr, pv, net, ws, sid) as (addr, _):
         guid, version = await cdp.browser_guid(addr, sid)
-    pv: Preview = request.app.state.preview
     p = await pv.expose(ws, sid, cdp.CDP_PORT, None)
     base = p["url"].replace("http://", "ws://", 1).replace("https://", "wss://", 1)
     url = f"{base}devtools/browser/{guid}"
@@ -83,38 +67,43 @@ async def browser_info(sid: str, request: Request, ws: Ws) -> dict[str, Any]:
 
 
 @router.post("/sandboxes/{sid}/browser/goto")
-async def browser_goto(sid: str, body: Goto, request: Request, ws: Ws) -> dict[str, Any]:
+async def browser_goto(sid: str, body: Goto, mgr: ManagerDep, pv: PreviewDep, net: NetworkDep,
+                       ws: Ws) -> dict[str, Any]:
     """Load ``url`` in the page and wait for its load event: {url, status, title}."""
-    async with _address(request, ws, sid) as (addr, family):
+    async with _address(mgr, pv, net, ws, sid) as (addr, family):
         return await cdp.goto(addr, sid, body.url, body.timeout, family)
 
 
 @router.get("/sandboxes/{sid}/browser/screenshot")
-async def browser_screenshot(sid: str, request: Request, ws: Ws,
+async def browser_screenshot(sid: str, mgr: ManagerDep, pv: PreviewDep, net: NetworkDep,
+                             ws: Ws,
                              full_page: bool = False,
                              timeout: float = Query(30.0, gt=0, le=MAX_TIMEOUT)) -> Response:
-    async with _address(request, ws, sid) as (addr, family):
+    async with _address(mgr, pv, net, ws, sid) as (addr, family):
         png = await cdp.screenshot(addr, sid, timeout, full_page, family)
         return Response(png, media_type="image/png")
 
 
 @router.get("/sandboxes/{sid}/browser/content")
-async def browser_content(sid: str, request: Request, ws: Ws,
+async def browser_content(sid: str, mgr: ManagerDep, pv: PreviewDep, net: NetworkDep,
+                          ws: Ws,
                           timeout: float = Query(30.0, gt=0, le=MAX_TIMEOUT)
                           ) -> dict[str, Any]:
-    async with _address(request, ws, sid) as (addr, family):
+    async with _address(mgr, pv, net, ws, sid) as (addr, family):
         return {"html": await cdp.content(addr, sid, timeout, family)}
 
 
 @router.post("/sandboxes/{sid}/browser/click")
-async def browser_click(sid: str, body: Click, request: Request, ws: Ws) -> dict[str, Any]:
-    async with _address(request, ws, sid) as (addr, family):
+async def browser_click(sid: str, body: Click, mgr: ManagerDep, pv: PreviewDep,
+                        net: NetworkDep, ws: Ws) -> dict[str, Any]:
+    async with _address(mgr, pv, net, ws, sid) as (addr, family):
         await cdp.click(addr, sid, body.selector, body.timeout, family)
         return {"clicked": body.selector}
 
 
 @router.post("/sandboxes/{sid}/browser/fill")
-async def browser_fill(sid: str, body: Fill, request: Request, ws: Ws) -> dict[str, Any]:
-    async with _address(request, ws, sid) as (addr, family):
+async def browser_fill(sid: str, body: Fill, mgr: ManagerDep, pv: PreviewDep,
+                       net: NetworkDep, ws: Ws) -> dict[str, Any]:
+    async with _address(mgr, pv, net, ws, sid) as (addr, family):
         await cdp.fill(addr, sid, body.selector, body.text, body.timeout, family)
         return {"filled": body.selector}

@@ -27,76 +27,25 @@ output streams back on the exec's own response.
 
 from __future__ import annotations
 
-import re
 import signal as signal_mod
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, Field
 
 from cpuos_agent import protocol as P
-from cpuos_agent.protocol import parse_duration
 
+from ..agentconn import TransportError
 from ..errors import ApiError, invalid
 from ..events import SandboxEvent
 from ..lifecycle import commands as C
-from ..lifecycle.manager import Manager
+from ..lifecycle.manager import Live, Manager
 from ..paths import check_path
-from .auth import Ws
+from .deps import ManagerDep, Ws
+from .models import SignalRequest, StartCommand
 
 router = APIRouter(tags=["commands"])
-
-ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
-MAX_BUFFER = 64 << 20
-
-
-class StartCommand(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    cmd: str | list[str] = Field(description="a shell command line (bash -c) or an argv")
-    env: dict[str, str] = Field(default_factory=dict)
-    cwd: str | None = Field(None, description="default: the template's workdir (/work)")
-    timeout: float | str | None = Field(None, description="kill it after this long "
-                                        "(default: none; the sandbox's life bounds it)")
-    buffer: int = Field(1 << 20, ge=4096, le=MAX_BUFFER, description="bytes of its output "
-                        "kept (stdout and stderr together; the oldest go first)")
-    stdin: bool = Field(True, description="keep a pipe to its stdin (else /dev/null)")
-
-    @field_validator("cmd")
-    @classmethod
-    def _cmd(cls, v: str | list[str]) -> str | list[str]:
-        if isinstance(v, str):
-            if not v.strip() or "\x00" in v:
-                raise ValueError("cmd must be a non-empty string without NUL bytes")
-        elif not v or len(v) > 4096 or any("\x00" in a for a in v):
-            raise ValueError("argv must be 1..4096 strings without NUL bytes")
-        return v
-
-    @field_validator("timeout")
-    @classmethod
-    def _to(cls, v: Any) -> float | None:
-        if v is None:
-            return None
-        try:
-            return parse_duration(v, "timeout")
-        except ValueError as e:
-            raise ValueError(str(e)) from None
-
-    @field_validator("env")
-    @classmethod
-    def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        if len(v) > 256:
-            raise ValueError("at most 256 environment variables")
-        for k, val in v.items():
-            if not ENV_KEY.fullmatch(k) or "\x00" in val or len(val) > 32768:
-                raise ValueError(f"bad environment variable {k[:80]!r}")
-        return v
-
-
-class SignalRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    signal: str | int = Field("TERM", description="TERM, SIGINT, 9...")
-
 
 class CommandInfo(BaseModel):
     pid: int = Field(description="its pid inside the sandbox: the command's id")
@@ -146,11 +95,6 @@ def _signal(v: str | int) -> int:
     raise invalid(f"bad signal {str(v)[:40]!r}", field="signal")
 
 
-def _mgr(request: Request) -> Manager:
-    m: Manager = request.app.state.mgr
-    return m
-
-
 FRAMES: dict[int | str, dict[str, Any]] = {200: {"content": {P.CONTENT_TYPE: {}},
                 "description": "frames (cpuos_agent.protocol): attached (pid, start, end, "
                 "offset, running), out (fd 1|2, off; raw bytes)..., then exit (exit_code, "
@@ -159,11 +103,11 @@ FRAMES: dict[int | str, dict[str, Any]] = {200: {"content": {P.CONTENT_TYPE: {}}
 
 
 @router.post("/sandboxes/{sid}/commands", status_code=201, response_model=CommandInfo)
-async def start_command(sid: str, body: StartCommand, request: Request, ws: Ws
+async def start_command(sid: str, body: StartCommand, mgr: ManagerDep, ws: Ws
                         ) -> dict[str, Any]:
     """Start a background command; it outlives this request, its client and a daemon
     restart."""
-    lv = await _mgr(request).ready(ws, sid)
+    lv = await mgr.ready(ws, sid)
     cwd = None if body.cwd is None else check_path(body.cwd, "cwd")
     timeout = None if body.timeout is None else float(body.timeout)
     # for the audit trail: what was started, where, with which variables (names only)
@@ -174,76 +118,74 @@ async def start_command(sid: str, body: StartCommand, request: Request, ws: Ws
                             "env": sorted(body.env)}
     try:
         out = await C.start(lv, body.cmd, body.env, cwd, timeout, body.buffer, body.stdin)
-    except ApiError as e:
-        _audit(request, lv, {**what, "error": e.message})
+    except (ApiError, TransportError) as e:
+        _audit(mgr, lv, {**what, "error": e.message})
         raise
-    _audit(request, lv, {**what, "pid": out["pid"]})
+    _audit(mgr, lv, {**what, "pid": out["pid"]})
     return out
 
 
-def _audit(request: Request, lv: Any, fields: dict[str, Any]) -> None:
-    _mgr(request).events.emit(SandboxEvent("command", lv.row.id, lv.row.workspace_id, None,
-                                           fields=fields))
+def _audit(mgr: Manager, lv: Live, fields: dict[str, Any]) -> None:
+    mgr.events.emit(SandboxEvent("command", lv.row.id, lv.row.workspace_id, None,
+                                 fields=fields))
 
 
 @router.get("/sandboxes/{sid}/commands", response_model=CommandList)
-async def list_commands(sid: str, request: Request, ws: Ws) -> dict[str, Any]:
-    lv = await _mgr(request).ready(ws, sid)
+async def list_commands(sid: str, mgr: ManagerDep, ws: Ws) -> dict[str, Any]:
+    lv = await mgr.ready(ws, sid)
     return {"commands": await C.list_(lv)}
 
 
 @router.get("/sandboxes/{sid}/commands/{pid}", response_model=CommandInfo)
-async def command_info(sid: str, pid: int, request: Request, ws: Ws) -> dict[str, Any]:
-    lv = await _mgr(request).ready(ws, sid)
+async def command_info(sid: str, pid: int, mgr: ManagerDep, ws: Ws) -> dict[str, Any]:
+    lv = await mgr.ready(ws, sid)
     return await C.info(lv, pid)
 
 
 @router.get("/sandboxes/{sid}/commands/{pid}/output", responses=FRAMES)
-async def command_output(sid: str, pid: int, request: Request, ws: Ws,
+async def command_output(sid: str, pid: int, mgr: ManagerDep, ws: Ws,
                          offset: int = Query(0, ge=-1, description="the first byte's offset"
                                              " (-1: from the end: only what comes next)"),
                          follow: bool = Query(True, description="go on until it exits")
                          ) -> StreamingResponse:
-    m = _mgr(request)
-    lv = await m.ready(ws, sid)
-    out = await C.output(m.store, lv, pid, offset, follow, m._spawn)
+    lv = await mgr.ready(ws, sid)
+    out = await C.output(mgr.store, lv, pid, offset, follow, mgr._spawn)
     return StreamingResponse(out.frames(), media_type=P.CONTENT_TYPE,
                              headers={"Cache-Control": "no-store"})
 
 
 @router.post("/sandboxes/{sid}/commands/{pid}/stdin", response_model=StdinResult)
-async def command_stdin(sid: str, pid: int, request: Request, ws: Ws,
+async def command_stdin(sid: str, pid: int, request: Request, mgr: ManagerDep, ws: Ws,
                         close: bool = Query(False, description="then close its stdin")
                         ) -> dict[str, Any]:
     """The request body goes to the command's stdin, no faster than it reads it."""
-    m = _mgr(request)
-    lv = await m.ready(ws, sid)
-    return await C.write_stdin(lv, pid, request.stream(), close, m._spawn)
+    lv = await mgr.ready(ws, sid)
+    return await C.write_stdin(lv, pid, request.stream(), close, mgr._spawn)
 
 
 @router.post("/sandboxes/{sid}/commands/{pid}/signal", response_model=CommandInfo)
-async def command_signal(sid: str, pid: int, body: SignalRequest, request: Request, ws: Ws
+async def command_signal(sid: str, pid: int, body: SignalRequest, mgr: ManagerDep, ws: Ws
                          ) -> dict[str, Any]:
-    lv = await _mgr(request).ready(ws, sid)
+    lv = await mgr.ready(ws, sid)
     sig = _signal(body.signal)
-    _audit(request, lv, {"source": "api", "background": True, "pid": pid, "signal": sig})
+    _audit(mgr, lv, {"source": "api", "background": True, "pid": pid, "signal": sig})
     return await C.signal(lv, pid, sig)
 
 
 @router.get("/sandboxes/{sid}/commands/{pid}/wait", response_model=CommandInfo)
-async def command_wait(sid: str, pid: int, request: Request, ws: Ws,
+async def command_wait(sid: str, pid: int, mgr: ManagerDep, ws: Ws,
                        timeout: float = Query(60.0, ge=0, le=C.MAX_WAIT)) -> dict[str, Any]:
     """Its record once it ended, or after ``timeout`` seconds (then ``running``)."""
-    lv = await _mgr(request).ready(ws, sid)
+    lv = await mgr.ready(ws, sid)
     return await C.wait(lv, pid, timeout)
 
 
 @router.post("/sandboxes/{sid}/execs/{eid}/stdin", response_model=ExecStdinResult)
-async def exec_stdin(sid: str, eid: str, request: Request, ws: Ws,
+async def exec_stdin(sid: str, eid: str, request: Request, mgr: ManagerDep, ws: Ws,
                      close: bool = Query(True, description="then close its stdin")
                      ) -> dict[str, Any]:
     """The request body goes to the stdin of a running exec started with ``stdin_stream``
     (``POST /sandboxes/{id}/exec``; its ``started`` frame names the exec id), no faster than
     the command reads it; one such request at a time."""
-    _mgr(request).get(ws, sid)
+    mgr.get(ws, sid)
     return await C.exec_stdin(sid, eid, request.stream(), close)

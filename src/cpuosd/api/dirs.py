@@ -28,14 +28,16 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from cpuos_agent import protocol as P
+from cpuos_agent.messages import Frame
+from cpuos_agent.protocol import Kind
 
-from ..agentconn import AgentGone, Stream, open_stream, raise_for_agent_error
+from ..agentconn import AgentGone, Stream, TransportError, open_stream, raise_for_agent_error
 from ..lifecycle.commands import gone_message
-from ..errors import ApiError
+from ..errors import ApiError, api_error
 from ..lifecycle.manager import Manager
 from ..lifecycle.session import FileStream
 from ..paths import check_path
-from .auth import Ws
+from .deps import ManagerDep, Ws
 from .streams import MaxBytesQ, file_response
 
 router = APIRouter(tags=["files"])
@@ -55,9 +57,9 @@ def _count(v: Any) -> int:
 
 
 @router.put("/sandboxes/{sid}/files/tar", response_model=Extracted)
-async def put_tar(sid: str, path: str, request: Request, ws: Ws) -> dict[str, Any]:
+async def put_tar(sid: str, path: str, request: Request, m: ManagerDep, ws: Ws
+                  ) -> dict[str, Any]:
     """Extract the tar in the body into the directory ``path`` (all or nothing)."""
-    m: Manager = request.app.state.mgr
     lv = await m.ready(ws, sid, "files")
     dest = check_path(path)
     if dest == "/":
@@ -65,7 +67,7 @@ async def put_tar(sid: str, path: str, request: Request, ws: Ws) -> dict[str, An
     archive = f"{dest.rstrip('/')}/.cpuos-upload-{secrets.token_hex(8)}.tar"
     await m.write_file(lv, archive, request.stream())
     # (the agent removes the archive once it has tried it, whatever came of it)
-    h = await lv.chan.call({"t": "untar", "archive": archive, "path": dest}, UNTAR_WAIT)
+    h = await lv.chan.call({"t": Kind.UNTAR, "archive": archive, "path": dest}, UNTAR_WAIT)
     got = h.get("extracted")
     n: dict[str, Any] = got if isinstance(got, dict) else {}
     return {"path": dest, **{k: _count(n.get(k)) for k in ("files", "dirs", "links", "bytes")}}
@@ -75,13 +77,12 @@ async def put_tar(sid: str, path: str, request: Request, ws: Ws) -> dict[str, An
             responses={200: {"content": {"application/x-tar": {}, P.CONTENT_TYPE: {}},
                              "description": "a tar of the directory (raw; or frames with "
                              f"Accept: {P.CONTENT_TYPE}: data..., then eof or error)"}})
-async def get_tar(sid: str, path: str, request: Request, ws: Ws,
+async def get_tar(sid: str, path: str, request: Request, m: ManagerDep, ws: Ws,
                   max_bytes: MaxBytesQ = None) -> StreamingResponse:
-    m: Manager = request.app.state.mgr
     lv = await m.ready(ws, sid, "files")
     src = check_path(path)
     limit = m.read_limit(max_bytes)
-    st, _ = await open_stream(lv.chan, {"t": "tar", "path": src}, 30.0, f"open {src}")
+    st, _ = await open_stream(lv.chan, {"t": Kind.TAR, "path": src}, 30.0, f"open {src}")
     return file_response(FileStream(m, lv, st, src, None, limit),
                          request.headers.get("accept", ""))
 
@@ -118,13 +119,12 @@ def _clean_events(payload: bytes) -> list[dict[str, Any]]:
             responses={200: {"content": {P.CONTENT_TYPE: {}},
                              "description": "frames: watching, events (JSON array "
                              "payload)..., then eof or error"}})
-async def watch(sid: str, path: str, request: Request, ws: Ws, recursive: bool = True
+async def watch(sid: str, path: str, m: ManagerDep, ws: Ws, recursive: bool = True
                 ) -> StreamingResponse:
     """Changes under a directory as they happen (until the client leaves)."""
-    m: Manager = request.app.state.mgr
     lv = await m.ready(ws, sid, "files")
     root = check_path(path)
-    st, h = await open_stream(lv.chan, {"t": "watch", "path": root, "recursive": recursive},
+    st, h = await open_stream(lv.chan, {"t": Kind.WATCH, "path": root, "recursive": recursive},
                               60.0, f"watch {root}")
     watches = h.get("watches")
     return StreamingResponse(_watch_frames(m, lv, st, root, watches),
@@ -135,28 +135,29 @@ async def _watch_frames(m: Manager, lv: Any, st: Stream, root: str, watches: Any
                         ) -> AsyncIterator[bytes]:
     done = False
     try:
-        yield P.encode({"t": "watching", "path": root,
+        yield P.encode({"t": Frame.WATCHING, "path": root,
                         "watches": watches if isinstance(watches, int) else 0})
         while True:
             h, payload = await st.get()
-            if h["t"] == "events":
+            if h["t"] == Kind.EVENTS:
                 evs = _clean_events(payload)
-                yield P.encode({"t": "events", "n": len(evs),
+                yield P.encode({"t": Frame.EVENTS, "n": len(evs),
                                 "overflow": h.get("overflow") is True},
                                json.dumps(evs, separators=(",", ":")).encode())
-            elif h["t"] == "eof":
+            elif h["t"] == Kind.EOF:
                 done = True
-                yield P.encode({"t": "eof"})
+                yield P.encode({"t": Frame.EOF})
                 return
             else:
                 raise_for_agent_error(h)
                 raise ApiError("internal", f"unexpected agent frame {h['t']!r}")
     except AgentGone as e:
-        yield P.encode({"t": "error", "code": "unavailable",
+        yield P.encode({"t": Frame.ERROR, "code": "unavailable",
                         "message": gone_message(m.store, lv, e)})
-    except ApiError as e:
-        yield P.encode({"t": "error", "code": e.code, "message": e.message})
+    except (ApiError, TransportError) as e:
+        err = api_error(e)
+        yield P.encode({"t": Frame.ERROR, "code": err.code, "message": err.message})
     finally:
         st.close()
         if not done:
-            m._spawn(lv.chan.send({"t": "kill", "id": st.id, "reason": "cancelled"}))
+            m._spawn(lv.chan.send({"t": Kind.KILL, "id": st.id, "reason": "cancelled"}))

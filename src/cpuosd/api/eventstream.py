@@ -27,7 +27,8 @@ from fastapi.responses import StreamingResponse
 from ..errors import invalid
 from ..events import NOT_TRANSITIONS, SandboxEvent
 from ..paths import ID_RE
-from .auth import Ws, all_workspaces
+from .auth import all_workspaces
+from .deps import ManagerDep, Ws
 
 router = APIRouter(tags=["events"])
 QUEUE = 2000
@@ -57,7 +58,7 @@ def _shown(ev: SandboxEvent) -> bool:
 
 @router.get("/events", responses={200: {"content": {"text/event-stream": {}},
                                         "description": "server-sent events (see the module)"}})
-async def events(request: Request, ws: Ws,
+async def events(request: Request, mgr: ManagerDep, ws: Ws,
                  sandbox: str | None = Query(None, description="only this sandbox's events"),
                  kind: Annotated[list[str] | None, Query(description=(
                      "only these kinds (repeated or comma-separated)"))] = None
@@ -71,9 +72,9 @@ async def events(request: Request, ws: Ws,
     if sandbox is not None:
         if not ID_RE.fullmatch(sandbox):
             raise invalid("bad sandbox id", field="sandbox")
-        request.app.state.mgr.get(ws, sandbox)  # 404 unless the caller's
+        mgr.get(ws, sandbox)  # 404 unless the caller's
     every = all_workspaces(request)
-    bus = request.app.state.mgr.events
+    bus = mgr.events
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[SandboxEvent] = asyncio.Queue(QUEUE)
     dropped = 0

@@ -7,58 +7,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from cpuos_agent import protocol as P
-from cpuos_agent.protocol import parse_duration
 
-from ..lifecycle.kernel import LANGUAGE_RE, restart_kernel, run_code
-from ..lifecycle.manager import Manager
-from .auth import Ws
+from ..lifecycle.kernel import restart_kernel, run_code
+from .deps import ManagerDep, Ws
+from .models import RestartKernel, RunCode
 
 router = APIRouter()
-MAX_CODE = 1_000_000  # characters of one cell
-
-
-def _language(v: str) -> str:
-    if not LANGUAGE_RE.fullmatch(v):
-        raise ValueError("language must be a kernel language such as 'python'")
-    return v
-
-
-class RunCode(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    code: str = Field(max_length=MAX_CODE)
-    language: str = "python"
-    timeout: float | str | None = Field(None, description="the cell is interrupted (SIGINT) "
-                                        "after this; default 300 s")
-
-    @field_validator("timeout")
-    @classmethod
-    def _to(cls, v: Any) -> float | None:
-        return None if v is None else parse_duration(v, "timeout")
-
-    @field_validator("language")
-    @classmethod
-    def _lang(cls, v: str) -> str:
-        return _language(v)
-
-
-class RestartKernel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    language: str = "python"
-
-    @field_validator("language")
-    @classmethod
-    def _lang(cls, v: str) -> str:
-        return _language(v)
-
-
-def _mgr(request: Request) -> Manager:
-    m: Manager = request.app.state.mgr
-    return m
 
 
 @router.post("/sandboxes/{sid}/code",
@@ -66,18 +24,18 @@ def _mgr(request: Request) -> Manager:
                               "description": "a stream of frames: started, out (fd 1|2), "
                               "cut, item (n, main, mime; the content in the payload), "
                               "exception (ename, evalue; the traceback), then done or error"}})
-async def code(sid: str, body: RunCode, request: Request, ws: Ws) -> StreamingResponse:
+async def code(sid: str, body: RunCode, mgr: ManagerDep, ws: Ws) -> StreamingResponse:
     """Run a cell on the sandbox's kernel; variables, imports and cwd stay for the next."""
-    lv = await _mgr(request).ready(ws, sid)
-    frames = await run_code(_mgr(request), lv, body.code, body.language,
+    lv = await mgr.ready(ws, sid)
+    frames = await run_code(mgr, lv, body.code, body.language,
                             None if body.timeout is None else float(body.timeout))
     return StreamingResponse(frames, media_type=P.CONTENT_TYPE,
                              headers={"Cache-Control": "no-store"})
 
 
 @router.post("/sandboxes/{sid}/kernel/restart")
-async def restart(sid: str, request: Request, ws: Ws,
+async def restart(sid: str, mgr: ManagerDep, ws: Ws,
                   body: RestartKernel | None = None) -> dict[str, Any]:
     """A fresh kernel: every variable and import of the old one is gone."""
-    lv = await _mgr(request).ready(ws, sid)
-    return await restart_kernel(_mgr(request), lv, (body or RestartKernel()).language)
+    lv = await mgr.ready(ws, sid)
+    return await restart_kernel(mgr, lv, (body or RestartKernel()).language)

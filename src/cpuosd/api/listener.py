@@ -9,10 +9,10 @@ already held. Here:
   most a quarter of the descriptors the daemon keeps for itself (``cpuosd.fdbudget``: what
   sandboxes and preview visitors hold never counts here, so they cannot shut the API out):
   past that a new connection is closed at once;
-- a request head must arrive whole within ``HEAD_TIMEOUT`` s of its first byte (of the
-  connection, for the first one) and be at most ``MAX_HEAD`` bytes, else the connection is
+- a request head must arrive whole within ``CPUOS_API_HEAD_TIMEOUT`` s of its first byte (of
+  the connection, for the first one) and be at most ``MAX_HEAD`` bytes, else the connection is
   closed;
-- between requests a connection is kept ``KEEPALIVE`` s (``CPUOS_API_KEEPALIVE``, 310:
+- between requests a connection is kept ``CPUOS_API_KEEPALIVE`` s (310:
   longer than the clients' own pools keep one, E2B's SDK 300 s, so a client never reuses a
   connection the daemon is closing); when the cap is reached, an idle kept-alive connection
   is closed to make room for a new one.
@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from typing import Any
 
+from ..config import ApiConfig
 from ..fdbudget import BUDGET
 
 try:
@@ -35,9 +35,6 @@ except ImportError:  # pragma: no cover - uvicorn[standard] brings httptools
 
 log = logging.getLogger("cpuosd.api")
 
-MAX_CONNECTIONS = int(os.environ.get("CPUOS_API_MAX_CONNECTIONS") or 2048)
-HEAD_TIMEOUT = float(os.environ.get("CPUOS_API_HEAD_TIMEOUT") or 10.0)
-KEEPALIVE = float(os.environ.get("CPUOS_API_KEEPALIVE") or 310.0)
 MAX_HEAD = 64 * 1024
 HEAD_SLICE = 8 * 1024
 LOG_INTERVAL = 10.0
@@ -54,7 +51,11 @@ def _note_refusal(why: str) -> None:
 
 
 class GuardedHTTP(_Base):
-    """uvicorn's HTTP protocol with a connection cap, a head deadline and a head size."""
+    """uvicorn's HTTP protocol with a connection cap, a head deadline and a head size
+    (``guarded_http`` sets the first two from the configuration)."""
+
+    max_connections: int = ApiConfig.max_connections
+    head_timeout: float = ApiConfig.head_timeout
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         # every API connection: HTTP, and WebSockets once upgraded (uvicorn keeps both in
@@ -62,7 +63,7 @@ class GuardedHTTP(_Base):
         conns = self.connections
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_bytes = 0
-        cap = min(MAX_CONNECTIONS, max(16, BUDGET.reserve // 4))
+        cap = min(self.max_connections, max(16, BUDGET.reserve // 4))
         if len(conns) >= cap:
             idle = next((c for c in conns if isinstance(c, GuardedHTTP) and c._kept_alive()),
                         None)
@@ -84,7 +85,7 @@ class GuardedHTTP(_Base):
     def _start_head(self) -> None:
         self._head_bytes = 0
         if self._head_timer is None and not self.transport.is_closing():
-            self._head_timer = self.loop.call_later(HEAD_TIMEOUT, self._head_timeout)
+            self._head_timer = self.loop.call_later(self.head_timeout, self._head_timeout)
 
     def _end_head(self) -> None:
         if self._head_timer is not None:
@@ -93,7 +94,7 @@ class GuardedHTTP(_Base):
 
     def _head_timeout(self) -> None:
         self._head_timer = None
-        _note_refusal(f"no whole request head within {HEAD_TIMEOUT:.0f}s")
+        _note_refusal(f"no whole request head within {self.head_timeout:.0f}s")
         self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
@@ -139,3 +140,9 @@ class GuardedHTTP(_Base):
         if getattr(self, "transport", None) is None:
             return  # refused in connection_made
         super().connection_lost(exc)
+
+
+def guarded_http(cfg: ApiConfig) -> type[GuardedHTTP]:
+    """The protocol class for uvicorn (``http=``), with ``cfg``'s cap and head deadline."""
+    return type("GuardedHTTP", (GuardedHTTP,), {"max_connections": cfg.max_connections,
+                                               "head_timeout": cfg.head_timeout})

@@ -26,16 +26,18 @@ import json
 import logging
 from typing import Any
 
-from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
-from ..agentconn import AgentGone, StdinClosed, raise_for_agent_error
-from ..errors import ApiError
+from cpuos_agent.protocol import Kind
+
+from ..agentconn import AgentGone, StdinClosed, TransportError, raise_for_agent_error
+from ..errors import ApiError, api_error
 from ..lifecycle import commands as C
-from ..lifecycle.manager import Manager
 from ..paths import check_path
-from .auth import Ws, websocket_caller
-from .commands import CommandInfo, StartCommand
+from .auth import websocket_caller
+from .commands import CommandInfo
+from .deps import ManagerDep, Ws
+from .models import Resize, StartPty
 
 log = logging.getLogger("cpuosd.pty")
 router = APIRouter(tags=["pty"])
@@ -45,31 +47,11 @@ MAX_INPUT = 1 << 20  # bytes in one input message
 CLOSE_BASE = 4000
 
 
-class StartPty(StartCommand):
-    model_config = ConfigDict(extra="forbid")
-    cmd: str | list[str] = Field(["/bin/bash", "-l"], description="default: a login bash")
-    cols: int = Field(80, ge=1, le=1000)
-    rows: int = Field(24, ge=1, le=1000)
-    buffer: int = Field(256 << 10, ge=4096, le=64 << 20, description="bytes of its "
-                        "output kept for a client that attaches later")
-
-
-class Resize(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    cols: int = Field(ge=1, le=1000)
-    rows: int = Field(ge=1, le=1000)
-
-
-def _mgr(app: Any) -> Manager:
-    m: Manager = app.state.mgr
-    return m
-
-
 @router.post("/sandboxes/{sid}/pty", status_code=201, response_model=CommandInfo)
-async def create_pty(sid: str, body: StartPty, request: Request, ws: Ws) -> dict[str, Any]:
+async def create_pty(sid: str, body: StartPty, mgr: ManagerDep, ws: Ws) -> dict[str, Any]:
     """Start a command on a new terminal of ``cols`` x ``rows``; attach with the
     WebSocket."""
-    lv = await _mgr(request.app).ready(ws, sid)
+    lv = await mgr.ready(ws, sid)
     cwd = None if body.cwd is None else check_path(body.cwd, "cwd")
     timeout = None if body.timeout is None else float(body.timeout)
     return await C.start(lv, body.cmd, body.env, cwd, timeout, body.buffer, True,
@@ -77,9 +59,9 @@ async def create_pty(sid: str, body: StartPty, request: Request, ws: Ws) -> dict
 
 
 @router.post("/sandboxes/{sid}/pty/{pid}/resize")
-async def resize_pty(sid: str, pid: int, body: Resize, request: Request, ws: Ws
+async def resize_pty(sid: str, pid: int, body: Resize, mgr: ManagerDep, ws: Ws
                      ) -> dict[str, Any]:
-    lv = await _mgr(request.app).ready(ws, sid)
+    lv = await mgr.ready(ws, sid)
     await C.resize(lv, pid, body.cols, body.rows)
     return {"pid": pid, "cols": body.cols, "rows": body.rows}
 
@@ -93,24 +75,23 @@ async def _close(websocket: WebSocket, e: ApiError) -> None:
 
 
 @router.websocket("/sandboxes/{sid}/pty/{pid}/ws")
-async def pty_socket(websocket: WebSocket, sid: str, pid: int, offset: int = 0) -> None:
-    app = websocket.app
+async def pty_socket(websocket: WebSocket, sid: str, pid: int, m: ManagerDep,
+                     offset: int = 0) -> None:
     found = websocket_caller(websocket.scope)  # the key, or the console's session cookie
     if found is None:
         await websocket.close(CLOSE_BASE + 401, "missing or invalid API key")
         return
     ws = found[1]
-    m = _mgr(app)
     try:
         lv = await m.ready(ws, sid)
         out, head = await C.attach(lv, pid, max(-1, offset), m._spawn)
-    except ApiError as e:
+    except (ApiError, TransportError) as e:
         await websocket.accept()
-        await _close(websocket, e)
+        await _close(websocket, api_error(e))
         return
     try:
         inp = await C.open_stdin(lv, pid, m._spawn)
-    except ApiError:
+    except (ApiError, TransportError):
         inp = None  # it ended (or closed its input): its output can still be read
     await websocket.accept()
     await websocket.send_text(json.dumps({
@@ -122,13 +103,13 @@ async def pty_socket(websocket: WebSocket, sid: str, pid: int, offset: int = 0) 
         while True:
             h, payload = await out.get()
             t = h["t"]
-            if t == "out":
+            if t == Kind.OUT:
                 off = C._int(h.get("off"))
                 if off is None or off < pos:
                     raise ApiError("internal", "sandbox agent sent a malformed output frame")
                 pos = off + len(payload)
                 await websocket.send_bytes(payload)
-            elif t == "exit":
+            elif t == Kind.EXIT:
                 await websocket.send_text(json.dumps({"type": "exit", **C.exit_fields(h)}))
                 await websocket.close(1000)
                 return
@@ -166,8 +147,8 @@ async def pty_socket(websocket: WebSocket, sid: str, pid: int, offset: int = 0) 
             if isinstance(err, AgentGone):
                 await _close(websocket, ApiError("unavailable",
                                                  C.gone_message(m.store, lv, err)))
-            elif isinstance(err, ApiError):
-                await _close(websocket, err)
+            elif isinstance(err, ApiError | TransportError):
+                await _close(websocket, api_error(err))
             elif err is not None and not isinstance(err, WebSocketDisconnect):
                 log.warning("terminal %s of %s: %r", pid, sid, err)
                 await _close(websocket, ApiError("internal", f"{type(err).__name__}"))

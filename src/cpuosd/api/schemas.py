@@ -149,7 +149,7 @@ class MetricsList(BaseModel):
 
 
 class ErrorDetail(BaseModel):
-    code: str = Field(description="one of cpuos_agent.protocol.ERROR_CODES")
+    code: str = Field(description="one of cpuos._errors.ERROR_CODES")
     message: str
     details: dict[str, Any]
 

@@ -52,15 +52,13 @@ from ..paths import ID_RE
 from ..procs import Child, spawn
 from ..store import ACTIVE_STATES
 from ..templates.builder import disk_usage, list_templates, remove_template, template_info
-from .auth import Ws, is_admin, require_admin
+from .deps import ManagerDep, NetworkDep, StoreDep, Ws, is_admin, require_admin, services_of
 
 log = logging.getLogger("cpuosd.templates")
 router = APIRouter()
 
 NDJSON = "application/x-ndjson"
-MAX_UPLOAD = int(os.environ.get("CPUOS_MAX_TEMPLATE_UPLOAD") or 8 << 30)
 MAX_CONTEXT_FILES = 100_000
-BUILD_TIMEOUT = float(os.environ.get("CPUOS_TEMPLATE_BUILD_TIMEOUT") or 3600)
 FREE_MARGIN = 1 << 30  # an upload never takes the disk below this
 TERM_GRACE = 30.0  # s a build has to clean up after SIGTERM
 
@@ -70,9 +68,9 @@ MAX_NET_LINES = 1000  # connection lines of one build kept until they are sent
 
 def build_policy(cfg: Config) -> Policy | None:
     """The build steps' egress policy (CPUOS_BUILD_NETWORK); None: no network."""
-    raw = (os.environ.get("CPUOS_BUILD_NETWORK") or "").strip()
+    raw = (cfg.builds.network or "").strip()
     if not raw:
-        raw = "off" if cfg.default_network == "off" else "allowlist"
+        raw = "off" if cfg.network.default_policy == "off" else "allowlist"
     value: Any = raw if raw in ("off", "on", "allowlist") else {
         "allow": [n.strip() for n in raw.split(",") if n.strip()]}
     try:
@@ -179,8 +177,7 @@ async def stop_build(child: Child) -> None:
 
 
 def _builds(request: Request) -> TemplateBuilds:
-    b: TemplateBuilds = request.app.state.builds
-    return b
+    return services_of(request.app).builds
 
 
 def _check_name(name: str, what: str = "name") -> str:
@@ -199,9 +196,9 @@ def _shown(info: dict[str, Any], admin: bool) -> dict[str, Any]:
 
 
 @router.get("/templates")
-async def list_(request: Request, ws: Ws) -> dict[str, Any]:
+async def list_(request: Request, mgr: ManagerDep, ws: Ws) -> dict[str, Any]:
     """The templates built on the daemon's host (host paths for the admin only)."""
-    tdir = request.app.state.mgr.cfg.templates_dir
+    tdir = mgr.cfg.templates_dir
     items = await asyncio.to_thread(lambda: list_templates(tdir) if tdir.is_dir() else [])
     for i in items:
         if not i.get("size_bytes"):
@@ -211,24 +208,23 @@ async def list_(request: Request, ws: Ws) -> dict[str, Any]:
 
 
 @router.get("/templates/{name}")
-async def get(name: str, request: Request, ws: Ws) -> dict[str, Any]:
-    info = template_info(request.app.state.mgr.cfg.templates_dir, _check_name(name))
+async def get(name: str, request: Request, mgr: ManagerDep, ws: Ws) -> dict[str, Any]:
+    info = template_info(mgr.cfg.templates_dir, _check_name(name))
     if info is None:
         raise not_found("template", name)
     return _shown(info, is_admin(request, ws))
 
 
 @router.delete("/templates/{name}")
-async def remove(name: str, request: Request, ws: Ws,
+async def remove(name: str, request: Request, mgr: ManagerDep, store: StoreDep, ws: Ws,
                  force: bool = Query(False, description="remove even while sandboxes of this "
                                                         "template are alive (they may break)")
                  ) -> dict[str, Any]:
     require_admin(request, ws)
-    mgr = request.app.state.mgr
     _check_name(name)
     if template_info(mgr.cfg.templates_dir, name) is None:
         raise not_found("template", name)
-    users = [r.id for r in request.app.state.store.list_sandboxes(None, ACTIVE_STATES)
+    users = [r.id for r in store.list_sandboxes(None, ACTIVE_STATES)
              if r.template == name]
     if users and not force:
         raise ApiError("conflict", f"{len(users)} sandbox(es) of template {name!r} are alive; "
@@ -241,7 +237,7 @@ async def remove(name: str, request: Request, ws: Ws,
 
 @router.post("/templates/build", responses={200: {"content": {NDJSON: {}}}})
 async def build(
-    request: Request, ws: Ws,
+    request: Request, net: NetworkDep, ws: Ws,
     builtin: str | None = Query(None, description="a built-in template: python, node, devbox"),
     file: str | None = Query(None, description="the spec (TOML) or Dockerfile inside the "
                                                "uploaded context (a tar, optionally gzip)"),
@@ -268,20 +264,20 @@ async def build(
             upload = builds.cfg.home / "uploads" / secrets.token_hex(8)
             upload.mkdir(parents=True, mode=0o700)
             body = upload / "body"
-            await _receive(request, body)
+            await _receive(request, body, builds.cfg.builds.max_upload)
             if oci:
                 argv += ["--oci", str(body)]
             else:
                 assert file is not None
                 ctx = upload / "context"
-                await asyncio.to_thread(_extract_context, body, ctx)
+                await asyncio.to_thread(_extract_context, body, ctx,
+                                        builds.cfg.builds.max_upload)
                 body.unlink()
                 argv.append(str(ctx / _context_path(file, ctx)))
         if name is not None:
             argv += ["--name", name]
         if force:
             argv.append("--force")
-        net: Network | None = request.app.state.network
         policy = build_policy(builds.cfg) if not oci else None  # (an image runs no steps)
         if net is not None and policy is not None:
             builds.net = await BuildNet.attach(net, policy)
@@ -299,15 +295,15 @@ async def build(
                              headers={"Cache-Control": "no-store"})
 
 
-async def _receive(request: Request, dest: Path) -> None:
-    """The body to ``dest``, streamed: at most MAX_UPLOAD bytes, and never below FREE_MARGIN
-    of free space on the daemon's disk."""
+async def _receive(request: Request, dest: Path, limit: int) -> None:
+    """The body to ``dest``, streamed: at most ``limit`` bytes (CPUOS_MAX_TEMPLATE_UPLOAD),
+    and never below FREE_MARGIN of free space on the daemon's disk."""
     declared = request.headers.get("content-length")
     free = shutil.disk_usage(dest.parent).free
     if declared and declared.isdigit():
-        if int(declared) > MAX_UPLOAD:
+        if int(declared) > limit:
             raise ApiError("too_large", f"upload of {declared} bytes is over the limit of "
-                                        f"{MAX_UPLOAD}", {"limit": MAX_UPLOAD})
+                                        f"{limit}", {"limit": limit})
         if int(declared) > free - FREE_MARGIN:
             raise ApiError("no_space", f"not enough free space for a {declared}-byte upload",
                            {"free": free})
@@ -315,9 +311,9 @@ async def _receive(request: Request, dest: Path) -> None:
     with open(dest, "wb") as f:
         async for chunk in request.stream():
             n += len(chunk)
-            if n > MAX_UPLOAD:
-                raise ApiError("too_large", f"upload over the limit of {MAX_UPLOAD} bytes",
-                               {"limit": MAX_UPLOAD})
+            if n > limit:
+                raise ApiError("too_large", f"upload over the limit of {limit} bytes",
+                               {"limit": limit})
             if n % (64 << 20) < len(chunk) and \
                     shutil.disk_usage(dest.parent).free < FREE_MARGIN:
                 raise ApiError("no_space", "the daemon's disk is nearly full", {})
@@ -335,7 +331,7 @@ def _context_path(file: str, ctx: Path) -> str:
     return str(p)
 
 
-def _extract_context(tar_path: Path, dest: Path) -> None:
+def _extract_context(tar_path: Path, dest: Path, limit: int) -> None:
     """A context tar into ``dest``: directories and regular files only. A symlink, a hard
     link, a device or FIFO, an absolute name or ``..`` refuses the whole context (422
     naming the entry) before anything is written; bounded in entries and in bytes
@@ -349,9 +345,9 @@ def _extract_context(tar_path: Path, dest: Path) -> None:
         with tarfile.open(tar_path, "r:*") as tf:
             try:
                 members = tarx.check_members(tf, links=False, max_members=MAX_CONTEXT_FILES,
-                                             max_bytes=MAX_UPLOAD)
+                                             max_bytes=limit)
             except tarx.TooBig:
-                raise invalid(f"the context is too big (over {MAX_UPLOAD} bytes unpacked)"
+                raise invalid(f"the context is too big (over {limit} bytes unpacked)"
                               ) from None
             except tarx.Refused as e:
                 raise invalid(f"the context was refused, nothing written: {e}") from None
@@ -428,7 +424,7 @@ async def _relay(first: dict[str, Any], lines: asyncio.StreamReader, child: Chil
     try:
         yield (json.dumps(first) + "\n").encode()
         try:
-            async with asyncio.timeout(BUILD_TIMEOUT):
+            async with asyncio.timeout(builds.cfg.builds.timeout):
                 while True:
                     ev = await _event(lines)
                     if ev is None:
@@ -439,7 +435,7 @@ async def _relay(first: dict[str, Any], lines: asyncio.StreamReader, child: Chil
                     yield net_lines() + (json.dumps(ev, default=str) + "\n").encode()
         except TimeoutError:
             last = {"error": {"code": "timeout", "message": f"the template build overran "
-                                                            f"{BUILD_TIMEOUT:.0f}s; stopped"}}
+                              f"{builds.cfg.builds.timeout:.0f}s; stopped"}}
         # the build has ended (or is ended now) and its upload is gone before the client
         # hears the outcome: a build right after it is not refused as concurrent
         ended = True

@@ -6,17 +6,16 @@ from __future__ import annotations
 import asyncio
 import time
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request
 
 from ..accounting.usage import Meter, month_start, spending_cap
 from ..errors import invalid
 from ..store import SandboxRow
-from .auth import Ws, all_workspaces
-
-if TYPE_CHECKING:
-    from ..lifecycle.manager import Manager
+from ..lifecycle.manager import Manager
+from .auth import all_workspaces
+from .deps import ManagerDep, MeterDep, StoreDep, Ws
 
 router = APIRouter()
 
@@ -40,7 +39,7 @@ def _when(v: str | None, default: float, what: str) -> float:
 
 
 @router.get("/usage")
-async def usage(request: Request, ws: Ws,
+async def usage(mgr: ManagerDep, meter: MeterDep, store: StoreDep, ws: Ws,
                 since: str | None = Query(None, description="default: the start of this "
                                           "month (UTC); epoch seconds or ISO 8601"),
                 until: str | None = Query(None, description="default: now"),
@@ -57,10 +56,9 @@ async def usage(request: Request, ws: Ws,
     if t1 < t0:
         raise invalid("until is before since", field="until")
     if sandbox is not None:
-        request.app.state.mgr.get(ws, sandbox)  # 404 unless the caller's
-    meter: Meter = request.app.state.meter
+        mgr.get(ws, sandbox)  # 404 unless the caller's
     out = meter.summary(ws, t0, min(t1, now), sandbox)
-    cap = spending_cap(request.app.state.store, ws)
+    cap = spending_cap(store, ws)
     month = meter.month_cost(ws, now)
     out["spending_cap"] = {"cap": cap, "month_spent": round(month, 8),
                            "reached": cap is not None and month >= cap}
@@ -111,10 +109,9 @@ async def sandbox_metrics(m: Manager, row: SandboxRow) -> dict[str, Any]:
 
 
 @router.get("/metrics")
-async def all_metrics(request: Request, ws: Ws) -> dict[str, Any]:
+async def all_metrics(request: Request, m: ManagerDep, ws: Ws) -> dict[str, Any]:
     """sandbox_metrics of each of the caller's running and paused sandboxes (cpuos top);
     the admin's ``workspace=*``: every workspace's."""
-    m: Manager = request.app.state.mgr
     every = all_workspaces(request)
     rows = [r for r in m.store.list_sandboxes(None if every else ws, ("running", "paused"))
             if r.workspace_id][:1000]

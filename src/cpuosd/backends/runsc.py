@@ -24,6 +24,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..config import Config, RunscConfig
+
 log = logging.getLogger("cpuosd.runsc")
 
 # The gVisor module version built by scripts/build-runsc.sh, and the level of cpuos's
@@ -32,7 +34,6 @@ log = logging.getLogger("cpuosd.runsc")
 MODULE_VERSION = "v0.0.0-20260905035102-160fafc42237"
 PATCH_LEVEL = 2
 PINNED_VERSION = f"{MODULE_VERSION}+cpuos.{PATCH_LEVEL}"
-PREFIX = Path(os.environ.get("CPUOS_RUNSC_PREFIX", "/usr/local/lib/cpuos"))
 PLATFORMS = ("systrap", "ptrace", "kvm")
 
 
@@ -82,7 +83,7 @@ class Runsc:
 
 
 def pinned_path(prefix: Path | None = None) -> Path:
-    return (prefix or PREFIX) / f"runsc-{PINNED_VERSION}" / "runsc"
+    return (prefix or RunscConfig.prefix) / f"runsc-{PINNED_VERSION}" / "runsc"
 
 
 def _probe(path: str) -> tuple[str, tuple[str, ...], bool, bool]:
@@ -110,9 +111,13 @@ def _others(prefix: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.parent.name, reverse=True)
 
 
-def find_runsc(prefix: Path | None = None) -> Runsc:
-    prefix = prefix or PREFIX
-    env = os.environ.get("CPUOS_RUNSC")
+def find_runsc(prefix: Path | None = None, cfg: RunscConfig | None = None) -> Runsc:
+    """The runsc ``cfg`` names (CPUOS_RUNSC, CPUOS_RUNSC_PLATFORM; default: this process's
+    environment's), else the pinned build under ``prefix`` (default CPUOS_RUNSC_PREFIX),
+    another build there, or the one on PATH."""
+    cfg = cfg or Config.from_env().runsc
+    prefix = prefix or cfg.prefix
+    env = cfg.path
     candidates: list[tuple[str, str]] = []
     if env:
         found = shutil.which(env) if "/" not in env else env
@@ -137,7 +142,7 @@ def find_runsc(prefix: Path | None = None) -> Runsc:
         except RunscUnavailable as e:
             errors.append(str(e))
             continue
-        platform = os.environ.get("CPUOS_RUNSC_PLATFORM") or (
+        platform = cfg.platform or (
             "systrap" if "systrap" in known else "ptrace")
         if platform not in known:
             raise RunscUnavailable(f"runsc {version} ({path}) has no platform {platform!r}; "

@@ -24,6 +24,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
 
+from ..api.deps import services_of
 from ..errors import ApiError
 from .bundle import STATIC
 from .sessions import (COOKIE, COOKIE_TLS, Session, cookie_token, csrf_ok, header,
@@ -99,7 +100,7 @@ def _tls(request: Request) -> bool:
 
 
 def _who(request: Request, s: Session) -> dict[str, Any]:
-    store = request.app.state.store
+    store = services_of(request.app).store
     w = store.workspace(s.workspace) or {"id": s.workspace, "name": "?"}
     rec = store.key_record(s.key_id) or {}
     return {"workspace": {"id": w["id"], "name": w["name"]},
@@ -137,7 +138,7 @@ async def sign_in(request: Request) -> Response:
     key = raw.get("key") if isinstance(raw, dict) else None
     if not isinstance(key, str) or not key.strip():
         return _error(ApiError("invalid_argument", "paste an API key (cpk_...)"))
-    found = request.app.state.store.key_lookup(key.strip())
+    found = services_of(request.app).store.key_lookup(key.strip())
     if found is None:
         return _error(ApiError("unauthorized", "that API key is not valid: it is unknown, "
                                "revoked, or of a deleted workspace"))

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import secrets
 import time
 from dataclasses import dataclass
@@ -27,15 +26,7 @@ COOKIE_TLS = "__Host-cpuos_session"  # Secure, Path=/, no Domain: the browser en
 CSRF_HEADER = b"x-cpuos-csrf"
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 MAX_SESSIONS = 10_000
-
-
-def _ttl() -> float:
-    raw = os.environ.get("CPUOS_CONSOLE_SESSION_TTL")
-    if not raw:
-        return 12 * 3600.0
-    from cpuos_agent.protocol import parse_duration
-
-    return max(60.0, parse_duration(raw, "CPUOS_CONSOLE_SESSION_TTL"))
+TTL = 12 * 3600.0  # s (the daemon's: Config.api.console_session_ttl)
 
 
 @dataclass
@@ -55,7 +46,7 @@ class Sessions:
     """The live sessions, by the SHA-256 of their token."""
 
     def __init__(self, ttl: float | None = None, max_sessions: int = MAX_SESSIONS) -> None:
-        self.ttl = _ttl() if ttl is None else ttl
+        self.ttl = TTL if ttl is None else ttl
         self.max = max_sessions
         self._by_hash: dict[bytes, Session] = {}
 
@@ -153,7 +144,9 @@ def live_session(scope: Scope) -> Session | None:
     s = sessions.get(token)
     if s is None:
         return None
-    live = app.state.store.execute(
+    from ..api.deps import services_of  # (here: api imports this module)
+
+    live = services_of(app).store.execute(
         "SELECT 1 FROM api_keys k JOIN workspaces w ON w.id=k.workspace_id WHERE k.id=? AND "
         "k.revoked_at IS NULL AND w.deleted_at IS NULL", (s.key_id,)).fetchone()
     if live is None:

@@ -19,9 +19,11 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..api.app import CreateSandbox, sandbox_size
+from ..api.models import CreateSandbox
+from ..api.sandboxes import sandbox_size
 from ..api.usage import sandbox_metrics
-from ..errors import STATUS, ApiError
+from ..agentconn import TransportError
+from ..errors import STATUS, ApiError, api_error
 from ..network.policy import Policy
 from ..store import SandboxRow
 from .state import E2B, ENVD_VERSION, E2BError, new_e2b_key
@@ -97,6 +99,11 @@ def build(e2b: E2B) -> FastAPI:
         err = _e2b_error(e)
         return JSONResponse(err.body(), status_code=err.status)
 
+    @app.exception_handler(TransportError)
+    async def _transport(_: Request, e: TransportError) -> JSONResponse:
+        err = _e2b_error(api_error(e))
+        return JSONResponse(err.body(), status_code=err.status)
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
         msg = "; ".join(f"{'.'.join(str(x) for x in err.get('loc', ())[1:])}: "
@@ -163,8 +170,8 @@ def build(e2b: E2B) -> FastAPI:
         ws = ws_of(request)
         mgr = e2b.mgr
         timeout = float(body.timeout if body.timeout is not None else DEFAULT_TIMEOUT)
-        if timeout > mgr.cfg.max_timeout:
-            raise E2BError(400, f"timeout may be at most {mgr.cfg.max_timeout:.0f}s")
+        if timeout > mgr.cfg.sandbox.max_timeout:
+            raise E2BError(400, f"timeout may be at most {mgr.cfg.sandbox.max_timeout:.0f}s")
         network: dict[str, Any] | None = None
         if body.allow_internet_access is False:
             network = Policy.parse("off").to_json()
@@ -263,7 +270,7 @@ def build(e2b: E2B) -> FastAPI:
     @app.post("/sandboxes/{sid}/timeout", status_code=204)
     async def set_timeout(sid: str, body: TimeoutBody, request: Request) -> Response:
         get(request, sid)
-        if body.timeout > e2b.mgr.cfg.max_timeout:
+        if body.timeout > e2b.mgr.cfg.sandbox.max_timeout:
             raise E2BError(400, "timeout too long")
         e2b.mgr.set_timeout(ws_of(request), sid, float(body.timeout))
         return Response(status_code=204)

@@ -34,10 +34,13 @@ from protobuf import Oneof
 from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
 
 from cpuos_agent import protocol as P
+from cpuos_agent.messages import Frame
+from cpuos_agent.protocol import Kind
 
-from ..agentconn import AgentGone, Stream, open_stream, raise_for_agent_error
+from ..agentconn import (AgentGone, Stream, TransportError, open_stream,
+                         raise_for_agent_error)
 from ..api.dirs import _clean_events
-from ..errors import ApiError
+from ..errors import ApiError, api_error
 from ..events import SandboxEvent
 from ..lifecycle import commands as C
 from ..lifecycle.common import Live
@@ -76,7 +79,9 @@ def one(field: str, value: Any) -> Any:
     return Oneof(field, value)
 
 
-def connect_error(e: ApiError | E2BError) -> ConnectError:
+def connect_error(e: ApiError | E2BError | TransportError) -> ConnectError:
+    if isinstance(e, TransportError):
+        e = api_error(e)
     if isinstance(e, E2BError):
         return ConnectError(Code.UNAVAILABLE if e.status == 502 else Code.UNAUTHENTICATED
                             if e.status == 401 else Code.UNKNOWN, e.message)
@@ -86,10 +91,8 @@ def connect_error(e: ApiError | E2BError) -> ConnectError:
 async def _call(fn: Callable[[], Awaitable[T]]) -> T:
     try:
         return await fn()
-    except (ApiError, E2BError) as e:
+    except (ApiError, E2BError, TransportError) as e:
         raise connect_error(e) from None
-    except AgentGone as e:
-        raise ConnectError(Code.UNAVAILABLE, e.message) from None
 
 
 async def _guarded(gen: AsyncGenerator[T, None]) -> AsyncIterator[T]:
@@ -100,10 +103,8 @@ async def _guarded(gen: AsyncGenerator[T, None]) -> AsyncIterator[T]:
         async with contextlib.aclosing(gen):
             async for x in gen:
                 yield x
-    except (ApiError, E2BError) as e:
+    except (ApiError, E2BError, TransportError) as e:
         raise connect_error(e) from None
-    except AgentGone as e:
-        raise ConnectError(Code.UNAVAILABLE, e.message) from None
 
 
 def check_user(ctx: RequestContext[Any, Any]) -> None:
@@ -274,7 +275,7 @@ class ProcessService:
         try:
             info = await C.start(lv, argv, env, cwd, timeout, OUTPUT_BUFFER, bool(stdin),
                                  pty, record=False)
-        except ApiError as e:
+        except (ApiError, TransportError) as e:
             self._audit(t, {**what, "error": e.message})
             raise
         pid = info["pid"]
@@ -315,11 +316,11 @@ class ProcessService:
                     yield _ev(one("keepalive", PP.ProcessEvent.KeepAlive()))
                     continue
                 h, payload = item
-                if h["t"] == "out":
+                if h["t"] == Frame.OUT:
                     field = "pty" if pty else ("stderr" if h.get("fd") == 2 else "stdout")
                     yield _ev(one("data", PP.ProcessEvent.DataEvent(
                         output=one(field, payload))))
-                elif h["t"] == "exit":
+                elif h["t"] == Frame.EXIT:
                     # the agent's stream is let go before the client hears of the end (a
                     # pause right after must not find it open)
                     await frames.aclose()
@@ -328,7 +329,7 @@ class ProcessService:
                         raise ConnectError(Code.DEADLINE_EXCEEDED, "context deadline exceeded")
                     yield _ev(one("end", _end(h)))
                     return
-                elif h["t"] == "error":
+                elif h["t"] == Frame.ERROR:
                     # (a killed sandbox: the SDK then asks /health, which says it is gone)
                     raise ConnectError(CODES.get(str(h.get("code")), Code.UNAVAILABLE),
                                        str(h.get("message") or "the command's stream ended"))
@@ -471,7 +472,7 @@ class FilesystemService:
                 w.stop()
 
     async def _stat(self, lv: Live, path: str) -> dict[str, Any]:
-        d: dict[str, Any] = await self.e2b.mgr.file_call(lv, "stat", path)
+        d: dict[str, Any] = await self.e2b.mgr.file_call(lv, Kind.STAT, path)
         return d
 
     async def _resolved(self, lv: Live, d: dict[str, Any]) -> dict[str, Any]:
@@ -485,7 +486,7 @@ class FilesystemService:
                                                        str(cur.get("target") or "")))
             try:
                 cur = await self._stat(lv, target)
-            except ApiError:
+            except (ApiError, TransportError):
                 return d
             if cur["type"] != "symlink":
                 return {**d, "type": cur["type"], "target": target}
@@ -508,11 +509,11 @@ class FilesystemService:
             t = CURRENT.get()
             lv = await t.ready()
             path = t.path(request.path)
-            with contextlib.suppress(ApiError):
+            with contextlib.suppress(ApiError, TransportError):
                 await self._stat(lv, path)
                 raise ConnectError(Code.ALREADY_EXISTS, f"{path} already exists")
             self.e2b.touch(t.sid)
-            d: dict[str, Any] = await self.e2b.mgr.file_call(lv, "mkdir", path)
+            d: dict[str, Any] = await self.e2b.mgr.file_call(lv, Kind.MKDIR, path)
             return F.MakeDirResponse(entry=entry(d))
         return await _call(go)
 
@@ -532,11 +533,11 @@ class FilesystemService:
             dec, code, err = P.FrameDecoder(), None, b""
             async for raw in frames:
                 for h, payload in dec.feed(raw):
-                    if h["t"] == "out" and h.get("fd") == 2:
+                    if h["t"] == Frame.OUT and h.get("fd") == 2:
                         err = (err + payload)[-1000:]
-                    elif h["t"] == "exit":
+                    elif h["t"] == Frame.EXIT:
                         code = h.get("exit_code")
-                    elif h["t"] == "error":
+                    elif h["t"] == Frame.ERROR:
                         raise ApiError(str(h.get("code")), str(h.get("message")))
             if code != 0:
                 raise ConnectError(Code.INVALID_ARGUMENT if b"No such" not in err
@@ -562,7 +563,7 @@ class FilesystemService:
             out: list[F.EntryInfo] = []
 
             async def walk(path: str, level: int) -> None:
-                entries = await self.e2b.mgr.file_call(lv, "list", path)
+                entries = await self.e2b.mgr.file_call(lv, Kind.LIST, path)
                 for d in entries:
                     if len(out) >= MAX_ENTRIES:
                         return
@@ -584,7 +585,7 @@ class FilesystemService:
                 raise ConnectError(Code.INVALID_ARGUMENT, "refusing to remove /")
             self.e2b.touch(t.sid)
             try:
-                await self.e2b.mgr.file_call(lv, "remove", path, recursive=True)
+                await self.e2b.mgr.file_call(lv, Kind.REMOVE, path, recursive=True)
             except ApiError as e:
                 if e.code != "not_found":  # (envd: removing what is not there succeeds)
                     raise
@@ -598,7 +599,7 @@ class FilesystemService:
         st = await self._stat(lv, root)
         if st["type"] != "dir":
             raise ConnectError(Code.INVALID_ARGUMENT, f"{root} is not a directory")
-        stream, _ = await open_stream(lv.chan, {"t": "watch", "path": root,
+        stream, _ = await open_stream(lv.chan, {"t": Kind.WATCH, "path": root,
                                                 "recursive": recursive}, 60.0,
                                       f"watch {root}")
         return lv, stream, root
@@ -655,7 +656,8 @@ class FilesystemService:
             await w.settle(touched)
         if w.error is not None and not w.events:
             self.watchers.pop(request.watcher_id, None)
-            raise connect_error(w.error) if isinstance(w.error, ApiError | E2BError) \
+            raise connect_error(w.error) \
+                if isinstance(w.error, ApiError | E2BError | TransportError) \
                 else ConnectError(Code.UNAVAILABLE, str(w.error))
         events = list(w.events)
         w.events.clear()
@@ -682,14 +684,14 @@ async def watch_events(e2b: E2B, lv: Live, st: Stream, root: str, with_entry: bo
     async def ev_(path: str, kind: F.EventType) -> F.FilesystemEvent:
         out = F.FilesystemEvent(name=path[len(prefix):], type=kind)
         if with_entry and kind not in (F.EventType.REMOVE, F.EventType.RENAME):
-            with contextlib.suppress(ApiError, AgentGone):
-                out.entry = entry(await e2b.mgr.file_call(lv, "stat", path))
+            with contextlib.suppress(ApiError, TransportError):
+                out.entry = entry(await e2b.mgr.file_call(lv, Kind.STAT, path))
         return out
 
     try:
         while True:
             h, payload = await st.get()
-            if h["t"] == "events":
+            if h["t"] == Kind.EVENTS:
                 for ev in _clean_events(payload):
                     path = ev["path"]
                     if not path.startswith(prefix):
@@ -712,7 +714,7 @@ async def watch_events(e2b: E2B, lv: Live, st: Stream, root: str, with_entry: bo
                         yield await ev_(path, kind)
                         kind = F.EventType.WRITE
                     yield await ev_(path, kind)
-            elif h["t"] == "eof":
+            elif h["t"] == Kind.EOF:
                 done = True
                 return
             else:
@@ -723,7 +725,7 @@ async def watch_events(e2b: E2B, lv: Live, st: Stream, root: str, with_entry: bo
     finally:
         st.close()
         if not done:
-            e2b.mgr._spawn(lv.chan.send({"t": "kill", "id": st.id, "reason": "cancelled"}))
+            e2b.mgr._spawn(lv.chan.send({"t": Kind.KILL, "id": st.id, "reason": "cancelled"}))
 
 
 class Watcher:

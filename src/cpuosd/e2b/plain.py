@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from cpuos_agent import protocol as P
+from cpuos_agent.messages import Frame
+from cpuos_agent.protocol import Kind
 from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import Request
@@ -23,7 +25,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, Router
 
 from ..api.streams import CutOnFailure, file_response
-from ..errors import STATUS, ApiError
+from ..agentconn import TransportError
+from ..errors import STATUS, ApiError, api_error
 from ..lifecycle.kernel import LANGUAGE_RE, restart_kernel, run_code
 from ..lifecycle.session import StreamCut
 from .envd import CURRENT
@@ -37,7 +40,9 @@ MAX_INFLATE = 1 << 20  # bytes inflated from a gzip upload per step
 UPLOAD_QUEUE = 8  # chunks between the request body and the agent
 
 
-def _error(e: ApiError | E2BError) -> JSONResponse:
+def _error(e: ApiError | E2BError | TransportError) -> JSONResponse:
+    if isinstance(e, TransportError):
+        e = api_error(e)
     if isinstance(e, E2BError):
         return JSONResponse(e.body(), status_code=e.status)
     status = STATUS.get(e.code, 500)
@@ -108,11 +113,11 @@ class Plain:
             _user(request)
             path = t.path(request.query_params.get("path") or "")
             lv = await t.ready()
-            st = await self.e2b.mgr.file_call(lv, "stat", path)
+            st = await self.e2b.mgr.file_call(lv, Kind.STAT, path)
             if st["type"] == "dir":
                 raise E2BError(400, f"{path} is a directory")
             body = await self.e2b.mgr.read_file(lv, path)
-        except (ApiError, E2BError) as e:
+        except (ApiError, E2BError, TransportError) as e:
             return _error(e)
         return file_response(body, "")
 
@@ -147,7 +152,7 @@ class Plain:
             self.e2b.touch(t.sid)
             if not written:
                 raise E2BError(400, "no file in the upload")
-        except (ApiError, E2BError) as e:
+        except (ApiError, E2BError, TransportError) as e:
             return _error(e)
         return JSONResponse([{"name": p.rsplit("/", 1)[-1], "type": "file", "path": p}
                              for p in written])
@@ -249,7 +254,7 @@ class Plain:
                                "kernel: set envs at create")
             lv = await t.ready()
             frames = await run_code(self.e2b.mgr, lv, code, language, None)
-        except (ApiError, E2BError) as e:
+        except (ApiError, E2BError, TransportError) as e:
             return _error(e)
         def gone() -> bool:
             row = self.e2b.store.get_sandbox(t.sid)
@@ -275,7 +280,7 @@ class Plain:
                 raise E2BError(400, f"bad language {language[:40]!r}")
             if language != "python":
                 raise E2BError(400, f"no {language} kernel: cpuos's templates have Python's")
-        except (ApiError, E2BError) as e:
+        except (ApiError, E2BError, TransportError) as e:
             return _error(e)
         return JSONResponse(self._context(language))
 
@@ -284,7 +289,7 @@ class Plain:
         try:
             lv = await t.ready()
             await restart_kernel(self.e2b.mgr, lv, request.path_params["cid"])
-        except (ApiError, E2BError) as e:
+        except (ApiError, E2BError, TransportError) as e:
             return _error(e)
         return Response(status_code=204)
 
@@ -347,7 +352,7 @@ async def _ndjson(frames: AsyncIterator[bytes], gone: Any = None) -> AsyncIterat
     async for raw in frames:
         for h, payload in dec.feed(raw):
             t = h.get("t")
-            if t == "item":
+            if t == Frame.ITEM:
                 if h.get("n") != item_n:
                     for b in flush():
                         yield b
@@ -372,15 +377,15 @@ async def _ndjson(frames: AsyncIterator[bytes], gone: Any = None) -> AsyncIterat
                 continue
             for b in flush():
                 yield b
-            if t == "out":
+            if t == Frame.OUT:
                 yield line({"type": "stderr" if h.get("fd") == 2 else "stdout",
                             "text": payload.decode("utf-8", "replace"),
                             "timestamp": time.time_ns() // 1000})
-            elif t == "exception":
+            elif t == Frame.EXCEPTION:
                 yield line({"type": "error", "name": h.get("ename") or "Error",
                             "value": h.get("evalue") or "",
                             "traceback": payload.decode("utf-8", "replace")})
-            elif t == "done":
+            elif t == Frame.DONE:
                 if h.get("execution_count") is not None:
                     yield line({"type": "number_of_executions",
                                 "execution_count": h["execution_count"]})
@@ -388,7 +393,7 @@ async def _ndjson(frames: AsyncIterator[bytes], gone: Any = None) -> AsyncIterat
                     yield line({"type": "error", "name": "TimeoutError",
                                 "value": "the cell was interrupted at its timeout",
                                 "traceback": ""})
-            elif t == "error":
+            elif t == Frame.ERROR:
                 if h.get("code") == "unavailable" and gone is not None and gone():
                     raise StreamCut(str(h.get("message")))
                 yield line({"type": "error", "name": str(h.get("code") or "Error"),

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..agentconn import TransportError
 from ..errors import ApiError
 from ..events import SandboxEvent
 from ..paths import check_path
@@ -50,8 +51,6 @@ HOME = "/home/user"
 USER = "user"
 KEY_RE = re.compile(r"^e2b_[0-9a-f]{40}$")
 SID_RE = re.compile(r"^sbx-[a-z0-9]{12}$")
-# E2B template name -> cpuos templates, the first one built wins
-DEFAULT_TEMPLATES = "base=python;code-interpreter-v1=code-interpreter,python"
 GONE = ("killing", "killed", "error")
 
 
@@ -106,7 +105,7 @@ class Target:
         """The running sandbox (cpuos's Manager.ready: the same checks as its own API)."""
         try:
             return await self.e2b.mgr.ready(self.ws, self.sid)
-        except ApiError:
+        except (ApiError, TransportError):
             row = self.e2b.store.get_sandbox(self.sid)
             if row is None or row.state in GONE:
                 raise not_running(self.sid) from None
@@ -123,9 +122,8 @@ class E2B:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self._key = self._load_key(cfg.home / "e2b.key")
-        self.templates = parse_templates(os.environ.get("CPUOS_E2B_TEMPLATES")
-                                         or DEFAULT_TEMPLATES)
-        self.domain_override = os.environ.get("CPUOS_E2B_DOMAIN") or None
+        self.templates = parse_templates(cfg.e2b.templates)
+        self.domain_override = cfg.e2b.domain
         self._db_path = cfg.home / "e2b.db"
         self._db: sqlite3.Connection | None = None
         self._lock = threading.Lock()
@@ -284,10 +282,8 @@ class E2B:
         ``<port>-<id>.<domain>``, which the preview proxy routes."""
         if self.domain_override:
             return self.domain_override
-        from ..proxy.preview import domain as preview_domain
-
         port = getattr(self.preview, "port", None)
-        return f"{preview_domain()}:{port}" if port else preview_domain()
+        return f"{self.cfg.preview.domain}:{port}" if port else self.cfg.preview.domain
 
     # -- a request of the sandbox plane ---------------------------------------------------
     def target(self, sid: str, port: int, token: str | None,

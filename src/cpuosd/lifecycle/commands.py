@@ -12,10 +12,13 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+from cpuos_agent import messages as M
 from cpuos_agent import protocol as P
+from cpuos_agent.messages import Frame
+from cpuos_agent.protocol import Kind
 
-from ..agentconn import AgentGone, Stream, open_stream, raise_for_agent_error
-from ..errors import ApiError
+from ..agentconn import AgentGone, Stream, TransportError, open_stream, raise_for_agent_error
+from ..errors import ApiError, api_error
 from ..store import Store
 from .common import Live, _base_env
 
@@ -124,7 +127,7 @@ async def exec_stdin(sandbox_id: str, eid: str, body: AsyncIterator[bytes], clos
 def _close_quietly(st: Stream, lv: Live, spawn: Any) -> None:
     st.close()
     with contextlib.suppress(Exception):
-        spawn(lv.chan.send({"t": "kill", "id": st.id, "reason": "cancelled"}))
+        spawn(lv.chan.send({"t": Kind.KILL, "id": st.id, "reason": "cancelled"}))
 
 
 async def start(lv: Live, cmd: str | list[str], env: dict[str, str], cwd: str | None,
@@ -134,21 +137,21 @@ async def start(lv: Live, cmd: str | list[str], env: dict[str, str], cwd: str | 
     record (``record`` false: only its pid, one agent round trip less)."""
     st = lv.chan.open()
     try:
-        target = {"shell": cmd} if isinstance(cmd, str) else {"argv": cmd}
         base = _base_env(lv.row)
         if pty is not None:
             base["TERM"] = "xterm-256color"
-        await st.send({"t": "exec", **target, "env": {**base, **env},
+        msg: M.Exec = {**M.command(cmd), "env": {**base, **env},
                        "cwd": cwd or lv.row.spec.get("workdir") or "/work",
                        "timeout": timeout, "stdin": stdin, "background": True,
-                       "buffer": buffer, "pty": pty})
+                       "buffer": buffer, "pty": pty}
+        await st.send(msg)
         try:
             h, _ = await st.get(START_WAIT)
         except TimeoutError:
             raise ApiError("timeout", "sandbox agent did not start the command") from None
         raise_for_agent_error(h)
         pid = _int(h.get("pid"), 1, 1 << 22)
-        if h["t"] != "started" or pid is None:
+        if h["t"] != Kind.STARTED or pid is None:
             raise ApiError("internal", f"unexpected agent answer {h['t']!r}")
     finally:
         st.close()
@@ -156,12 +159,12 @@ async def start(lv: Live, cmd: str | list[str], env: dict[str, str], cwd: str | 
 
 
 async def info(lv: Live, pid: int) -> dict[str, Any]:
-    h = await lv.chan.call({"t": "bg_info", "pid": pid}, CALL_WAIT)
+    h = await lv.chan.call({"t": Kind.BG_INFO, "pid": pid}, CALL_WAIT)
     return clean_info(h.get("info"))
 
 
 async def list_(lv: Live) -> list[dict[str, Any]]:
-    _, payload = await lv.chan.call_full({"t": "bg_list"}, CALL_WAIT)
+    _, payload = await lv.chan.call_full({"t": Kind.BG_LIST}, CALL_WAIT)
     try:
         entries = json.loads(payload)
     except ValueError:
@@ -174,12 +177,12 @@ async def list_(lv: Live) -> list[dict[str, Any]]:
 
 
 async def signal(lv: Live, pid: int, sig: int) -> dict[str, Any]:
-    await lv.chan.call({"t": "bg_signal", "pid": pid, "signal": sig}, CALL_WAIT)
+    await lv.chan.call({"t": Kind.BG_SIGNAL, "pid": pid, "signal": sig}, CALL_WAIT)
     return await info(lv, pid)
 
 
 async def resize(lv: Live, pid: int, cols: int, rows: int) -> None:
-    await lv.chan.call({"t": "bg_resize", "pid": pid, "cols": cols, "rows": rows}, CALL_WAIT)
+    await lv.chan.call({"t": Kind.BG_RESIZE, "pid": pid, "cols": cols, "rows": rows}, CALL_WAIT)
 
 
 async def attach(lv: Live, pid: int, offset: int, spawn: Any) -> tuple[Stream, P.Header]:
@@ -190,7 +193,7 @@ async def attach(lv: Live, pid: int, offset: int, spawn: Any) -> tuple[Stream, P
 async def _attach(lv: Live, pid: int, offset: int, follow: bool, spawn: Any
                   ) -> tuple[Stream, P.Header]:
     return await open_stream(
-        lv.chan, {"t": "bg_attach", "pid": pid, "offset": offset, "follow": follow},
+        lv.chan, {"t": Kind.BG_ATTACH, "pid": pid, "offset": offset, "follow": follow},
         CALL_WAIT, "answer", lambda st: _close_quietly(st, lv, spawn))
 
 
@@ -198,7 +201,7 @@ async def open_stdin(lv: Live, pid: int, spawn: Any) -> Stream:
     """A stream to the command's stdin (``Stream.send_stdin``), open until closed."""
     st = lv.chan.open()
     try:
-        await st.send({"t": "bg_stdin", "pid": pid})
+        await st.send({"t": Kind.BG_STDIN, "pid": pid})
         try:
             h, _ = await st.get(CALL_WAIT)
         except TimeoutError:
@@ -219,7 +222,7 @@ async def release_stdin(st: Stream, lv: Live, spawn: Any) -> None:
     and detached): the agent writes what it has queued, then forgets the stream."""
     try:
         await asyncio.wait_for(st.send_stdin(b"", ack=True), 5.0)
-    except (ApiError, TimeoutError):
+    except (ApiError, TransportError, TimeoutError):
         _close_quietly(st, lv, spawn)
         return
     st.close()
@@ -227,7 +230,7 @@ async def release_stdin(st: Stream, lv: Live, spawn: Any) -> None:
 
 async def wait(lv: Live, pid: int, timeout: float) -> dict[str, Any]:
     timeout = min(max(timeout, 0.0), MAX_WAIT)
-    h = await lv.chan.call({"t": "bg_wait", "pid": pid, "timeout": timeout},
+    h = await lv.chan.call({"t": Kind.BG_WAIT, "pid": pid, "timeout": timeout},
                            timeout + CALL_WAIT)
     return clean_info(h.get("info"))
 
@@ -239,7 +242,7 @@ async def write_stdin(lv: Live, pid: int, body: AsyncIterator[bytes], close: boo
     st = lv.chan.open()
     done = False
     try:
-        await st.send({"t": "bg_stdin", "pid": pid})
+        await st.send({"t": Kind.BG_STDIN, "pid": pid})
         h, _ = await st.get(CALL_WAIT)
         raise_for_agent_error(h)
         # the last piece carries the ack: a command that reads it and exits at once has
@@ -282,7 +285,7 @@ class Output:
         start, end = _int(head.get("start")) or 0, _int(head.get("end")) or 0
         offset = _int(head.get("offset")) or 0
         self.head: dict[str, Any] = {
-            "t": "attached", "pid": _int(head.get("pid"), 1, 1 << 22),
+            "t": Frame.ATTACHED, "pid": _int(head.get("pid"), 1, 1 << 22),
             "start": min(start, end), "end": end, "offset": min(max(offset, start), end),
             "running": head.get("running") is True}
 
@@ -294,29 +297,30 @@ class Output:
             while True:
                 h, payload = await self.st.get()
                 t = h["t"]
-                if t == "out":
+                if t == Kind.OUT:
                     fd, off = h.get("fd"), _int(h.get("off"))
                     if fd not in (1, 2) or off is None or off < pos:
                         raise ApiError("internal", "sandbox agent sent a malformed output "
                                        "frame")
                     pos = off + len(payload)
-                    yield P.encode({"t": "out", "fd": fd, "off": off}, payload)
-                elif t == "exit":
+                    yield P.encode({"t": Frame.OUT, "fd": fd, "off": off}, payload)
+                elif t == Kind.EXIT:
                     done = True
-                    yield P.encode({"t": "exit", **exit_fields(h), "next": pos})
+                    yield P.encode({"t": Frame.EXIT, **exit_fields(h), "next": pos})
                     return
-                elif t == "eof":
+                elif t == Kind.EOF:
                     done = True
-                    yield P.encode({"t": "eof", "next": max(pos, _int(h.get("next")) or 0)})
+                    yield P.encode({"t": Frame.EOF, "next": max(pos, _int(h.get("next")) or 0)})
                     return
                 else:
                     raise_for_agent_error(h)
                     raise ApiError("internal", f"unexpected agent frame {t!r}")
         except AgentGone as e:
-            yield P.encode({"t": "error", "code": "unavailable",
+            yield P.encode({"t": Frame.ERROR, "code": "unavailable",
                             "message": gone_message(self.store, self.lv, e)})
-        except ApiError as e:
-            yield P.encode({"t": "error", "code": e.code, "message": e.message})
+        except (ApiError, TransportError) as e:
+            err = api_error(e)
+            yield P.encode({"t": Frame.ERROR, "code": err.code, "message": err.message})
         finally:
             if done:
                 self.st.close()

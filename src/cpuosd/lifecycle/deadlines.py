@@ -8,6 +8,7 @@ import logging
 from typing import TYPE_CHECKING
 
 
+from ..agentconn import TransportError
 from ..errors import ApiError
 from .common import (_now)
 
@@ -23,7 +24,7 @@ class Deadlines:
         stuck kill never holds up another workspace's deadlines."""
         expiring: set[str] = set()
         while True:
-            await asyncio.sleep(self.cfg.reaper_interval)
+            await asyncio.sleep(self.cfg.sandbox.reaper_interval)
             for sid, on_timeout in self.store.expired(_now()):
                 if sid in expiring:
                     continue
@@ -40,7 +41,7 @@ class Deadlines:
                         await self.pause(row.workspace_id, sid, reason="timeout")
                         self.store.update_sandbox(sid, remaining=row.spec.get("timeout"))
                         return
-                    except ApiError as e:
+                    except (ApiError, TransportError) as e:
                         log.warning("auto-pause of %s failed (%s); killing", sid, e)
             await self.kill(sid, reason="timeout")
         except Exception:

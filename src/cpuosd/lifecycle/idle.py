@@ -19,13 +19,12 @@ paused; a touch costs a dict update. So a sandbox is paused between ``idle_timeo
 from __future__ import annotations
 
 import heapq
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-# cores: a sandbox using more than this (on average over a look's window) is busy
-IDLE_CPU = float(os.environ.get("CPUOS_IDLE_CPU") or 0.05)
+from ..config import IdleConfig
+
 TICK = 1.0  # s between the daemon's looks at the heap
 MAX_STEP = 60.0
 
@@ -51,7 +50,7 @@ class IdleWatch:
     to it (streams, preview connections)."""
 
     def __init__(self, cpu: Callable[[str], float | None], in_use: Callable[[str], bool],
-                 threshold: float = IDLE_CPU,
+                 threshold: float = IdleConfig.cpu,  # cores: more (on average) is busy
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.cpu, self.in_use, self.threshold, self.clock = cpu, in_use, threshold, clock
         self.watches: dict[str, _Watch] = {}

@@ -35,9 +35,11 @@ from typing import TYPE_CHECKING, Any
 
 from cpuos_agent import protocol as P
 from cpuos_agent.kernel import SOCK
+from cpuos_agent.messages import Frame, InterpKind
+from cpuos_agent.protocol import Kind
 
-from ..agentconn import AgentGone, raise_for_agent_error
-from ..errors import ApiError, invalid
+from ..agentconn import AgentGone, TransportError, raise_for_agent_error
+from ..errors import ApiError, api_error, invalid
 from ..events import SandboxEvent
 from .common import Live
 
@@ -77,10 +79,10 @@ async def _dial(mgr: Manager, lv: Live, req: dict[str, Any]) -> Any:
     while True:
         st = lv.chan.open()
         try:
-            await st.send({"t": "dial", "path": SOCK}, payload)
+            await st.send({"t": Kind.DIAL, "path": SOCK}, payload)
             h, _ = await st.get(DIAL_TIMEOUT)
             raise_for_agent_error(h)
-            if h.get("t") != "ok":
+            if h.get("t") != Kind.OK:
                 raise ApiError("internal", f"unexpected agent answer {h.get('t')!r}")
             return st
         except ApiError as e:
@@ -117,7 +119,7 @@ async def _lines(st: Any, deadline: float) -> AsyncIterator[dict[str, Any]]:
         except TimeoutError:
             raise ApiError("timeout", "the kernel did not finish after its timeout and "
                            "the interrupt") from None
-        if h["t"] == "data":
+        if h["t"] == Kind.DATA:
             total += len(payload)
             if total > MAX_ANSWER:
                 raise ApiError("too_large", "the kernel's answer is too large")
@@ -137,7 +139,7 @@ async def _lines(st: Any, deadline: float) -> AsyncIterator[dict[str, Any]]:
                     yield msg
             if len(buf) > MAX_LINE:
                 raise ApiError("too_large", "the kernel driver sent an over-long line")
-        elif h["t"] == "eof":
+        elif h["t"] == Kind.EOF:
             return
         else:
             raise_for_agent_error(h)
@@ -151,16 +153,16 @@ def _text(v: Any, limit: int) -> str:
 def _frames_of(msg: dict[str, Any], items: list[int]) -> list[bytes]:
     """One driver message as client frames (checked fields only); [] for what is dropped."""
     t = msg.get("t")
-    if t == "stream":
+    if t == InterpKind.STREAM:
         fd = 2 if msg.get("name") == "stderr" else 1
         data = _text(msg.get("text"), P.MAX_PAYLOAD // 4).encode("utf-8", "replace")
-        return [P.encode({"t": "out", "fd": fd}, data)] if data else []
-    if t == "cut":
+        return [P.encode({"t": Frame.OUT, "fd": fd}, data)] if data else []
+    if t == InterpKind.CUT:
         n = msg.get("dropped")
         fd = 2 if msg.get("name") == "stderr" else 1
-        return [P.encode({"t": "cut", "fd": fd,
+        return [P.encode({"t": Frame.CUT, "fd": fd,
                           "dropped": n if isinstance(n, int) and n >= 0 else 0})]
-    if t == "display":
+    if t == InterpKind.DISPLAY:
         bundle = msg.get("data")
         if not isinstance(bundle, dict) or items[0] >= MAX_ITEMS:
             return []
@@ -182,12 +184,12 @@ def _frames_of(msg: dict[str, Any], items: list[int]) -> list[bytes]:
             else:
                 continue
             if len(raw) <= P.MAX_PAYLOAD:
-                out.append(P.encode({"t": "item", "n": n, "main": msg.get("main") is True,
+                out.append(P.encode({"t": Frame.ITEM, "n": n, "main": msg.get("main") is True,
                                      "mime": mime}, raw))
         return out
-    if t == "error":
+    if t == InterpKind.ERROR:
         tb = _text(msg.get("traceback"), 1 << 20).encode("utf-8", "replace")
-        return [P.encode({"t": "exception", "ename": _text(msg.get("ename"), 200),
+        return [P.encode({"t": Frame.EXCEPTION, "ename": _text(msg.get("ename"), 200),
                           "evalue": _text(msg.get("evalue"), 4000)}, tb)]
     return []
 
@@ -196,7 +198,7 @@ def _done(msg: dict[str, Any], duration: float) -> dict[str, Any]:
     status = msg.get("status") if msg.get("status") in STATUSES else "error"
     count = msg.get("execution_count")
     dropped = msg.get("dropped_items")
-    return {"t": "done", "status": status,
+    return {"t": Frame.DONE, "status": status,
             "execution_count": count if isinstance(count, int) and 0 <= count < 1 << 53
             else None,
             "timed_out": msg.get("timed_out") is True, "restarted": msg.get("restarted") is True,
@@ -228,37 +230,38 @@ async def _cell_frames(mgr: Manager, lv: Live, st: Any, eid: str, timeout: float
     counts = {1: 0, 2: 0}
     items = [0]
     try:
-        yield P.encode({"t": "started", "exec_id": eid})
+        yield P.encode({"t": Frame.STARTED, "exec_id": eid})
         async for msg in _lines(st, t0 + timeout + GRACE):
-            if msg.get("t") == "done":
+            if msg.get("t") == InterpKind.DONE:
                 done = _done(msg, time.monotonic() - t0)
                 break
             for fr in _frames_of(msg, items):
-                if msg.get("t") == "stream":
+                if msg.get("t") == InterpKind.STREAM:
                     counts[2 if msg.get("name") == "stderr" else 1] += len(fr)
                 yield fr
         if done is None:
-            err = {"t": "error", "code": "unavailable",
+            err = {"t": Frame.ERROR, "code": "unavailable",
                    "message": "the kernel driver ended without an answer"}
         elif done["status"] == "invalid":
-            err = {"t": "error", "code": "invalid_argument",
+            err = {"t": Frame.ERROR, "code": "invalid_argument",
                    "message": done["message"] or "the kernel refused the request"}
         elif done["status"] == "busy":
-            err = {"t": "error", "code": "timeout",
+            err = {"t": Frame.ERROR, "code": "timeout",
                    "message": done["message"] or "the kernel was busy"}
     except AgentGone:
         row = mgr.store.get_sandbox(lv.row.id)
         why = f"sandbox is {row.state} ({row.reason})" if row and row.state != "running" \
             else "sandbox agent disconnected"
-        err = {"t": "error", "code": "unavailable", "message": why}
-    except ApiError as e:
-        err = {"t": "error", "code": e.code, "message": e.message}
+        err = {"t": Frame.ERROR, "code": "unavailable", "message": why}
+    except (ApiError, TransportError) as e:
+        e2 = api_error(e)
+        err = {"t": Frame.ERROR, "code": e2.code, "message": e2.message}
     finally:
         if done is None or err is not None:
             # the client left or we gave up: the driver sees its socket close and
             # interrupts the cell
             with contextlib.suppress(Exception):
-                mgr._spawn(lv.chan.send({"t": "kill", "id": st.id, "reason": "cancelled"}))
+                mgr._spawn(lv.chan.send({"t": Kind.KILL, "id": st.id, "reason": "cancelled"}))
         st.close()
         mgr.store.finish_exec(
             eid, exit_code=0 if done and done["status"] == "ok" else 1,
@@ -278,7 +281,7 @@ async def restart_kernel(mgr: Manager, lv: Live, language: str) -> dict[str, Any
     t0 = time.monotonic()
     try:
         async for msg in _lines(st, t0 + 60 + GRACE):
-            if msg.get("t") == "done":
+            if msg.get("t") == InterpKind.DONE:
                 d = _done(msg, time.monotonic() - t0)
                 if d["status"] == "invalid":
                     raise invalid(d["message"] or "the kernel refused", field="language")

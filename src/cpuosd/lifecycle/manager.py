@@ -24,10 +24,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import cpuos_agent
+from cpuos_agent import messages as M
 from cpuos_agent import protocol as P
+from cpuos_agent.protocol import Kind
 
 from .. import procs
-from ..agentconn import AgentChannel, raise_for_agent_error
+from ..agentconn import AgentChannel, TransportError, raise_for_agent_error
 from ..backends.base import Backend, SandboxSpec
 from ..config import Config
 from ..errors import ApiError, not_found
@@ -63,8 +65,10 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         # admission by what the host really uses (accounting.quotas): ``measure`` stands in
         # for the host's measurement in tests
         # (disk: where writable layers grow; a pause checks its snapshot's room itself)
-        self.host_meter = HostMeter([cfg.sandboxes_dir], ours=lambda: list(self.live))
-        self.admission = Admission(store, measure or self.host_meter.measure)
+        self.host_meter = HostMeter([cfg.sandboxes_dir], ours=lambda: list(self.live),
+                                    limits=cfg.limits)
+        self.admission = Admission(store, measure or self.host_meter.measure,
+                                   limits=cfg.limits)
         self.live: dict[str, Live] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         # what a pause leaves of a sandbox on the host (its stopped runsc container, its
@@ -84,9 +88,9 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         self._pool_retry: dict[str, float] = {}
         # idleness (lifecycle.idle): the watch, the auto-pauses and wakes under way, and
         # what holds a sandbox in use besides its agent streams (preview connections)
-        self.idle = IdleWatch(self._idle_cpu, self._idle_in_use)
+        self.idle = IdleWatch(self._idle_cpu, self._idle_in_use, cfg.idle.cpu)
         self._idle_pausing: dict[str, asyncio.Task[Any]] = {}
-        self._idle_pauses = asyncio.Semaphore(cfg.idle_pause_parallel)
+        self._idle_pauses = asyncio.Semaphore(cfg.idle.pause_parallel)
         self._waking: dict[str, asyncio.Task[Any]] = {}
         self.connections: collections.Counter[str] = collections.Counter()
         self.events.subscribe(self._idle_on_event)
@@ -149,7 +153,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
 
     @property
     def default_network(self) -> dict[str, Any]:
-        return Policy.parse(self.cfg.default_network).to_json()
+        return Policy.parse(self.cfg.network.default_policy).to_json()
 
     async def _apply_network(self, lv: Live) -> None:
         """The sandbox's policy to its backend (a backend without networking ignores it)."""
@@ -159,7 +163,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
             await setter(lv.row.id, lv.spec.network)
             if self.backend.capabilities.guest_net and lv.spec.ca_pem != had:
                 # a VM's guest takes its CA from the agent (e.g. a pooled one given secrets)
-                h = await lv.chan.call({"t": "identity", "ca": lv.spec.ca_pem}, timeout=30)
+                h = await lv.chan.call({"t": Kind.IDENTITY, "ca": lv.spec.ca_pem}, timeout=30)
                 raise_for_agent_error(h)
 
     async def set_network(self, workspace_id: str, sid: str, network: dict[str, Any]
@@ -202,7 +206,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         self._spawn(self._reaper())
         self._spawn(self._idle_loop())
         self._spawn(procs.reap_loop())  # the runsc/QEMU processes we adopted
-        for template in self.cfg.pool_templates if self.cfg.pool_size > 0 else []:
+        for template in self.cfg.pool.templates if self.cfg.pool.size > 0 else []:
             if template_info(self.cfg.templates_dir, template):
                 self._pool_want(template)
 
@@ -247,8 +251,8 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
             backend=self.backend.capabilities.name, state=state, reason=None,
             created_at=now, started_at=None, ended_at=None, deadline=now + timeout,
             spec={"rootfs": info["rootfs"], "template_digest": info["digest"], "vcpus": vcpus,
-                  "memory_mib": memory_mib, "pids": pids or self.cfg.default_pids,
-                  "disk_mib": disk_mib or self.cfg.default_disk_mib,
+                  "memory_mib": memory_mib, "pids": pids or self.cfg.sandbox.default_pids,
+                  "disk_mib": disk_mib or self.cfg.sandbox.default_disk_mib,
                   "hostname": "sandbox", "env": env,
                   "timeout": timeout, "machine_id": secrets.token_hex(16),
                   "template_env": info.get("env") or {}, "workdir": info.get("workdir"),
@@ -268,7 +272,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         await self._settle_teardown(row.id)  # (a pause's, of the same id: its directory)
         spec = self._spec(row)
         key = self._agent_key(row, image)
-        chan = AgentChannel(spec.sock_path, key)
+        chan = AgentChannel(spec.sock_path, key, self.cfg.sandbox.agent_liveness)
         spec.template_boot, spec.adopt = template_boot, chan.adopt
         lv = Live(row, spec, chan)
         self.live[row.id] = lv
@@ -295,7 +299,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
             else:
                 await self.backend.restore(spec, image)
             t1 = time.monotonic()
-            await chan.wait_connected(self.cfg.agent_connect_timeout)
+            await chan.wait_connected(self.cfg.sandbox.agent_connect_timeout)
             key_file.unlink(missing_ok=True)
             t2 = time.monotonic()
             if not resume or self.backend.capabilities.guest_net:
@@ -337,11 +341,11 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         randomness for the guest's RNG, the time, for a VM its network address
         (cpuos_agent.agent.apply_identity), and the memory limit the agent's OOM killer
         holds the sandbox to (gVisor: cpuos_agent.memguard)."""
-        msg: dict[str, Any] = {"t": "identity", "hostname": lv.row.id,
-                               "machine_id": lv.row.spec["machine_id"],
-                               "seed": secrets.token_hex(64), "time": time.time(),
-                               "memory_limit": int(lv.row.spec["memory_mib"]) << 20,
-                               "spawner_idle_exit": self.cfg.spawner_idle_exit}
+        msg = M.Identity(t=Kind.IDENTITY, hostname=lv.row.id,
+                         machine_id=lv.row.spec["machine_id"],
+                         seed=secrets.token_hex(64), time=time.time(),
+                         memory_limit=int(lv.row.spec["memory_mib"]) << 20,
+                         spawner_idle_exit=self.cfg.sandbox.spawner_idle_exit)
         if self.backend.capabilities.guest_net and lv.spec.address and lv.spec.gateway:
             # a VM's interface: every restore and clone has an address of its own
             msg["net"] = {"address": lv.spec.address, "gateway": lv.spec.gateway,
@@ -370,7 +374,8 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         """``idle_timeout``: seconds without activity before it is paused (0: never;
         lifecycle.idle)."""
         network = network or self.default_network
-        pids, disk_mib = pids or self.cfg.default_pids, disk_mib or self.cfg.default_disk_mib
+        pids = pids or self.cfg.sandbox.default_pids
+        disk_mib = disk_mib or self.cfg.sandbox.default_disk_mib
         info = template_info(self.cfg.templates_dir, template)
         if info is None:
             raise ApiError("not_found", f"template {template!r} is not built; run "
@@ -379,8 +384,9 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         # the template's image and the pool are of the default size (a checkpoint carries
         # its rlimits and its disk's size): another size boots
         default_size = (vcpus, memory_mib, pids, disk_mib) == (
-            self.cfg.default_vcpus, self.cfg.default_memory_mib, self.cfg.default_pids,
-            self.cfg.default_disk_mib)
+            self.cfg.sandbox.default_vcpus, self.cfg.sandbox.default_memory_mib,
+            self.cfg.sandbox.default_pids,
+            self.cfg.sandbox.default_disk_mib)
         pooled = default_size and self._pool_on(template)
         # no await from here to the row's insert (or the pop): admission is atomic
         ready = pooled and bool(self.pool.get(template))
@@ -440,7 +446,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
             for attempt in (1, 2):
                 try:
                     return await self._boot(row, image)
-                except ApiError as e:
+                except (ApiError, TransportError) as e:
                     log.warning("restore of %s from %s failed (attempt %d): %s", row.id,
                                 image.name, attempt, e.message)
             log.warning("sandbox %s: restores failed; booting it instead", row.id)
@@ -477,7 +483,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         lv = self.running(workspace_id, sid, op)
         self.idle.touch(sid)
         if not lv.chan.connected:
-            with contextlib.suppress(ApiError):
+            with contextlib.suppress(TransportError):
                 await lv.chan.wait_connected(RECONNECT_GRACE)
         return lv
 

@@ -19,6 +19,8 @@ import logging
 import os
 from collections.abc import Callable
 
+from cpuos_agent.protocol import Kind
+
 from ..agentconn import AgentChannel, AgentGone
 from ..backends.base import Backend
 from ..errors import ApiError
@@ -68,7 +70,7 @@ class MemoryWatch:
 
     async def _send(self, high: bool) -> None:
         with contextlib.suppress(AgentGone, ApiError):
-            await self.chan.send({"t": "memory", "id": 0, "watched": True, "high": high})
+            await self.chan.send({"t": Kind.MEMORY, "id": 0, "watched": True, "high": high})
 
     def close(self) -> None:
         with contextlib.suppress(ValueError):

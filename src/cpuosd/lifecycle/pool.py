@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 
+from cpuos_agent.protocol import Kind
+
 from ..agentconn import raise_for_agent_error
 from ..errors import ApiError
 from ..store import SandboxRow
@@ -45,13 +47,13 @@ class Templates:
         """A template image is of one template build, one agent and one kind of machine
         (an image of another backend, accelerator or device set never restores)."""
         return (f"{template}-{digest}-{self.agent_dir.name}-{self.backend.image_kind}"
-                f"-p{self.cfg.default_pids}-d{self.cfg.default_disk_mib}")
+                f"-p{self.cfg.sandbox.default_pids}-d{self.cfg.sandbox.default_disk_mib}")
         # (rlimits must match at restore; the disk's size is the checkpoint's)
 
     async def _template_image(self: Manager, template: str, info: dict[str, Any]) -> Path | None:
         """The template booted once and checkpointed; made on first use. None when
         snapshots are off or could not be made (create then boots)."""
-        if not self.cfg.template_snapshots or not self.backend.capabilities.checkpoint:
+        if not self.cfg.pool.template_snapshots or not self.backend.capabilities.checkpoint:
             return None
         d = (self.cfg.snapshots_dir / "templates"
              / self._template_image_name(template, info["digest"]))
@@ -73,10 +75,10 @@ class Templates:
         row = SandboxRow(id="tpl-" + secrets.token_hex(6), workspace_id="", template=template,
                          backend=self.backend.capabilities.name, state="creating", reason=None,
                          created_at=_now(), started_at=None, ended_at=None, deadline=None,
-                         spec={"rootfs": info["rootfs"], "vcpus": self.cfg.default_vcpus,
-                               "memory_mib": self.cfg.default_memory_mib,
-                               "pids": self.cfg.default_pids,
-                               "disk_mib": self.cfg.default_disk_mib,
+                         spec={"rootfs": info["rootfs"], "vcpus": self.cfg.sandbox.default_vcpus,
+                               "memory_mib": self.cfg.sandbox.default_memory_mib,
+                               "pids": self.cfg.sandbox.default_pids,
+                               "disk_mib": self.cfg.sandbox.default_disk_mib,
                                "network": {"mode": "off", "allow": []},
                                "hostname": "sandbox", "env": {},
                                "machine_id": secrets.token_hex(16),
@@ -115,7 +117,7 @@ class Templates:
 
     # ---- the warm pool ------------------------------------------------------------------
     def _pool_on(self: Manager, template: str) -> bool:
-        return self.cfg.pool_size > 0 and template in self.cfg.pool_templates
+        return self.cfg.pool.size > 0 and template in self.cfg.pool.templates
 
     def _pool_target(self: Manager, template: str) -> int:
         """How many ready sandboxes the pool keeps: CPUOS_POOL_SIZE, or as many as creates
@@ -125,8 +127,8 @@ class Templates:
         now = time.monotonic()
         while demand and now - demand[0] > DEMAND_WINDOW:
             demand.popleft()
-        return min(max(self.cfg.pool_size, self.cfg.pool_max),
-                   max(self.cfg.pool_size, len(demand or ())))
+        return min(max(self.cfg.pool.size, self.cfg.pool.max),
+                   max(self.cfg.pool.size, len(demand or ())))
 
     def _pool_want(self: Manager, template: str) -> None:
         """Start refills (at most CPUOS_POOL_PARALLEL at once) until the pool, with what is
@@ -139,12 +141,12 @@ class Templates:
             inflight = self._pool_inflight.get(template, 0)
             claimed = len(self._pool_waiters.get(template, ()))
             if (len(pool) + inflight - claimed >= self._pool_target(template)
-                    or inflight >= self.cfg.pool_parallel):
+                    or inflight >= self.cfg.pool.parallel):
                 return
-            if not self.admission.host_has_room(self.cfg.default_vcpus,
-                                                self.cfg.default_memory_mib, n=2):
+            if not self.admission.host_has_room(self.cfg.sandbox.default_vcpus,
+                                                self.cfg.sandbox.default_memory_mib, n=2):
                 return  # a pooled sandbox must not take the place of a user's
-            self.admission.promise(self.cfg.default_memory_mib)
+            self.admission.promise(self.cfg.sandbox.default_memory_mib)
             self._pool_inflight[template] = inflight + 1
             self._spawn(self._pool_fill(template, self._pool_gen.get(template, 0)))
 
@@ -158,8 +160,8 @@ class Templates:
             image = await self._template_image(template, info) if info and ws else None
             if image is None or info is None or ws is None:
                 return
-            row = self._new_row(ws, template, info, self.cfg.default_timeout, {}, {},
-                                self.cfg.default_vcpus, self.cfg.default_memory_mib,
+            row = self._new_row(ws, template, info, self.cfg.sandbox.default_timeout, {}, {},
+                                self.cfg.sandbox.default_vcpus, self.cfg.sandbox.default_memory_mib,
                                 state="pooled")
             try:
                 lv = await self._boot(row, image)
@@ -236,7 +238,7 @@ class Templates:
         """Each second (the daemon's tick): a pool larger than its target, with no demand
         for a while, gives back one sandbox (its memory); then refills as needed."""
         now = time.monotonic()
-        for template in self.cfg.pool_templates if self.cfg.pool_size > 0 else ():
+        for template in self.cfg.pool.templates if self.cfg.pool.size > 0 else ():
             pool = self.pool.get(template)
             demand = self._pool_demand.get(template)
             idle = not demand or now - demand[-1] > DEMAND_WINDOW
@@ -249,15 +251,15 @@ class Templates:
         """Run a shell line in the sandbox for the daemon itself: (exit code, output tail)."""
         st = lv.chan.open()
         try:
-            await st.send({"t": "exec", "shell": cmd, "env": _base_env(lv.row), "cwd": "/",
+            await st.send({"t": Kind.EXEC, "shell": cmd, "env": _base_env(lv.row), "cwd": "/",
                            "timeout": timeout, "stdin": False})
             out = b""
             while True:
                 h, payload = await st.get(timeout + 10)
                 raise_for_agent_error(h)
-                if h["t"] == "out":
+                if h["t"] == Kind.OUT:
                     out = (out + payload)[-4000:]
-                elif h["t"] == "exit":
+                elif h["t"] == Kind.EXIT:
                     code = h.get("exit_code")
                     return (code if isinstance(code, int) else -1), out
         except TimeoutError:

@@ -10,8 +10,7 @@ import shutil
 from typing import TYPE_CHECKING
 
 
-from ..agentconn import AgentChannel
-from ..errors import ApiError
+from ..agentconn import AgentChannel, TransportError
 from ..store import LIVE_STATES, SandboxRow
 from ..templates.builder import list_templates
 from .common import (Live, _du, _now)
@@ -37,7 +36,8 @@ class Reconcile:
                 if row.state != "running":
                     # a paused row has no deadline: it gets back the time it had left
                     deadline = row.deadline or _now() + float(
-                        row.remaining or row.spec.get("timeout") or self.cfg.default_timeout)
+                        row.remaining or row.spec.get("timeout")
+                        or self.cfg.sandbox.default_timeout)
                     was = row.state
                     self._set_state(row.id, "running", deadline=deadline)
                     log.info("sandbox %s was %s at restart: running", row.id, was)
@@ -86,7 +86,8 @@ class Reconcile:
 
     async def _reattach(self: Manager, row: SandboxRow) -> None:
         lv = Live(row, self._spec(row), AgentChannel(self._spec(row).sock_path,
-                                                     row.spec.get("agent_key")))
+                                                     row.spec.get("agent_key"),
+                                                     self.cfg.sandbox.agent_liveness))
         self.live[row.id] = lv
         await lv.chan.listen()
         lv.chan.on_disconnect.append(lambda sid=row.id: self._on_disconnect(sid))
@@ -98,8 +99,8 @@ class Reconcile:
         if lv is None:
             return
         try:
-            await lv.chan.wait_connected(self.cfg.agent_connect_timeout)
-        except ApiError:
+            await lv.chan.wait_connected(self.cfg.sandbox.agent_connect_timeout)
+        except TransportError:
             log.warning("sandbox %s: agent did not reconnect; killing it", sid)
             await self.kill(sid, reason="lost", final_state="error")
             return

@@ -10,12 +10,15 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
+from cpuos_agent import messages as M
 from cpuos_agent import protocol as P
+from cpuos_agent.messages import Frame
+from cpuos_agent.protocol import Kind
 
-from ..agentconn import AgentGone, open_stream, raise_for_agent_error
-from ..errors import ApiError
+from ..agentconn import AgentGone, TransportError, open_stream, raise_for_agent_error
+from ..errors import ApiError, api_error
 from ..events import SandboxEvent
 from . import commands
 from .common import (Live, _base_env)
@@ -30,6 +33,8 @@ ENTRY_TYPES = {"file", "dir", "symlink", "other"}
 MAX_ENTRIES = 10000
 MAX_FILE = 1 << 50  # a declared size beyond this is not believed
 READ_IDLE = 60.0  # s: a file read with no data from the agent for this long fails
+_PATH_OPS: dict[str, Literal[Kind.STAT, Kind.LIST, Kind.MKDIR]] = {
+    Kind.STAT: Kind.STAT, Kind.LIST: Kind.LIST, Kind.MKDIR: Kind.MKDIR}
 
 
 class StreamCut(Exception):
@@ -64,7 +69,7 @@ class FileStream:
         try:
             while True:
                 h, payload = await self.st.get(READ_IDLE)
-                if h["t"] == "data":
+                if h["t"] == Kind.DATA:
                     n += len(payload)
                     if n > self.limit:
                         raise ApiError("too_large", f"{self.path}: more than the limit of "
@@ -73,7 +78,7 @@ class FileStream:
                         raise ApiError("internal", f"sandbox agent sent more of {self.path} "
                                        f"than the {self.length} bytes it declared")
                     yield payload
-                elif h["t"] == "eof":
+                elif h["t"] == Kind.EOF:
                     if self.length is not None and n != self.length:
                         raise ApiError("internal", f"{self.path}: {n} bytes of the "
                                        f"{self.length} declared")
@@ -94,7 +99,7 @@ class FileStream:
             self.st.close()
             if not done:  # the agent stops reading (a client that left, a failure)
                 with contextlib.suppress(Exception):
-                    self.mgr._spawn(self.lv.chan.send({"t": "kill", "id": self.st.id,
+                    self.mgr._spawn(self.lv.chan.send({"t": Kind.KILL, "id": self.st.id,
                                                        "reason": "cancelled"}))
 
     async def framed(self) -> AsyncIterator[bytes]:
@@ -102,13 +107,15 @@ class FileStream:
         try:
             async for chunk in self._chunks():
                 n += len(chunk)
-                yield P.encode({"t": "data"}, chunk)
-        except ApiError as e:
+                yield P.encode({"t": Frame.DATA}, chunk)
+        except (ApiError, TransportError) as e:
+            err = api_error(e)
             log.info("read of %s in %s failed after %d bytes: %s", self.path,
-                     self.lv.row.id, n, e.message)
-            yield P.encode({"t": "error", "code": e.code, "message": e.message, "size": n})
+                     self.lv.row.id, n, err.message)
+            yield P.encode({"t": Frame.ERROR, "code": err.code, "message": err.message,
+                            "size": n})
             return
-        yield P.encode({"t": "eof", "size": n})
+        yield P.encode({"t": Frame.EOF, "size": n})
 
     async def raw(self) -> AsyncIterator[bytes]:
         n = 0
@@ -116,7 +123,7 @@ class FileStream:
             async for chunk in self._chunks():
                 n += len(chunk)
                 yield chunk
-        except ApiError as e:
+        except (ApiError, TransportError) as e:
             log.info("read of %s in %s failed after %d bytes (response cut): %s", self.path,
                      self.lv.row.id, n, e.message)
             raise StreamCut(e.message) from None
@@ -138,18 +145,18 @@ class Session:
         eid = "exe-" + secrets.token_hex(6)
         st = lv.chan.open()
         try:
-            target = {"shell": cmd} if isinstance(cmd, str) else {"argv": cmd}
             cwd = cwd or lv.row.spec.get("workdir") or "/work"
-            await st.send({"t": "exec", **target, "env": {**_base_env(lv.row), **env},
+            msg: M.Exec = {**M.command(cmd), "env": {**_base_env(lv.row), **env},
                            "cwd": cwd, "timeout": timeout,
-                           "stdin": stdin is not None or stdin_stream})
+                           "stdin": stdin is not None or stdin_stream}
+            await st.send(msg)
             if stdin is not None:
                 for i in range(0, len(stdin), P.CHUNK):
-                    await st.send({"t": "stdin"}, stdin[i:i + P.CHUNK])
-                await st.send({"t": "stdin", "close": True})
+                    await st.send({"t": Kind.STDIN}, stdin[i:i + P.CHUNK])
+                await st.send({"t": Kind.STDIN, "close": True})
             h, _ = await st.get(15.0)
             raise_for_agent_error(h)
-            if h["t"] != "started":
+            if h["t"] != Kind.STARTED:
                 raise ApiError("internal", f"unexpected agent answer {h['t']!r}")
         except TimeoutError:
             st.close()
@@ -173,7 +180,7 @@ class Session:
         done = False
         result: dict[str, Any] = {}
         try:
-            yield P.encode({"t": "started", "exec_id": eid})
+            yield P.encode({"t": Frame.STARTED, "exec_id": eid})
             # The agent enforces the timeout; the host allows a grace period on top.
             host_deadline = None if timeout is None else t0 + timeout + 10.0
             while True:
@@ -181,18 +188,18 @@ class Session:
                 try:
                     h, payload = await st.get(wait)
                 except TimeoutError:
-                    result = {"t": "error", "code": "timeout",
+                    result = {"t": Frame.ERROR, "code": "timeout",
                               "message": "command did not finish after its timeout"}
                     yield P.encode(result)
                     break
                 t = h["t"]
-                if t == "out":
+                if t == Kind.OUT:
                     fd = h.get("fd")
                     if fd not in (1, 2):
                         continue
                     counts[fd] += len(payload)
-                    yield P.encode({"t": "out", "fd": fd}, payload)
-                elif t == "exit":
+                    yield P.encode({"t": Frame.OUT, "fd": fd}, payload)
+                elif t == Kind.EXIT:
                     result = _exit_frame(h, time.monotonic() - t0)
                     if result["oom"]:
                         self.events.emit(SandboxEvent(
@@ -201,22 +208,23 @@ class Session:
                     yield P.encode(result)
                     done = True
                     break
-                elif t == "err":
+                elif t == Kind.ERR:
                     raise_for_agent_error(h)
         except AgentGone as e:
             row = self.store.get_sandbox(lv.row.id)
             why = f"sandbox is {row.state} ({row.reason})" if row and row.state != "running" \
                 else e.message
-            result = {"t": "error", "code": "unavailable", "message": why}
+            result = {"t": Frame.ERROR, "code": "unavailable", "message": why}
             yield P.encode(result)
-        except ApiError as e:
-            result = {"t": "error", "code": e.code, "message": e.message}
+        except (ApiError, TransportError) as e:
+            err = api_error(e)
+            result = {"t": Frame.ERROR, "code": err.code, "message": err.message}
             yield P.encode(result)
         finally:
             if not done:
                 # client went away or we gave up: kill the command's whole tree
                 with contextlib.suppress(Exception):
-                    self._spawn(lv.chan.send({"t": "kill", "id": st.id, "reason": "cancelled"}))
+                    self._spawn(lv.chan.send({"t": Kind.KILL, "id": st.id, "reason": "cancelled"}))
             commands.end_exec_stdin(lv.row.id, eid, st)
             st.close()
             self.store.finish_exec(
@@ -238,7 +246,7 @@ class Session:
         st = lv.chan.open()
         digest, size, error = hashlib.sha256(), 0, "cancelled"  # (the audit's: on the stream)
         try:
-            await st.send({"t": "write", "path": path})
+            await st.send({"t": Kind.WRITE, "path": path})
             async for chunk in body:
                 digest.update(chunk)
                 size += len(chunk)
@@ -246,8 +254,8 @@ class Session:
                     if not st.queue.empty():  # the agent refused early (e.g. permission)
                         h, _ = await st.get()
                         raise_for_agent_error(h)
-                    await st.send({"t": "data"}, chunk[i:i + P.CHUNK])
-            await st.send({"t": "eof"})
+                    await st.send({"t": Kind.DATA}, chunk[i:i + P.CHUNK])
+            await st.send({"t": Kind.EOF})
             h, _ = await st.get(120.0)
             raise_for_agent_error(h)
             error = ""
@@ -256,10 +264,10 @@ class Session:
             error = "timeout"
             raise ApiError("timeout", f"sandbox agent did not finish writing {path}") from None
         except BaseException as e:
-            if isinstance(e, ApiError):
+            if isinstance(e, ApiError | TransportError):
                 error = e.message
             with contextlib.suppress(Exception):
-                self._spawn(lv.chan.send({"t": "eof", "id": st.id, "abort": True}))
+                self._spawn(lv.chan.send({"t": Kind.EOF, "id": st.id, "abort": True}))
             raise
         finally:
             st.close()
@@ -271,7 +279,7 @@ class Session:
 
     def read_limit(self: Manager, max_bytes: int | None) -> int:
         """The bound of one read: the client's ``max_bytes``, at most CPUOS_MAX_READ_BYTES."""
-        cap = self.cfg.max_read_bytes
+        cap = self.cfg.sandbox.max_read_bytes
         return cap if max_bytes is None else min(max_bytes, cap)
 
     async def read_file(self: Manager, lv: Live, path: str, max_bytes: int | None = None
@@ -280,24 +288,34 @@ class Session:
         declared size is over the read's limit: 413 ``too_large``, before a byte of it);
         what happens after (the body is on its way) is the FileStream's to report."""
         limit = self.read_limit(max_bytes)
-        st, h = await open_stream(lv.chan, {"t": "read", "path": path}, 30.0, f"open {path}")
+        st, h = await open_stream(lv.chan, {"t": Kind.READ, "path": path}, 30.0, f"open {path}")
         size = h.get("size")
         exact = h.get("exact") is True and isinstance(size, int) and 0 < size <= MAX_FILE
         if exact and isinstance(size, int) and size > limit:
             st.close()
             with contextlib.suppress(Exception):
-                self._spawn(lv.chan.send({"t": "kill", "id": st.id, "reason": "cancelled"}))
+                self._spawn(lv.chan.send({"t": Kind.KILL, "id": st.id, "reason": "cancelled"}))
             raise ApiError("too_large", f"{path} is {size} bytes, over the limit of {limit}",
                            {"path": path, "size": size, "limit": limit})
         return FileStream(self, lv, st, path, size if exact else None, limit)
 
     async def file_call(self: Manager, lv: Live, op: str, path: str, **extra: Any) -> Any:
-        if op in ("remove", "mkdir"):  # changes: on the audit trail, as file writes are
+        """op: Kind.STAT, LIST, MKDIR or REMOVE (``recursive``, default true)."""
+        msg: M.Remove | M.PathRequest
+        if op == Kind.REMOVE:
+            msg = M.Remove(t=Kind.REMOVE, path=path)
+            if "recursive" in extra:
+                msg["recursive"] = bool(extra["recursive"])
+        elif op in _PATH_OPS:
+            msg = M.PathRequest(t=_PATH_OPS[op], path=path)
+        else:
+            raise ValueError(f"not a file call: {op!r}")
+        if op in (Kind.REMOVE, Kind.MKDIR):  # changes: on the audit trail, as file writes are
             error = "cancelled"
             try:
-                h, payload = await lv.chan.call_full({"t": op, "path": path, **extra})
+                h, payload = await lv.chan.call_full(msg)
                 error = ""
-            except ApiError as e:
+            except (ApiError, TransportError) as e:
                 error = e.message
                 raise
             finally:
@@ -306,8 +324,8 @@ class Session:
                     fields={"op": op, "path": path, "ok": not error, "source": "api",
                             **({"error": error} if error else {})}))
         else:
-            h, payload = await lv.chan.call_full({"t": op, "path": path, **extra})
-        if op == "list":
+            h, payload = await lv.chan.call_full(msg)
+        if op == Kind.LIST:
             entries = h.get("entries")  # (agents before the listing moved to the payload)
             if entries is None and payload:
                 try:
@@ -317,7 +335,7 @@ class Session:
             if not isinstance(entries, list):
                 raise ApiError("internal", "sandbox agent sent a malformed listing")
             return [_clean_stat(e, None, parent=path) for e in entries[:MAX_ENTRIES]]
-        if op in ("stat", "mkdir"):
+        if op in (Kind.STAT, Kind.MKDIR):
             return _clean_stat(h.get("stat"), path)
         return None
 
@@ -327,7 +345,7 @@ def _exit_frame(h: P.Header, duration: float) -> dict[str, Any]:
     code = h.get("exit_code")
     sig = h.get("signal")
     return {
-        "t": "exit",
+        "t": Frame.EXIT,
         "exit_code": code if isinstance(code, int) and -1 <= code <= 255 else -1,
         "signal": sig if isinstance(sig, int) and 0 < sig < 128 else None,
         "timed_out": h.get("timed_out") is True,

@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 
-from ..agentconn import DEVICE_SETTLE
+from cpuos_agent.protocol import Kind
+
+from ..agentconn import DEVICE_SETTLE, TransportError
 from ..errors import ApiError
 from ..store import SandboxRow
 from . import states
@@ -33,7 +35,7 @@ class Snapshots:
                            "sandbox; wait for them to finish")
         lv.chan.stop_listening()
         try:
-            await lv.chan.call({"t": "quiesce"}, timeout=10)
+            await lv.chan.call({"t": Kind.QUIESCE}, timeout=10)
             if (lv.chan.hello or {}).get("transport") == "device":
                 # a device agent (microVM) cannot hang up: we do, and give it the moment
                 # it needs to see that (else a restored copy would wait for it)
@@ -42,13 +44,13 @@ class Snapshots:
             else:
                 try:  # a socket agent closes its end
                     await lv.chan.wait_disconnected(1.0)
-                except ApiError:
+                except TransportError:
                     lv.chan.disconnect()
         except asyncio.CancelledError:
             raise  # (a DELETE, or the daemon stopping: whoever cancelled tears it down)
         except BaseException as e:
             await lv.chan.listen()  # the agent keeps retrying: it comes back
-            await lv.chan.wait_connected(self.cfg.agent_connect_timeout)
+            await lv.chan.wait_connected(self.cfg.sandbox.agent_connect_timeout)
             if isinstance(e, ApiError) and e.code == "already_exists":
                 raise ApiError("conflict", e.message) from None
             raise
@@ -57,7 +59,7 @@ class Snapshots:
         # its memory and what its writable layer holds (a file on the host, not memory)
         need = (int(self.backend.memory_usage(sid) or 0)
                 + int(self.backend.stats(sid).get("disk_used_bytes") or 0)
-                + self.cfg.snapshot_margin)
+                + self.cfg.sandbox.snapshot_margin)
         where.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(where).free
         if free < need:
@@ -97,7 +99,7 @@ class Snapshots:
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
             await self._teardown(sid)
-            msg = e.message if isinstance(e, ApiError) else str(e)
+            msg = e.message if isinstance(e, ApiError | TransportError) else str(e)
             self._finish(sid, "error", f"checkpoint failed: {msg}"[:500])
             raise
         t2 = time.monotonic()

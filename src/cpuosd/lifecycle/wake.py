@@ -8,6 +8,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
+from ..agentconn import TransportError
 from ..errors import ApiError
 from ..events import NOT_TRANSITIONS, SandboxEvent
 from ..store import SandboxRow
@@ -83,7 +84,7 @@ class Idle:
                 try:
                     await self._pause_locked(lv, "idle")
                     paused = True
-                except ApiError as e:
+                except (ApiError, TransportError) as e:
                     log.warning("idle pause of %s failed: %s", sid, e.message)
         finally:
             if self._idle_pausing.get(sid) is task:

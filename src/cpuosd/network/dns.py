@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import random
 import socket
 from collections.abc import Callable
@@ -23,7 +22,7 @@ from typing import Any
 
 from dnslib import QTYPE, RCODE, DNSRecord
 
-from .policy import Policy, denied_address
+from .policy import Deny, Policy
 from .uplink import Uplink
 
 log = logging.getLogger("cpuosd.network")
@@ -32,8 +31,9 @@ PER_SANDBOX = 32  # queries of one sandbox in flight
 UPSTREAM_TIMEOUT = 3.0
 
 
-def default_upstream() -> tuple[str, int]:
-    v = os.environ.get("CPUOS_DNS_UPSTREAM")
+def default_upstream(v: str | None = None) -> tuple[str, int]:
+    """``v`` (CPUOS_DNS_UPSTREAM: host[:port]), else the first nameserver of
+    /etc/resolv.conf."""
     if v:
         host, _, port = v.rpartition(":") if v.count(":") == 1 else (v, "", "")
         return host or v, int(port or 53)
@@ -80,8 +80,10 @@ Record = Callable[..., None]
 
 
 class Resolver(asyncio.DatagramProtocol):
-    def __init__(self, upstream: Upstream, lookup: Lookup, record: Record) -> None:
+    def __init__(self, upstream: Upstream, lookup: Lookup, record: Record,
+                 deny: Deny | None = None) -> None:
         self.upstream, self.lookup, self.record = upstream, lookup, record
+        self.deny = deny or Deny()
         self.transport: Any = None  # uvloop's UDP transport is no DatagramTransport
         self.inflight = 0
         self.per_sandbox: dict[str, int] = {}
@@ -143,13 +145,13 @@ class Resolver(asyncio.DatagramProtocol):
         for rr in answer.rr:
             if rr.rtype == QTYPE.AAAA:
                 continue  # sandboxes have no IPv6: a name gives none (a literal is refused)
-            if rr.rtype == QTYPE.A and denied_address(str(rr.rdata)):
+            if rr.rtype == QTYPE.A and self.deny.address(str(rr.rdata)):
                 dropped.append(str(rr.rdata))
             else:
                 kept.append(rr)
         answer.rr = kept
         answer.ar = [rr for rr in answer.ar if rr.rtype != QTYPE.AAAA
-                     and (rr.rtype != QTYPE.A or not denied_address(str(rr.rdata)))]
+                     and (rr.rtype != QTYPE.A or not self.deny.address(str(rr.rdata)))]
         if dropped:
             self.record(sid, proto="dns", name=name, port=53, verdict="denied",
                         rule=f"answer in a deny set: {', '.join(dropped[:4])}",

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from .. import procs
+from ..config import NetworkConfig
 
 T = TypeVar("T")
 
@@ -35,16 +36,6 @@ EXECUTOR = ThreadPoolExecutor(max_workers=4, thread_name_prefix="net")
 
 async def in_thread(fn: Callable[..., T], *args: Any) -> T:
     return await asyncio.get_running_loop().run_in_executor(EXECUTOR, fn, *args)
-
-
-def net_id() -> str:
-    """This daemon's tag in the names it gives (``CPUOS_NET_ID``, up to 4 of [a-z0-9];
-    empty by default): daemons sharing a host (tests) each own their namespaces,
-    interfaces and nftables table."""
-    v = os.environ.get("CPUOS_NET_ID", "")
-    if not re.fullmatch(r"[a-z0-9]{0,4}", v):
-        raise ValueError(f"CPUOS_NET_ID={v!r}: up to 4 of [a-z0-9]")
-    return v
 
 
 def netns_prefix(tag: str) -> str:
@@ -100,10 +91,9 @@ class AddressPool:
     """The daemon's address pool (``CPUOS_NET_POOL``, default 10.213.0.0/16): /30 slots,
     reserved synchronously."""
 
-    def __init__(self, cidr: str | None = None, tag: str = "") -> None:
+    def __init__(self, cidr: str = NetworkConfig.pool, tag: str = "") -> None:
         self.tag = tag
-        self.net = ipaddress.IPv4Network(cidr or os.environ.get("CPUOS_NET_POOL")
-                                         or "10.213.0.0/16")
+        self.net = ipaddress.IPv4Network(cidr)
         self.size = self.net.num_addresses // 4
         self.used: set[int] = set()
         self._next = 0
@@ -185,9 +175,9 @@ class NetnsPool:
     """Namespaces made ahead of time (``CPUOS_NETNS_POOL``, default 4), refilled in the
     background; ``take`` makes one on the spot when the pool is empty."""
 
-    def __init__(self, addresses: AddressPool, size: int | None = None) -> None:
+    def __init__(self, addresses: AddressPool, size: int = NetworkConfig.netns_pool) -> None:
         self.addresses = addresses
-        self.size = int(os.environ.get("CPUOS_NETNS_POOL") or 4) if size is None else size
+        self.size = size
         self.ready: list[Slot] = []
         self._filling: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()

@@ -11,11 +11,11 @@ may add ranges (``CPUOS_DENY_CIDRS``) and ports (``CPUOS_DENY_PORTS``), never re
 from __future__ import annotations
 
 import ipaddress
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..config import NetworkConfig
 from ..errors import invalid
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -46,32 +46,26 @@ def _networks(items: tuple[str, ...] | list[str]) -> list[Network]:
     return [ipaddress.ip_network(x, strict=False) for x in items]
 
 
-def operator_cidrs() -> list[Network]:
-    extra = [x.strip() for x in os.environ.get("CPUOS_DENY_CIDRS", "").split(",") if x.strip()]
-    return _networks(extra)
+class Deny:
+    """The deny sets, the operator's additions (``cfg.deny_cidrs``, ``cfg.deny_ports``) and
+    the sandboxes' own address pool (one sandbox never reaches another)."""
+
+    def __init__(self, cfg: NetworkConfig | None = None) -> None:
+        cfg = cfg or NetworkConfig()
+        self.networks = [*_networks(DENY_V4), *_networks(DENY_V6), *_networks(cfg.deny_cidrs),
+                         *_networks([cfg.pool])]
+        self.ports = DENY_PORTS | cfg.deny_ports
+
+    def address(self, addr: str | IPAddress) -> str | None:
+        return denied_address(addr, self.networks)
+
+    def port(self, port: int) -> str | None:
+        return f"deny port {port} (mail)" if port in self.ports else None
 
 
-def deny_networks() -> list[Network]:
-    """The deny sets, the operator's additions, and the sandboxes' own address pool (one
-    sandbox never reaches another)."""
-    pool = os.environ.get("CPUOS_NET_POOL") or "10.213.0.0/16"
-    return [*_networks(DENY_V4), *_networks(DENY_V6), *operator_cidrs(),
-            *_networks([pool])]
-
-
-def deny_ports() -> frozenset[int]:
-    extra = {int(x) for x in os.environ.get("CPUOS_DENY_PORTS", "").split(",") if x.strip()}
-    return DENY_PORTS | extra
-
-
-_DENY: list[Network] | None = None
-
-
-def denied_address(addr: str | IPAddress) -> str | None:
-    """The deny rule an address falls under (e.g. ``deny 169.254.0.0/16``), or None."""
-    global _DENY
-    if _DENY is None:
-        _DENY = deny_networks()
+def denied_address(addr: str | IPAddress, networks: list[Network]) -> str | None:
+    """The deny rule of ``networks`` an address falls under (e.g. ``deny 169.254.0.0/16``),
+    or None."""
     try:
         ip = ipaddress.ip_address(addr) if isinstance(addr, str) else addr
     except ValueError:
@@ -85,14 +79,10 @@ def denied_address(addr: str | IPAddress) -> str | None:
         if ip.sixtofour is not None:
             candidates.append(ip.sixtofour)
     for c in candidates:
-        for net in _DENY:
+        for net in networks:
             if c.version == net.version and c in net:
                 return f"deny {net}"
     return None
-
-
-def denied_port(port: int) -> str | None:
-    return f"deny port {port} (mail)" if port in deny_ports() else None
 
 
 @dataclass

@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
-import os
 import socket
 import ssl
 import struct
@@ -39,7 +38,7 @@ from .dns import Upstream
 from .httpflow import (CHUNK, Outcome, PlainStream, Rules, TlsServerStream, parse_authority,
                        relay_http, relay_raw, same_name)
 from .secrets import SecretStore
-from .policy import NAME_RE, Policy, denied_address, denied_port
+from .policy import NAME_RE, Deny, Policy
 from ..fdbudget import BUDGET
 from ..proxy.preview import quickack
 from .uplink import Uplink
@@ -199,8 +198,11 @@ def is_ip(name: str) -> bool:
 class EgressProxy:
     def __init__(self, uplink: Uplink, upstream: Upstream, lookup: Lookup,
                  record: Record, host_address: Callable[[str], bool] = lambda a: False,
-                 secrets: SecretStore | None = None) -> None:
+                 secrets: SecretStore | None = None, deny: Deny | None = None,
+                 upstream_ca_file: str | None = None) -> None:
         self.uplink, self.upstream, self.lookup, self.record = uplink, upstream, lookup, record
+        self.deny = deny or Deny()
+        self.upstream_ca_file = upstream_ca_file
         self.host_address = host_address
         self.secrets = secrets
         self.conns: set[asyncio.Task[None]] = set()
@@ -213,7 +215,7 @@ class EgressProxy:
     def _denied(self, addr: str) -> str | None:
         """The deny sets, and the daemon's own host: its API and services are not for
         sandboxes, at any of its addresses."""
-        rule = denied_address(addr)
+        rule = self.deny.address(addr)
         if rule is None and self.host_address(addr):
             rule = "deny an address of the daemon's host"
         return rule
@@ -284,7 +286,7 @@ class EgressProxy:
         if tunnel and hello.port:
             port = hello.port
             rec["port"] = port
-        rule = denied_port(port)
+        rule = self.deny.port(port)
         if rule is None and allowlist:
             rule = hello.why or await self._allowlist_rule(policy, name, rec)
         elif rule is None:
@@ -410,7 +412,7 @@ class EgressProxy:
     def _upstream_context(self) -> ssl.SSLContext:
         if self._upstream_tls is None:
             self._upstream_tls = ssl.create_default_context(
-                cafile=os.environ.get("CPUOS_UPSTREAM_CA_FILE"))
+                cafile=self.upstream_ca_file)
             self._upstream_tls.set_alpn_protocols(["http/1.1"])
         return self._upstream_tls
 

@@ -19,12 +19,13 @@ from typing import Any
 
 from pyroute2 import IPRoute
 
+from ..config import NetworkConfig
 from . import firewall
 from . import netns as ns
-from .dns import Resolver, Upstream
+from .dns import Resolver, Upstream, default_upstream
 from .secrets import SecretStore
 from .nflog import Dropped, NflogReader
-from .policy import Policy
+from .policy import Deny, Policy
 from .httpflow import CHUNK
 from .proxy import EgressProxy
 from .uplink import Uplink
@@ -91,17 +92,19 @@ class Attached:
 
 
 class Network:
-    def __init__(self, sink: RecordSink, secrets_dir: Path) -> None:
-        self.tag = ns.net_id()
-        group = os.environ.get("CPUOS_NFLOG_GROUP")
-        self.names = firewall.Names(self.tag, int(group) if group else None)
+    def __init__(self, sink: RecordSink, secrets_dir: Path,
+                 cfg: NetworkConfig | None = None) -> None:
+        self.cfg = cfg = cfg or NetworkConfig()
+        self.tag = cfg.net_id  # this daemon's tag in the names it gives (CPUOS_NET_ID)
+        self.names = firewall.Names(self.tag, cfg.nflog_group)
         self.nflog = NflogReader(self.names.log_group)
         self._nflog_task: asyncio.Task[None] | None = None
         self._drops: dict[tuple[str, str, str, int | None], list[float]] = {}
-        self.addresses = ns.AddressPool(tag=self.tag)
-        self.pool = ns.NetnsPool(self.addresses)
-        self.uplink = Uplink()
-        self.upstream = Upstream(self.uplink)
+        self.addresses = ns.AddressPool(cfg.pool, tag=self.tag)
+        self.pool = ns.NetnsPool(self.addresses, cfg.netns_pool)
+        self.uplink = Uplink(cfg.uplink_netns)
+        self.upstream = Upstream(self.uplink, default_upstream(cfg.dns_upstream))
+        self.deny = Deny(cfg)
         self.sink = sink
         # where the records of an attachment that is not a sandbox go (a template build's)
         self.taps: dict[str, RecordSink] = {}
@@ -111,13 +114,14 @@ class Network:
         self._detaching: set[asyncio.Task[None]] = set()
         self.by_addr: dict[str, Attached] = {}
         self.proxy = EgressProxy(self.uplink, self.upstream, self.lookup, self.record,
-                                 self.is_host_address, self.secrets)
+                                 self.is_host_address, self.secrets, self.deny,
+                                 cfg.upstream_ca_file)
         self._host_addrs: set[str] = set()
         self._host_addrs_at = 0.0
         self._server: asyncio.Server | None = None
         self._dns: asyncio.BaseTransport | None = None
-        self.proxy_port = int(os.environ.get("CPUOS_EGRESS_PORT") or 0)
-        self.dns_port = int(os.environ.get("CPUOS_DNS_PORT") or 0)
+        self.proxy_port = cfg.egress_port
+        self.dns_port = cfg.dns_port
 
     # -- start and stop ------------------------------------------------------------------
     async def start(self) -> None:
@@ -127,7 +131,7 @@ class Network:
         self.proxy_port = self._server.sockets[0].getsockname()[1]
         loop = asyncio.get_running_loop()
         transport, _ = await loop.create_datagram_endpoint(
-            lambda: Resolver(self.upstream, self.lookup, self.record),
+            lambda: Resolver(self.upstream, self.lookup, self.record, self.deny),
             local_addr=("0.0.0.0", self.dns_port))
         self._dns = transport
         self.dns_port = transport.get_extra_info("sockname")[1]

@@ -29,7 +29,7 @@ def _enter(path: str) -> None:
 
 class Uplink:
     def __init__(self, netns: str | None = None) -> None:
-        self.netns = netns if netns is not None else os.environ.get("CPUOS_UPLINK_NETNS")
+        self.netns = netns
         self._pool: ThreadPoolExecutor | None = None
         if self.netns:
             path = self.netns if "/" in self.netns else f"/var/run/netns/{self.netns}"

@@ -52,7 +52,6 @@ import contextlib
 import hmac
 import json
 import logging
-import os
 import re
 import secrets
 import socket
@@ -63,6 +62,7 @@ from urllib.parse import parse_qsl, urlencode
 
 import h11
 
+from ..config import PreviewConfig
 from ..errors import ApiError, invalid, not_found
 from ..fdbudget import BUDGET
 
@@ -71,11 +71,6 @@ if TYPE_CHECKING:
     from ..network.service import Network
 
 log = logging.getLogger("cpuosd.preview")
-
-
-def _env_int(name: str, default: int) -> int:
-    v = os.environ.get(name)
-    return int(v) if v else default
 
 
 MAX_HEAD = 32 * 1024
@@ -90,10 +85,6 @@ CHUNK = READ = 256 * 1024
 # side is slow): with a read in flight, at most about 0.5 MiB per connection and direction
 CLIENT_LIMIT = 64 * 1024
 UPSTREAM_LIMIT = 128 * 1024
-MAX_CONNECTIONS = _env_int("CPUOS_PREVIEW_MAX_CONNECTIONS", 2048)
-MAX_PENDING = _env_int("CPUOS_PREVIEW_MAX_PENDING", 1024)
-MAX_PENDING_PER_IP = _env_int("CPUOS_PREVIEW_MAX_PENDING_PER_IP", 64)
-MAX_PER_SANDBOX = _env_int("CPUOS_PREVIEW_MAX_PER_SANDBOX", 256)
 PATH_RE = re.compile(r"^/sandboxes/(sbx-[a-z0-9]{12})/ports/(\d{1,5})(/.*)?$")
 # the request headers that never reach a sandbox (cookies: every cpuos_token*, and the
 # console's cpuos_session)
@@ -116,21 +107,17 @@ class Route(NamedTuple):
     add: tuple[tuple[bytes, bytes], ...] = ()
 
 
-def domain() -> str:
-    return os.environ.get("CPUOS_PREVIEW_DOMAIN", "localhost")
-
-
 def cookie_name(port: int) -> str:
     return f"cpuos_token_{port}"
 
 
-def host_form(host: str) -> tuple[int, str] | None:
+def host_form(host: str, domain: str) -> tuple[int, str] | None:
     """(port, sandbox id) of a host-form Host header (``<port>-<id>.<domain>[:port]``)."""
     name = host.lower()
     if name.startswith("["):
         return None
     name = name.rsplit(":", 1)[0] if ":" in name else name
-    m = re.fullmatch(r"(\d{1,5})-(sbx-[a-z0-9]{12})\." + re.escape(domain().lower()), name)
+    m = re.fullmatch(r"(\d{1,5})-(sbx-[a-z0-9]{12})\." + re.escape(domain.lower()), name)
     return (int(m.group(1)), m.group(2)) if m else None
 
 
@@ -193,8 +180,11 @@ def _framing(method: bytes, r: h11.Response) -> tuple[str, int]:
 
 class Preview:
     def __init__(self, mgr: Manager, network: Network | None, port: int,
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1", cfg: PreviewConfig | None = None) -> None:
         self.mgr, self.network = mgr, network
+        # CPUOS_PREVIEW_*: the host form's domain, the bounds on connections
+        self.cfg = cfg or PreviewConfig()
+        self.domain = self.cfg.domain
         self.host, self.port = host, port
         self._server: asyncio.Server | None = None
         self.conns: set[asyncio.Task[None]] = set()
@@ -214,7 +204,8 @@ class Preview:
         self._server = await asyncio.start_server(self._handle, self.host, self.port,
                                                   limit=CLIENT_LIMIT, reuse_address=True)
         self.port = self._server.sockets[0].getsockname()[1]
-        log.info("preview proxy on %s:%d (host form *.%s)", self.host, self.port, domain())
+        log.info("preview proxy on %s:%d (host form *.%s)", self.host, self.port,
+                 self.domain)
 
     async def close(self) -> None:
         if self._server is not None:
@@ -225,7 +216,7 @@ class Preview:
     def urls(self, sid: str, port: int) -> dict[str, str]:
         base = f"http://{self.host}:{self.port}"
         return {"url": f"{base}/sandboxes/{sid}/ports/{port}/",
-                "host_url": f"http://{port}-{sid}.{domain()}:{self.port}/"}
+                "host_url": f"http://{port}-{sid}.{self.domain}:{self.port}/"}
 
     # -- exposing ports ------------------------------------------------------------------
     def _event(self, sid: str, ws: str, port: int, action: str, **fields: Any) -> None:
@@ -303,9 +294,9 @@ class Preview:
         """Room for one more connection waiting for a request head from ip: the oldest kept-
         alive connection that is idle (from ip, when ip is at its cap) is closed if need be.
         None, or why there is no room."""
-        for over, mine, cap in ((self.pending_by_ip.get(ip, 0) >= MAX_PENDING_PER_IP, True,
-                                 MAX_PENDING_PER_IP),
-                                (len(self.pending) >= MAX_PENDING, False, MAX_PENDING)):
+        per_ip, pending = self.cfg.max_pending_per_ip, self.cfg.max_pending
+        for over, mine, cap in ((self.pending_by_ip.get(ip, 0) >= per_ip, True, per_ip),
+                                (len(self.pending) >= pending, False, pending)):
             if not over:
                 continue
             victim = next((c for c in self.pending if c.served and not c.started
@@ -321,7 +312,8 @@ class Preview:
                       ) -> None:
         peer = writer.get_extra_info("peername")
         ip = str(peer[0]) if peer else ""
-        why = (f"{MAX_CONNECTIONS} connections open" if len(self.clients) >= MAX_CONNECTIONS
+        cap = self.cfg.max_connections
+        why = (f"{cap} connections open" if len(self.clients) >= cap
                else self._make_room(ip))
         if why is None and not BUDGET.take():
             why = "the daemon's descriptor budget is spent"
@@ -406,14 +398,14 @@ class Preview:
         if req.method == b"CONNECT" or not req.target.startswith(b"/"):
             return await _reply(c.writer, 400, "only origin-form requests (GET /path ...)")
         path, _, query = req.target.decode("latin-1").partition("?")
-        hf = host_form(host)
+        hf = host_form(host, self.domain)
         if hf is not None:
             (port, sid), rest, form = hf, path, "host"
         else:
             pm = PATH_RE.match(path)
             if not pm:
                 return await _reply(c.writer, 404, "no such preview: use "
-                                    f"<port>-<id>.{domain()} or /sandboxes/<id>/ports/<port>/")
+                                    f"<port>-<id>.{self.domain} or /sandboxes/<id>/ports/<port>/")
             sid, port, rest, form = pm.group(1), int(pm.group(2)), pm.group(3) or "/", "path"
         hdr: dict[bytes, bytes] = {}
         for k, v in lower:
@@ -462,7 +454,7 @@ class Preview:
         if form == "path" and navigate:
             # a browser is served the sandbox's own origin only
             hp = host.rsplit(":", 1)[1] if ":" in host and not host.endswith("]") else ""
-            loc = (f"//{port}-{sid}.{domain()}{':' + hp if hp.isdigit() else ''}"
+            loc = (f"//{port}-{sid}.{self.domain}{':' + hp if hp.isdigit() else ''}"
                    f"{_local(rest)}" + ("?" + query if query else ""))
             return await _reply(c.writer, 303, "", extra=[("Location", loc)])
         if form == "host" and given is not None and not upgrade and navigate \
@@ -485,8 +477,8 @@ class Preview:
             self._drop_upstream(c)
             up = None
         if up is None:
-            if self.per_sandbox.get(sid, 0) >= MAX_PER_SANDBOX:
-                self._note_refusal(f"{MAX_PER_SANDBOX} connections into {sid}")
+            if self.per_sandbox.get(sid, 0) >= self.cfg.max_per_sandbox:
+                self._note_refusal(f"{self.cfg.max_per_sandbox} connections into {sid}")
                 return await _reply(c.writer, 503, f"too many connections to {sid}")
             if not BUDGET.take():
                 self._note_refusal("the daemon's descriptor budget is spent")

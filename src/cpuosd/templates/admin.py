@@ -28,7 +28,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from ..config import Config
+from ..config import Config, ConfigError
 from .builder import TemplateError, build, build_from_oci, disk_usage, list_templates, \
     remove_template
 from .spec import TemplateSpec
@@ -46,7 +46,12 @@ def _on_term(signum: int, frame: FrameType | None) -> None:
 
 
 def run_build(args: argparse.Namespace, emit: Emit) -> int:
-    tdir = Config().templates_dir
+    try:
+        cfg = Config.from_env()
+    except ConfigError as e:
+        emit({"error": {"code": "invalid_argument", "message": str(e)}})
+        return 1
+    tdir = cfg.templates_dir
     try:
         if args.oci is not None:
             if not args.name:
@@ -58,7 +63,7 @@ def run_build(args: argparse.Namespace, emit: Emit) -> int:
             spec = TemplateSpec.load(args.source, name=args.name)
             emit({"started": {"name": spec.name, "source": "spec"}})
             info = build(spec, tdir, force=args.force, on_line=lambda line: emit({"log": line}),
-                         netns=args.netns)
+                         netns=args.netns, cfg=cfg)
     except TemplateError as e:
         emit({"error": {"code": "invalid_argument", "message": str(e)}})
         return 1
@@ -114,7 +119,11 @@ def main(argv: list[str]) -> int:
             ap.error("give a SOURCE or --oci TARBALL (one of them)")
         signal.signal(signal.SIGTERM, _on_term)
         return run_build(a, _emit_json) if a.events else _human(a)
-    tdir = Config().templates_dir
+    try:
+        tdir = Config.from_env().templates_dir
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if a.cmd == "ls":
         items = list_templates(tdir) if tdir.is_dir() else []
         for i in items:

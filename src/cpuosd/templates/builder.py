@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ..config import Config
 from .oci import extract_image, image_config, resolve_in_root
 from .spec import BUILTIN_DIR, DEFAULT_PATH, NAME_RE, CopySpec, Ready, TemplateError, TemplateSpec
 from .stepbox import StepBox, StepRunner, stream
@@ -160,9 +161,11 @@ def tree_digest(path: Path) -> str:
 
 # ---- building --------------------------------------------------------------------------------
 def build(spec: TemplateSpec, templates_dir: Path, *, force: bool = False,
-          on_line: Emit | None = None, netns: str | None = None) -> dict[str, Any]:
+          on_line: Emit | None = None, netns: str | None = None,
+          cfg: Config | None = None) -> dict[str, Any]:
     """Build (or find cached) the template; returns its info record. Its steps run in runsc
-    sandboxes, with the network namespace ``netns`` (prepared by the daemon) or none."""
+    sandboxes, with the network namespace ``netns`` (prepared by the daemon) or none, and
+    the runsc and limits of ``cfg`` (default: the environment's)."""
     _need_root()
     if shutil.which("mmdebstrap") is None:
         raise TemplateError("mmdebstrap is not installed (apt-get install mmdebstrap)")
@@ -171,7 +174,7 @@ def build(spec: TemplateSpec, templates_dir: Path, *, force: bool = False,
     steps = build_steps(spec)
 
     def populate(rootfs: Path, emit: Emit) -> None:
-        box = StepBox.default(netns)  # no runsc: refused before mmdebstrap's minute
+        box = StepBox.default(netns, cfg)  # no runsc: refused before mmdebstrap's minute
         emit("I: build steps run in a runsc sandbox (" + (
             f"network: the daemon's, namespace {os.path.basename(netns)})" if netns
             else "no network)"))

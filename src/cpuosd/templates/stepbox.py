@@ -36,6 +36,7 @@ from typing import Any
 
 from ..backends.gvisor import KERNEL_MOUNTS
 from ..backends.runsc import Runsc, RunscUnavailable, find_runsc
+from ..config import BuildConfig, Config
 from .spec import TemplateError
 
 Emit = Callable[[str], None]
@@ -49,32 +50,29 @@ MAX_LINE = 16 << 10  # bytes of one output line kept (a step's output is hostile
 DELETE_TIMEOUT = 60.0
 
 
-def _env_int(name: str, default: int) -> int:
-    v = os.environ.get(name)
-    return int(v) if v else default
-
-
 @dataclass
 class StepBox:
     """How build steps are sandboxed: the runsc, the network namespace (None: no network)
     and the limits."""
     runsc: Runsc
     netns: str | None = None
-    memory_mib: int = field(default_factory=lambda: _env_int("CPUOS_BUILD_MEMORY_MIB", 4096))
-    vcpus: int = field(default_factory=lambda: _env_int("CPUOS_BUILD_VCPUS",
-                                                        os.cpu_count() or 1))
-    pids: int = field(default_factory=lambda: _env_int("CPUOS_BUILD_PIDS", 4096))
+    memory_mib: int = BuildConfig.memory_mib
+    vcpus: int = field(default_factory=lambda: os.cpu_count() or 1)
+    pids: int = BuildConfig.pids
 
     @classmethod
-    def default(cls, netns: str | None = None) -> StepBox:
+    def default(cls, netns: str | None = None, cfg: Config | None = None) -> StepBox:
+        """The runsc and limits of ``cfg`` (default: this process's environment's)."""
+        cfg = cfg or Config.from_env()
         try:
-            runsc = find_runsc()
+            runsc = find_runsc(cfg=cfg.runsc)
         except RunscUnavailable as e:
             raise TemplateError(f"template build steps run in a runsc sandbox, and there is "
                                 f"no usable runsc: {e}") from None
         if netns is not None and not _netns_path_ok(netns):
             raise TemplateError(f"{netns!r} is not a network namespace under /run/netns")
-        return cls(runsc, netns)
+        return cls(runsc, netns, cfg.builds.memory_mib, cfg.builds.vcpus or os.cpu_count() or 1,
+                   cfg.builds.pids)
 
 
 def _netns_path_ok(path: str) -> bool:

@@ -1259,7 +1259,7 @@ export interface components {
         ErrorDetail: {
             /**
              * Code
-             * @description one of cpuos_agent.protocol.ERROR_CODES
+             * @description one of cpuos._errors.ERROR_CODES
              */
             code: string;
             /** Details */

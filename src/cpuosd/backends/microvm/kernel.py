@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ... import procs
+from ...config import Config
 
 KERNEL_PACKAGE = "linux-image-cloud-amd64"
 BUSYBOX_PACKAGE = "busybox-static"
@@ -52,11 +53,10 @@ class KernelError(Exception):
     pass
 
 
-def cache_dir() -> Path:
-    d = os.environ.get("CPUOS_MICROVM_DIR")
-    if d:
-        return Path(d)
-    return Path(os.environ.get("CPUOS_HOME", "/var/lib/cpuos")) / "microvm"
+def cache_dir(cfg: Config | None = None) -> Path:
+    """The guest artifacts' directory of ``cfg`` (default: this process's environment's):
+    CPUOS_MICROVM_DIR, else $CPUOS_HOME/microvm."""
+    return (cfg or Config.from_env()).microvm_dir
 
 
 @dataclass

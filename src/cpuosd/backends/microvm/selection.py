@@ -36,10 +36,9 @@ class BackendUnavailable(Exception):
 
 
 def microvm_cache(cfg: Config) -> Path:
-    """Where the daemon looks for the guest artifacts (as ``kernel.cache_dir()``, but
-    relative to this configuration's home)."""
-    d = os.environ.get("CPUOS_MICROVM_DIR")
-    return Path(d) if d else cfg.home / "microvm"
+    """Where the daemon looks for the guest artifacts (CPUOS_MICROVM_DIR, else
+    $CPUOS_HOME/microvm)."""
+    return cfg.microvm_dir
 
 
 def run_probe(cfg: Config, timeout: float = PROBE_TIMEOUT
@@ -63,7 +62,7 @@ def _one_line(s: str) -> str:
 
 def _gvisor(cfg: Config) -> GVisorBackend:
     try:
-        runsc = find_runsc()
+        runsc = find_runsc(cfg=cfg.runsc)
     except RunscUnavailable as e:
         raise BackendUnavailable(f"gvisor backend: {_one_line(str(e))}") from None
     log.info("runsc %s (%s) at %s, platform %s", runsc.version, runsc.source, runsc.path,
@@ -81,9 +80,9 @@ def select_backend(cfg: Config) -> Backend:
     if choice == "gvisor":
         log.info("backend: gvisor (CPUOS_BACKEND=gvisor; KVM boot probe not run)")
         return _gvisor(cfg)
-    accel = cfg.microvm_accel.strip().lower()
+    accel = cfg.microvm.accel.strip().lower()
     if accel not in ("kvm", "tcg"):
-        raise BackendUnavailable(f"CPUOS_MICROVM_ACCEL={cfg.microvm_accel!r} is not kvm or tcg")
+        raise BackendUnavailable(f"CPUOS_MICROVM_ACCEL={cfg.microvm.accel!r} is not kvm or tcg")
     if accel == "tcg":
         if choice != "microvm":
             raise BackendUnavailable("CPUOS_MICROVM_ACCEL=tcg needs CPUOS_BACKEND=microvm "
@@ -95,7 +94,7 @@ def select_backend(cfg: Config) -> Backend:
         log.warning("backend: microvm under TCG (CPUOS_MICROVM_ACCEL=tcg): guests are "
                     "emulated, slow; for tests only")
         return MicroVMBackend(cfg.home, artifacts=art, accel="tcg",
-                              standby=cfg.microvm_standby,
+                              standby=cfg.microvm.standby,
                               images=microvm_cache(cfg) / "images")
     t0 = time.monotonic()
     ok, reason, art = run_probe(cfg)
@@ -103,7 +102,7 @@ def select_backend(cfg: Config) -> Backend:
     reason = _one_line(reason)
     if ok:
         try:
-            backend = MicroVMBackend(cfg.home, artifacts=art, standby=cfg.microvm_standby,
+            backend = MicroVMBackend(cfg.home, artifacts=art, standby=cfg.microvm.standby,
                                      images=microvm_cache(cfg) / "images")
         except Exception as e:
             why = _one_line(f"{type(e).__name__}: {e}")

@@ -8,7 +8,6 @@ run under .cache/test-artifacts/.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import fcntl
 import os
@@ -27,8 +26,7 @@ from typing import TypedDict
 
 import httpx
 
-from cpuosd.accounting.quotas import HostUse
-from cpuosd.backends.base import Capabilities, SandboxSpec
+from cpuosd.backends.base import SandboxSpec
 from cpuosd.backends.runsc import RunscUnavailable, find_runsc
 from cpuosd.config import Config
 
@@ -289,67 +287,6 @@ def wrapped_runsc_daemon(tmp_path: Path, script: str, **env: str) -> Daemon:
     wrapper.chmod(0o755)
     return new_daemon(CPUOS_POOL_SIZE="0", CPUOS_RUNSC=str(wrapper),
                       CPUOS_RUNSC_PLATFORM=real.platform, **env)
-
-
-class FakeBackend:
-    """A Backend that runs nothing and records the calls it gets: for tests of the API
-    layer's own logic (never the proof that a feature works)."""
-
-    image_kind = "fake"
-
-    def __init__(self, checkpoint: bool = True) -> None:
-        self.capabilities = Capabilities(name="fake", checkpoint=checkpoint, network=False)
-        self.calls: list[str] = []
-
-    def runtime(self) -> dict[str, str]:
-        return {}
-
-    async def start(self, spec: SandboxSpec) -> None:
-        self.calls.append("start")
-
-    async def kill(self, sandbox_id: str) -> None:
-        self.calls.append("kill")
-
-    async def running(self) -> dict[str, str]:
-        return {}
-
-    async def checkpoint(self, sandbox_id: str, image_dir: Path) -> None:
-        self.calls.append("checkpoint")
-
-    async def restore(self, spec: SandboxSpec, image_dir: Path) -> None:
-        self.calls.append("restore")
-
-    def memory_usage(self, sandbox_id: str) -> int | None:
-        return None
-
-    def memory_watch(self, sandbox_id: str, threshold: int) -> int | None:
-        return None
-
-    def cpu_seconds(self, sandbox_id: str) -> float | None:
-        return None
-
-    def stats(self, sandbox_id: str) -> dict[str, int | float]:
-        return {}
-
-    async def close(self) -> None:
-        pass
-
-
-class FakeHost:
-    """Stands in for the host's measurement (cpuosd.accounting.quotas.Measure: what
-    HostMeter.measure answers) in tests of admission and the warm pool: a roomy host unless
-    a test ``set``s otherwise."""
-
-    def __init__(self) -> None:
-        self.use = HostUse(memory_total_mib=24000, memory_available_mib=20000, sandbox_mib=40,
-                           sandboxes=0, cpu_cores=2.0, cpu_used_cores=0.0,
-                           disk_free_mib=50000)
-
-    def __call__(self) -> HostUse:
-        return self.use
-
-    def set(self, **kw: float) -> None:
-        self.use = dataclasses.replace(self.use, **kw)  # type: ignore[arg-type]
 
 
 def new_daemon(**env: str) -> Daemon:

@@ -1,0 +1,191 @@
+"""The composition root: what the daemon is made of, built in one place, in order.
+
+``build_services(cfg)`` makes and starts the store, the event bus, the audit log, the usage
+meter and spending-cap enforcer, the backend (``CPUOS_BACKEND``, wrapped for the audit's
+runtime monitoring and the network), the network, the lifecycle manager, the template
+builds and the preview proxy; ``Services.close()`` stops them again. The HTTP app
+(``cpuosd.api.app.create_app``) only serves them: its routes reach them through
+``cpuosd.api.deps``.
+
+A test hands in what it wants instead (``backend=``, ``network=``, ``store=``,
+``measure=``): e.g. a backend that runs the real agent as a local process
+(tests/support/local.py), then drives the real app in process. What is handed in stays
+the caller's (``close`` leaves the store and the network open), except that the manager
+closes its backend when it shuts down, as it always does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from functools import partial
+
+from . import homedir
+from .accounting.audit import AuditLog
+from .accounting.quotas import Measure
+from .accounting.trace import Traced
+from .accounting.usage import Enforcer, Meter
+from .api.audit import start_audit
+from .api.templates import TemplateBuilds
+from .backends.base import Backend
+from .backends.microvm.selection import select_backend
+from .config import Config
+from .events import EventBus, SandboxEvent, log_event
+from .lifecycle.manager import Manager
+from .network.backend import Networked
+from .network.secrets import stored_names
+from .network.service import Network, RecordWriter
+from .procs import become_subreaper
+from .proxy.preview import Preview
+from .store import LIVE_STATES, Store
+
+log = logging.getLogger("cpuosd.api")
+
+
+@dataclass
+class Services:
+    """The daemon's parts, running. ``backend`` is the manager's (as wrapped)."""
+
+    cfg: Config
+    store: Store
+    events: EventBus
+    audit: AuditLog
+    meter: Meter
+    enforcer: Enforcer
+    backend: Backend
+    network: Network | None
+    manager: Manager
+    builds: TemplateBuilds
+    preview: Preview
+    _stack: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack,
+                                              repr=False)
+
+    async def close(self) -> None:
+        """Stop what ``build_services`` started, last made first."""
+        await self._stack.aclose()
+
+
+def bootstrap(cfg: Config, store: Store) -> None:
+    """First start: a default workspace and an admin key at $CPUOS_HOME/admin.key (0600)."""
+    if cfg.admin_key_path.exists() and store.workspace_by_name("default"):
+        return
+    wid = store.workspace_by_name("default") or store.create_workspace("default")
+    key = store.add_key(wid, "admin")
+    fd = os.open(cfg.admin_key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    os.chmod(cfg.admin_key_path, 0o600)
+
+
+async def start_network(cfg: Config, backend: Backend, store: Store, events: EventBus
+                        ) -> Network | None:
+    """The daemon's network (per-sandbox namespaces, nftables, resolver, egress proxy) where
+    it can run: the gVisor or microVM backend, nft installed, CPUOS_NETWORK not 0."""
+    if not cfg.network.enabled:
+        log.info("network: off (CPUOS_NETWORK=0): sandboxes have no network")
+        return None
+    if backend.capabilities.name not in ("gvisor", "microvm"):
+        log.warning("network: not yet for the %s backend: its sandboxes have no network",
+                    backend.capabilities.name)
+        return None
+    if shutil.which("nft") is None:
+        log.warning("network: nft is not installed (apt-get install nftables): sandboxes "
+                    "have no network")
+        return None
+
+    records = RecordWriter(store, events)
+    net = Network(records.put, cfg.home / "secrets", cfg.network)
+    net.records = records
+
+    def forget_secrets(ev: SandboxEvent) -> None:
+        # a sandbox's secrets and CA go when it ends, unless a fork of it still uses them
+        if ev.kind not in ("killed", "error"):
+            return
+        row = store.get_sandbox(ev.sandbox)
+        mine = stored_names(row.spec.get("network") if row else None)
+        if not mine:
+            return
+        for other in store.list_sandboxes(None, LIVE_STATES):
+            mine -= stored_names(other.spec.get("network"))
+        net.secrets.forget(sorted(mine))
+
+    events.subscribe(forget_secrets)
+    await net.start()
+    return net
+
+
+async def stop_for_cap(mgr: Manager, workspace_id: str, sid: str) -> str:
+    """What a sandbox of a workspace at its spending cap gets: paused where the backend
+    can checkpoint (it costs only its snapshot's storage), else killed."""
+    if mgr.backend.capabilities.checkpoint:
+        await mgr.pause(workspace_id, sid, reason="spending_cap")
+        return "paused"
+    await mgr.kill(sid, reason="spending_cap")
+    return "killed"
+
+
+async def _cancel(task: asyncio.Future[None]) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def build_services(cfg: Config, *, backend: Backend | None = None,
+                         network: Network | None = None, store: Store | None = None,
+                         measure: Measure | None = None) -> Services:
+    """Make and start the daemon's parts for ``cfg``. ``backend``: the one
+    ``CPUOS_BACKEND`` selects unless given (``BackendUnavailable``, before any state is
+    touched, if it cannot run here); ``network``: started as configured unless given;
+    ``store``: the home's SQLite unless given; ``measure``: the host's measurement for
+    admission. Whatever fails half-way, what was made is stopped again."""
+    fixed = homedir.secure(cfg.home)  # 0700; files in it: no group/other bits
+    if fixed:
+        log.warning("took group/other permissions off %s", ", ".join(fixed))
+    if backend is None:
+        # a detached runsc leaves its sandbox and gofer to us, a jailer its QEMU
+        if not become_subreaper():
+            log.warning("could not become a child subreaper: pauses may be slow")
+        backend = await asyncio.to_thread(select_backend, cfg)
+    stack = contextlib.AsyncExitStack()
+    try:
+        if store is None:
+            store = Store(cfg.db_path)
+            stack.callback(store.close)
+        bootstrap(cfg, store)
+        events = EventBus()
+        events.subscribe(log_event)
+        audit = start_audit(cfg, events, store)
+        stack.push_async_callback(asyncio.to_thread, audit.close)
+        if cfg.audit.enabled and cfg.audit.runtime and backend.capabilities.name == "gvisor":
+            backend = Traced(backend, audit, cfg.sandboxes_dir)
+        meter = Meter(store, cfg.pricing)
+        events.subscribe(meter.on_event)
+        if network is None:
+            network = await start_network(cfg, backend, store, events)
+            if network is not None:
+                stack.push_async_callback(network.close)
+        if network is not None:
+            backend = Networked(backend, network, cfg.sandboxes_dir)
+        mgr = Manager(cfg, store, backend, events, measure)
+        stack.push_async_callback(mgr.shutdown)
+        builds = TemplateBuilds(cfg)
+        stack.push_async_callback(builds.shutdown)
+        enforcer = Enforcer(store, meter, events, partial(stop_for_cap, mgr))
+        mgr.admission.check_spending = enforcer.check_cap
+        await mgr.startup()
+        meter.reconcile()
+        stack.push_async_callback(enforcer.close)
+        stack.push_async_callback(_cancel, asyncio.ensure_future(enforcer.run()))
+        preview = Preview(mgr, network, cfg.port + 1 if cfg.preview.port < 0
+                          else cfg.preview.port, cfg.host, cfg.preview)
+        await preview.start()
+        stack.push_async_callback(preview.close)
+    except BaseException:
+        await stack.aclose()
+        raise
+    return Services(cfg=cfg, store=store, events=events, audit=audit, meter=meter,
+                    enforcer=enforcer, backend=backend, network=network, manager=mgr,
+                    builds=builds, preview=preview, _stack=stack)
