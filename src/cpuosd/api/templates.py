@@ -284,7 +284,7 @@ async def build(
             argv += ["--netns", builds.net.netns]
         child, lines = await _start(argv, builds.cfg)
         builds.children.add(child)
-        first = await _first_event(lines)
+        first = await _first_event(lines, _hidden(upload))
     except BaseException:
         # a refused build is over before its answer goes out (the next may start at once);
         # the ending survives this request being cancelled
@@ -373,16 +373,30 @@ async def _start(argv: list[str], cfg: Config) -> tuple[Child, asyncio.StreamRea
     return child, reader
 
 
-async def _event(lines: asyncio.StreamReader) -> dict[str, Any] | None:
-    """The build's next event (a line that is not one of its JSON events is a log line);
-    None at the end of its output."""
+def _hidden(upload: Path | None) -> tuple[bytes, ...]:
+    """The daemon's paths of an upload's context, as the build's messages may name them
+    (``<upload>/context/Dockerfile:3``): the client is told ``Dockerfile:3``."""
+    if upload is None:
+        return ()
+    ctx = upload / "context"
+    return tuple({(str(p) + "/").encode() for p in (ctx, ctx.resolve())})
+
+
+async def _event(lines: asyncio.StreamReader, hide: tuple[bytes, ...] = ()
+                 ) -> dict[str, Any] | None:
+    """The build's next event (a line that is not one of its JSON events is a log line),
+    with the daemon's paths in ``hide`` taken out; None at the end of its output."""
     try:
         raw = await lines.readline()
     except (ValueError, asyncio.LimitOverrunError):  # an endless line: skip what is buffered
         raw = await lines.read(1 << 20)
+        for h in hide:
+            raw = raw.replace(h, b"")
         return {"log": raw[:4000].decode(errors="replace")}
     if not raw:
         return None
+    for h in hide:
+        raw = raw.replace(h, b"")
     try:
         ev = json.loads(raw)
     except ValueError:
@@ -393,13 +407,14 @@ async def _event(lines: asyncio.StreamReader) -> dict[str, Any] | None:
     return {"log": raw.decode(errors="replace").rstrip("\n")}
 
 
-async def _first_event(lines: asyncio.StreamReader) -> dict[str, Any]:
+async def _first_event(lines: asyncio.StreamReader, hide: tuple[bytes, ...] = ()
+                       ) -> dict[str, Any]:
     """Up to the build's ``started``: an error before it (a bad spec, a bad image) is the
     request's error (4xx), not a line in a 200 stream."""
     seen: list[str] = []
     async with asyncio.timeout(120):
         while True:
-            ev = await _event(lines)
+            ev = await _event(lines, hide)
             if ev is None:
                 raise ApiError("internal", "the template build ended before it started: "
                                + " | ".join(seen[-5:]))
@@ -421,12 +436,13 @@ async def _relay(first: dict[str, Any], lines: asyncio.StreamReader, child: Chil
         return b"".join((json.dumps({"log": x}) + "\n").encode()
                         for x in (net.take() if net is not None else ()))
 
+    hide = _hidden(upload)
     try:
         yield (json.dumps(first) + "\n").encode()
         try:
             async with asyncio.timeout(builds.cfg.builds.timeout):
                 while True:
-                    ev = await _event(lines)
+                    ev = await _event(lines, hide)
                     if ev is None:
                         break
                     if "result" in ev or "error" in ev:
