@@ -29,6 +29,12 @@ def _duration_env(name: str, default: float) -> float:
     return parse_duration(v, name)
 
 
+def _database_url() -> str | None:
+    from .store import database_url
+
+    return database_url()
+
+
 @dataclass
 class Config:
     home: Path = field(default_factory=lambda: Path(os.environ.get("CPUOS_HOME", DEFAULT_HOME)))
@@ -98,6 +104,10 @@ class Config:
     # for less with max_bytes=); a file declaring more is refused up front (413 too_large),
     # a stream passing it is cut with too_large
     max_read_bytes: int = field(default_factory=lambda: _int("CPUOS_MAX_READ_BYTES", 64 << 30))
+
+    # the state store: Postgres at CPUOS_DATABASE_URL (postgresql://...), else SQLite in
+    # home (cpuosd.store)
+    database_url: str | None = field(default_factory=lambda: _database_url())
 
     @property
     def db_path(self) -> Path:

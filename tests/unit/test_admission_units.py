@@ -13,7 +13,7 @@ import pytest
 from cpuosd.accounting import quotas
 from cpuosd.accounting.quotas import Admission, HostMeter, Measure
 from cpuosd.errors import ApiError
-from cpuosd.store import SandboxRow, Store
+from cpuosd.store import SandboxRow, SqliteStore, Store
 from cpuosd.testing import FakeHost
 
 
@@ -27,7 +27,7 @@ class Clock:
 
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[Store]:
-    s = Store(tmp_path / "db")
+    s = SqliteStore(tmp_path / "db")
     yield s
     s.close()
 

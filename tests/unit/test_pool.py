@@ -21,7 +21,7 @@ from cpuosd.errors import ApiError
 from cpuosd.lifecycle import pool as pool_mod
 from cpuosd.lifecycle.common import Live
 from cpuosd.lifecycle.manager import Manager
-from cpuosd.store import SandboxRow, Store
+from cpuosd.store import SandboxRow, SqliteStore, Store
 from cpuosd.testing import FakeBackend, FakeHost
 
 
@@ -76,7 +76,7 @@ def run(tmp_path: Path, test: Callable[[PoolManager, str, FakeHost], Awaitable[N
         cfg = Config(home=tmp_path / "home", **cfg_kw)  # type: ignore[arg-type]
         cfg.pool_templates = ["python"]
         os.environ["CPUOS_TEMPLATES_DIR"] = str(tdir)
-        store = Store(cfg.db_path)
+        store = SqliteStore(cfg.db_path)
         store.create_workspace("default")
         ws = store.create_workspace("w", {"max_sandboxes": 1000})
         host = FakeHost()

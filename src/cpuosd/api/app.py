@@ -61,7 +61,7 @@ from .streams import file_response
 from .schemas import document
 from ..procs import become_subreaper
 from ..lifecycle.manager import Manager
-from ..store import ACTIVE_STATES, LIVE_STATES, SandboxRow, Store
+from ..store import ACTIVE_STATES, LIVE_STATES, SandboxRow, Store, open_store
 
 log = logging.getLogger("cpuosd.api")
 VERSION = "0.1.0"
@@ -381,7 +381,7 @@ def create_app(cfg: Config | None = None) -> FastAPI:
             logging.getLogger("uvicorn.error").addFilter(
                 lambda r: BackendUnavailable.__name__ not in r.getMessage())
             raise
-        store = Store(cfg.db_path)
+        store = open_store(cfg.db_path, cfg.database_url)
         bootstrap(cfg, store)
         events = EventBus()
         events.subscribe(log_event)

@@ -557,7 +557,15 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         frm = row.state if row is not None else None
         if frm is not None and frm != to:
             states.check_transition(frm, to)
-        self.store.update_sandbox(sid, state=to, **fields)
+        # compare-and-set from the state read (one daemon: it always holds; where several
+        # processes share the store, the one that loses a race changes nothing)
+        if frm is not None and not self.store.transition(sid, (frm,), to, **fields):
+            now = self.store.get_sandbox(sid)
+            raise ApiError("conflict", f"sandbox {sid} changed state meanwhile (now "
+                           f"{now.state if now else 'gone'}); {frm} -> {to} not made",
+                           {"state": now.state if now else None})
+        if frm is None:
+            self.store.update_sandbox(sid, state=to, **fields)
         lv = self.live.get(sid)
         if lv is not None:
             lv.row.state = to
