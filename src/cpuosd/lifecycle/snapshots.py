@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from ..agentconn import DEVICE_SETTLE
 from ..errors import ApiError
+from ..snapstore.facts import snapshot_meta, write_meta
 from ..store import SandboxRow
 from . import states
 from .common import (Live, _du, _now)
@@ -86,6 +87,8 @@ class Snapshots:
         try:
             await self.backend.checkpoint(sid, tmp)
             self._save_agent_key(lv, tmp)
+            # what a node restoring it elsewhere must match (cpuosd.snapstore.facts)
+            write_meta(tmp, snapshot_meta(self.backend, sid, lv.row.template, lv.row.spec))
             os.rename(tmp, image)
         except asyncio.CancelledError:
             # a DELETE cancelled an auto-pause (or the daemon is stopping): nothing of the
