@@ -19,18 +19,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cases import (audit, browser, create, e2b_sdk, exec_roundtrip, files, interactive, limits,
-                   microvm, network, pause, pool, ports, run_code, size, snap_create, stream)
+from cases import (audit, browser, create, density, e2b_sdk, exec_roundtrip, files, inside,
+                   interactive, limits, microvm, network, pause, pool, ports, run_code, size,
+                   snap_create, stream)
 from cases._common import OUT, Case, execute
 
 from cpuosd.testing import e2e_unavailable
 
 CASES: dict[str, Case] = {c.SECTION: c for c in (  # the report's order (their numbers)
     create, exec_roundtrip, stream, files, snap_create, pool, pause, size, microvm, network,
-    ports, audit, browser, limits, run_code, interactive, e2b_sdk)}
+    ports, audit, browser, limits, run_code, interactive, density, e2b_sdk, inside)}
 # the order they run in: grouped by the daemon configuration they need
 RUN_ORDER = ["create", "exec", "stream", "files", "interactive", "snap-create", "pause", "size",
-             "run-code", "e2b", "ports", "audit", "browser", "limits", "pool", "microvm", "network"]
+             "run-code", "e2b", "ports", "audit", "inside", "browser", "limits", "pool", "density",
+             "microvm", "network"]
 GROUPS = {"basic": ["create", "exec", "stream", "files"],
           "snapshots": ["snap-create", "pool", "pause", "size"]}
 

@@ -16,7 +16,7 @@ force=0
 version=$(grep -oE 'gvisor.dev/gvisor v[^ ]+' deps/runsc/go.mod | head -1 | cut -d' ' -f2)
 [ -n "$version" ] || { echo "build-runsc: no gvisor.dev/gvisor version in deps/runsc/go.mod" >&2; exit 2; }
 # the changes in deps/runsc/patches (keep in step with PATCH_LEVEL in cpuosd/backends/runsc.py)
-patch_level=1
+patch_level=2
 module_version=$version
 version="$version+cpuos.$patch_level"
 prefix=${CPUOS_RUNSC_PREFIX:-/usr/local/lib/cpuos}
@@ -39,10 +39,14 @@ moddir=$(go list -m -f '{{.Dir}}' gvisor.dev/gvisor)
   echo "build-runsc: go.mod resolves gvisor.dev/gvisor to another version" >&2; exit 1; }
 # a patched copy of the module, and a copy of this build module that uses it
 python3 patches/apply.py "$moddir" "$tmp/gvisor"
-mkdir "$tmp/build"
+mkdir "$tmp/build" "$tmp/build/precompile"
 cp go.mod go.sum tools.go "$tmp/build/"
+cp patches/precompile_seccomp.go.in "$tmp/build/precompile/main.go"
 cd "$tmp/build"
 go mod edit -replace "gvisor.dev/gvisor=$tmp/gvisor"
+# the seccomp programs runsc installs at every boot, precompiled into it (as Bazel does)
+echo "    precompiling seccomp programs"
+go run ./precompile "$tmp/gvisor"
 # -v names each package as it is compiled: count them as progress
 set +e
 go build -v -trimpath -o "$tmp/runsc" \

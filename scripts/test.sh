@@ -25,6 +25,10 @@ fi
 # tests and the browser benchmark's smoke run need it; the demo (setup.sh) does not
 echo "==> building the browser template (cached by content hash)"
 .venv/bin/cpuosd template build browser
+# the code-interpreter template (python's packages, its kernel warm in the snapshot; ~60 s
+# once, cached): the interpreter tests and the run-code benchmark's smoke run need it
+echo "==> building the code-interpreter template (cached by content hash)"
+.venv/bin/cpuosd template build code-interpreter
 
 echo "==> lint and types"
 .venv/bin/ruff check .

@@ -36,7 +36,8 @@ from cpuos import Sandbox
 from cpuosd.backends.base import SandboxSpec
 from cpuosd.backends.gvisor import SANDBOX_GID, SANDBOX_UID, oci_spec, overlay_flag
 from cpuosd.backends.runsc import Runsc, find_runsc
-from cpuosd.testing import TEMPLATES, Daemon, e2e_unavailable, new_daemon, wait_until
+from cpuosd.testing import (TEMPLATES, Daemon, SdkKwargs, e2e_unavailable, new_daemon,
+                             wait_until)
 
 REPO = Path(__file__).resolve().parents[2]
 OUT = REPO / ".cache" / "bench"
@@ -253,6 +254,28 @@ def kill_quietly(sbx: Sandbox) -> None:
         sbx.kill()
     finally:
         sbx.close()
+
+
+def pause_resume_exec(sbx: Sandbox, kw: SdkKwargs,
+                      between: Callable[[str], None] | None = None
+                      ) -> tuple[Sandbox, tuple[float, float, float]]:
+    """``sbx.pause()``, then ``Sandbox.resume(id)`` and ``exec("true")``: the resumed
+    sandbox and (pause, resume, resume + exec) seconds; ``between(id)`` runs untimed while
+    it is paused."""
+    t0 = now()
+    sid = sbx.pause()
+    t1 = now()
+    if between is not None:
+        between(sid)
+    t2 = now()
+    resumed = Sandbox.resume(sid, **kw)
+    t3 = now()
+    sbx.close()
+    r = resumed.exec("true")
+    t4 = now()
+    if r.exit_code != 0:
+        raise RuntimeError(f"exec true after resume failed: {r}")
+    return resumed, (t1 - t0, t3 - t2, t4 - t2)
 
 
 def create_exec_true(d: Daemon, timeout: str = "5m") -> tuple[str, float, float]:

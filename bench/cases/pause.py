@@ -19,8 +19,8 @@ from cpuos import Sandbox
 from cpuosd.testing import Daemon
 
 from cases._common import (FROM_SNAPSHOT, HEAP_HOLDER, Context, Row, case_main, console, du,
-                           kill_quietly, median, ms, now, start_heap_holder, target_row,
-                           timing_table)
+                           kill_quietly, median, ms, now, pause_resume_exec, start_heap_holder,
+                           target_row, timing_table)
 
 SECTION = KEY = "pause"
 TITLE = "7. pause / resume with a 100 MiB heap"
@@ -67,19 +67,9 @@ def measure(ctx: Context) -> dict[str, Any]:
         raw.run_detached(cid, sdir)
         raw.wait_log(sdir, b"ready")
         for i in range(n + 1):
-            t0 = now()
-            sid = sbx.pause()
-            t1 = now()
-            sizes.append(sbx.info().snapshot_bytes or 0)
             paused = sbx
-            t2 = now()
-            sbx = Sandbox.resume(sid, **kw)
-            t3 = now()
-            paused.close()
-            r = sbx.exec("true")
-            t4 = now()
-            if r.exit_code != 0:
-                raise RuntimeError(f"exec true after resume failed: {r}")
+            sbx, (pause_s, resume_s, resume_exec_s) = pause_resume_exec(
+                paused, kw, lambda _, p=paused: sizes.append(p.info().snapshot_bytes or 0))
             check_heap_holder(sbx)
 
             old, image = image, raw.tmp / f"{cid}-image-{i}"
@@ -97,13 +87,14 @@ def measure(ctx: Context) -> dict[str, Any]:
                 shutil.rmtree(old, ignore_errors=True)
             if i == 0:
                 continue  # warmup
-            for k, v in (("ours_pause_s", t1 - t0), ("ours_resume_s", t3 - t2),
-                         ("ours_resume_exec_s", t4 - t2), ("floor_checkpoint_s", f1 - f0),
+            for k, v in (("ours_pause_s", pause_s), ("ours_resume_s", resume_s),
+                         ("ours_resume_exec_s", resume_exec_s), ("floor_checkpoint_s", f1 - f0),
                          ("floor_checkpoint_delete_s", f2 - f0), ("floor_restore_s", f3 - f2),
                          ("floor_restore_exec_s", f4 - f2)):
                 res[k].append(v)
-            console.print(f"  pause/resume {i}/{n}: ours pause {ms(t1 - t0)}, resume "
-                          f"{ms(t3 - t2)}, +exec {ms(t4 - t2)}; raw checkpoint {ms(f1 - f0)}"
+            console.print(f"  pause/resume {i}/{n}: ours pause {ms(pause_s)}, resume "
+                          f"{ms(resume_s)}, +exec {ms(resume_exec_s)}; raw checkpoint "
+                          f"{ms(f1 - f0)}"
                           f" (+delete {ms(f2 - f0)}), restore {ms(f3 - f2)}, "
                           f"+exec {ms(f4 - f2)}")
     finally:

@@ -18,14 +18,13 @@ import json
 import os
 import signal
 import stat as stat_mod
-import tarfile
 import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from . import privs, tarx, watch
+from . import privs, watch
 from . import protocol as P
 from .bg import Background, Reader
 from .cgroups import Cgroups
@@ -52,7 +51,8 @@ class Agent:
         self.reaper = Reaper()
         self.spawner, self.cgroups = spawner, cgroups
         if spawner is not None:
-            spawner.attach(self.reaper, cgroups)
+            spawner.attach(self.reaper, cgroups, lambda: bool(self.execs) or any(
+                b.result is None for b in list(self.bg.values())))
         self.execs: dict[int, Exec] = {}
         self.writes: dict[int, tuple[int, str, str]] = {}
         self.dials: dict[int, Dial] = {}
@@ -63,7 +63,8 @@ class Agent:
         self.stdin_to: dict[int, Exec] = {}
         self.watches: dict[int, watch.Watch] = {}
         # gVisor: the sandbox's OOM killer (memguard.py); the host sends the limit
-        self.memguard = MemGuard(cgroups, self._running) if (
+        self.memguard = MemGuard(cgroups, self._running, lambda: any(
+            not e.background for e in list(self.execs.values()))) if (
             cgroups is not None and cgroups.kind != "v2" and cgroups.mem_root) else None
 
     def add_bg(self, bg: Background) -> None:
@@ -102,6 +103,8 @@ class Agent:
                 pass
             finally:
                 conn.shutdown()
+                if self.memguard is not None:  # the host's watch was this session's
+                    self.memguard.host(False, False)
                 for ex in list(self.execs.values()):
                     if not ex.background:
                         ex.kill("disconnected")
@@ -152,7 +155,15 @@ class Agent:
             if self.memguard is not None and isinstance(limit, int):
                 self.memguard.set_limit(limit)
                 applied.append("memory_limit")
+            idle_exit = h.get("spawner_idle_exit")
+            if (self.spawner is not None and isinstance(idle_exit, (int, float))
+                    and 0 <= idle_exit <= 86400):
+                self.spawner.set_idle_exit(float(idle_exit))
+                applied.append("spawner_idle_exit")
             conn.send({"t": "identity_ok", "id": sid, "applied": applied})
+        elif t == "memory":  # the host's watch on the sandbox's memory (memguard.py)
+            if self.memguard is not None:
+                self.memguard.host(h.get("watched") is True, h.get("high") is True)
         elif t == "quiesce":
             if self.execs or self.writes or self.dials:
                 conn.send({"t": "err", "id": sid, "code": P.E_EXISTS,
@@ -350,6 +361,7 @@ class Agent:
         def send(b: bytes) -> None:
             for i in range(0, len(b), P.CHUNK):
                 conn.send_data(sid, {"t": "data", "id": sid}, b[i:i + P.CHUNK])
+        from . import tarx  # (only when asked)
         try:
             try:
                 if not stat_mod.S_ISDIR(os.stat(path).st_mode):
@@ -415,6 +427,9 @@ class Agent:
 def _untar(archive: str, dest: str) -> dict[str, Any]:
     """Extract the uploaded archive into dest (every entry checked first: a refused
     archive writes nothing); the archive is removed either way."""
+    import tarfile  # (tarfile and tarx: only when asked; not resident in every agent)
+
+    from . import tarx
     try:
         return {"extracted": tarx.extract(archive, dest)}
     except tarx.Refused as e:
@@ -436,20 +451,20 @@ def _listing(path: str) -> tuple[dict[str, Any], bytes]:
         entries = entries[: len(entries) // 2]
 
 
-def main() -> None:
+def main(spawner: Spawner | None = None) -> None:
     """Start-up, in this order: signals shielded; in root mode (``privs``) the spawner is
-    forked (before any thread, before the key is read), the cgroup tree mounted, and the
-    agent drops to the user's effective ids; then it reads its key and becomes
-    non-dumpable."""
+    forked (before any thread, before the key is read: ``__main__`` does it before
+    importing this module, else it is done here), the cgroup tree mounted, and the agent
+    drops to the user's effective ids; then it reads its key and becomes non-dumpable."""
     privs.shield_signals()
     not_dumpable()
     os.umask(0o022)
     sys.stdout = sys.stderr  # nothing of ours goes to a guest-visible stdout
-    spawner: Spawner | None = None
     cgroups: Cgroups | None = None
     if privs.root_mode():
-        spawner = Spawner()
-        spawner.fork()
+        if spawner is None:
+            spawner = Spawner()
+            spawner.fork()
         cgroups = Cgroups.setup()
         key = read_key()
         privs.drop_to_user()

@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 MERGE_BELOW = 64 * 1024  # a chunk smaller than this takes the next one of its fd
 MAX_CHUNKS = 4096  # whatever the writes' sizes, the ring's index stays small
 READ_MAX = P.CHUNK  # bytes per out frame
-WAIT_TICK = 1.0  # s: a waiting reader looks at its flags this often
 
 
 class Ring:
@@ -142,7 +141,7 @@ class Background:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
-                self.cv.wait(min(left, WAIT_TICK))
+                self.cv.wait(left)
             return True
 
 
@@ -189,7 +188,7 @@ class Reader:
                         chunks = bg.ring.read(self.pos, limit) if limit > 0 else []
                         if chunks or stop_at is not None or bg.result is not None:
                             break
-                        bg.cv.wait(WAIT_TICK)
+                        bg.cv.wait()  # output, finish and cancel notify
                     result = bg.result
                 if not chunks:
                     if stop_at is not None:

@@ -129,7 +129,7 @@ class Cgroups:
         self.release(cg)  # another exec made one meanwhile
 
     def _make(self) -> Cgroup:
-        self._gc()
+        self.gc()
         name = f"x{next(self._n)}"
         path = os.path.join(self.root, name)
         with privileged():
@@ -281,7 +281,13 @@ class Cgroups:
         except OSError as e:
             return e.errno == errno.ENOENT
 
-    def _gc(self) -> None:
+    def has_leftovers(self) -> bool:
+        """Ended execs' cgroups still hold processes (as of the last ``gc``)."""
+        with self._lock:
+            return bool(self._leftover)
+
+    def gc(self) -> None:
+        """Remove the ended execs' cgroups that emptied (at most every GC_INTERVAL)."""
         now = time.monotonic()
         with self._lock:
             if now - self._gc_at < GC_INTERVAL or not self._leftover:

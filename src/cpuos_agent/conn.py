@@ -53,7 +53,7 @@ class Conn:
             while not self.closed and self._credit.get(sid, 0) <= 0:
                 if sid not in self._credit:
                     raise Closed()
-                self._credit_cv.wait(1.0)
+                self._credit_cv.wait()  # credit, close_stream and shutdown notify
             if self.closed:
                 raise Closed()
             self._credit[sid] -= len(data)

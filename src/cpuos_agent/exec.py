@@ -35,7 +35,6 @@ EXEC_MARK = "CPUOS_EXEC_ID"
 
 
 DRAIN_AFTER_EXIT = 0.25  # seconds to wait for pipe EOF once the main process exited
-SPAWNER_CHECK = 0.5  # s: how often a running exec looks whether its spawner was stopped
 
 
 F_SETPIPE_SZ = 1031
@@ -109,7 +108,9 @@ class Exec:
         self.pty_fd: int | None = None  # a terminal's master (for resizes)
         self.bg: Background | None = None
         self._out: tuple[int, int] | None = None
-        self._spawned_by = 0
+        # written when the exit status arrives: the output loop sleeps on it and the pipes
+        self._exit_r, self._exit_w = -1, -1
+        self._exit_lock = threading.Lock()  # the reaper's thread writes, ours closes
 
     def start(self) -> None:
         try:
@@ -131,6 +132,8 @@ class Exec:
             cmd = shell if isinstance(shell, str) else " ".join(self.argvs[0])
             self.bg = Background(self, cmd, cap)
         self.agent.execs[self.sid] = self
+        if self.agent.memguard is not None:
+            self.agent.memguard.wake()
         threading.Thread(target=self._main, name=f"exec-{self.sid}", daemon=True).start()
 
     def _main(self) -> None:
@@ -220,10 +223,10 @@ class Exec:
                 pass
         spawned_at = time.monotonic()
         fds = (in_r, out_w, err_w)
+        lost: threading.Event | None = None
         try:
             if self.agent.spawner is not None:
-                pid = self.agent.spawner.spawn(self.argvs, cwd, env, fds, self.cgroup)
-                self._spawned_by = self.agent.spawner.pid
+                pid, lost = self.agent.spawner.spawn(self.argvs, cwd, env, fds, self.cgroup)
             elif root_mode():  # a child of ours would have real uid 0: never
                 raise OSError(errno.EAGAIN, "no command spawner")
             else:
@@ -248,9 +251,20 @@ class Exec:
                 os.close(fd)
         self.pid = pid
         self._out = (out_r, err_r)
+        self._exit_r, self._exit_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.started = time.monotonic()
-        self.done_ev, self.status_box = self.agent.reaper.register(self.pid, spawned_at)
+        self.done_ev, self.status_box = self.agent.reaper.register(self.pid, spawned_at,
+                                                                   self._exited)
+        if lost is not None and lost.is_set() and not os.path.exists(f"/proc/{pid}"):
+            # its spawner died after reaping it and before reporting it, and before we
+            # registered (the reaper's settle_lost ran too early to see it)
+            self.agent.reaper.deliver(pid, signal.SIGKILL)
         return None
+
+    def _exited(self) -> None:
+        with self._exit_lock:
+            if self._exit_w >= 0:  # (closed: the output loop is over)
+                os.write(self._exit_w, b"x")
 
     # stdin frames arrive on the reader thread; a pump thread writes them (a full pipe must
     # never block the reader). Flow control: after each write the pump gives the sending
@@ -339,16 +353,6 @@ class Exec:
         if self.pid is not None:
             self._kill_now()
 
-    def _check_spawner(self) -> None:
-        spawner = self.agent.spawner
-        if spawner is None or self.pid is None:
-            return
-        spawner.check()
-        if (spawner.pid != self._spawned_by and not self.done_ev.is_set()
-                and not os.path.exists(f"/proc/{self.pid}")):
-            # its spawner was replaced after reaping it and before reporting it
-            self.agent.reaper.deliver(self.pid, signal.SIGKILL)
-
     def _kill_now(self) -> None:
         """Every process of the exec: its cgroup, or (without one) its process tree."""
         assert self.pid is not None
@@ -359,6 +363,9 @@ class Exec:
             kill_tree(self.pid, self.mark.encode())
 
     def _run(self) -> None:
+        """Output until the pipes close (or, once the command exited, DRAIN_AFTER_EXIT more:
+        background processes may hold them), then the exit. Event-driven: it sleeps on the
+        pipes and on the exit notice, woken only by output, the exit or its deadline."""
         assert self._out is not None
         out_r, err_r = self._out
         timeout = self.h.get("timeout")
@@ -366,27 +373,29 @@ class Exec:
         sel = selectors.DefaultSelector()
         sel.register(out_r, selectors.EVENT_READ, 1)
         sel.register(err_r, selectors.EVENT_READ, 2)
+        sel.register(self._exit_r, selectors.EVENT_READ, 0)
         open_fds = 2
         exited_at: float | None = None
-        checked = time.monotonic()
         try:
             while open_fds:
                 now = time.monotonic()
-                if now - checked > SPAWNER_CHECK:
-                    checked = now
-                    self._check_spawner()
                 if exited_at is None and self.done_ev.is_set():
                     exited_at = now
+                    sel.unregister(self._exit_r)
                 if exited_at is not None and now - exited_at > DRAIN_AFTER_EXIT:
                     break  # background processes keep the pipes; the command itself is done
                 if deadline is not None and exited_at is None and now >= deadline:
                     self.kill("timeout")
                     deadline = None
-                wait = 0.05
-                if deadline is not None:
-                    wait = min(wait, max(0.0, deadline - now))
+                wait: float | None = None
+                if exited_at is not None:
+                    wait = max(0.0, exited_at + DRAIN_AFTER_EXIT - now)
+                elif deadline is not None:
+                    wait = max(0.0, deadline - now)
                 for key, _ in sel.select(wait):
                     fd = key.fd
+                    if key.data == 0:  # the exit notice
+                        continue
                     try:
                         data = os.read(fd, PIPE_SIZE)
                     except OSError:
@@ -400,11 +409,10 @@ class Exec:
                     else:
                         self.conn.send_data(self.sid, {"t": "out", "id": self.sid,
                                                        "fd": key.data}, data)
-            while not self.done_ev.wait(SPAWNER_CHECK):
-                if deadline is not None and time.monotonic() >= deadline:
-                    self.kill("timeout")
-                    deadline = None
-                self._check_spawner()
+            while not self.done_ev.wait(None if deadline is None
+                                        else max(0.0, deadline - time.monotonic())):
+                self.kill("timeout")
+                deadline = None
             status = self.status_box[0]
             code = os.waitstatus_to_exitcode(status)
             sig = -code if code < 0 else None
@@ -431,6 +439,10 @@ class Exec:
             sel.close()
             for fd in (out_r, err_r):
                 os.close(fd)
+            with self._exit_lock:
+                os.close(self._exit_r)
+                os.close(self._exit_w)
+                self._exit_r = self._exit_w = -1
             if self.pty_fd is not None:
                 os.close(self.pty_fd)
                 self.pty_fd = None
@@ -444,3 +456,7 @@ class Exec:
                 self._stdin_end()  # a pump still waiting for stdin ends
             if self.cgroup is not None and self.agent.cgroups is not None:
                 self.agent.cgroups.release(self.cgroup)
+            if self.agent.memguard is not None:  # processes it left: guarded on
+                self.agent.memguard.wake()
+            if self.agent.spawner is not None:
+                self.agent.spawner.idle()

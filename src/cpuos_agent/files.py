@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import errno
 import os
-import secrets
 import stat as stat_mod
 from typing import Any
 
 from . import protocol as P
-from .tarx import open_dir
 
 MAX_LIST = 10000
 
@@ -88,7 +86,7 @@ def create_beside(path: str, mode: int = 0o644) -> tuple[int, str]:
     parent = os.path.dirname(path) or "/"
     stem = os.path.basename(path)[:200]
     for _ in range(8):
-        tmp = os.path.join(parent, f".{stem}.cpuos-{secrets.token_hex(8)}.tmp")
+        tmp = os.path.join(parent, f".{stem}.cpuos-{os.urandom(8).hex()}.tmp")
         try:
             fd = os.open(tmp, TMP_FLAGS, mode)
         except FileExistsError:
@@ -148,6 +146,7 @@ def _remove(path: str, recursive: bool) -> None:
         os.unlink(path)
         return
     if recursive:
+        from .tarx import open_dir  # (tarx loads tarfile: not resident in every agent)
         fd = open_dir(path)
         try:
             _empty_dir(fd)
@@ -160,6 +159,7 @@ def _empty_dir(dfd: int) -> None:
     """Remove everything in the directory open at dfd, by fd (a directory swapped for a
     symlink or a FIFO meanwhile fails ``open_dir``: never followed, never
     waited on)."""
+    from .tarx import open_dir
     with os.scandir(dfd) as it:
         entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
     for name, is_dir in entries:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
-import ipaddress
 import os
 import re
 import socket
@@ -220,6 +219,8 @@ def apply_net(net: P.Header) -> bool:
     loopback comes up. Down and up flushes the old routes and neighbours (the gateway has
     a new MAC). Returns whether anything changed. Needs CAP_NET_ADMIN (the microVM's /init
     keeps it for the agent); the host's firewall, not this, decides what gets out."""
+    import ipaddress  # (a microVM's only: not resident in every agent)
+
     iface = ipaddress.IPv4Interface(f"{net.get('address')}/{int(net.get('prefix', 30))}")
     gateway = ipaddress.IPv4Address(str(net.get("gateway")))
     if gateway not in iface.network or gateway == iface.ip or iface.network.prefixlen < 8:

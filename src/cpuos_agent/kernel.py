@@ -1,14 +1,16 @@
 """The code interpreter's driver (``sbx.run_code``): one IPython kernel per sandbox, driven
 with jupyter_client.
 
-It runs inside the sandbox as the sandbox user, started by the ``python`` template's start
-command (``python3 -m cpuos_agent.kernel``), so the kernel is up and warm (pandas and
-matplotlib's inline backend imported) in the template snapshot (at a cold boot it starts
-the kernel in the background and listens at once: a create does not wait for it; on an
-emulated CPU it waits for the first request). The kernel is its child
-(jupyter_client's ``KernelManager``): a timeout interrupts the running cell with SIGINT and
-the kernel's state stays. The kernel's ZMQ channels are unix sockets in a directory of the
-sandbox user's (mode 0700), not TCP ports: nothing outside this sandbox reaches them.
+It runs inside the sandbox as the sandbox user, started by the ``code-interpreter``
+template's start command (``python3 -m cpuos_agent.kernel``), so the kernel is up and warm
+(pandas and matplotlib's inline backend imported) in the template snapshot (at a cold boot
+it starts the kernel in the background and listens at once: a create does not wait for
+it; on an emulated CPU it waits for the first request). In a template without it (the
+plain ``python``) the daemon starts it on the first run_code (cpuosd.lifecycle.kernel).
+The kernel is its child (jupyter_client's ``KernelManager``): a timeout interrupts the
+running cell with SIGINT and the kernel's state stays. The kernel's ZMQ channels are unix
+sockets in a directory of the sandbox user's (mode 0700), not TCP ports: nothing outside
+this sandbox reaches them.
 
 The host reaches the driver through the agent (``dial``: a byte stream to ``SOCK``). One
 request per connection, a JSON line in::
@@ -30,7 +32,8 @@ bounded (stream head and tail, display items and their sizes); the host bounds i
 and trusts none of it (code in the sandbox can replace this program).
 
 Unlike the rest of ``cpuos_agent`` this module is not stdlib-only: it needs jupyter_client
-and ipykernel (the ``python`` template has them); nothing else imports it.
+and ipykernel (the ``python`` and ``code-interpreter`` templates have them); nothing else
+imports it.
 """
 
 from __future__ import annotations

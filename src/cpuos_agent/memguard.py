@@ -6,6 +6,18 @@ whole cgroup), which then exits 137 with ``oom`` set — or the left-over proces
 ended one (``nohup ... &``), if they hold more. The host's cgroup stays a little above
 that limit, as the backstop for what this misses (cpuosd.backends.gvisor).
 
+gVisor's memory cgroup offers no event to wait on (no ``cgroup.event_control``, no
+``memory.events``, no inotify on its files), so the guard looks every INTERVAL, and only
+while it must; otherwise it sleeps on an event (no periodic wakeup):
+
+* while the host watches the sandbox's memory for it (``{"t": "memory", "watched": true,
+  "high": ...}``, on each connection: cpuosd.lifecycle.memwatch, from the host cgroup's
+  threshold events), while the host says the sandbox is high, or a command of the host's
+  (a foreground exec) runs;
+* otherwise (no host watch: a cgroup v2 host, a session without it) while anything
+  besides the agent runs: an exec, a background command, or processes an ended exec left
+  behind. Memory only grows while something runs.
+
 In a microVM the guest kernel has its own OOM killer; this guard does not run there.
 
 Stdlib only: it runs inside every sandbox."""
@@ -31,11 +43,20 @@ class Killable(Protocol):
 
 
 class MemGuard:
-    def __init__(self, cgroups: Cgroups, execs: Callable[[], Iterable[Killable]]) -> None:
+    """``execs()``: every command running (what it may end); ``foreground()``: whether an
+    exec of the host's (not a background command) runs; ``cgroups`` holds the cgroups of
+    ended execs that still have processes (the guard removes those that emptied)."""
+
+    def __init__(self, cgroups: Cgroups, execs: Callable[[], Iterable[Killable]],
+                 foreground: Callable[[], bool] = lambda: False) -> None:
         self.cgroups = cgroups
         self.execs = execs
+        self.foreground = foreground
+        self.host_watched = False  # the host tells us when memory is high (this session)
+        self.host_high = False
         self.limit: int | None = None  # bytes (the identity message sets it)
         self.kills = 0
+        self.looks = 0  # how many times it looked (tests: an idle sandbox's stays put)
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="memguard", daemon=True)
         self._thread.start()
@@ -44,13 +65,41 @@ class MemGuard:
         self.limit = limit if limit and limit > 0 else None
         self._wake.set()
 
+    def wake(self) -> None:
+        """A command started or ended: see whether to look."""
+        self._wake.set()
+
+    def host(self, watched: bool, high: bool) -> None:
+        """What the host says (``watched`` False: the session ended; look for ourselves)."""
+        self.host_watched, self.host_high = watched, watched and high
+        self._wake.set()
+
+    def _busy(self) -> bool:
+        if self.limit is None:
+            return False
+        if self.host_watched:
+            if self.host_high or self.foreground():
+                self.cgroups.gc()
+                return True
+            return False
+        if any(True for _ in self.execs()):
+            return True
+        self.cgroups.gc()
+        return self.cgroups.has_leftovers()
+
     def _run(self) -> None:
         while True:
-            self._wake.wait(INTERVAL)
+            try:
+                busy = self._busy()
+            except Exception:  # never let the guard die of a read error
+                busy = True
+            # nothing runs: sleep until a command starts (or the limit changes)
+            self._wake.wait(INTERVAL if busy else None)
             self._wake.clear()
             try:
+                self.looks += 1
                 self.check()
-            except Exception:  # never let the guard die of a read error
+            except Exception:
                 pass
 
     def check(self) -> bool:

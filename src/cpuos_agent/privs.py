@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import platform
 import signal
 from collections.abc import Iterator
 
@@ -32,7 +31,7 @@ SANDBOX_UID = int(os.environ.get("CPUOS_UID", "1000"))
 # (setresuid, setresgid) syscall numbers: the raw syscall changes the calling thread's
 # credentials only (glibc's wrappers change every thread's)
 _SYSCALLS = {"x86_64": (117, 119), "aarch64": (147, 149)}
-_NR = _SYSCALLS.get(platform.machine())
+_NR = _SYSCALLS.get(os.uname().machine)
 _libc = ctypes.CDLL(None, use_errno=True)
 _UNCHANGED = ctypes.c_long(-1)
 

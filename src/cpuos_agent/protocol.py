@@ -35,6 +35,9 @@ from typing import Any
 #    bg_wait, bg_stdin, bg_resize), terminals (exec ``pty``: {cols, rows}), stdin with flow
 #    control (``stdin`` frames carry ``close``/``ack``; the agent answers ``stdin_credit``
 #    and ``stdin_closed``), directories (``tar``, ``untar``), ``watch`` (``events``)
+# (within 3, unanswered: ``memory`` {watched, high}, id 0: the host watches the sandbox's
+# memory for the agent's OOM guard; an agent that does not know it answers an ``err`` on
+# id 0, which the host ignores, and keeps looking for itself)
 PROTOCOL_VERSION = 3
 # where the host leaves the agent its key before a cold boot; it removes the file once the
 # agent has said hello, before any command runs (the agent keeps the key in memory, which

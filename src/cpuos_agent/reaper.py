@@ -5,10 +5,15 @@ Stdlib only: it runs inside every sandbox."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
 import signal
 import threading
 import time
+from collections.abc import Callable
+
+Waiter = tuple[threading.Event, list[int], Callable[[], None] | None]
 
 
 class Reaper:
@@ -17,16 +22,33 @@ class Reaper:
     A child may exit before its waiter registers; such statuses are kept briefly with the
     time they were reaped, and a waiter accepts one only if it was reaped after its spawn
     began (so a recycled pid never hands over a stale status).
+
+    No periodic wakeup: the thread blocks in ``waitpid`` while there is a child (in root
+    mode the spawner always is one); with none it sleeps on a pipe written when one may
+    appear: a spawn of ours (``kick``) or a SIGCHLD (an orphan reparented to us has
+    exited: the interpreter's wakeup fd, set up here from the main thread). A child that
+    stops is reported to ``on_stop`` (the spawner's handle: a stopped spawner is replaced).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._waiters: dict[int, tuple[threading.Event, list[int]]] = {}
+        self._waiters: dict[int, Waiter] = {}
         self._early: dict[int, tuple[float, int]] = {}
-        self._wake = threading.Event()
+        self._kick_r, self._kick_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.on_stop: Callable[[int], None] | None = None
+        # without the SIGCHLD wakeup (not the main thread: a test), look twice a second
+        self._idle_wait: float | None = None if _wake_on_sigchld(self._kick_w) else 0.5
         threading.Thread(target=self._run, name="reaper", daemon=True).start()
 
-    def register(self, pid: int, spawned_at: float) -> tuple[threading.Event, list[int]]:
+    def kick(self) -> None:
+        """A child may exist now: wait for it."""
+        with contextlib.suppress(OSError):  # full: a wakeup is pending anyway
+            os.write(self._kick_w, b"k")
+
+    def register(self, pid: int, spawned_at: float, notify: Callable[[], None] | None = None
+                 ) -> tuple[threading.Event, list[int]]:
+        """pid's exit status, when it comes: the event is set, the box holds it, and
+        ``notify`` (if given) is called."""
         ev = threading.Event()
         box: list[int] = []
         with self._lock:
@@ -35,19 +57,25 @@ class Reaper:
                 box.append(early[1])
                 ev.set()
             else:
-                self._waiters[pid] = (ev, box)
-        self._wake.set()
+                self._waiters[pid] = (ev, box, notify)
+        self.kick()
         return ev, box
 
     def _run(self) -> None:
         while True:
             try:
-                pid, status = os.waitpid(-1, 0)
-            except ChildProcessError:
-                self._wake.wait(0.5)
-                self._wake.clear()
+                pid, status = os.waitpid(-1, os.WUNTRACED)
+            except ChildProcessError:  # no child at all: until one may exist
+                select.select([self._kick_r], [], [], self._idle_wait)
+                with contextlib.suppress(OSError):
+                    os.read(self._kick_r, 4096)
                 continue
             except InterruptedError:
+                continue
+            if os.WIFSTOPPED(status):
+                cb = self.on_stop
+                if cb is not None:
+                    cb(pid)
                 continue
             self.deliver(pid, status)
 
@@ -63,6 +91,8 @@ class Reaper:
                 return
         w[1].append(status)
         w[0].set()
+        if w[2] is not None:
+            w[2]()
 
     def settle_lost(self) -> None:
         """The spawner died: its children are ours now (the kernel reparents them to PID 1
@@ -73,6 +103,21 @@ class Reaper:
         for pid in pids:
             if not os.path.exists(f"/proc/{pid}"):
                 self.deliver(pid, signal.SIGKILL)
+
+
+def _noop(signum: int, frame: object) -> None:
+    pass
+
+
+def _wake_on_sigchld(fd: int) -> bool:
+    """Have every SIGCHLD (and any other signal handled in Python) write a byte to fd, from
+    whichever thread gets it. Only the main thread may set this up; False elsewhere."""
+    try:
+        signal.set_wakeup_fd(fd, warn_on_full_buffer=False)
+        signal.signal(signal.SIGCHLD, _noop)  # a handler, reset to the default by exec
+    except ValueError:
+        return False
+    return True
 
 
 def _children_map() -> dict[int, list[int]]:

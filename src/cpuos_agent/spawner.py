@@ -12,7 +12,14 @@ into the exec's cgroup, so the command starts there.
 
 Commands can signal the spawner (same uid) but not the agent: a spawner that is killed,
 stopped or gone silent is killed and replaced, and the commands it started (reparented
-to the agent) are reaped by the agent.
+to the agent) are reaped by the agent. Nothing polls for that: the agent is the
+spawner's parent, so its reaper hears of a stop (``waitpid`` with WUNTRACED) and of an
+exit, and the spawner's end of the event socket closing says it is gone.
+
+An idle sandbox has no spawner: once nothing has run for ``idle_exit`` seconds the agent
+closes its end of the request socket and the spawner exits (~7 MiB of host memory per
+sandbox); the next command forks a new one from the agent first (a fork of the agent:
+40-100 ms here under gVisor, once per busy spell).
 
 In legacy mode (the agent is the user) commands are started by the agent itself.
 
@@ -28,9 +35,9 @@ import os
 import select
 import signal
 import socket
-import subprocess
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import privs
@@ -42,6 +49,8 @@ if TYPE_CHECKING:
 MAX_REQUEST = 1 << 18  # an exec request's argv and env (the frame header is at most 64 KiB)
 MAX_REPLY = 1 << 12
 REPLY_WAIT = 10.0  # s: a spawner that has not answered by then is replaced
+IDLE_EXIT = 120.0  # s with nothing running after which the spawner exits (the host's
+# identity message may say otherwise: CPUOS_SPAWNER_IDLE_EXIT; 0: never)
 CHECK_EVERY = 0.2  # s: how often a waiting spawn looks whether the spawner was stopped
 
 
@@ -49,6 +58,8 @@ def popen(argvs: list[list[str]], cwd: str, env: dict[str, str], fds: tuple[int,
           ) -> int:
     """Start the first argv that can be started (a later one only if cwd is a directory:
     otherwise the error is about cwd); its pid. Raises the last OSError."""
+    import subprocess  # (the spawner's, or a legacy agent's: not resident in a root agent)
+
     for i, argv in enumerate(argvs):
         try:
             p = subprocess.Popen(argv, cwd=cwd, env=env, stdin=fds[0], stdout=fds[1],
@@ -82,13 +93,15 @@ def _recv(sock: socket.socket, size: int, nfds: int = 0
 
 
 # ---- the spawner process ----------------------------------------------------------------
-def _spawner_main(req: socket.socket, events: socket.socket, uid: int) -> None:
+def _spawner_main(req: socket.socket, events: socket.socket, uid: int,
+                  pdeathsig: bool = True) -> None:
     """The spawner's life (never returns): requests on ``req`` (each answered there), exit
     statuses of what it started on ``events``. It owns nothing secret and holds no
     capability; it ends when the agent's end of ``req`` closes."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if pdeathsig:  # (it fires when the forking *thread* ends: see Spawner.fork)
+            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
         privs.become_user(uid)
         libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: no command may read it or its fds
         null = os.open("/dev/null", os.O_RDWR)
@@ -100,14 +113,15 @@ def _spawner_main(req: socket.socket, events: socket.socket, uid: int) -> None:
         os.closerange(keep[1] + 1, 1 << 16)
     except BaseException:
         os._exit(71)
-    kids = threading.Semaphore(0)
+    import subprocess  # noqa: F401  (popen's, loaded now rather than on the first spawn)
+    kids = threading.Semaphore(0)  # released after each start: no wakeup while none runs
 
     def reap() -> None:
         while True:
             try:
                 pid, status = os.waitpid(-1, 0)
             except ChildProcessError:
-                kids.acquire(timeout=5.0)
+                kids.acquire()
                 continue
             except InterruptedError:
                 continue
@@ -155,20 +169,32 @@ class Spawner:
         self.reaper: Reaper | None = None
         self.cgroups: Cgroups | None = None
         self.restarts = 0
+        self.idle_exits = 0
         self._lock = threading.Lock()  # one spawn at a time (the spawner moves cgroups)
         self._events: socket.socket | None = None
         self._gone = threading.Event()
+        # idle exit: whether a command runs (the agent's), since when nothing has
+        self.busy: Callable[[], bool] = lambda: True
+        self.idle_exit = IDLE_EXIT
+        self._idle_cv = threading.Condition()
+        self._idle_since: float | None = None
+        self._exited_idle = False
 
     def fork(self) -> None:
         """Start a spawner process (at start: before any thread and before the key is
         read; later: to replace one)."""
         a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         ea, eb = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        main_thread = threading.current_thread() is threading.main_thread()
         pid = os.fork()
         if pid == 0:
             a.close()
             ea.close()
-            _spawner_main(b, eb, self.uid)
+            # the parent-death signal follows the thread that forked: only a fork from
+            # the main thread may ask for it (a later one, from an exec's thread, would
+            # be killed when that exec ends); the agent is PID 1, so its death ends every
+            # process of the sandbox anyway
+            _spawner_main(b, eb, self.uid, main_thread)
             os._exit(0)
         b.close()
         eb.close()
@@ -177,13 +203,69 @@ class Spawner:
         self.sock, self._events, self.pid = a, ea, pid
         self._gone = threading.Event()
         if self.reaper is not None:
+            self.reaper.kick()
             self._start_reader()
 
-    def attach(self, reaper: Reaper, cgroups: Cgroups | None) -> None:
-        """Exit statuses go to reaper from now on; commands start in their exec's cgroup."""
+    def attach(self, reaper: Reaper, cgroups: Cgroups | None,
+               busy: Callable[[], bool] | None = None) -> None:
+        """Exit statuses go to reaper from now on; commands start in their exec's cgroup;
+        a stop of the spawner, which reaper sees, ends it. ``busy``: whether a command of
+        the agent's runs (without it the spawner never exits when idle)."""
         self.reaper, self.cgroups = reaper, cgroups
+        reaper.on_stop = self._on_stop
+        if busy is not None:
+            self.busy = busy
+            threading.Thread(target=self._idle_loop, name="spawner-idle", daemon=True).start()
+            self.idle()
         if self.sock is not None:
             self._start_reader()
+
+    def set_idle_exit(self, seconds: float) -> None:
+        with self._idle_cv:
+            self.idle_exit = seconds
+            self._idle_cv.notify()
+
+    def idle(self) -> None:
+        """A command ended (or none ran yet): the spawner exits after ``idle_exit`` seconds
+        in which none started."""
+        with self._idle_cv:
+            self._idle_since = time.monotonic()
+            self._idle_cv.notify()
+
+    def _idle_loop(self) -> None:
+        """Sleeps (no timeout) while commands run or there is no spawner; once,
+        ``idle_exit`` after the last one ended, ends the spawner."""
+        while True:
+            with self._idle_cv:
+                while self._idle_since is None or self.sock is None or self.idle_exit <= 0:
+                    self._idle_cv.wait()
+                left = self._idle_since + self.idle_exit - time.monotonic()
+                if left > 0:
+                    self._idle_cv.wait(left)
+                    continue
+                self._idle_since = None
+            self._exit_if_idle()
+
+    def _exit_if_idle(self) -> None:
+        with self._lock:  # (no spawn under way)
+            if self.sock is None or self._gone.is_set() or self.busy():
+                return
+            # its recv ends: it exits, and its event socket's end closes (our reader
+            # settles what is left); it started nothing that still runs
+            self.sock.close()
+            self.sock = None
+            self._exited_idle = True
+            self.idle_exits += 1
+
+    def _on_stop(self, pid: int) -> None:
+        """A child of the agent stopped: if it is the spawner, it cannot report exits any
+        more: it is killed (what it started is reparented to the agent and reaped there;
+        the next spawn forks a new one). Other children (orphans) are left alone."""
+        if pid == self.pid and not self._gone.is_set():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
 
     def _start_reader(self) -> None:
         threading.Thread(target=self._read, args=(self._events, self._gone),
@@ -236,25 +318,24 @@ class Spawner:
         self.restarts += 1
         self.fork()
 
-    def check(self) -> None:
-        """Called while commands run: a spawner stopped from inside cannot reap them (their
-        exits would never be reported), so it is killed (the agent reaps them then)."""
-        if not self._lock.acquire(blocking=False):
-            return  # a spawn is under way: it looks itself
-        try:
-            if self.sock is not None and not self._gone.is_set() and self._stopped():
-                self._retire()
-        finally:
-            self._lock.release()
-
     def spawn(self, argvs: list[list[str]], cwd: str, env: dict[str, str],
-              fds: tuple[int, int, int], cgroup: Cgroup | None) -> int:
-        """Start a command through the spawner (in cgroup, if given); its pid. Raises
+              fds: tuple[int, int, int], cgroup: Cgroup | None
+              ) -> tuple[int, threading.Event]:
+        """Start a command through the spawner (in cgroup, if given); its pid, and the event
+        set once the spawner that started it is gone (``lost``). Raises
         OSError: the command could not be started, or the spawner was stopped or killed
         before it answered (it is replaced; the command is not retried: it may have
         started, and the caller kills what is in its cgroup)."""
         req = {"argvs": argvs, "cwd": cwd, "env": env}
         with self._lock:
+            with self._idle_cv:
+                self._idle_since = None  # (the agent calls idle() when it has ended)
+            if self.sock is None and self._exited_idle:
+                self._exited_idle = False
+                # what the new spawner runs is loaded here, before the fork: a thread of
+                # ours importing it meanwhile would leave its import lock held there
+                import subprocess  # noqa: F401
+                self.fork()
             for _ in range(3):
                 if self.sock is None or self._gone.is_set() or self._stopped():
                     self._replace()
@@ -283,7 +364,7 @@ class Spawner:
                                   "from inside the sandbox before it reported the start (it "
                                   "was replaced; what had started was killed)")
                 if isinstance(reply.get("pid"), int):
-                    return int(reply["pid"])
+                    return int(reply["pid"]), self._gone
                 e = reply.get("errno")
                 raise OSError(e if isinstance(e, int) else 0,
                               str(reply.get("strerror") or "cannot start"))

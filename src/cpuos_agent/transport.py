@@ -73,17 +73,23 @@ class SocketLink:
 
 class UnixSocketTransport(Transport):
     """Connect out to a unix socket the host listens on; retry until it is there. The host
-    sees every session end (the socket closes)."""
+    sees every session end (the socket closes).
 
-    RETRY = 0.005  # the host is waiting for us after a restore: come back quickly
+    After a quiesce the host checkpoints the sandbox and, on resume, listens again before
+    it restores it: the agent retries every RETRY for FAST_FOR seconds (frozen in the
+    snapshot mid-way, the restored agent is back within RETRY). Otherwise (a daemon that is
+    down or restarting) it backs off to MAX_RETRY: a hundred sandboxes whose daemon is
+    down must not load the host."""
+
+    RETRY = 0.005
     MAX_RETRY = 1.0
+    FAST_FOR = 60.0  # s after a quiesce: longer than a checkpoint takes on a loaded host
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self._fast_until = 0.0
 
     def connect(self) -> Link:
-        # quickly at first (the host is waiting for us after a restore), then backing off to
-        # MAX_RETRY: a hundred sandboxes whose daemon is down must not load the host
         delay = self.RETRY
         while True:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -91,14 +97,18 @@ class UnixSocketTransport(Transport):
                 s.connect(self.path)
             except OSError:
                 s.close()
+                if time.monotonic() < self._fast_until:
+                    time.sleep(self.RETRY)
+                    continue
                 time.sleep(delay)
                 delay = min(self.MAX_RETRY, delay * 1.5)
                 continue
+            self._fast_until = 0.0
             return SocketLink(s)
 
     def after_session(self, link: Link, quiesced: bool) -> None:
-        if quiesced:
-            time.sleep(self.RETRY)  # the host removed the socket first; retry until restored
+        if quiesced:  # the host removed the socket first; it is back once restored
+            self._fast_until = time.monotonic() + self.FAST_FOR
 
 
 _HANGUP = select.POLLHUP | select.POLLERR | select.POLLNVAL
@@ -138,8 +148,8 @@ class DeviceLink:
         while not self._buf:
             if self.closed or self.hungup:
                 return b""
-            try:
-                events = self._rpoll.poll(1000)
+            try:  # the host hanging up wakes it (POLLHUP): no timeout needed
+                events = self._rpoll.poll()
             except InterruptedError:
                 continue
             if not events:

@@ -56,9 +56,15 @@ class Watch:
         self.overflow = False
         self.pending: dict[str, dict[str, Any]] = {}
         self.moves: dict[int, str] = {}
+        # written by cancel(): the loop sleeps on inotify and on this, nothing periodic
+        self._cancel_r, self._cancel_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._cancel_lock = threading.Lock()
 
     def cancel(self) -> None:
         self.cancelled = True
+        with self._cancel_lock:
+            if self._cancel_w >= 0:
+                os.write(self._cancel_w, b"c")
 
     def _add(self, path: str) -> bool:
         if len(self.wds) >= MAX_WATCHES:
@@ -173,9 +179,9 @@ class Watch:
             self.conn.send({"t": "ok", "id": self.sid, "watches": len(self.wds)})
             first: float | None = None
             while not self.cancelled and not self.conn.closed:
-                wait = 0.25 if first is None else max(0.0, first + WINDOW - time.monotonic())
-                ready, _, _ = select.select([fd], [], [], wait)
-                if ready:
+                wait = None if first is None else max(0.0, first + WINDOW - time.monotonic())
+                ready, _, _ = select.select([fd, self._cancel_r], [], [], wait)
+                if fd in ready:
                     try:
                         self._events(os.read(fd, 1 << 16))
                     except BlockingIOError:
@@ -201,6 +207,10 @@ class Watch:
         finally:
             if self.fd >= 0:
                 os.close(self.fd)
+            with self._cancel_lock:
+                os.close(self._cancel_r)
+                os.close(self._cancel_w)
+                self._cancel_r = self._cancel_w = -1
             self.conn.close_stream(self.sid)
             if self.registry.get(self.sid) is self:
                 self.registry.pop(self.sid, None)

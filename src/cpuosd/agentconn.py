@@ -184,8 +184,14 @@ class AgentChannel:
         self._unauthenticated: dict[asyncio.Task[None], None] = {}
         self._write_lock = asyncio.Lock()
         self.on_disconnect: list[Any] = []
+        self.on_connect: list[Callable[[], None]] = []  # after each accepted hello
         self.last_rx = 0.0
         self.liveness = LIVENESS
+        # the liveness watch runs only while streams are open (an idle sandbox costs no
+        # wakeup here): started by open(), it ends when the last stream has closed
+        self._watch_task: asyncio.Task[None] | None = None
+        self._watch_gen = -1
+        self.watch_runs = 0  # how many times it was started (tests)
 
     async def listen(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -313,10 +319,11 @@ class AgentChannel:
         self.hello = h
         self._writer = writer
         self._connected.set()
+        for cb in list(self.on_connect):
+            cb()
         self._reader_task = asyncio.current_task()
         gen = self.generation
         self.last_rx = time.monotonic()
-        watch = asyncio.get_running_loop().create_task(self._watch(gen))
         try:
             while True:
                 hdr, payload = await self._read_frame(reader)
@@ -338,20 +345,37 @@ class AgentChannel:
         except asyncio.CancelledError:
             pass
         finally:
-            watch.cancel()
             if self.generation == gen:
+                self._stop_watch()
                 self._drop_connection()
             writer.close()
 
-    async def _watch(self, gen: int) -> None:
-        """Liveness: while streams are open, an agent silent for a quarter of ``liveness``
-        is pinged; one silent for all of it is dropped (its streams end unavailable)."""
+    def _start_watch(self) -> None:
+        t = self._watch_task
+        if t is not None and not t.done() and self._watch_gen == self.generation:
+            return
+        self._stop_watch()  # (one of an older connection's)
+        self.watch_runs += 1
+        self._watch_gen = self.generation
+        self._watch_task = asyncio.get_running_loop().create_task(
+            self._watch(self.generation, time.monotonic()))
+
+    def _stop_watch(self) -> None:
+        t, self._watch_task = self._watch_task, None
+        if t is not None and t is not asyncio.current_task():
+            t.cancel()
+
+    async def _watch(self, gen: int, since: float) -> None:
+        """Liveness, while streams are open: an agent silent for a quarter of ``liveness``
+        (since the later of its last frame and this watch's start) is pinged; one silent
+        for all of it is dropped (its streams end unavailable). Ends once no stream is
+        open (``open`` starts it again)."""
         tick = max(0.05, self.liveness / 4)
-        while self.generation == gen and self._writer is not None:
+        while self.generation == gen and self._writer is not None and self.streams:
             await asyncio.sleep(tick)
             if self.generation != gen or not self.streams:
-                continue
-            idle = time.monotonic() - self.last_rx
+                break
+            idle = time.monotonic() - max(self.last_rx, since)
             if idle >= self.liveness:
                 log.warning("agent channel %s: no answer for %.1fs; dropping it",
                             self.sock_path, idle)
@@ -428,6 +452,7 @@ class AgentChannel:
             raise AgentGone("sandbox agent is not connected")
         st = Stream(self, next(self._ids))
         self.streams[st.id] = st
+        self._start_watch()
         return st
 
     async def call(self, header: P.Header, timeout: float = 30.0) -> P.Header:

@@ -98,6 +98,10 @@ class Config:
     # inside, from gVisor's trace points; cpuosd.accounting.trace), unless 0
     audit_runtime: bool = field(
         default_factory=lambda: os.environ.get("CPUOS_AUDIT_RUNTIME", "1") != "0")
+    # s with no command running after which a sandbox's command spawner exits (~7 MiB of
+    # host memory each; the next command forks a new one: 40-100 ms more); 0: never
+    spawner_idle_exit: float = field(
+        default_factory=lambda: float(os.environ.get("CPUOS_SPAWNER_IDLE_EXIT") or 120))
     # Free space a pause needs beyond the sandbox's memory (its image is at most that big).
     snapshot_margin: int = 64 << 20
     # bytes one file read or directory tar from a sandbox may carry at most (a client asks

@@ -322,6 +322,9 @@ class FakeBackend:
     def memory_usage(self, sandbox_id: str) -> int | None:
         return None
 
+    def memory_watch(self, sandbox_id: str, threshold: int) -> int | None:
+        return None
+
     def cpu_seconds(self, sandbox_id: str) -> float | None:
         return None
 

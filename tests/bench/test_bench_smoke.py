@@ -89,6 +89,18 @@ CASES = {
                         ["keystroke echo through a terminal, p50", "streamed stdin, median",
                          "reattach to a command → first byte, p50",
                          "reattach to a terminal → first byte, p50"]),
+    "density": Case("density", "density", "17. density:", [],
+                    ["host memory per idle sandbox", "host CPU per idle sandbox",
+                     "exec 'true' with 2 idle, p50", "exec 'true' with 2 idle, p99",
+                     "back-to-back create → first exec with 2 idle, p50",
+                     "back-to-back create → first exec with 2 idle, p95",
+                     "pause, idle sandbox, p50", "resume → first exec, idle sandbox, p50",
+                     "paused snapshot on disk, idle sandbox"]),
+    "inside": Case("inside", "inside", "19. code inside",
+                   [], [f"{w}: {what}" for w in ("import", "fork100", "pass20", "pip", "git",
+                                                 "pytest", "compute", "syscalls")
+                        for what in ("cpuos audit on vs raw runsc", "audit on vs off")]
+                   + ["inside: repo files / tests / wheels"]),
     "e2b_sdk": Case("e2b", "e2b", "18. E2B SDK on cpuos",
                 ["ours_run_s", "floor_exec_login_s", "floor_exec_s", "ours_create_s",
                  "ours_create_run_s", "floor_create_s", "floor_create_exec_s"],
@@ -172,10 +184,39 @@ def check_figures(module: str, data: dict[str, Any]) -> None:
         rr = data["runtime_rows"]  # every exec inside recorded or counted as dropped
         assert rr["recorded"] + rr["dropped"] >= rr["expected"], rr
         assert data["store"]["verified"] and data["store"]["ours_rows_per_s"] > 0
+    if module == "inside":  # every workload in every place, its N; audit on and off
+        for w, places in data["samples"].items():
+            for place, xs in places.items():
+                assert len(xs["wall"]) == len(xs["cpu"]) == data["reps"], (w, place)
+                assert all(x > 0 for x in xs["wall"]), (w, place, xs)
+                assert place == "native" or all(x > 0 for x in xs["cpu"]), (w, place, xs)
+        assert set(data["samples"]["import"]) == {"native", "raw", "on", "off"}
+        assert data["audit_runtime"] and data["audit_runtime_off"] is None
     if module == "limits":
         assert len(data["loads"]) == 5 and data["daemon_healthy"]
         for load in data["loads"]:
             assert len(load["samples_s"]) == data["n"] and load["noisy_alive"], load["name"]
+    if module == "density":
+        n = data["n"]
+        mem, cpu = data["memory"], data["cpu"]
+        assert mem["ours_drop_bytes"] >= 0 and mem["floor_drop_bytes"] >= 0
+        for k in ("ours_cgroup_bytes", "floor_cgroup_bytes", "ours_own_bytes",
+                  "floor_own_bytes", "ours_host_tasks",
+                  "floor_host_tasks"):
+            assert len(mem[k]) == n and all(x > 0 for x in mem[k]), (k, mem[k])
+        # the agent and its spawner were found inside
+        assert mem["agent"].get("agent_rss_kib", 1) > 0, mem["agent"]
+        assert len(cpu["ours_core_share"]) == n == len(cpu["floor_core_share"])
+        assert all(x >= 0 for x in cpu["ours_core_share"] + cpu["floor_core_share"])
+        for part, keys in (("exec", ["ours_s", "floor_s"]), ("creates", ["ours_s", "floor_s"]),
+                           ("pause", ["ours_pause_s", "ours_resume_exec_s",
+                                      "floor_checkpoint_s", "floor_restore_exec_s",
+                                      "ours_du_allocated"])):
+            for k in keys:
+                xs = data[part][k]
+                want = data[part]["n_floor"] if part == "exec" and k == "floor_s" \
+                    else data[part]["n"]
+                assert len(xs) == want and all(x > 0 for x in xs), (part, k, xs)
     if module == "microvm":
         assert set(data["probe"]) == {"ok", "reason", "seconds"}
         assert data["gvisor"]["ours_create_s"] and data["gvisor"]["floor_restore_s"]
@@ -189,9 +230,10 @@ def test_case_smoke(module: str) -> None:
     """bench/cases/<module>.py --smoke by itself: its own daemon, its table, its summary
     rows and samples, and nothing left behind."""
     case = CASES[module]
-    if module == "browser" and template_info(TEMPLATES, "browser") is None:
-        pytest.skip(f"the browser template is not built in {TEMPLATES} "
-                    "(`cpuosd template build browser`; scripts/test.sh builds it)")
+    for needs, template in (("browser", "browser"), ("run_code", "code-interpreter")):
+        if module == needs and template_info(TEMPLATES, template) is None:
+            pytest.skip(f"the {template} template is not built in {TEMPLATES} "
+                        f"(`cpuosd template build {template}`; scripts/test.sh builds it)")
     r, res = run([f"bench/cases/{module}.py", "--smoke"], OUT / f"case-{case.section}-smoke.json")
     check_clean_run(res)
     assert res["meta"]["sections"] == [case.section]
@@ -199,6 +241,26 @@ def test_case_smoke(module: str) -> None:
     assert [row["metric"] for row in res["summary"]] == case.metrics
     assert all(row["ours"] and row["floor"] for row in res["summary"]), res["summary"]
     assert r.stdout.index(case.title) < r.stdout.index("Summary")
+
+
+@pytest.mark.e2e
+def test_density_thousand_smoke() -> None:
+    """density.py --thousand --smoke: 4 sandboxes with idle_timeout=30s (the workspace's
+    max_sandboxes raised through the admin API), all paused by themselves before an exec
+    in 2 of them resumes each."""
+    r, res = run(["bench/cases/density.py", "--smoke", "--thousand"],
+                 OUT / "case-density-smoke.json")
+    check_clean_run(res)
+    data = res["density"]
+    assert data["mode"] == "thousand" and data["created"] == data["n"] == 4, data
+    assert not data["refused"] and not data["failed"] and not data["stopped"], data
+    assert data["max_sandboxes"] >= 4 and data["states_at_end"] == {"paused": 4}, data
+    assert data["exec_states"] == ["paused", "paused"] and not data["exec_failed"], data
+    assert len(data["exec_s"]) == 2 and all(x > 0 for x in data["exec_s"])
+    assert [row["metric"] for row in res["summary"]] == [
+        "sandboxes created with idle_timeout=30s", "exec in 2 picked at random, p50",
+        "exec in 2 picked at random, p99"]
+    assert "17. density --thousand" in r.stdout
 
 
 @pytest.mark.e2e

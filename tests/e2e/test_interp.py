@@ -1,5 +1,6 @@
 """The code interpreter (sbx.run_code) on a real daemon: a persistent IPython kernel inside
-the python template's sandboxes, reached through the agent."""
+the sandbox, reached through the agent: warm in the `code-interpreter` template's snapshot,
+started on first use in a plain `python` sandbox."""
 
 from __future__ import annotations
 
@@ -8,14 +9,22 @@ from collections.abc import Iterator
 import pytest
 
 from cpuos import CodeResult, CpuosError, InvalidArgument, Sandbox
-from cpuosd.testing import Daemon, png_size_and_colours
+from cpuosd.templates.builder import template_info
+from cpuosd.testing import TEMPLATES, Daemon, png_size_and_colours
 
 pytestmark = pytest.mark.e2e
 
 
+def _interpreter() -> str:
+    if template_info(TEMPLATES, "code-interpreter") is None:
+        pytest.skip(f"the code-interpreter template is not built in {TEMPLATES} "
+                    "(`cpuosd template build code-interpreter`; scripts/test.sh builds it)")
+    return "code-interpreter"
+
+
 @pytest.fixture(scope="module")
 def box(daemon: Daemon) -> Iterator[Sandbox]:
-    s = Sandbox.create(template="python", timeout="10m", **daemon.sdk_kwargs())
+    s = Sandbox.create(template=_interpreter(), timeout="10m", **daemon.sdk_kwargs())
     yield s
     s.kill()
     s.close()
@@ -172,8 +181,38 @@ def test_1000_calls_do_not_grow_the_kernel(box: Sandbox) -> None:
     assert after - before < 32 * 1024, (before, after)  # KiB
 
 
-def test_kernel_state_survives_pause_resume_and_fork(daemon: Daemon) -> None:
+def _kernel_processes(s: Sandbox) -> list[str]:
+    return [line for line in s.exec(["ps", "-eo", "args"]).stdout.splitlines()
+            if "cpuos_agent.kernel" in line or "ipykernel" in line]
+
+
+def test_code_interpreter_has_its_kernel_warm(box: Sandbox) -> None:
+    """The template's snapshot holds the driver and its kernel, already running."""
+    kinds = _kernel_processes(box)
+    assert any("cpuos_agent.kernel" in k for k in kinds), kinds
+    assert any("ipykernel" in k for k in kinds), kinds
+
+
+def test_plain_python_starts_its_kernel_on_first_use(daemon: Daemon) -> None:
+    """`python` runs nothing but the agent; the first run_code starts the kernel, whose
+    state then persists like the code interpreter's."""
     s = Sandbox.create(template="python", timeout="10m", **daemon.sdk_kwargs())
+    try:
+        assert _kernel_processes(s) == []
+        ps = s.exec(["ps", "-eo", "args="]).stdout.split("\n")
+        assert [x for x in ps if x and not x.startswith("ps ")] == [
+            "/usr/bin/python3 -s -m cpuos_agent"] * 2, ps  # the agent and its spawner
+        r = s.run_code("import math\nv = math.pi", timeout=120)
+        assert r.ok, r
+        assert s.run_code("round(v, 2)").text == "3.14"
+        assert _kernel_processes(s)
+    finally:
+        s.kill()
+        s.close()
+
+
+def test_kernel_state_survives_pause_resume_and_fork(daemon: Daemon) -> None:
+    s = Sandbox.create(template=_interpreter(), timeout="10m", **daemon.sdk_kwargs())
     forks: list[Sandbox] = []
     try:
         s.run_code("import math\nkept = math.tau")

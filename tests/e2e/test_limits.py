@@ -4,6 +4,7 @@ a neighbour sandbox keeps answering and the daemon stays healthy."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import time
 
@@ -66,7 +67,7 @@ def test_a_million_empty_files_stop_at_the_filesystems_limit(daemon: Daemon) -> 
     at the sandbox's death."""
     with daemon.client() as c:
         version = c.get("/health").json()["runsc_version"]
-    if not version.endswith("+cpuos.1"):
+    if re.search(r"\+cpuos\.\d+$", version) is None:
         pytest.skip("the runsc in use is not cpuos's patched build (scripts/build-runsc.sh)")
     s = Sandbox.create(template="python", timeout="5m", **daemon.sdk_kwargs())
     try:

@@ -11,6 +11,7 @@ import os
 import concurrent.futures
 import json
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
@@ -293,3 +294,35 @@ def test_bad_input_and_no_leaks(pd: Daemon, web: Sandbox) -> None:
                        f"X-Cpuos-Token: {p['token']}\r\nContent-Length: 100000\r\n\r\n"
                        "partial").encode())
     wait_until(lambda: fds() <= before + 5, "the proxy's connections closed", 60)
+
+
+def test_connections_to_a_public_port_are_coalesced_in_the_audit(pd: Daemon,
+                                                                 web: Sandbox) -> None:
+    """Issue 25, finding 6: anyone may connect to a public port, and each connection used to
+    be an audit row. 150 connections from one peer, each a request of its own: one row at
+    once, then one with a ``count`` per 5 s window (at most two rows a window), every
+    connection counted."""
+    t0 = time.monotonic()
+    p = expose(pd, web.id, 3000, public=True)
+    wait_until(lambda: get(p["url"] + "headers").status_code == 200, "the server inside", 60)
+
+    def connects() -> list[dict[str, Any]]:
+        with pd.client() as c:
+            r = c.get(f"/sandboxes/{web.id}/audit", params={"kind": "port", "limit": 10000})
+        assert r.status_code == 200, r.text
+        return [x["detail"] for x in r.json()["rows"]
+                if x["detail"].get("action") == "connect" and x["detail"].get("port") == 3000]
+
+    def counted() -> int:
+        return sum(int(d.get("count") or 1) for d in connects())
+
+    wait_until(lambda: counted() >= 1, "the first connection on record", 30)
+    before = counted()
+    for _ in range(150):  # a new connection each (no keep-alive)
+        assert get(p["url"] + "headers", headers={"Connection": "close"}).status_code == 200
+    wait_until(lambda: counted() >= before + 150, "every connection counted", 60)
+    rows = connects()
+    assert counted() == before + 150
+    windows = (time.monotonic() - t0) / 5 + 2
+    assert len(rows) <= 2 * windows and len(rows) < counted(), rows  # not one a connection
+    assert any(int(d.get("count") or 1) > 1 for d in rows)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from cpuos import Conflict, NoSpace, Sandbox
-from cpuosd.testing import Daemon, new_daemon
+from cpuosd.testing import Daemon, new_daemon, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -67,7 +67,10 @@ def test_pause_resume_three_times_keeps_memory_processes_files(daemon: Daemon) -
             sid = sbx.pause()
             info = sbx.info()
             assert info.state == "paused" and info.snapshot_bytes and info.snapshot_bytes > 0
-            assert sid not in daemon.runsc_containers()  # no process left while paused
+            # no process left while paused (the stopped container is deleted once the
+            # pause has answered)
+            wait_until(lambda sid=sid: sid not in daemon.runsc_containers(),  # type: ignore[misc]
+                       "the container's removal", 30)
             with pytest.raises(Conflict):
                 sbx.exec("true")
             sbx.close()

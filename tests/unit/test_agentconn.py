@@ -122,6 +122,44 @@ def test_keyed_channel_refuses_impostors_and_old_agents() -> None:
     asyncio.run(main())
 
 
+def test_liveness_watch_runs_only_while_streams_are_open() -> None:
+    """An idle channel (no stream) has no watch task, so no periodic wakeup per sandbox;
+    a stream starts one, which pings a silent agent and ends with the last stream; one
+    opened after a long quiet spell does not count that spell against the agent."""
+    async def main() -> None:
+        chan, r, w = await _setup()
+        chan.liveness = 0.4  # ticks every 0.1 s
+        await asyncio.sleep(0.5)  # idle longer than liveness: nothing runs, nothing dropped
+        assert chan.watch_runs == 0 and chan.connected
+        st = chan.open()
+        assert chan.watch_runs == 1
+        # the agent's side sees a ping once the stream has been quiet for a tick, answers
+        prefix = await asyncio.wait_for(r.readexactly(P.PREFIX_LEN), 5)
+        hlen, plen = P.parse_prefix(prefix)
+        h = P.parse_header((await r.readexactly(hlen + plen))[:hlen])
+        assert h["t"] == "ping"
+        w.write(P.encode({"t": "pong", "id": 0}))
+        await w.drain()
+        st2 = chan.open()  # a second stream: still the one watch
+        assert chan.watch_runs == 1
+        st.close()
+        st2.close()
+        t = chan._watch_task
+        assert t is not None
+        await asyncio.wait_for(t, 5)  # ends by itself with the last stream
+        assert chan.connected
+        # a stream on an agent that stays silent: dropped after liveness
+        st3 = chan.open()
+        assert chan.watch_runs == 2
+        with pytest.raises(AgentGone, match="stopped answering"):
+            await st3.get(5)
+        assert not chan.connected
+        w.close()
+        await chan.close()
+
+    asyncio.run(main())
+
+
 def test_connections_without_a_hello_are_bounded() -> None:
     """Issue 25: before the key is checked the channel reads one small hello, keeps at most
     MAX_UNAUTHENTICATED connections waiting for one (a newer one closes the oldest), and

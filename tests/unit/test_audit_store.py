@@ -111,7 +111,7 @@ def test_a_full_queue_drops_and_counts(log: AuditLog, monkeypatch: pytest.Monkey
     with log._dblock:  # the writer blocks on its next write
         kept = sum(log.record("sbx-flood", "command", {"i": i}) for i in range(1000))
         assert log.record("sbx-other", "command", {"i": 0})  # others are not starved
-    assert log.flush()
+    assert log.flush(owed=True)
     assert kept <= 100 + audit_mod.BATCH  # (the writer may hold one batch of them)
     rows = log.query("sbx-flood", limit=10000)
     dropped = [r for r in rows if r["kind"] == "dropped"]
@@ -237,3 +237,255 @@ def test_session_config_names_the_socket(tmp_path: Path) -> None:
     assert sess["name"] == "Default"
     assert sess["sinks"][0]["config"]["endpoint"] == str(tmp_path / "trace.sock")
     assert {p["name"] for p in sess["points"]} >= {"sentry/execve", "syscall/openat/exit"}
+
+
+# ---- bounds on growth (issue 25, finding 6) ----------------------------------------------
+def bounded(tmp_path: Path, **kw: Any) -> AuditLog:
+    limits = audit_mod.Limits(**{"coalesce": 0.0, **kw})
+    return AuditLog(tmp_path / "audit.db", tmp_path / "audit.key", tmp_path / "audit.head",
+                    limits=limits)
+
+
+def test_repeats_are_one_row_then_one_with_a_count(tmp_path: Path) -> None:
+    """A runtime write repeated, preview connections from one peer, refused attempts: the
+    first is a row at once, the repeats one row with their count when the window ends;
+    API rows and allowed connections are never coalesced."""
+    a = bounded(tmp_path, coalesce=60.0)
+    try:
+        w = {"source": "runtime", "op": "open", "path": "/tmp/x", "flags": ["O_WRONLY"],
+             "uid": 1000}
+        for i in range(1000):
+            assert a.record("sbx-c", "file_write", {**w, "pid": i, "time_ns": i},
+                            workspace="ws-1")
+        a.record("sbx-c", "file_write", {**w, "count": 50}, workspace="ws-1")  # from the Sentry
+        for _ in range(300):
+            a.on_event(SandboxEvent("port", "sbx-c", "ws-1", None,
+                                    fields={"port": 3000, "action": "connect",
+                                            "peer": "203.0.113.9"}))
+        for _ in range(3):
+            a.record("sbx-c", "command", {"source": "api", "argv": ["true"]}, workspace="ws-1")
+            a.record("sbx-c", "connection", {"dst": "1.2.3.4", "port": 443,
+                                             "verdict": "allowed"}, workspace="ws-1")
+        assert a.flush()
+        before = a.query("sbx-c", limit=10000)
+        assert [r["kind"] for r in before] == ["file_write", "port", *["command",
+                                                                        "connection"] * 3]
+        assert a.pending_repeats() == 2
+        assert a.flush(owed=True)
+        rows = a.query("sbx-c", limit=10000)
+        repeats = {r["kind"]: r["detail"] for r in rows[len(before):]}
+        assert repeats["file_write"]["count"] == 999 + 50
+        assert repeats["port"]["count"] == 299 and repeats["port"]["peer"] == "203.0.113.9"
+        assert a.verify()["ok"]
+    finally:
+        a.close()
+
+
+def test_a_repeat_past_its_window_before_the_row_is_made_keeps_the_count(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A repeat that comes after its window ended but before the writer made the row of the
+    repeats counted so far joins them (it used to start a new window and their count was
+    lost): every repeat is accounted for."""
+    clock = [1000.0]
+    monkeypatch.setattr("cpuosd.accounting.audit.time.monotonic", lambda: clock[0])
+    a = bounded(tmp_path, coalesce=5.0)
+    try:
+        w = {"source": "runtime", "op": "open", "path": "/tmp/x", "uid": 1000}
+        for _ in range(10):
+            assert a.record("sbx-w", "file_write", w, workspace="ws-1")
+        clock[0] += 5.5  # the window ended; the writer has not looked yet
+        for _ in range(10):
+            assert a.record("sbx-w", "file_write", w, workspace="ws-1")
+        assert a.flush(owed=True)
+        rows = a.query("sbx-w", limit=100)
+        assert sum(int(r["detail"].get("count") or 1) for r in rows) == 20, rows
+        assert len(rows) == 2
+    finally:
+        a.close()
+
+
+def test_row_budgets_per_sandbox_and_workspace(tmp_path: Path) -> None:
+    """Past its budget a sandbox's rows are counted, by kind and directory, in one dropped
+    row; the workspace's budget holds its sandboxes together; lifecycle rows always go."""
+    a = bounded(tmp_path, sandbox_rows=100, workspace_rows=150)
+    try:
+        for i in range(400):
+            a.record("sbx-1", "file_write", {"source": "runtime", "path": f"/work/a/{i}"},
+                     workspace="ws-b")
+        for i in range(400):
+            a.record("sbx-2", "command", {"source": "api", "argv": [str(i)]}, workspace="ws-b")
+        a.record("sbx-2", "lifecycle", {"to": "killed"}, workspace="ws-b")
+        a.record("sbx-3", "command", {"argv": ["x"]}, workspace="ws-other")
+        assert a.flush(owed=True)
+        one, two = a.query("sbx-1", limit=1000), a.query("sbx-2", limit=1000)
+        assert sum(r["kind"] == "file_write" for r in one) == 100
+        d1 = [r["detail"] for r in one if r["kind"] == "dropped"]
+        assert len(d1) == 1 and d1[0]["count"] == 300
+        assert d1[0]["kinds"] == {"file_write": 300} and d1[0]["directories"] == {
+            "/work/a": 300}
+        assert "sandbox's row budget" in d1[0]["source"]
+        assert sum(r["kind"] == "command" for r in two) == 50  # 150 for the workspace
+        d2 = [r["detail"] for r in two if r["kind"] == "dropped"]
+        assert d2[0]["count"] == 350 and "workspace's row budget" in d2[0]["source"]
+        assert any(r["kind"] == "lifecycle" for r in two)
+        assert len(a.query("sbx-3")) == 1
+        assert a.held_total == 650 and a.verify()["ok"]
+    finally:
+        a.close()
+
+
+def test_low_disk_space_holds_back_all_but_lifecycle(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    free = [10 << 30]
+
+    class Usage:
+        def __init__(self) -> None:
+            self.free = free[0]
+
+    monkeypatch.setattr("cpuosd.accounting.audit.shutil.disk_usage", lambda _p: Usage())
+    monkeypatch.setattr(audit_mod, "SPACE_CHECK", 0.0)
+    a = bounded(tmp_path, min_free=1 << 30)
+    try:
+        a.record("sbx-d", "command", {"argv": ["before"]}, workspace="ws-1")
+        assert a.flush()
+        free[0] = 100 << 20
+        wait_until(lambda: a._low_space, "the writer to see the disk almost full", 10)
+        assert not a.record("sbx-d", "command", {"argv": ["while full"]}, workspace="ws-1")
+        assert a.record("sbx-d", "lifecycle", {"to": "paused"}, workspace="ws-1")
+        free[0] = 10 << 30
+        wait_until(lambda: not a._low_space, "the writer to see space again", 10)
+        assert a.flush(owed=True)
+        kinds = [(r["kind"], r["detail"].get("argv"), r["detail"].get("source"))
+                 for r in a.query("sbx-d")]
+        assert ("command", ["while full"], None) not in kinds
+        assert ("lifecycle", None, None) in kinds
+        assert any(k == "dropped" and "disk" in str(s) for k, _, s in kinds)
+    finally:
+        a.close()
+
+
+def test_limits_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in ("CPUOS_AUDIT_SANDBOX_ROWS", "CPUOS_AUDIT_WORKSPACE_ROWS", "CPUOS_AUDIT_MIN_FREE",
+              "CPUOS_AUDIT_RETENTION"):
+        monkeypatch.delenv(k, raising=False)
+    lim = audit_mod.Limits.from_env()
+    assert (lim.sandbox_rows, lim.workspace_rows, lim.min_free) == (20_000, 200_000, 1 << 30)
+    assert audit_mod.retention_seconds() == 30 * 86400
+    monkeypatch.setenv("CPUOS_AUDIT_RETENTION", "forever")
+    monkeypatch.setenv("CPUOS_AUDIT_SANDBOX_ROWS", "0")
+    monkeypatch.setenv("CPUOS_AUDIT_MIN_FREE", "2GiB")
+    assert audit_mod.retention_seconds() is None
+    lim = audit_mod.Limits.from_env()
+    assert lim.sandbox_rows is None and lim.min_free == 2 << 30
+    monkeypatch.setenv("CPUOS_AUDIT_WORKSPACE_ROWS", "lots")
+    with pytest.raises(ValueError, match="CPUOS_AUDIT_WORKSPACE_ROWS"):
+        audit_mod.Limits.from_env()
+
+
+# ---- cpuos's points (runsc patch level 2) --------------------------------------------------
+def fs_point(sysno: int, path: str, other: str = "", flags: int = 0, uid: int = 1000) -> Any:
+    return pb.Open(sysno=sysno, fd=-100, fd_path=path, pathname=other, flags=flags,
+                   exit=pb.Exit(result=0),
+                   context_data=pb.ContextData(thread_group_id=9, credentials=pb.Credentials(
+                       real_uid=uid, effective_uid=uid)))
+
+
+def test_decode_of_cpuos_points() -> None:
+    def dec(m: Any, count: int = 1) -> Any:
+        got = trace.decode(trace.MSG_OPEN, m.SerializeToString(), count)
+        return got and (got[0], {k: v for k, v in got[1].items()
+                                 if k not in ("pid", "ppid", "uid", "euid", "time_ns")})
+
+    assert dec(fs_point(82, "/work/b", "/work/a")) == (
+        "file_write", {"source": "runtime", "op": "rename", "path": "/work/b", "from": "/work/a"})
+    assert dec(fs_point(316, "/work/b", "/work/a", flags=2))[1]["exchange"] is True
+    assert dec(fs_point(263, "/work/d", flags=0x200))[1]["op"] == "rmdir"
+    assert dec(fs_point(88, "/work/l", "/etc/shadow"))[1]["target"] == "/etc/shadow"
+    assert dec(fs_point(265, "/work/l", "/work/f"), count=7)[1]["count"] == 7
+    # the agent's own exec cgroups are not the user's doing
+    assert dec(fs_point(83, "/run/cpuos-exec/x5", uid=0)) is None
+    assert dec(fs_point(83, "/run/cpuos-exec/x5", uid=1000)) is not None
+    # an open: the Sentry's resolved path, and how the process named it
+    o = pb.Open(sysno=257, fd=5, fd_path="/work/real.txt", pathname="/proc/self/fd/3",
+                flags=0o1, exit=pb.Exit(result=4), context_data=pb.ContextData())
+    d = dec(o)[1]
+    assert (d["op"], d["path"], d["name"]) == ("open", "/work/real.txt", "/proc/self/fd/3")
+
+
+def test_sink_reads_the_count_in_the_longer_header(log: AuditLog, tmp_path: Path) -> None:
+    sink = trace.Sink("sbx-n", tmp_path / "trace.sock", log)
+    try:
+        s = sentry(tmp_path / "trace.sock")
+        body = execve(["true"]).SerializeToString()
+        s.send(struct.pack("<HHII", 12, trace.MSG_EXEC, 0, 41) + body)
+        s.close()
+        wait_until(lambda: log.flush() and len(log.query("sbx-n")) >= 1, "the row")
+    finally:
+        sink.close()
+    assert log.query("sbx-n")[0]["detail"]["count"] == 41
+
+
+def test_session_config_with_and_without_cpuos_points(tmp_path: Path) -> None:
+    new = trace.session_config(tmp_path / "t.sock")["trace_session"]
+    names = {p["name"] for p in new["points"]}
+    assert {"syscall/openat2/exit", "syscall/renameat2/exit", "syscall/unlinkat/exit",
+            "syscall/truncate/exit", "syscall/linkat/exit"} <= names
+    assert new["sinks"][0]["config"]["cpuos_coalesce"] == trace.COALESCE
+    opens = [p for p in new["points"] if p["name"] == "syscall/openat/exit"]
+    assert opens[0]["optional_fields"] == ["cpuos_writes"]
+    assert all("cwd" not in p["context_fields"] for p in new["points"]
+               if p["name"] != "sentry/execve")
+    old = trace.session_config(tmp_path / "t.sock", cpuos_points=False)["trace_session"]
+    assert {p["name"] for p in old["points"]} == {"sentry/execve", "syscall/open/exit",
+                                                  "syscall/openat/exit", "syscall/creat/exit"}
+    assert "cpuos_coalesce" not in old["sinks"][0]["config"]
+
+
+def test_a_flood_from_outside_does_not_use_up_the_budget_of_what_runs_inside(
+        tmp_path: Path) -> None:
+    """Connections to a public preview port from many peers (anyone can make them) hit the
+    network rows' budget, never the one of the commands and file writes inside."""
+    a = bounded(tmp_path, sandbox_rows=100, workspace_rows=1000)
+    try:
+        for i in range(500):
+            a.on_event(SandboxEvent("port", "sbx-p", "ws-p", None, fields={
+                "port": 80, "action": "connect", "peer": f"198.51.100.{i % 250}.{i}"}))
+        for i in range(50):
+            assert a.record("sbx-p", "file_write", {"source": "runtime", "path": f"/w/{i}"},
+                            workspace="ws-p")
+        assert a.flush(owed=True)
+        rows = a.query("sbx-p", limit=10000)
+        assert sum(r["kind"] == "port" for r in rows) == 100
+        assert sum(r["kind"] == "file_write" for r in rows) == 50
+        dropped = [r["detail"] for r in rows if r["kind"] == "dropped"]
+        assert [d["kinds"] for d in dropped] == [{"port": 400}]
+    finally:
+        a.close()
+
+
+def test_sink_reads_batches_of_records(log: AuditLog, tmp_path: Path) -> None:
+    """cpuos's sink sends batches: one message of records (u32 length, header, point); the
+    Sentry's drop count may come slightly out of order inside one: only a rise counts."""
+    sink = trace.Sink("sbx-b", tmp_path / "trace.sock", log)
+    try:
+        s = sentry(tmp_path / "trace.sock")
+        recs = [message(trace.MSG_EXEC, execve(["echo", str(i)]), dropped=d)
+                for i, d in enumerate((0, 2, 1, 2))]
+        repeat = execve(["true"]).SerializeToString()
+        recs.append(struct.pack("<HHII", 12, trace.MSG_EXEC, 2, 9) + repeat)
+        body = b"".join(struct.pack("<I", len(r)) + r for r in recs)
+        s.send(struct.pack("<HHI", 8, trace.MSG_BATCH, 3) + body)
+        s.send(struct.pack("<HHI", 8, trace.MSG_BATCH, 3) + struct.pack("<I", 999) + b"x")
+        s.close()
+        wait_until(lambda: log.flush() and len(log.query("sbx-b")) >= 6, "the rows")
+    finally:
+        sink.close(wait=5)
+    rows = log.query("sbx-b")
+    cmds = [r["detail"] for r in rows if r["kind"] == "command"]
+    assert [c["argv"] for c in cmds] == [["echo", "0"], ["echo", "1"], ["echo", "2"],
+                                         ["echo", "3"], ["true"]]
+    assert cmds[-1]["count"] == 9 and sink.points == 13
+    dropped = sorted((r["detail"]["source"], r["detail"]["count"]) for r in rows
+                     if r["kind"] == "dropped")
+    assert dropped == [("gVisor's sink (the socket's buffer was full)", 3),
+                       ("malformed or too large", 1)]

@@ -41,7 +41,7 @@ class PoolManager(Manager):
         return self.image
 
     async def _boot(self, row: SandboxRow, image: Path | None, *,
-                    template_boot: bool = False) -> Live:
+                    template_boot: bool = False, resume: bool = False) -> Live:
         self.booting += 1
         self.most_booting = max(self.most_booting, self.booting)
         try:

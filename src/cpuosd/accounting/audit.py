@@ -20,10 +20,26 @@ Rows come from the lifecycle's event bus (``on_event``: lifecycle changes, API c
 file writes, connections, ports, limits) and from gVisor's runtime monitoring
 (cpuosd.accounting.trace: commands and file writes made inside, recorded outside it).
 
-Retention (``CPUOS_AUDIT_RETENTION``, a duration, e.g. ``30d``; default: keep all): older
-rows are deleted from the front of the chain; the last deleted row's (seq, hash) is kept as
-the chain's anchor (itself under the key), so a verified chain still starts where retention
-says it does.
+Growth is bounded (issue 25, finding 6):
+
+- coalescing: a row that repeats one written less than ``COALESCE_WINDOW`` ago (the same
+  sandbox, kind and detail, less times, pids and fds: a command run again and again, one
+  file written again and again, connections to a preview port from one peer, denied
+  connection attempts) is counted, not written; when the window ends one row with the last
+  one's detail and ``count`` (how many it stands for) is written. The first is always
+  written at once. (gVisor's sink coalesces runtime points the same way before they leave
+  the Sentry: cpuosd.accounting.trace.)
+- a row budget per sandbox and per workspace (token buckets, ``CPUOS_AUDIT_SANDBOX_ROWS``
+  and ``CPUOS_AUDIT_WORKSPACE_ROWS`` rows an hour, each bucket holding an hour's worth):
+  past it, rows are counted and every ``DROP_EVERY`` seconds a ``dropped`` row says how many
+  of each kind, and for file writes in which directories; lifecycle, limit and dropped rows
+  are never held back;
+- a free-space floor (``CPUOS_AUDIT_MIN_FREE``, default 1 GiB, checked every few seconds):
+  below it only lifecycle, limit and dropped rows are written, the rest counted;
+- retention (``CPUOS_AUDIT_RETENTION``, a duration; default 30 days; ``forever`` keeps
+  everything): older rows are deleted from the front of the chain; the last deleted row's
+  (seq, hash) is kept as the chain's anchor (itself under the key), so a verified chain
+  still starts where retention says it does.
 """
 
 from __future__ import annotations
@@ -35,12 +51,14 @@ import hmac
 import json
 import logging
 import os
+import posixpath
 import secrets
+import shutil
 import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +77,18 @@ MAX_PENDING = 100_000
 MAX_PENDING_PER_SANDBOX = 20_000
 BATCH = 500  # rows per transaction (the write lock is held ~10 ms)
 MAX_DETAIL = 16_384  # bytes of a row's detail JSON (longer strings are cut)
+COALESCE_WINDOW = 5.0  # s: repeats of a row within this are one row with a count
+MAX_COALESCING = 20_000  # rows being coalesced at once (beyond: written as they come)
+DROP_EVERY = 10.0  # s: at most one dropped row per sandbox and cause in this time
+EXEMPT = frozenset({"lifecycle", "limit", "dropped"})  # never held back by budget or space
+NET_KINDS = frozenset({"connection", "port"})  # budgets of their own (see _within_budget)
+DEFAULT_RETENTION = "30d"
+DEFAULT_SANDBOX_ROWS = 20_000  # an hour
+DEFAULT_WORKSPACE_ROWS = 200_000  # an hour
+DEFAULT_MIN_FREE = 1 << 30
+SPACE_CHECK = 5.0  # s
+# fields that differ between repeats of "the same" row
+VOLATILE = frozenset({"time_ns", "pid", "ppid", "fd", "count", "time", "first_time"})
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS audit (
@@ -77,12 +107,104 @@ COLS = "seq, time, workspace, sandbox, kind, detail, prev_hash, hash"
 
 
 def retention_seconds() -> float | None:
+    """``CPUOS_AUDIT_RETENTION`` (default 30 days); None: keep every row."""
     from cpuos_agent.protocol import parse_duration
 
-    v = os.environ.get("CPUOS_AUDIT_RETENTION")
-    if not v or v in ("0", "forever"):
+    v = os.environ.get("CPUOS_AUDIT_RETENTION", DEFAULT_RETENTION)
+    if v in ("0", "forever", "none"):
         return None
     return parse_duration(v, "CPUOS_AUDIT_RETENTION")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What bounds the audit's growth (None: no bound)."""
+
+    sandbox_rows: float | None = None  # rows an hour per sandbox
+    workspace_rows: float | None = None  # rows an hour per workspace
+    min_free: int | None = None  # bytes free on the database's filesystem
+    coalesce: float = 0.0  # s (0: no coalescing)
+
+    @classmethod
+    def from_env(cls) -> Limits:
+        from cpuos_agent.protocol import parse_size_mib
+
+        def rows(name: str, default: int) -> float | None:
+            v = os.environ.get(name, str(default)).strip()
+            if v in ("0", "none", "unlimited"):
+                return None
+            try:
+                n = float(v)
+            except ValueError:
+                raise ValueError(f"{name} must be a number of rows an hour, or 0 "
+                                 f"(unlimited), not {v!r}") from None
+            if n < 0:
+                raise ValueError(f"{name} must not be negative")
+            return n
+
+        free = os.environ.get("CPUOS_AUDIT_MIN_FREE")
+        return cls(rows("CPUOS_AUDIT_SANDBOX_ROWS", DEFAULT_SANDBOX_ROWS),
+                   rows("CPUOS_AUDIT_WORKSPACE_ROWS", DEFAULT_WORKSPACE_ROWS),
+                   DEFAULT_MIN_FREE if free is None else None if free.strip() == "0" else
+                   parse_size_mib(free, "CPUOS_AUDIT_MIN_FREE") << 20,
+                   COALESCE_WINDOW)
+
+
+class Bucket:
+    """A token bucket: ``per_hour`` tokens an hour, holding at most an hour's worth."""
+
+    __slots__ = ("cap", "last", "rate", "tokens")
+
+    def __init__(self, per_hour: float, now: float) -> None:
+        self.cap, self.rate = per_hour, per_hour / 3600.0
+        self.tokens, self.last = per_hour, now
+
+    def take(self, now: float) -> bool:
+        self.tokens = min(self.cap, self.tokens + (now - self.last) * self.rate)
+        self.last = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return True
+        return False
+
+    def give_back(self) -> None:
+        self.tokens = min(self.cap, self.tokens + 1)
+
+
+def coalesce_key(sandbox: str, kind: str, detail: dict[str, Any]) -> str | None:
+    """What makes two rows "the same" for coalescing, or None for a row never coalesced:
+    runtime commands and file changes, preview connections, refused connection attempts."""
+    if kind in ("command", "file_write"):
+        if detail.get("source") != "runtime":
+            return None
+    elif kind == "port":
+        if detail.get("action") != "connect":
+            return None
+    elif kind == "connection":
+        if detail.get("verdict") == "allowed":
+            return None
+    else:
+        return None
+    rest = {k: v for k, v in detail.items() if k not in VOLATILE}
+    return sandbox + "\x1f" + kind + "\x1f" + json.dumps(rest, sort_keys=True, default=str)
+
+
+@dataclass
+class Coalescing:
+    since: float  # monotonic: the window's start (the row written at once)
+    count: int = 0  # rows counted since
+    first: float = 0.0  # time of the first counted
+    last: Pending | None = None  # the last counted
+
+
+@dataclass
+class Held:
+    """Rows of one sandbox held back for one cause, not yet in a dropped row."""
+
+    count: int = 0
+    kinds: collections.Counter[str] = field(default_factory=collections.Counter)
+    dirs: collections.Counter[str] = field(default_factory=collections.Counter)
+    since: float = 0.0  # monotonic: the first held
 
 
 def load_key(path: Path) -> bytes:
@@ -145,8 +267,10 @@ class Pending:
 class AuditLog:
     def __init__(self, db_path: Path, key_path: Path, head_path: Path | None = None,
                  retention: float | None = None,
-                 workspace_lookup: Callable[[str], str | None] | None = None) -> None:
+                 workspace_lookup: Callable[[str], str | None] | None = None,
+                 limits: Limits | None = None) -> None:
         self.db_path, self.head_path = db_path, head_path
+        self.limits = limits or Limits()
         # a sandbox's workspace before its first event names it (from the daemon's Store)
         self.workspace_lookup = workspace_lookup
         self.key = load_key(key_path)
@@ -162,11 +286,18 @@ class AuditLog:
         self._cv = threading.Condition()
         self._queue: collections.deque[Pending] = collections.deque()
         self._per_sbx: collections.Counter[str] = collections.Counter()
-        self._dropped: dict[tuple[str, str], int] = {}  # (workspace, sandbox) -> count
         self._enqueued = 0  # tickets: rows put (or dropped) so far
         self._written = 0  # ... and handled by the writer
         self._closed = False
         self._ws: dict[str, str] = {}  # sandbox -> workspace (from its lifecycle events)
+        self._coalescing: dict[str, Coalescing] = {}
+        # ("s"|"w", sandbox or workspace id, "run"|"net") -> bucket
+        self._buckets: dict[tuple[str, str, str], Bucket] = {}
+        # rows held back, by (workspace, sandbox, cause): counted into dropped rows
+        self._held: dict[tuple[str, str, str], Held] = {}
+        self._low_space = False
+        self._space_checked = 0.0
+        self.held_total = 0  # rows held back so far (budget, space, queue), all sandboxes
         r = self._db.execute("SELECT seq, hash FROM audit ORDER BY seq DESC LIMIT 1").fetchone()
         if r is None:
             a = self._db.execute("SELECT seq, hash FROM audit_anchor").fetchone()
@@ -188,28 +319,148 @@ class AuditLog:
 
     def record(self, sandbox: str, kind: str, detail: dict[str, Any],
                workspace: str | None = None, t: float | None = None) -> bool:
-        """Queue a row (from any thread); False: dropped (counted), the queue being full."""
+        """Queue a row (from any thread); False: held back (counted), by a full queue, the
+        row budget or low disk space. A repeat being coalesced counts as queued."""
         ws = workspace if workspace is not None else self.workspace_of(sandbox)
+        key = coalesce_key(sandbox, kind, detail) if self.limits.coalesce else None
+        when = time.time() if t is None else t
+        now = time.monotonic()
         with self._cv:
             if self._closed:
                 return False
-            if (len(self._queue) >= MAX_PENDING
-                    or self._per_sbx[sandbox] >= MAX_PENDING_PER_SANDBOX):
-                k = (ws, sandbox)
-                self._dropped[k] = self._dropped.get(k, 0) + 1
+            if key is not None:
+                c = self._coalescing.get(key)
+                # within its window, or past it with repeats the writer has not made into
+                # their row yet (replacing it would lose their count)
+                if c is not None and (now - c.since < self.limits.coalesce or c.count):
+                    c.count += int(detail.get("count") or 1)
+                    c.first = c.first or when
+                    c.last = Pending(when, ws, sandbox, kind, detail)
+                    return True
+                if len(self._coalescing) < MAX_COALESCING:
+                    self._coalescing[key] = Coalescing(now)
+            return self._admit(Pending(when, ws, sandbox, kind, detail), now)
+
+    def _admit(self, p: Pending, now: float) -> bool:
+        """Budget, space and queue bound for one row; queue it. Holds ``_cv``."""
+        if p.kind not in EXEMPT:
+            cause = None
+            if self._low_space:
+                cause = "the disk is almost full (CPUOS_AUDIT_MIN_FREE)"
+            elif not self._within_budget(p.workspace, p.sandbox, now, p.kind):
+                cause = self._last_cause
+            if cause is not None:
+                self._hold(p, cause, now)
                 return False
-            self._queue.append(Pending(time.time() if t is None else t, ws, sandbox, kind,
-                                       detail))
-            self._per_sbx[sandbox] += 1
-            self._enqueued += 1
-            if len(self._queue) == 1:
-                self._cv.notify_all()
+        if (len(self._queue) >= MAX_PENDING
+                or self._per_sbx[p.sandbox] >= MAX_PENDING_PER_SANDBOX):
+            self._hold(p, "audit queue full", now)
+            return False
+        self._queue.append(p)
+        self._per_sbx[p.sandbox] += 1
+        self._enqueued += 1
+        if len(self._queue) == 1:
+            self._cv.notify_all()
         return True
+
+    _last_cause = ""
+
+    def _within_budget(self, ws: str, sandbox: str, now: float, kind: str = "") -> bool:
+        """Takes a token of the sandbox's and the workspace's budget for ``kind``'s class:
+        network rows (connections, preview ports: what others can cause from outside) have
+        buckets of their own, so a flood of them never uses up the budget of what runs
+        inside."""
+        taken: list[Bucket] = []
+        cls = "net" if kind in NET_KINDS else "run"
+        for scope, ident, per_hour, what in (
+                ("s", sandbox, self.limits.sandbox_rows, "the sandbox's row budget "
+                 "(CPUOS_AUDIT_SANDBOX_ROWS)"),
+                ("w", ws, self.limits.workspace_rows, "the workspace's row budget "
+                 "(CPUOS_AUDIT_WORKSPACE_ROWS)")):
+            if per_hour is None:
+                continue
+            b = self._buckets.get((scope, ident, cls))
+            if b is None:
+                if len(self._buckets) > 100_000:
+                    self._buckets.clear()
+                b = self._buckets[(scope, ident, cls)] = Bucket(per_hour, now)
+            if not b.take(now):
+                for t in taken:  # a row the workspace refuses costs the sandbox nothing
+                    t.give_back()
+                self._last_cause = what
+                return False
+            taken.append(b)
+        return True
+
+    def _hold(self, p: Pending, cause: str, now: float) -> None:
+        n = int(p.detail.get("count") or 1) if p.kind != "dropped" else 1
+        h = self._held.get((p.workspace, p.sandbox, cause))
+        if h is None:
+            h = self._held[(p.workspace, p.sandbox, cause)] = Held(since=now)
+        h.count += n
+        self.held_total += n
+        h.kinds[p.kind] += n
+        path = p.detail.get("path")
+        if p.kind == "file_write" and isinstance(path, str):
+            d = posixpath.dirname(path) or "/"
+            if d in h.dirs or len(h.dirs) < 32:
+                h.dirs[d] += n
+            else:
+                h.dirs["(other directories)"] += n
+
+    def _due(self, now: float, final: bool = False) -> list[Pending]:
+        """Rows the writer owes: coalesced repeats whose window ended, dropped rows for what
+        was held back (each cause of each sandbox at most every DROP_EVERY s). Holds
+        ``_cv``."""
+        out: list[Pending] = []
+        for key, c in list(self._coalescing.items()):
+            if final or now - c.since >= self.limits.coalesce:
+                del self._coalescing[key]
+                if c.count and c.last is not None:
+                    last = c.last
+                    row = Pending(last.time, last.workspace, last.sandbox, last.kind,
+                                  {**last.detail, "count": c.count, "first_time": c.first})
+                    if last.kind in EXEMPT or (not self._low_space and self._within_budget(
+                            last.workspace, last.sandbox, now, last.kind)):
+                        out.append(row)
+                    else:
+                        self._hold(row, "the disk is almost full (CPUOS_AUDIT_MIN_FREE)"
+                                   if self._low_space else self._last_cause, now)
+        for (ws, sbx, cause), h in list(self._held.items()):
+            if final or now - h.since >= DROP_EVERY:
+                del self._held[(ws, sbx, cause)]
+                detail: dict[str, Any] = {"count": h.count, "source": cause,
+                                          "kinds": dict(h.kinds)}
+                if h.dirs:
+                    detail["directories"] = dict(h.dirs.most_common(32))
+                out.append(Pending(time.time(), ws, sbx, "dropped", detail))
+        return out
+
+    def _check_space(self, now: float) -> None:
+        if self.limits.min_free is None or now - self._space_checked < SPACE_CHECK:
+            return
+        self._space_checked = now
+        try:
+            free = shutil.disk_usage(self.db_path.parent).free
+        except OSError:
+            return
+        low = free < self.limits.min_free
+        if low != self._low_space:
+            (log.warning if low else log.info)(
+                "audit: %d MiB free under %s: %s", free >> 20, self.db_path.parent,
+                "rows other than lifecycle, limit and dropped are counted, not written"
+                if low else "writing rows again")
+        self._low_space = low
 
     def note_dropped(self, sandbox: str, count: int, source: str) -> None:
         """Points lost before they reached us (gVisor's sink counts them): a row saying so."""
         if count > 0:
             self.record(sandbox, "dropped", {"count": count, "source": source})
+
+    def pending_repeats(self) -> int:
+        """Rows being coalesced (their repeats not written yet)."""
+        with self._cv:
+            return sum(1 for c in self._coalescing.values() if c.count)
 
     def on_event(self, ev: SandboxEvent) -> None:
         """The event bus subscriber."""
@@ -241,21 +492,29 @@ class AuditLog:
     def _writer(self) -> None:
         while True:
             with self._cv:
-                while not self._queue and not self._dropped and not self._closed:
+                while (not self._queue and not self._closed
+                       and not self._owed(time.monotonic())):
                     self._cv.wait(1.0)
+                    self._check_space(time.monotonic())
                     if self.retention is not None and time.time() - self._last_prune > 60:
                         break
-                if self._closed and not self._queue and not self._dropped:
-                    return
+                now = time.monotonic()
+                self._check_space(now)
+                if self._closed and not self._queue:
+                    final = self._due(now, final=True)
+                    if not final:
+                        return
+                    self._queue.extend(final)
+                    self._enqueued += len(final)
+                    for p in final:
+                        self._per_sbx[p.sandbox] += 1
                 batch = [self._queue.popleft() for _ in range(min(BATCH, len(self._queue)))]
                 for p in batch:
                     self._per_sbx[p.sandbox] -= 1
                     if self._per_sbx[p.sandbox] <= 0:
                         del self._per_sbx[p.sandbox]
-                drops, self._dropped = self._dropped, {}
-            for (ws, sbx), n in drops.items():
-                batch.append(Pending(time.time(), ws, sbx, "dropped",
-                                     {"count": n, "source": "audit queue full"}))
+                owed = self._due(now)
+            batch.extend(owed)
             try:
                 if batch:
                     self._write(batch)
@@ -265,8 +524,14 @@ class AuditLog:
             except Exception:
                 log.exception("audit: writing %d rows failed", len(batch))
             with self._cv:
-                self._written += len(batch) - len(drops)
+                self._written += len(batch) - len(owed)
                 self._cv.notify_all()
+
+    def _owed(self, now: float) -> bool:
+        """Has the writer rows to make (a window or a drop interval ended)? Holds ``_cv``."""
+        return any(now - c.since >= self.limits.coalesce for c in self._coalescing.values()
+                   if c.count) or any(now - h.since >= DROP_EVERY
+                                      for h in self._held.values())
 
     def _write(self, batch: list[Pending]) -> None:
         rows = []
@@ -292,15 +557,22 @@ class AuditLog:
             tmp.write_text(json.dumps({"seq": seq, "hash": head}))
             os.replace(tmp, self.head_path)
 
-    def flush(self, timeout: float = 10.0) -> bool:
+    def flush(self, timeout: float = 10.0, owed: bool = False) -> bool:
         """Wait (a thread's wait: call it off the event loop) until every row queued before
-        the call is written."""
+        the call is written; ``owed``: also the rows not due yet (repeats being coalesced,
+        counts of rows held back), made now."""
         with self._cv:
+            if owed and not self._closed:
+                for p in self._due(time.monotonic(), final=True):
+                    self._queue.append(p)
+                    self._per_sbx[p.sandbox] += 1
+                    self._enqueued += 1
+                self._cv.notify_all()
             target = self._enqueued
             return self._cv.wait_for(lambda: self._written >= target or self._closed, timeout)
 
     def close(self) -> None:
-        self.flush(10.0)
+        self.flush(10.0, owed=True)
         with self._cv:
             self._closed = True
             self._cv.notify_all()

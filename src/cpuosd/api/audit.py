@@ -14,7 +14,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
-from ..accounting.audit import DB_NAME, KINDS, AuditLog, retention_seconds
+from ..accounting.audit import DB_NAME, KINDS, AuditLog, Limits, retention_seconds
 from ..config import Config
 from ..errors import invalid
 from ..events import EventBus
@@ -36,7 +36,7 @@ def start_audit(cfg: Config, events: EventBus, store: Store) -> AuditLog:
         return row.workspace_id if row is not None and row.state != "pooled" else None
 
     audit = AuditLog(cfg.home / DB_NAME, cfg.home / "audit.key", cfg.home / "audit.head",
-                     retention_seconds(), workspace)
+                     retention_seconds(), workspace, Limits.from_env())
     if cfg.audit:
         events.subscribe(audit.on_event)
     return audit

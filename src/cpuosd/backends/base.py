@@ -94,6 +94,11 @@ class Backend(Protocol):
     def memory_usage(self, sandbox_id: str) -> int | None:
         """Host memory the sandbox holds, or None if unknown."""
 
+    def memory_watch(self, sandbox_id: str, threshold: int) -> int | None:
+        """An eventfd the host signals each time the sandbox's host memory crosses
+        ``threshold`` bytes (the caller owns it), or None where there is no such event
+        (cpuosd.lifecycle.memwatch: the gVisor agent's OOM guard sleeps until it)."""
+
     def cpu_seconds(self, sandbox_id: str) -> float | None:
         """CPU time the sandbox has used on the host (one cheap read), or None if unknown."""
 

@@ -229,7 +229,9 @@ class GVisorBackend:
 
     async def checkpoint(self, sandbox_id: str, image_dir: Path) -> None:
         """Save the sandbox (memory, processes, writable layer) to image_dir. The sandbox
-        stops, whether the checkpoint succeeded or not (runsc 2022-12)."""
+        stops, whether the checkpoint succeeded or not (runsc 2022-12); its container is
+        left for ``kill`` to delete (the caller's teardown: for a pause, after it has
+        answered)."""
         image_dir.mkdir(parents=True, exist_ok=True)
         rc, _, err = await self._run(*self._global_flags(), "checkpoint",
                                      f"--image-path={image_dir}", sandbox_id, timeout=120)
@@ -238,7 +240,6 @@ class GVisorBackend:
             line = next((x for x in msg.splitlines() if "checkpoint failed" in x), msg[-300:])
             code = "no_space" if "no space left" in msg else "internal"
             raise ApiError(code, f"runsc checkpoint failed: {line[:300]}")
-        await self._delete_reaping(sandbox_id)
 
     async def _delete_reaping(self, sandbox_id: str) -> None:
         """runsc delete waits for the sandbox process (our adopted orphan) to be reaped:
@@ -362,6 +363,28 @@ class GVisorBackend:
                 except OSError:
                     continue
         return None
+
+    @staticmethod
+    def memory_watch(sandbox_id: str, threshold: int) -> int | None:
+        """An eventfd the host kernel signals each time the sandbox's memory (its host
+        cgroup's usage) crosses ``threshold`` bytes, either way (cgroup v1's memory
+        thresholds: ``cgroup.event_control``); the caller owns it (closing it removes the
+        watch). None where the host has no such notification (cgroup v2)."""
+        base = Path(f"/sys/fs/cgroup/memory/cpuos/{sandbox_id}")
+        try:
+            usage = os.open(base / "memory.usage_in_bytes", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        efd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        try:
+            with open(base / "cgroup.event_control", "w") as f:
+                f.write(f"{efd} {usage} {int(threshold)}")
+        except OSError:
+            os.close(efd)
+            return None
+        finally:
+            os.close(usage)
+        return efd
 
     def memory_usage(self, sandbox_id: str) -> int | None:
         """Bytes the sandbox's cgroup holds (an upper bound of its checkpoint image)."""

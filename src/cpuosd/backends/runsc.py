@@ -30,7 +30,7 @@ log = logging.getLogger("cpuosd.runsc")
 # changes to it (deps/runsc/patches; a unit test keeps these, deps/runsc/go.mod and the
 # build script in step).
 MODULE_VERSION = "v0.0.0-20260905035102-160fafc42237"
-PATCH_LEVEL = 1
+PATCH_LEVEL = 2
 PINNED_VERSION = f"{MODULE_VERSION}+cpuos.{PATCH_LEVEL}"
 PREFIX = Path(os.environ.get("CPUOS_RUNSC_PREFIX", "/usr/local/lib/cpuos"))
 PLATFORMS = ("systrap", "ptrace", "kvm")
@@ -57,11 +57,22 @@ class Runsc:
         return self.source in ("path", "other-build")
 
     @property
+    def patch_level(self) -> int:
+        """The level of cpuos's changes in this build (deps/runsc/patches), 0 for none."""
+        m = re.search(r"\+cpuos\.(\d+)$", self.version)
+        return int(m.group(1)) if m is not None else 0
+
+    @property
     def overlay_inodes(self) -> bool:
         """Takes an inode limit with the overlay's size (``size=5120m/98304``: cpuos's
         patch level 1, deps/runsc/patches)."""
-        m = re.search(r"\+cpuos\.(\d+)$", self.version)
-        return m is not None and int(m.group(1)) >= 1
+        return self.patch_level >= 1
+
+    @property
+    def audit_points(self) -> bool:
+        """Has cpuos's trace points for the audit (level 2: file-system changes, opens
+        filtered to writes in the Sentry, coalescing in the remote sink)."""
+        return self.patch_level >= 2
 
     def gofer_flags(self) -> list[str]:
         """Each gofer in an empty netns of its own: runsc's default (one shared netns

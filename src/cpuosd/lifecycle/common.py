@@ -5,10 +5,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..agentconn import AgentChannel
 from ..backends.base import SandboxSpec
 from ..store import SandboxRow
+
+if TYPE_CHECKING:
+    from .memwatch import MemoryWatch
 
 # s a request waits for the agent of a running sandbox that is reconnecting
 RECONNECT_GRACE = 5.0
@@ -23,6 +27,7 @@ class Live:
     row: SandboxRow
     spec: SandboxSpec
     chan: AgentChannel
+    mem: MemoryWatch | None = None  # the host's half of the agent's OOM guard
 
 
 def _now() -> float:

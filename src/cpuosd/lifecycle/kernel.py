@@ -1,5 +1,6 @@
 """The code interpreter, host side: a cell goes to the sandbox's kernel driver
-(``cpuos_agent.kernel``, started by the ``python`` template before its snapshot) through
+(``cpuos_agent.kernel``, started by the ``code-interpreter`` template before its snapshot,
+by the first run_code elsewhere) through
 the agent's ``dial`` (a byte stream to the driver's unix socket inside the sandbox); the
 driver's JSON lines come back, are checked and bounded, and go to the client as frames
 (``cpuos_agent.protocol``):

@@ -37,7 +37,7 @@ from ..store import LIVE_STATES, SandboxRow, Store
 from ..accounting.quotas import Admission, HostMeter, Measure
 from ..network.policy import Policy
 from ..templates.builder import template_info
-from . import states
+from . import memwatch, states
 from .common import (KILL_LOCK_WAIT, KILL_RETRY_INTERVAL, KILL_TIMEOUT, RECONNECT_GRACE, Live,
                      _now)
 from .deadlines import Deadlines
@@ -67,6 +67,9 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         self.admission = Admission(store, measure or self.host_meter.measure)
         self.live: dict[str, Live] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+        # what a pause leaves of a sandbox on the host (its stopped runsc container, its
+        # directory), removed after the pause has answered; a boot of the id waits for it
+        self._teardowns: dict[str, asyncio.Task[None]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         # creates in progress (cancelled by a DELETE of their sandbox)
         self._inflight: dict[str, asyncio.Task[Any] | None] = {}
@@ -207,6 +210,8 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         pausing = list(self._idle_pausing.values())
         if pausing:  # auto-pauses under way finish (bounded): a sandbox is not lost to them
             await asyncio.wait(pausing, timeout=KILL_TIMEOUT)
+        if self._teardowns:  # what pauses left behind them (stopped containers)
+            await asyncio.wait(list(self._teardowns.values()), timeout=KILL_TIMEOUT)
         background = list(self._tasks)
         for t in background:
             t.cancel()
@@ -254,10 +259,13 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         return row
 
     async def _boot(self, row: SandboxRow, image: Path | None, *,
-                    template_boot: bool = False) -> Live:
+                    template_boot: bool = False, resume: bool = False) -> Live:
         """Start (image None) or restore a sandbox for row; returns it with its agent
-        connected and told who it is. On failure everything made for it is removed and
+        connected and told who it is (``resume``: its own pause image, on a backend whose
+        sandboxes take the time and randomness from the host (gVisor): nothing in its
+        identity changed, none is sent). On failure everything made for it is removed and
         the error raised."""
+        await self._settle_teardown(row.id)  # (a pause's, of the same id: its directory)
         spec = self._spec(row)
         key = self._agent_key(row, image)
         chan = AgentChannel(spec.sock_path, key)
@@ -290,7 +298,10 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
             await chan.wait_connected(self.cfg.agent_connect_timeout)
             key_file.unlink(missing_ok=True)
             t2 = time.monotonic()
-            await self._identity(lv)
+            if not resume or self.backend.capabilities.guest_net:
+                await self._identity(lv)
+            self._spawn(self._watch_memory(lv))  # off the critical path (the agent looks
+            # for itself until the host's watch is there)
             log.info("%s of %s: backend %.0f ms, agent hello %.0f ms, identity %.0f ms",
                      "boot" if image is None else "restore", row.id, (t1 - t0) * 1e3,
                      (t2 - t1) * 1e3, (time.monotonic() - t2) * 1e3)
@@ -329,7 +340,8 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         msg: dict[str, Any] = {"t": "identity", "hostname": lv.row.id,
                                "machine_id": lv.row.spec["machine_id"],
                                "seed": secrets.token_hex(64), "time": time.time(),
-                               "memory_limit": int(lv.row.spec["memory_mib"]) << 20}
+                               "memory_limit": int(lv.row.spec["memory_mib"]) << 20,
+                               "spawner_idle_exit": self.cfg.spawner_idle_exit}
         if self.backend.capabilities.guest_net and lv.spec.address and lv.spec.gateway:
             # a VM's interface: every restore and clone has an address of its own
             msg["net"] = {"address": lv.spec.address, "gateway": lv.spec.gateway,
@@ -543,11 +555,53 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
                 log.warning("kill of %s: retry failed: %s", sid, e)
 
     async def _teardown(self, sid: str) -> None:
+        await self._settle_teardown(sid)
         lv = self.live.pop(sid, None)
         if lv is not None:
+            if lv.mem is not None:
+                lv.mem.close()
             await lv.chan.close()
         await self.backend.kill(sid)
         shutil.rmtree(self.cfg.sandboxes_dir / sid, ignore_errors=True)
+
+    async def _watch_memory(self, lv: Live) -> None:
+        """The host's watch on the sandbox's memory (cpuosd.lifecycle.memwatch), if it is
+        still live by then."""
+        if self.live.get(lv.row.id) is not lv or lv.mem is not None:
+            return
+        lv.mem = memwatch.start(lv.chan, lv.row.id, int(lv.row.spec["memory_mib"]),
+                                self.backend)
+
+    def _teardown_later(self, sid: str) -> None:
+        """``_teardown`` for a sandbox that stopped at its checkpoint (a pause): it is no
+        longer live from now on; deleting its stopped container and its directory goes on
+        in the background, off the pause's critical path. ``_boot`` and ``_teardown`` of
+        the same id wait for it."""
+        lv = self.live.pop(sid, None)
+        if lv is not None and lv.mem is not None:
+            lv.mem.close()
+            lv.mem = None
+
+        async def rest() -> None:
+            try:
+                if lv is not None:
+                    await lv.chan.close()
+                await asyncio.wait_for(self.backend.kill(sid), KILL_TIMEOUT)
+                shutil.rmtree(self.cfg.sandboxes_dir / sid, ignore_errors=True)
+            except Exception as e:  # a restarted daemon's reconcile ends what is left
+                log.warning("teardown of %s after its checkpoint failed: %s", sid, e)
+            finally:
+                if self._teardowns.get(sid) is task:
+                    del self._teardowns[sid]
+
+        task = asyncio.get_running_loop().create_task(rest())
+        self._teardowns[sid] = task
+
+    async def _settle_teardown(self, sid: str) -> None:
+        """Wait for a background teardown of sid (its errors are its own)."""
+        t = self._teardowns.get(sid)
+        if t is not None:
+            await asyncio.wait([t])
 
     def _set_state(self, sid: str, to: str, **fields: Any) -> None:
         """The one way a sandbox changes state: checked against the table

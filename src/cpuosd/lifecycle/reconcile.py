@@ -102,6 +102,8 @@ class Reconcile:
         except ApiError:
             log.warning("sandbox %s: agent did not reconnect; killing it", sid)
             await self.kill(sid, reason="lost", final_state="error")
+            return
+        await self._watch_memory(lv)
 
     def _on_disconnect(self: Manager, sid: str) -> None:
         self._spawn(self._check_alive(sid))

@@ -104,7 +104,7 @@ class Snapshots:
             self._finish(sid, "error", f"checkpoint failed: {msg}"[:500])
             raise
         t2 = time.monotonic()
-        await self._teardown(sid)
+        self._teardown_later(sid)  # the container stopped at its checkpoint
         log.info("checkpoint of %s: quiesce %.0f ms, runsc checkpoint %.0f ms, teardown %.0f ms",
                  sid, (t1 - t0) * 1e3, (t2 - t1) * 1e3, (time.monotonic() - t2) * 1e3)
 
@@ -143,7 +143,7 @@ class Snapshots:
                              new_sandboxes=False)
         self._set_state(sid, "resuming")
         try:
-            await self._boot(row, snap)
+            await self._boot(row, snap, resume=True)
         except BaseException:
             self._set_state(sid, "paused")  # the snapshot is still good
             raise

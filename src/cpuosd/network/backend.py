@@ -158,6 +158,9 @@ class Networked:
     def memory_usage(self, sandbox_id: str) -> int | None:
         return self.inner.memory_usage(sandbox_id)
 
+    def memory_watch(self, sandbox_id: str, threshold: int) -> int | None:
+        return self.inner.memory_watch(sandbox_id, threshold)
+
     def cpu_seconds(self, sandbox_id: str) -> float | None:
         return self.inner.cpu_seconds(sandbox_id)
 

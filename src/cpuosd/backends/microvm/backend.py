@@ -710,6 +710,10 @@ class MicroVMBackend:
         m = self.memory_usage(sandbox_id)
         return {} if m is None else {"memory_bytes": m}
 
+    def memory_watch(self, sandbox_id: str, threshold: int) -> int | None:
+        """None: a guest kernel has its own OOM killer (no guard in the agent to wake)."""
+        return None
+
     def cpu_seconds(self, sandbox_id: str) -> float | None:
         """CPU time of the VM's jail cgroup (QEMU: the guest's vCPUs and its devices)."""
         try:
