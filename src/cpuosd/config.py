@@ -113,6 +113,18 @@ class Config:
     # home (cpuosd.store)
     database_url: str | None = field(default_factory=lambda: _database_url())
 
+    # many hosts (issue 24, docs/DEPLOY.md): "all" (one host, the default), "node" (runs
+    # sandboxes behind the node token) or "api" (forwards the public API to the nodes)
+    role: str = field(default_factory=lambda: os.environ.get("CPUOS_ROLE") or "all")
+    # a node's id (a DNS label; default: the host's name) and where API processes reach it
+    node_id: str | None = field(default_factory=lambda: os.environ.get("CPUOS_NODE_ID"))
+    node_address: str | None = field(
+        default_factory=lambda: os.environ.get("CPUOS_NODE_ADDRESS"))
+    # the shared secret between API processes and nodes (X-Cpuos-Node-Token)
+    node_token: str | None = field(default_factory=lambda: os.environ.get("CPUOS_NODE_TOKEN"))
+    # s without a heartbeat after which a node counts as dead; a node beats every third
+    node_lease: float = field(default_factory=lambda: _duration_env("CPUOS_NODE_LEASE", 15))
+
     @property
     def db_path(self) -> Path:
         return self.home / "cpuos.db"

@@ -58,6 +58,9 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
                  events: EventBus | None = None, measure: Measure | None = None) -> None:
         self.cfg = cfg
         self.store = store
+        # the node this daemon is (--role=node): its rows carry it, and what it reconciles,
+        # reaps or prunes is only its own; None on one host (--role=all): every row
+        self.node_id = cfg.node_id if cfg.role == "node" else None
         self.backend = backend
         self.events = events or EventBus()
         # admission by what the host really uses (accounting.quotas): ``measure`` stands in
@@ -120,7 +123,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
 
     def _prune_agents(self) -> None:
         """Agent copies other than the current one, once no live sandbox mounts them."""
-        if self.store.list_sandboxes(states=LIVE_STATES):
+        if self.store.list_sandboxes(states=LIVE_STATES, node_id=self.node_id):
             return  # a reattached or paused sandbox may still use an older copy
         for d in self.agent_dir.parent.iterdir():
             if d != self.agent_dir:
@@ -253,7 +256,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
                   "timeout": timeout, "machine_id": secrets.token_hex(16),
                   "template_env": info.get("env") or {}, "workdir": info.get("workdir"),
                   "network": network or self.default_network, "idle_timeout": idle_timeout},
-            metadata=metadata, on_timeout=on_timeout,
+            metadata=metadata, on_timeout=on_timeout, node_id=self.node_id,
         )
         self.store.insert_sandbox(row)
         return row

@@ -115,6 +115,14 @@ MIGRATIONS: list[Migration] = [
         mac TEXT NOT NULL
     );
     """, only="postgres"),
+    # nodes registered in the store (membership without Kubernetes: cpuosd.cluster.nodes)
+    Migration("""
+    CREATE TABLE nodes (
+        id TEXT PRIMARY KEY, address TEXT NOT NULL, incarnation TEXT NOT NULL,
+        facts TEXT NOT NULL, started_at REAL NOT NULL, heartbeat_at REAL NOT NULL,
+        cordoned INTEGER NOT NULL DEFAULT 0
+    );
+    """),
 ]
 
 _PG_TYPES = {"REAL": "DOUBLE PRECISION", "INTEGER": "BIGINT"}

@@ -253,12 +253,15 @@ class SqlStore:
         r = self._one("SELECT * FROM sandboxes WHERE id=?", (sid,))
         return SandboxRow.from_row(r) if r else None
 
-    def list_sandboxes(self, workspace_id: str | None = None, states: tuple[str, ...] = ()
-                       ) -> list[SandboxRow]:
+    def list_sandboxes(self, workspace_id: str | None = None, states: tuple[str, ...] = (),
+                       *, node_id: str | None = None) -> list[SandboxRow]:
         sql, args = "SELECT * FROM sandboxes WHERE 1=1", []
         if workspace_id is not None:
             sql += " AND workspace_id=?"
             args.append(workspace_id)
+        if node_id is not None:
+            sql += " AND node_id=?"
+            args.append(node_id)
         if states:
             sql += f" AND state IN ({_in(states)})"
             args.extend(states)
@@ -279,10 +282,58 @@ class SqlStore:
         r = self._rows(sql, args)[0]
         return int(r["n"]), int(r["v"]), int(r["m"])
 
-    def expired(self, now: float) -> list[tuple[str, str]]:
-        rows = self._rows("SELECT id, on_timeout FROM sandboxes WHERE state='running' "
-                          "AND deadline<=?", (now,))
+    def expired(self, now: float, *, node_id: str | None = None) -> list[tuple[str, str]]:
+        sql = "SELECT id, on_timeout FROM sandboxes WHERE state='running' AND deadline<=?"
+        args: list[Any] = [now]
+        if node_id is not None:
+            sql += " AND node_id=?"
+            args.append(node_id)
+        rows = self._rows(sql, args)
         return [(r["id"], r["on_timeout"]) for r in rows]
+
+    # ---- nodes (many hosts: membership without Kubernetes, cpuosd.cluster.nodes) -----
+    def register_node(self, node_id: str, address: str, incarnation: str,
+                      facts: dict[str, Any]) -> None:
+        """A node (re)starting: its row, with a new incarnation (the cordon mark kept)."""
+        now = time.time()
+        with self._tx() as c:
+            if c.run("UPDATE nodes SET address=?, incarnation=?, facts=?, started_at=?, "
+                     "heartbeat_at=? WHERE id=?",
+                     (address, incarnation, json.dumps(facts), now, now, node_id)) == 0:
+                c.run("INSERT INTO nodes (id, address, incarnation, facts, started_at, "
+                      "heartbeat_at, cordoned) VALUES (?,?,?,?,?,?,0)",
+                      (node_id, address, incarnation, json.dumps(facts), now, now))
+
+    def node_heartbeat(self, node_id: str, incarnation: str,
+                       facts: dict[str, Any] | None = None) -> bool:
+        """Renew a node's heartbeat (and its facts); False: the row has another incarnation
+        (a newer process of that node took over) or is gone."""
+        cols: list[str] = ["heartbeat_at=?"]
+        args: list[Any] = [time.time()]
+        if facts is not None:
+            cols.append("facts=?")
+            args.append(json.dumps(facts))
+        return self._run(f"UPDATE nodes SET {', '.join(cols)} WHERE id=? AND incarnation=?",
+                         (*args, node_id, incarnation)) == 1
+
+    def list_nodes(self) -> list[dict[str, Any]]:
+        """Every registered node: id, address, incarnation, facts (a dict), started_at,
+        heartbeat_at (the node's own clock: observers judge liveness by when it changes,
+        cpuosd.cluster.nodes) and cordoned."""
+        out = []
+        for r in self._rows("SELECT * FROM nodes ORDER BY id"):
+            r = dict(r)
+            r["facts"] = json.loads(r["facts"] or "{}")
+            r["cordoned"] = bool(r["cordoned"])
+            out.append(r)
+        return out
+
+    def set_node_cordoned(self, node_id: str, cordoned: bool) -> bool:
+        return self._run("UPDATE nodes SET cordoned=? WHERE id=?",
+                         (1 if cordoned else 0, node_id)) == 1
+
+    def remove_node(self, node_id: str) -> None:
+        self._run("DELETE FROM nodes WHERE id=?", (node_id,))
 
     # ---- execs ----------------------------------------------------------------------
     def insert_exec(self, eid: str, sandbox_id: str, argv: list[str]) -> None:
