@@ -10,7 +10,7 @@ from .config import Config
 
 
 def serve(host: str | None = None, port: int | None = None, home: str | None = None,
-          log_file: str | None = None) -> None:
+          log_file: str | None = None, role: str | None = None) -> None:
     import uvicorn
 
     from . import homedir, logs
@@ -25,6 +25,14 @@ def serve(host: str | None = None, port: int | None = None, home: str | None = N
         cfg.host = host
     if port:
         cfg.port = port
+    if role:
+        cfg.role = role
+    if cfg.role not in ("all", "node", "api"):
+        print(f"cpuosd: --role must be all, node or api, not {cfg.role!r}", file=sys.stderr)
+        raise SystemExit(2)
+    if cfg.role == "api":  # (no sandboxes here: needs no root)
+        serve_api(cfg, log_file)
+        return
     if os.geteuid() != 0:
         print("cpuosd: must run as root (runsc checkpoint/restore and cgroups need it)",
               file=sys.stderr)
@@ -40,6 +48,27 @@ def serve(host: str | None = None, port: int | None = None, home: str | None = N
                 log_config=None, access_log=False, timeout_graceful_shutdown=5,
                 http=GuardedHTTP, limit_concurrency=MAX_CONNECTIONS + 1,
                 timeout_keep_alive=int(KEEPALIVE))
+
+
+def serve_api(cfg: Config, log_file: str | None) -> None:
+    """``cpuosd --role=api``: the public API forwarded to the nodes (cpuosd.cluster.api)."""
+    import uvicorn
+
+    from . import logs
+    from .api.listener import KEEPALIVE, MAX_CONNECTIONS, GuardedHTTP
+    from .cluster.api import create_api_app
+    from .fdbudget import raise_nofile
+
+    logs.setup(path=log_file)
+    raise_nofile()
+    try:
+        app = create_api_app(cfg)
+    except ValueError as e:
+        print(f"cpuosd: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", log_config=None,
+                access_log=False, timeout_graceful_shutdown=5, http=GuardedHTTP,
+                limit_concurrency=MAX_CONNECTIONS + 1, timeout_keep_alive=int(KEEPALIVE))
 
 
 def audit_verify(argv: list[str]) -> int:
@@ -86,8 +115,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--home", help="state directory (default $CPUOS_HOME or /var/lib/cpuos)")
     ap.add_argument("--log-file", help="log here, rotated by size (default $CPUOS_LOG_FILE, "
                                        "else stderr)")
+    ap.add_argument("--role", choices=("all", "node", "api"),
+                    help="all: one host (the default, $CPUOS_ROLE); node: runs sandboxes "
+                         "for API processes; api: the public API, forwarded to the nodes "
+                         "(docs/DEPLOY.md)")
     a = ap.parse_args(argv)
-    serve(a.host, a.port, a.home, a.log_file)
+    serve(a.host, a.port, a.home, a.log_file, a.role)
 
 
 if __name__ == "__main__":

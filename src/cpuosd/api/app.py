@@ -365,6 +365,18 @@ async def stop_for_cap(mgr: Manager, workspace_id: str, sid: str) -> str:
 
 def create_app(cfg: Config | None = None) -> FastAPI:
     cfg = cfg or Config()
+    node_token = None
+    if cfg.role == "node":  # (many hosts: cpuosd.cluster.nodes, docs/DEPLOY.md)
+        from ..cluster.nodes import check_token, node_id_of
+
+        cfg.node_id = node_id_of(cfg)
+        node_token = check_token(cfg.node_token, "node")
+        if not cfg.database_url:
+            log.warning("--role=node without CPUOS_DATABASE_URL: this node's state is its "
+                        "own SQLite, which no API process on another host can read")
+    elif cfg.role != "all":
+        raise ValueError(f"role {cfg.role!r}: create_app serves --role=all or --role=node "
+                         "(--role=api: cpuosd.cluster.api)")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -399,6 +411,15 @@ def create_app(cfg: Config | None = None) -> FastAPI:
         await mgr.startup()
         meter.reconcile()
         cap_task = asyncio.ensure_future(enforcer.run())
+        node_task = None
+        if cfg.role == "node":
+            from ..cluster.nodes import NodeAgent, node_facts
+
+            address = cfg.node_address or f"{cfg.host}:{cfg.port}"
+            agent = NodeAgent(store, str(cfg.node_id), address,
+                              partial(node_facts, cfg, backend, address), cfg.node_lease)
+            await agent.register()
+            node_task = asyncio.ensure_future(agent.run())
         app.state.meter = meter
         app.state.store, app.state.mgr, app.state.network = store, mgr, network
         app.state.audit = audit
@@ -413,7 +434,10 @@ def create_app(cfg: Config | None = None) -> FastAPI:
             yield
         finally:
             cap_task.cancel()
-            await asyncio.gather(cap_task, return_exceptions=True)
+            if node_task is not None:
+                node_task.cancel()
+            await asyncio.gather(cap_task, *([node_task] if node_task else []),
+                                 return_exceptions=True)
             await enforcer.close()
             await preview.close()
             app.state.e2b.close()
@@ -427,6 +451,10 @@ def create_app(cfg: Config | None = None) -> FastAPI:
     app = FastAPI(title="cpuos", version=VERSION, lifespan=lifespan)
     app.add_middleware(Guard)  # the key is checked before any body is read
     e2b_surface.install(app, cfg)  # /e2b and E2B's sandbox headers, before the Guard
+    if node_token is not None:  # outermost: a node answers API processes only
+        from ..cluster.nodes import NodeTokenGuard
+
+        app.add_middleware(NodeTokenGuard, token=node_token)
     app.include_router(templates_router)
     app.include_router(audit_router)
     app.include_router(commands_router)

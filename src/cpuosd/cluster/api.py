@@ -1,0 +1,256 @@
+"""``cpuosd --role=api``: the public API of many nodes at one address (docs/DEPLOY.md).
+
+An API process keeps no state of its own: the state store (Postgres, CPUOS_DATABASE_URL) is
+shared with the nodes. It checks the caller's API key against the store, picks the node a
+request belongs to, and forwards the request there whole (httpx for HTTP, streamed both
+ways; the ``websockets`` client for WebSockets), with the node token:
+
+- a path under ``/sandboxes/<id>``: the node whose row holds the sandbox (``node_id``); a
+  node that is not alive answers 503 ``unavailable`` (its sandboxes wait for it to come
+  back or to be fenced);
+- ``POST /sandboxes`` (create): placement (``cpuosd.cluster.nodes.place``: live, not
+  cordoned, the memory free, the template built there first);
+- anything else (workspaces, keys, usage, audit, templates, listings): any live node (they
+  read and write the shared store).
+
+So the SDKs and the CLI do not change: they talk to an API process as to one daemon. The
+node re-checks the key, the workspace and every quota itself (the API process forwards the
+caller's Authorization header as it came).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket, WebSocketDisconnect
+from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from ..api.auth import bearer_key
+from ..config import Config
+from ..errors import ApiError
+from ..store import Store, open_store
+from .nodes import TOKEN_HEADER, NodeInfo, NodeView, check_token, place
+
+log = logging.getLogger("cpuosd.cluster")
+
+SANDBOX_PATH = re.compile(r"^/sandboxes/([A-Za-z0-9_-]{1,64})(?:/|$)")
+OPEN_PATHS = frozenset({"/health"})
+# hop-by-hop headers (RFC 9110 7.6.1) and those the forwarder sets itself
+DROP = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te",
+                  "trailer", "upgrade", "host", TOKEN_HEADER, "proxy-authorization"})
+WS_DROP = DROP | {"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
+                  "sec-websocket-protocol", "origin"}
+REFRESH = 1.0  # s between reads of the nodes' rows
+WS_MAX_MESSAGE = 16 << 20
+
+
+def _error(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+class Forwarder:
+    def __init__(self, cfg: Config, store: Store) -> None:
+        self.cfg, self.store = cfg, store
+        self.token = check_token(cfg.node_token, "api")
+        self.view = NodeView(store, cfg.node_lease)
+        # no read timeout: a stream (exec output, watch, a long download) may be quiet for
+        # long; the node bounds every operation itself
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(connect=5.0, read=None,
+                                                            write=60.0, pool=10.0),
+                                      follow_redirects=False)
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.view.refresh)
+        self._task = asyncio.ensure_future(self._refresh_loop())
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(REFRESH)
+            try:
+                await asyncio.to_thread(self.view.refresh)
+            except Exception as e:
+                log.warning("reading the nodes failed: %s", e)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self.http.aclose()
+
+    # ---- where a request goes ---------------------------------------------------------
+    async def target(self, method: str, path: str) -> NodeInfo:
+        m = SANDBOX_PATH.match(path)
+        if m:
+            row = await asyncio.to_thread(self.store.get_sandbox, m.group(1))
+            if row is not None and row.node_id is not None:
+                node = self.view.get(row.node_id)
+                if node is None or not node.alive:
+                    raise ApiError("unavailable", f"the node holding sandbox {row.id} "
+                                   f"({row.node_id}) is not reachable; try again later")
+                return node
+            # (unknown here: any node answers as one host would, 404 for a stranger)
+        if method == "POST" and path == "/sandboxes":
+            chosen = place(self.view.nodes)
+        else:
+            chosen = place(self.view.nodes) or next(
+                (n for n in self.view.nodes if n.alive), None)
+        if chosen is None:
+            raise ApiError("unavailable", "no node is available (none alive with room)")
+        return chosen
+
+    def _authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        key = bearer_key(headers)
+        return key is not None and self.store.key_lookup(key) is not None
+
+    # ---- HTTP ---------------------------------------------------------------------------
+    async def http_forward(self, request: Request) -> Response:
+        path = request.url.path
+        if path == "/health":
+            alive = sum(1 for n in self.view.nodes if n.alive)
+            placeable = sum(1 for n in self.view.nodes if n.placeable)
+            return JSONResponse({"ok": True, "role": "api", "nodes_alive": alive,
+                                 "nodes_placeable": placeable})
+        if not await asyncio.to_thread(self._authorized, request.scope["headers"]):
+            return _error(ApiError("unauthorized", "missing or invalid API key"))
+        try:
+            node = await self.target(request.method, path)
+        except ApiError as e:
+            return _error(e)
+        headers = [(k, v) for k, v in request.headers.raw if k.decode().lower() not in DROP]
+        headers.append((TOKEN_HEADER.encode(), self.token.encode()))
+        if request.client:
+            headers.append((b"x-forwarded-for", request.client.host.encode()))
+        has_body = request.method not in ("GET", "HEAD", "DELETE", "OPTIONS") or any(
+            k == b"content-length" or k == b"transfer-encoding"
+            for k, _ in request.headers.raw)
+        upstream = self.http.build_request(
+            request.method, f"http://{node.address}{path}",
+            params=request.url.query or None, headers=headers,
+            content=request.stream() if has_body else None)
+        try:
+            resp = await self.http.send(upstream, stream=True)
+        except httpx.HTTPError as e:
+            log.warning("forwarding to node %s failed: %s", node.node_id, e)
+            return _error(ApiError("unavailable", f"node {node.node_id} did not answer"))
+        out = [(k, v) for k, v in resp.headers.raw if k.decode().lower() not in DROP]
+        return _Streamed(resp, out)
+
+    # ---- WebSockets -----------------------------------------------------------------------
+    async def ws_forward(self, ws: WebSocket) -> None:
+        path = ws.url.path
+        if not await asyncio.to_thread(self._authorized, ws.scope["headers"]):
+            await ws.close(4401, "missing or invalid API key")
+            return
+        try:
+            node = await self.target("GET", path)
+        except ApiError as e:
+            await ws.close(4000 + e.status, e.message[:120])
+            return
+        headers = [(k.decode(), v.decode("latin-1")) for k, v in ws.headers.raw
+                   if k.decode().lower() not in WS_DROP]
+        headers.append((TOKEN_HEADER, self.token))
+        url = f"ws://{node.address}{path}" + (f"?{ws.url.query}" if ws.url.query else "")
+        protocols = [p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",")
+                     if p.strip()]
+        try:
+            up = await ws_connect(url, additional_headers=headers, open_timeout=10,
+                                  subprotocols=protocols or None,  # type: ignore[arg-type]
+                                  max_size=WS_MAX_MESSAGE, compression=None)
+        except (OSError, TimeoutError, InvalidStatus) as e:
+            log.warning("WebSocket to node %s failed: %s", node.node_id, e)
+            await ws.close(4503, f"node {node.node_id} did not answer")
+            return
+        await ws.accept(subprotocol=up.subprotocol)
+
+        async def client_to_node() -> None:
+            with contextlib.suppress(WebSocketDisconnect, ConnectionClosed):
+                while True:
+                    msg = await ws.receive()
+                    if msg["type"] == "websocket.disconnect":
+                        await up.close(msg.get("code") or 1000)
+                        return
+                    if msg.get("bytes") is not None:
+                        await up.send(msg["bytes"])
+                    elif msg.get("text") is not None:
+                        await up.send(msg["text"])
+
+        async def node_to_client() -> None:
+            try:
+                async for data in up:
+                    if isinstance(data, bytes):
+                        await ws.send_bytes(data)
+                    else:
+                        await ws.send_text(data)
+            except ConnectionClosed:
+                pass
+            rcvd = up.close_code or 1000, up.close_reason or ""
+            with contextlib.suppress(Exception):
+                await ws.close(rcvd[0] if rcvd[0] not in (1005, 1006) else 1011, rcvd[1])
+
+        tasks = [asyncio.ensure_future(client_to_node()), asyncio.ensure_future(node_to_client())]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await up.close()
+
+
+class _Streamed(StreamingResponse):
+    """A node's answer streamed back as it comes (raw: encodings untouched)."""
+
+    def __init__(self, resp: httpx.Response, headers: list[tuple[bytes, bytes]]) -> None:
+        async def body() -> AsyncIterator[bytes]:
+            async for chunk in resp.aiter_raw():
+                yield chunk
+
+        super().__init__(body(), status_code=resp.status_code,
+                         background=BackgroundTask(resp.aclose))
+        self.raw_headers = headers
+
+
+def create_api_app(cfg: Config) -> Starlette:
+    if not cfg.database_url:
+        raise ValueError("--role=api needs CPUOS_DATABASE_URL (the state store it shares "
+                         "with the nodes)")
+    check_token(cfg.node_token, "api")
+    state: dict[str, Any] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        store = open_store(cfg.db_path, cfg.database_url)
+        fwd = Forwarder(cfg, store)
+        await fwd.start()
+        state["fwd"] = fwd
+        try:
+            yield
+        finally:
+            await fwd.close()
+            store.close()
+
+    async def http(request: Request) -> Response:
+        fwd: Forwarder = state["fwd"]
+        return await fwd.http_forward(request)
+
+    async def websocket(ws: WebSocket) -> None:
+        fwd: Forwarder = state["fwd"]
+        await fwd.ws_forward(ws)
+
+    methods = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+    return Starlette(routes=[Route("/{path:path}", http, methods=methods),
+                             WebSocketRoute("/{path:path}", websocket)], lifespan=lifespan)

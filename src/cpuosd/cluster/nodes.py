@@ -1,0 +1,214 @@
+"""Nodes through the state store (membership without Kubernetes; docs/DEPLOY.md).
+
+A node (``cpuosd --role=node``) registers its row in the store's ``nodes`` table at start,
+with a new random incarnation (a restarted node has lost its sandboxes' processes, whatever
+its id), and heartbeats every ``node_lease / 3`` seconds with its facts: where its internal
+API listens, capacity (vCPUs, memory, memory available now), runsc version and platform,
+CPU vendor/model/features (gVisor refuses a restore on a CPU lacking saved features), and
+the digests of the templates it holds. Under Kubernetes the same facts ride on its Lease
+(cpuosd.cluster.membership); the store's table is what a plain multi-host set-up and the
+tests on one host use.
+
+An API process (``--role=api``) reads the rows (``NodeView.refresh``): a node is alive while
+its ``heartbeat_at`` keeps changing, judged by this process's own monotonic clock since the
+value last changed (on first sight: by the value's wall-clock age), so clock skew between
+hosts does not matter; cordoned nodes take no new placements.
+
+Every request from an API process to a node carries the node token (``X-Cpuos-Node-Token``,
+``CPUOS_NODE_TOKEN``); a node refuses any other (``NodeTokenGuard``), /health aside.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ..errors import ApiError
+from ..store import Store
+from .membership import NODE_ID_RE
+
+if TYPE_CHECKING:
+    from ..backends.base import Backend
+    from ..config import Config
+
+log = logging.getLogger("cpuosd.cluster")
+
+TOKEN_HEADER = "x-cpuos-node-token"
+OPEN_PATHS = frozenset({"/health"})
+
+
+def node_id_of(cfg: Config) -> str:
+    """The node's id: CPUOS_NODE_ID, else the host's name (lower case); a DNS label."""
+    nid = (cfg.node_id or socket.gethostname().split(".")[0]).lower()
+    if not NODE_ID_RE.fullmatch(nid):
+        raise ValueError(f"node id {nid!r} must be a DNS label (lower case letters, digits, "
+                         "'-' and '.'), at most 52 characters: set CPUOS_NODE_ID")
+    return nid
+
+
+def check_token(token: str | None, role: str) -> str:
+    if not token or len(token) < 16:
+        raise ValueError(f"--role={role} needs CPUOS_NODE_TOKEN (the secret API processes "
+                         "and nodes share, 16 characters or more)")
+    return token
+
+
+class NodeTokenGuard:
+    """A node's internal API: every request but /health carries the node token."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app, self.token = app, token.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        given = next((v for k, v in scope["headers"] if k == TOKEN_HEADER.encode()), b"")
+        if hmac.compare_digest(given, self.token):
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 4403,
+                        "reason": "node token required"})
+            return
+        err = ApiError("permission_denied", "this is a cpuos node: its API is reached "
+                       "through an API process (missing or wrong node token)")
+        body = json.dumps(err.body()).encode()
+        await send({"type": "http.response.start", "status": err.status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _meminfo() -> dict[str, int]:
+    out = {}
+    with contextlib.suppress(OSError):
+        for line in open("/proc/meminfo", encoding="ascii", errors="replace"):
+            k, _, v = line.partition(":")
+            parts = v.split()
+            if parts and parts[0].isdigit():
+                out[k] = int(parts[0]) // 1024  # MiB
+    return out
+
+
+def node_facts(cfg: Config, backend: Backend, address: str) -> dict[str, Any]:
+    """What placement needs to know about this node, now."""
+    from ..snapstore.facts import host_facts
+    from ..templates.builder import list_templates
+
+    mem = _meminfo()
+    facts: dict[str, Any] = {
+        "address": address,
+        "capacity": {"vcpus": os.cpu_count() or 1, "memory_mib": mem.get("MemTotal", 0),
+                     "memory_available_mib": mem.get("MemAvailable", 0)},
+        **host_facts(backend),
+    }
+    with contextlib.suppress(OSError):
+        facts["templates"] = sorted({str(t.get("digest")) for t in
+                                     list_templates(cfg.templates_dir) if t.get("digest")})
+    return facts
+
+
+class NodeAgent:
+    """A node's registration and heartbeat in the store."""
+
+    def __init__(self, store: Store, node_id: str, address: str,
+                 facts: Callable[[], dict[str, Any]], lease: float = 15.0) -> None:
+        self.store, self.node_id, self.address = store, node_id, address
+        self.facts = facts
+        self.lease = max(1.0, lease)
+        self.incarnation = secrets.token_hex(6)
+        self.last_beat = 0.0  # monotonic
+
+    async def register(self) -> None:
+        await asyncio.to_thread(lambda: self.store.register_node(
+            self.node_id, self.address, self.incarnation, self.facts()))
+        self.last_beat = time.monotonic()
+        log.info("node %s registered (%s, incarnation %s)", self.node_id, self.address,
+                 self.incarnation)
+
+    async def run(self) -> None:
+        """Heartbeat until cancelled (a failed one is retried at the next beat)."""
+        while True:
+            await asyncio.sleep(self.lease / 3)
+            try:
+                ok = await asyncio.wait_for(asyncio.to_thread(
+                    lambda: self.store.node_heartbeat(self.node_id, self.incarnation,
+                                                      self.facts())), self.lease)
+                if not ok:  # another process of this node took the row over
+                    log.error("node %s: its row has another incarnation: registering again",
+                              self.node_id)
+                    await self.register()
+                self.last_beat = time.monotonic()
+            except Exception as e:  # (a database that is away: the next beat retries)
+                log.warning("node %s: heartbeat failed: %s", self.node_id, e)
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    node_id: str
+    address: str
+    incarnation: str
+    facts: dict[str, Any]
+    alive: bool
+    cordoned: bool
+
+    @property
+    def placeable(self) -> bool:
+        return self.alive and not self.cordoned and bool(self.address)
+
+
+class NodeView:
+    """The nodes as an API process sees them (from the store)."""
+
+    def __init__(self, store: Store, lease: float = 15.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.store, self.lease, self.clock = store, lease, clock
+        self._seen: dict[str, tuple[float, str, float]] = {}  # id -> (beat, inc, our clock)
+        self.nodes: list[NodeInfo] = []
+
+    def refresh(self) -> list[NodeInfo]:
+        rows = self.store.list_nodes()
+        now_mono, now_wall = self.clock(), time.time()
+        out = []
+        for r in rows:
+            beat, inc = float(r["heartbeat_at"]), str(r["incarnation"])
+            prev = self._seen.get(r["id"])
+            if prev is None or prev[0] != beat or prev[1] != inc:
+                age = max(0.0, now_wall - beat) if prev is None else 0.0
+                prev = self._seen[r["id"]] = (beat, inc, now_mono - age)
+            out.append(NodeInfo(r["id"], str(r["address"]), inc, r["facts"],
+                                now_mono - prev[2] <= self.lease, bool(r["cordoned"])))
+        for gone in set(self._seen) - {r["id"] for r in rows}:
+            del self._seen[gone]
+        self.nodes = out
+        return out
+
+    def get(self, node_id: str | None) -> NodeInfo | None:
+        return next((n for n in self.nodes if n.node_id == node_id), None)
+
+
+def place(nodes: list[NodeInfo], memory_mib: int = 0, template_digest: str | None = None
+          ) -> NodeInfo | None:
+    """The node for a new sandbox: live, not cordoned, with the memory free (its last
+    heartbeat's MemAvailable, as admission on one host goes by real use), preferring one
+    that has the template built, then the most memory available."""
+    fits = [n for n in nodes if n.placeable and float(
+        n.facts.get("capacity", {}).get("memory_available_mib", 0)) >= memory_mib]
+    if not fits:
+        return None
+    return max(fits, key=lambda n: (bool(template_digest) and template_digest in (
+        n.facts.get("templates") or ()), float(n.facts.get("capacity", {}).get(
+            "memory_available_mib", 0))))

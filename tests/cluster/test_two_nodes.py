@@ -1,0 +1,177 @@
+"""Many hosts on one host (issue 24): two node processes (``cpuosd --role=node``, real runsc,
+own homes, network slots and ports) and two API processes (``--role=api``) over one real
+Postgres. Through the unchanged Python SDK: create through one API process, exec, files and
+a terminal (WebSocket) through the other; a node refuses whoever lacks the node token;
+cordon steers placement; a node that dies is skipped by placement and its sandboxes answer
+503 until it is back."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from cpuos import Sandbox
+from cpuosd.cluster import testbed
+from cpuosd.cluster.testbed import open_test_store
+from cpuosd.testing import Daemon, e2e_unavailable, new_daemon, wait_until
+
+pytestmark = pytest.mark.cluster
+
+TOKEN = secrets.token_hex(16)
+
+
+class ApiProcess:
+    """One ``cpuosd --role=api`` (no root needed, no home of its own to speak of)."""
+
+    def __init__(self, database_url: str, lease: str) -> None:
+        self.port = testbed.free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.home = Path(tempfile.mkdtemp(prefix="cpuos-api-", dir="/tmp"))
+        self.log = self.home / "cpuosd.log"
+        env = {**os.environ, "CPUOS_ROLE": "api", "CPUOS_HOME": str(self.home),
+               "CPUOS_HOST": "127.0.0.1", "CPUOS_PORT": str(self.port),
+               "CPUOS_DATABASE_URL": database_url, "CPUOS_NODE_TOKEN": TOKEN,
+               "CPUOS_NODE_LEASE": lease}
+        with open(self.log, "wb") as logf:
+            self.proc = subprocess.Popen([sys.executable, "-m", "cpuosd.main"], env=env,
+                                         stdout=logf, stderr=logf, start_new_session=True)
+
+    def health(self) -> dict[str, object]:
+        try:
+            r = httpx.get(self.url + "/health", timeout=2)
+            return dict(r.json()) if r.status_code == 200 else {}
+        except httpx.TransportError:
+            assert self.proc.poll() is None, self.log.read_text()[-2000:]
+            return {}
+
+    def stop(self) -> None:
+        testbed.stop_process(self.proc, signal.SIGTERM, 15)
+        import shutil
+        shutil.rmtree(self.home, ignore_errors=True)
+
+
+@pytest.fixture
+def cluster(pg_url: str) -> Iterator[tuple[list[Daemon], list[ApiProcess], str]]:
+    why = e2e_unavailable()
+    if why:
+        pytest.skip(why)
+    env = {"CPUOS_ROLE": "node", "CPUOS_DATABASE_URL": pg_url, "CPUOS_NODE_TOKEN": TOKEN,
+           "CPUOS_NODE_LEASE": "3", "CPUOS_POOL_SIZE": "0", "CPUOS_HOST": "127.0.0.1"}
+    nodes = [new_daemon(CPUOS_NODE_ID=f"node-{n}", **env) for n in "ab"]
+    apis: list[ApiProcess] = []
+    failed = True
+    try:
+        for d in nodes:
+            d.start()
+        apis = [ApiProcess(pg_url, "3") for _ in range(2)]
+        for a in apis:
+            wait_until(lambda a=a: a.health().get("nodes_alive") == 2,  # type: ignore[misc]
+                       "the API process to see both nodes", timeout=60)
+        yield nodes, apis, nodes[0].key
+        failed = False
+    finally:
+        for a in apis:
+            a.stop()
+        for d in nodes:
+            if d.proc is not None and d.proc.poll() is None:
+                with httpx.Client(base_url=d.url, timeout=30, headers={
+                        "Authorization": f"Bearer {d.key}",
+                        "X-Cpuos-Node-Token": TOKEN}) as c:
+                    try:
+                        for s in c.get("/sandboxes").json()["sandboxes"]:
+                            c.delete(f"/sandboxes/{s['id']}")
+                    except httpx.HTTPError:
+                        pass
+        left = [x for d in nodes for x in d.teardown(failed)]
+        assert not left, left
+
+
+def node_of(pg_url: str, sid: str) -> str | None:
+    s = open_test_store(pg_url)
+    try:
+        row = s.get_sandbox(sid)
+        return row.node_id if row else None
+    finally:
+        s.close()
+
+
+def test_two_nodes_two_apis(cluster: tuple[list[Daemon], list[ApiProcess], str],
+                            pg_url: str) -> None:
+    nodes, (api1, api2), key = cluster
+    # a node answers only with the node token (health aside)
+    r = httpx.get(nodes[0].url + "/sandboxes", headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "permission_denied"
+    assert httpx.get(nodes[0].url + "/health").status_code == 200
+    # an API process checks the key itself
+    r = httpx.get(api1.url + "/sandboxes", headers={"Authorization": "Bearer nope"})
+    assert r.status_code == 401
+
+    # cordon node-b: the create lands on node-a; then the other way round
+    store = open_test_store(pg_url)
+    try:
+        placed = {}
+        for here, away in (("node-a", "node-b"), ("node-b", "node-a")):
+            for n in (here, away):
+                store.set_node_cordoned(n, True)
+            wait_until(lambda: api1.health().get("nodes_placeable") == 0,
+                       "the API process to see both cordoned", timeout=10)
+            r = httpx.post(api1.url + "/sandboxes", json={"template": "python"},
+                           headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 503 and "no node" in r.json()["error"]["message"]
+            store.set_node_cordoned(here, False)
+            wait_until(lambda: api1.health().get("nodes_placeable") == 1,
+                       "the API process to see the cordon lifted", timeout=10)
+            sbx = Sandbox.create(template="python", timeout="5m", api_url=api1.url,
+                                 api_key=key)
+            placed[here] = sbx
+            assert node_of(pg_url, sbx.id) == here
+        store.set_node_cordoned("node-a", False)
+    finally:
+        store.close()
+
+    for here, sbx in placed.items():
+        # through the other API process: exec, files, a terminal (WebSocket)
+        other = Sandbox.connect(sbx.id, api_url=api2.url, api_key=key)
+        run = other.exec(f"echo hello from {here}; echo err >&2; exit 3")
+        assert (run.exit_code, run.stdout, run.stderr) == (3, f"hello from {here}\n", "err\n")
+        other.files.write("/work/x.txt", f"on {here}")
+        assert sbx.files.read("/work/x.txt") == f"on {here}".encode()
+        seen: list[bytes] = []
+        t = other.pty.create(cmd=["bash", "-c", "echo pty-$((6*7))"], on_data=seen.append)
+        assert t.wait().exit_code == 0
+        assert b"pty-42" in b"".join(seen)
+        listed = {s["id"] for s in httpx.get(api2.url + "/sandboxes", headers={
+            "Authorization": f"Bearer {key}"}).json()["sandboxes"]}
+        assert set(s.id for s in placed.values()) <= listed
+
+    # node-b dies: its sandbox answers 503 through either API process, and placement
+    # skips it (every create lands on node-a)
+    nodes[1].kill9()
+    for a in (api1, api2):
+        wait_until(lambda a=a: a.health().get("nodes_alive") == 1,  # type: ignore[misc]
+                   "node-b to be counted dead", timeout=30)
+    r = httpx.post(f"{api2.url}/sandboxes/{placed['node-b'].id}/exec",
+                   json={"cmd": "true"}, headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable", r.text
+    again = Sandbox.create(template="python", timeout="5m", api_url=api2.url, api_key=key)
+    assert node_of(pg_url, again.id) == "node-a"
+    assert again.exec("echo ok").stdout == "ok\n"
+    again.kill()
+    placed["node-a"].kill()
+
+    # node-b comes back (same home): its sandbox is reattached and reachable again
+    nodes[1].start()
+    wait_until(lambda: api1.health().get("nodes_alive") == 2, "node-b to be alive again",
+               timeout=30)
+    back = Sandbox.connect(placed["node-b"].id, api_url=api1.url, api_key=key)
+    assert back.files.read("/work/x.txt") == b"on node-b"
+    back.kill()
