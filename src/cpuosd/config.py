@@ -122,6 +122,10 @@ class Config:
         default_factory=lambda: os.environ.get("CPUOS_NODE_ADDRESS"))
     # the shared secret between API processes and nodes (X-Cpuos-Node-Token)
     node_token: str | None = field(default_factory=lambda: os.environ.get("CPUOS_NODE_TOKEN"))
+    # where a node's pauses go so that any node resumes them (cpuosd.snapstore:
+    # s3://bucket/prefix, file:///shared/dir); unset: this host's snapshots directory
+    snapshot_store: str | None = field(
+        default_factory=lambda: os.environ.get("CPUOS_SNAPSHOT_STORE") or None)
     # s without a heartbeat after which a node counts as dead; a node beats every third
     node_lease: float = field(default_factory=lambda: _duration_env("CPUOS_NODE_LEASE", 15))
 

@@ -7,6 +7,7 @@ cordon steers placement; a node that dies is skipped by placement and its sandbo
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import signal
@@ -59,13 +60,28 @@ class ApiProcess:
         shutil.rmtree(self.home, ignore_errors=True)
 
 
+Cluster = tuple[list[Daemon], list[ApiProcess], str]
+
+
 @pytest.fixture
-def cluster(pg_url: str) -> Iterator[tuple[list[Daemon], list[ApiProcess], str]]:
+def cluster(pg_url: str) -> Iterator[Cluster]:
+    yield from _cluster(pg_url, {})
+
+
+@pytest.fixture
+def cluster_s3(pg_url: str, s3_server: testbed.S3Server) -> Iterator[Cluster]:
+    bucket = "snap-" + secrets.token_hex(4)
+    s3_server.create_bucket(bucket)
+    yield from _cluster(pg_url, s3_server.env(bucket))
+
+
+def _cluster(pg_url: str, extra: dict[str, str]) -> Iterator[Cluster]:
     why = e2e_unavailable()
     if why:
         pytest.skip(why)
     env = {"CPUOS_ROLE": "node", "CPUOS_DATABASE_URL": pg_url, "CPUOS_NODE_TOKEN": TOKEN,
-           "CPUOS_NODE_LEASE": "3", "CPUOS_POOL_SIZE": "0", "CPUOS_HOST": "127.0.0.1"}
+           "CPUOS_NODE_LEASE": "3", "CPUOS_POOL_SIZE": "0", "CPUOS_HOST": "127.0.0.1",
+           **extra}
     nodes = [new_daemon(CPUOS_NODE_ID=f"node-{n}", **env) for n in "ab"]
     apis: list[ApiProcess] = []
     failed = True
@@ -104,8 +120,7 @@ def node_of(pg_url: str, sid: str) -> str | None:
         s.close()
 
 
-def test_two_nodes_two_apis(cluster: tuple[list[Daemon], list[ApiProcess], str],
-                            pg_url: str) -> None:
+def test_two_nodes_two_apis(cluster: Cluster, pg_url: str) -> None:
     nodes, (api1, api2), key = cluster
     # a node answers only with the node token (health aside)
     r = httpx.get(nodes[0].url + "/sandboxes", headers={"Authorization": f"Bearer {key}"})
@@ -175,3 +190,76 @@ def test_two_nodes_two_apis(cluster: tuple[list[Daemon], list[ApiProcess], str],
     back = Sandbox.connect(placed["node-b"].id, api_url=api1.url, api_key=key)
     assert back.files.read("/work/x.txt") == b"on node-b"
     back.kill()
+
+
+def _cordon_all_but(pg_url: str, api: ApiProcess, here: str) -> None:
+    store = open_test_store(pg_url)
+    try:
+        for n in ("node-a", "node-b"):
+            store.set_node_cordoned(n, True)
+        wait_until(lambda: api.health().get("nodes_placeable") == 0, "both cordoned",
+                   timeout=10)
+        store.set_node_cordoned(here, False)
+        wait_until(lambda: api.health().get("nodes_placeable") == 1, "one placeable",
+                   timeout=10)
+    finally:
+        store.close()
+
+
+def test_pause_on_one_node_resume_on_the_other(cluster_s3: Cluster, pg_url: str) -> None:
+    """Pause uploads to the S3 store and leaves the row on no node; node A is SIGKILLed;
+    the resume lands on node B with the sandbox's files and processes; two nodes racing
+    to resume one id: one restore."""
+    nodes, (api1, api2), key = cluster_s3
+    _cordon_all_but(pg_url, api1, "node-a")
+    sbx = Sandbox.create(template="python", timeout="5m", api_url=api1.url, api_key=key)
+    assert node_of(pg_url, sbx.id) == "node-a"
+    sbx.files.write("/work/state.txt", "made on node-a")
+    pid = sbx.exec("sleep 1000 >/dev/null 2>&1 & echo $!").stdout.strip()
+    assert pid.isdigit()
+
+    Sandbox.connect(sbx.id, api_url=api2.url, api_key=key).pause()
+    store = open_test_store(pg_url)
+    try:
+        row = store.get_sandbox(sbx.id)
+        assert row is not None and row.state == "paused" and row.node_id is None
+        assert not (nodes[0].snapshots_dir / sbx.id).exists()  # (only in the store)
+
+        nodes[0].kill9()
+        _cordon_all_but(pg_url, api1, "node-b")
+        wait_until(lambda: api1.health().get("nodes_alive") == 1, "node-a dead", timeout=30)
+        back = Sandbox.connect(sbx.id, api_url=api1.url, api_key=key)  # (resumes it)
+        assert node_of(pg_url, sbx.id) == "node-b"
+        assert back.files.read("/work/state.txt") == b"made on node-a"
+        assert back.exec(f"kill -0 {pid} && cat /proc/{pid}/cmdline | tr '\\0' ' '"
+                         ).stdout == "sleep 1000 "
+        assert back.exec("echo resumed").stdout == "resumed\n"
+
+        # again: paused into the store, then both nodes asked to resume it at once
+        back.pause()
+        nodes[0].start()
+        wait_until(lambda: api1.health().get("nodes_alive") == 2, "node-a back", timeout=30)
+        before = store.get_sandbox(sbx.id)
+        assert before is not None and before.node_id is None
+
+        async def both() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=120, headers={
+                    "Authorization": f"Bearer {key}", "X-Cpuos-Node-Token": TOKEN}) as c:
+                return list(await asyncio.gather(*(
+                    c.post(f"{d.url}/sandboxes/{sbx.id}/resume") for d in nodes)))
+
+        answers = asyncio.run(both())
+        codes = sorted(r.status_code for r in answers)
+        assert codes in ([200, 200], [200, 409]), [r.text for r in answers]
+        after = store.get_sandbox(sbx.id)
+        assert after is not None and after.state == "running"
+        assert after.node_id in ("node-a", "node-b") and after.epoch > before.epoch
+        winner = nodes[0] if after.node_id == "node-a" else nodes[1]
+        loser = nodes[1] if winner is nodes[0] else nodes[0]
+        assert sbx.id in winner.runsc_containers()
+        assert sbx.id not in loser.runsc_containers()  # (one restore)
+        final = Sandbox.connect(sbx.id, api_url=api2.url, api_key=key)
+        assert final.files.read("/work/state.txt") == b"made on node-a"
+        final.kill()
+    finally:
+        store.close()

@@ -37,6 +37,7 @@ from ..store import LIVE_STATES, SandboxRow, Store
 from ..accounting.quotas import Admission, HostMeter, Measure
 from ..network.policy import Policy
 from ..templates.builder import template_info
+from ..snapstore import SnapshotStore, open_snapshot_store
 from . import memwatch, states
 from .common import (KILL_LOCK_WAIT, KILL_RETRY_INTERVAL, KILL_TIMEOUT, RECONNECT_GRACE, Live,
                      _now)
@@ -61,6 +62,12 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         # the node this daemon is (--role=node): its rows carry it, and what it reconciles,
         # reaps or prunes is only its own; None on one host (--role=all): every row
         self.node_id = cfg.node_id if cfg.role == "node" else None
+        # a node's snapshot store shared with the other nodes (CPUOS_SNAPSHOT_STORE): a
+        # pause uploads there and the row is left on no node, so any node resumes it
+        # (cpuosd.lifecycle.snapshots); None: snapshots stay on this host (one host)
+        self.snapstore: SnapshotStore | None = None
+        if self.node_id is not None and cfg.snapshot_store:
+            self.snapstore = open_snapshot_store(cfg.snapshots_dir, cfg.snapshot_store)
         self.backend = backend
         self.events = events or EventBus()
         # admission by what the host really uses (accounting.quotas): ``measure`` stands in
@@ -540,6 +547,11 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
                 self._spawn(self._retry_teardown(sid))
                 return
             shutil.rmtree(self._snap(sid), ignore_errors=True)
+            if self.snapstore is not None and row.state == "paused" and row.node_id is None:
+                try:  # (paused into the shared store: its image goes too)
+                    await asyncio.wait_for(self.snapstore.delete(sid), KILL_TIMEOUT)
+                except Exception as e:
+                    log.warning("kill of %s: its snapshot in the store stays: %s", sid, e)
             self._finish(sid, final_state, reason)
         finally:
             if locked:

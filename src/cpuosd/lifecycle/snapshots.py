@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 from ..agentconn import DEVICE_SETTLE
 from ..errors import ApiError
-from ..snapstore.facts import snapshot_meta, write_meta
+from ..snapstore.facts import (host_facts, incompatibilities, read_meta, snapshot_meta,
+                               write_meta)
 from ..store import SandboxRow
 from . import states
 from .common import (Live, _du, _now)
@@ -122,8 +123,68 @@ class Snapshots:
         remaining = max(1.0, (lv.row.deadline or _now()) - _now())
         await self._checkpoint(lv, self._snap(sid))
         size = _du(self._snap(sid))
+        if self.snapstore is not None and await self._upload(sid):
+            # in the shared store: the row is on no node (a new epoch), any node resumes it
+            self._set_state(sid, "paused", paused_at=_now(), remaining=remaining,
+                            snapshot_bytes=size, deadline=None, reason=reason,
+                            node_id=None, new_epoch=True)
+            return
         self._set_state(sid, "paused", paused_at=_now(), remaining=remaining,
                         snapshot_bytes=size, deadline=None, reason=reason)
+
+    async def _upload(self: Manager, sid: str) -> bool:
+        """A paused image into the shared snapshot store, then off this node's disk (a
+        stale local copy must never be restored later). False: the upload failed; the
+        image stays here and the sandbox stays this node's (resumable here). Until it is
+        done the row says pausing: a node killed mid-upload never leaves a row saying paused
+        with an image that is not whole in the store."""
+        assert self.snapstore is not None
+        t0 = time.monotonic()
+        try:
+            m = await self.snapstore.put(sid, self._snap(sid))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.warning("upload of %s's snapshot failed (kept on this node): %s", sid, e)
+            return False
+        shutil.rmtree(self._snap(sid), ignore_errors=True)
+        log.info("snapshot of %s uploaded to the %s store: %d MiB in %.0f ms", sid,
+                 self.snapstore.kind, m.total_bytes >> 20, (time.monotonic() - t0) * 1e3)
+        return True
+
+    async def _claim(self: Manager, row: SandboxRow) -> SandboxRow:
+        """A sandbox paused into the shared store, taken by this node: paused -> resuming
+        with this node's id and a new epoch in one compare-and-set (two nodes racing: one
+        wins, the other answers 409), then its image fetched (and checked against this
+        host: gVisor refuses a restore on a CPU lacking saved features). On failure it is
+        paused on no node again."""
+        assert self.snapstore is not None
+        sid = row.id
+        if not self.store.transition(sid, ("paused",), "resuming", expect_epoch=row.epoch,
+                                     new_epoch=True, node_id=self.node_id):
+            now = self.store.get_sandbox(sid)
+            raise ApiError("conflict", f"sandbox {sid} is being resumed elsewhere (now "
+                           f"{now.state if now else 'gone'})",
+                           {"state": now.state if now else None})
+        snap = self._snap(sid)
+        shutil.rmtree(snap, ignore_errors=True)
+        try:
+            t0 = time.monotonic()
+            await self.snapstore.get(sid, snap)
+            meta = read_meta(snap)
+            bad = incompatibilities(meta, host_facts(self.backend)) if meta else []
+            if bad:
+                raise ApiError("conflict", f"sandbox {sid}'s snapshot cannot be restored on "
+                               f"node {self.node_id}: " + "; ".join(bad)[:300])
+            log.info("snapshot of %s fetched from the %s store in %.0f ms", sid,
+                     self.snapstore.kind, (time.monotonic() - t0) * 1e3)
+        except BaseException:
+            shutil.rmtree(snap, ignore_errors=True)
+            self.store.transition(sid, ("resuming",), "paused", new_epoch=True, node_id=None)
+            raise
+        got = self.store.get_sandbox(sid)
+        assert got is not None
+        return got
 
     async def resume(self: Manager, workspace_id: str, sid: str) -> SandboxRow:
         async with self._lock(sid):
@@ -131,6 +192,11 @@ class Snapshots:
             states.check("resume", sid, row.state, row.reason)
             if row.state == "running":
                 return row
+            if row.node_id != self.node_id:
+                if self.snapstore is None or row.node_id is not None:
+                    raise ApiError("conflict", f"sandbox {sid} is paused on node "
+                                   f"{row.node_id}, not on this one ({self.node_id})")
+                row = await self._claim(row)
             await self._resume_locked(row)
         return self.get(workspace_id, sid)
 
@@ -139,17 +205,29 @@ class Snapshots:
         it is paused as it was (the snapshot is kept until the restore succeeded)."""
         sid = row.id
         snap = self._snap(sid)
-        self.admission.admit(row.workspace_id, row.spec["vcpus"], row.spec["memory_mib"],
-                             new_sandboxes=False)
-        self._set_state(sid, "resuming")
+        claimed = row.state == "resuming"  # (fetched from the shared store: _claim)
         try:
+            self.admission.admit(row.workspace_id, row.spec["vcpus"], row.spec["memory_mib"],
+                                 new_sandboxes=False)
+            if not claimed:
+                self._set_state(sid, "resuming")
             await self._boot(row, snap, resume=True)
         except BaseException:
-            self._set_state(sid, "paused")  # the snapshot is still good
+            if claimed:  # the store's copy is still good: paused on no node again
+                shutil.rmtree(snap, ignore_errors=True)
+                self.store.transition(sid, ("resuming",), "paused", new_epoch=True,
+                                      node_id=None)
+            else:
+                self._set_state(sid, "paused")  # the snapshot is still good
             raise
         self._mark_running(row, row.remaining or row.spec.get("timeout") or 300.0)
         self.store.update_sandbox(sid, paused_at=None, remaining=None, snapshot_bytes=None)
         shutil.rmtree(snap, ignore_errors=True)
+        if claimed and self.snapstore is not None:
+            try:  # (running again: its next pause uploads a new image)
+                await self.snapstore.delete(sid)
+            except Exception as e:
+                log.warning("resumed %s: its old snapshot in the store stays: %s", sid, e)
 
     async def fork(self: Manager, workspace_id: str, sid: str, n: int) -> list[SandboxRow]:
         """n new sandboxes with the memory, processes and files of sid (which keeps running):
