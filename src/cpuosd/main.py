@@ -71,6 +71,34 @@ def serve_api(cfg: Config, log_file: str | None) -> None:
                 limit_concurrency=MAX_CONNECTIONS + 1, timeout_keep_alive=int(KEEPALIVE))
 
 
+def drain_self(argv: list[str]) -> int:
+    """``cpuosd drain``: on a node (its preStop hook, deploy/kubernetes), cordon it and
+    pause every sandbox running there into the snapshot store, through its own API
+    (CPUOS_PORT, CPUOS_NODE_TOKEN)."""
+    import json
+
+    import httpx
+
+    cfg = Config()
+    if not cfg.node_token:
+        print("cpuosd drain: CPUOS_NODE_TOKEN is not set (a node's token)", file=sys.stderr)
+        return 2
+    host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
+    try:
+        r = httpx.post(f"http://{host}:{cfg.port}/node/drain", timeout=httpx.Timeout(
+            10.0, read=None), headers={"X-Cpuos-Node-Token": cfg.node_token})
+    except httpx.HTTPError as e:
+        print(f"cpuosd drain: the node did not answer: {e}", file=sys.stderr)
+        return 1
+    if r.status_code != 200:
+        print(f"cpuosd drain: {r.status_code}: {r.text[:300]}", file=sys.stderr)
+        return 1
+    out = r.json()
+    print(json.dumps(out) if "--json" in argv else
+          f"{out['node']}: {len(out['paused'])} paused, {len(out['failed'])} failed")
+    return 0 if not out["failed"] else 1
+
+
 def audit_verify(argv: list[str]) -> int:
     """``cpuosd audit verify [--home DIR] [--json]``: the host-side check of the audit chain,
     from the database and key on disk (the daemon need not run)."""
@@ -108,6 +136,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(template_main(argv[1:]))
     if argv[:2] == ["audit", "verify"]:
         raise SystemExit(audit_verify(argv[2:]))
+    if argv[:1] == ["drain"]:
+        raise SystemExit(drain_self(argv[1:]))
     ap = argparse.ArgumentParser(prog="cpuosd", description="the cpuos daemon "
                                  "(`cpuosd template --help`: template administration)")
     ap.add_argument("--host")

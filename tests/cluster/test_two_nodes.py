@@ -8,6 +8,7 @@ cordon steers placement; a node that dies is skipped by placement and its sandbo
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import secrets
 import signal
@@ -263,3 +264,69 @@ def test_pause_on_one_node_resume_on_the_other(cluster_s3: Cluster, pg_url: str)
         final.kill()
     finally:
         store.close()
+
+
+def _cli(api: ApiProcess, key: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "CPUOS_API_URL": api.url, "CPUOS_API_KEY": key}
+    return subprocess.run([sys.executable, "-m", "cpuos.cli.main", *args], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_node_cordon_and_drain_from_the_cli(cluster_s3: Cluster, pg_url: str) -> None:
+    """``cpuos node ls|cordon|uncordon|drain`` through an API process (admin only); a drain
+    pauses the node's sandboxes into the store, and they resume on another node."""
+    nodes, (api1, api2), key = cluster_s3
+    r = _cli(api1, key, "node", "ls", "--json")
+    assert r.returncode == 0, r.stderr
+    listed = {n["id"]: n for n in json.loads(r.stdout)}
+    assert set(listed) == {"node-a", "node-b"}
+    assert all(n["alive"] and not n["cordoned"] and n["runsc_version"] for n in listed.values())
+    # only the admin workspace
+    other = httpx.post(api1.url + "/workspaces", json={"name": "tenant"},
+                       headers={"Authorization": f"Bearer {key}"}).json()["key"]
+    r = _cli(api1, other, "node", "cordon", "node-a")
+    assert r.returncode == 1 and "permission_denied" in r.stderr
+    r = _cli(api1, key, "node", "cordon", "nope")
+    assert r.returncode == 1 and "not_found" in r.stderr
+
+    assert _cli(api1, key, "node", "cordon", "node-b").returncode == 0
+    wait_until(lambda: api2.health().get("nodes_placeable") == 1, "node-b cordoned", 10)
+    sbx = Sandbox.create(template="python", timeout="5m", api_url=api2.url, api_key=key)
+    assert node_of(pg_url, sbx.id) == "node-a"
+    sbx.files.write("/work/f", "drained")
+
+    r = _cli(api2, key, "node", "drain", "node-a")
+    assert r.returncode == 0 and "1 paused, 0 failed" in r.stdout, (r.stdout, r.stderr)
+    store = open_test_store(pg_url)
+    try:
+        row = store.get_sandbox(sbx.id)
+        assert row is not None and row.state == "paused" and row.node_id is None
+        assert row.reason == "drain"
+        assert {n["id"]: n["cordoned"] for n in store.list_nodes()} == {"node-a": True,
+                                                                         "node-b": True}
+    finally:
+        store.close()
+    assert _cli(api1, key, "node", "uncordon", "node-b").returncode == 0
+    wait_until(lambda: api1.health().get("nodes_placeable") == 1, "node-b uncordoned", 10)
+    back = Sandbox.connect(sbx.id, api_url=api1.url, api_key=key)
+    assert node_of(pg_url, sbx.id) == "node-b"
+    assert back.files.read("/work/f") == b"drained"
+
+    # the node's own preStop hook: `cpuosd drain` on node-b (its port and token)
+    env = {**os.environ, "CPUOS_PORT": str(nodes[1].port), "CPUOS_NODE_TOKEN": TOKEN,
+           "CPUOS_HOST": "127.0.0.1"}
+    r2 = subprocess.run([sys.executable, "-m", "cpuosd.main", "drain"], env=env,
+                        capture_output=True, text=True, timeout=300)
+    assert r2.returncode == 0 and r2.stdout.strip() == "node-b: 1 paused, 0 failed", r2
+    store = open_test_store(pg_url)
+    try:
+        row = store.get_sandbox(sbx.id)
+        assert row is not None and row.state == "paused" and row.node_id is None
+        assert all(n["cordoned"] for n in store.list_nodes())
+    finally:
+        store.close()
+    env["CPUOS_NODE_TOKEN"] = "x" * 32  # (a wrong token: refused)
+    r2 = subprocess.run([sys.executable, "-m", "cpuosd.main", "drain"], env=env,
+                        capture_output=True, text=True, timeout=60)
+    assert r2.returncode == 1 and "403" in r2.stderr
+    Sandbox.connect(sbx.id, auto_resume=False, api_url=api1.url, api_key=key).kill()

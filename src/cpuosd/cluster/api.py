@@ -115,6 +115,63 @@ class Forwarder:
         key = bearer_key(headers)
         return key is not None and self.store.key_lookup(key) is not None
 
+    def _admin(self, headers: list[tuple[bytes, bytes]]) -> None:
+        """The admin workspace's key (as on one host: the "default" workspace), else
+        401/403."""
+        key = bearer_key(headers)
+        found = self.store.key_lookup(key) if key else None
+        if found is None:
+            raise ApiError("unauthorized", "missing or invalid API key")
+        if found[1] != self.store.workspace_by_name("default"):
+            raise ApiError("permission_denied", "only the admin workspace may do this")
+
+    # ---- the nodes (admin) ------------------------------------------------------------
+    def _node_json(self, n: NodeInfo) -> dict[str, Any]:
+        f = n.facts
+        running = len(self.store.list_sandboxes(states=("running",), node_id=n.node_id))
+        return {"id": n.node_id, "address": n.address, "alive": n.alive,
+                "cordoned": n.cordoned, "incarnation": n.incarnation,
+                "capacity": f.get("capacity") or {},
+                "runsc_version": (f.get("runtime") or {}).get("runsc_version"),
+                "cpu_model": f.get("cpu_model"), "templates": len(f.get("templates") or ()),
+                "running": running}
+
+    async def nodes(self, request: Request) -> Response:
+        try:
+            await asyncio.to_thread(self._admin, request.scope["headers"])
+        except ApiError as e:
+            return _error(e)
+        out = await asyncio.to_thread(lambda: [self._node_json(n) for n in self.view.nodes])
+        return JSONResponse({"nodes": out})
+
+    async def node_op(self, request: Request) -> Response:
+        """POST /nodes/{id}/cordon|uncordon|drain (drain: cordon, then the node pauses every
+        running sandbox of its own, into the snapshot store when it has one)."""
+        nid, op = request.path_params["node_id"], request.path_params["op"]
+        try:
+            await asyncio.to_thread(self._admin, request.scope["headers"])
+            if op not in ("cordon", "uncordon", "drain"):
+                raise ApiError("not_found", f"no node operation {op!r} (cordon, uncordon, "
+                               "drain)")
+            if not await asyncio.to_thread(self.store.set_node_cordoned, nid, op != "uncordon"):
+                raise ApiError("not_found", f"no node {nid!r}")
+            await asyncio.to_thread(self.view.refresh)
+            node = self.view.get(nid)
+            assert node is not None
+            if op != "drain":
+                return JSONResponse(self._node_json(node))
+            if not node.alive:
+                raise ApiError("unavailable", f"node {nid} is not alive: nothing to drain")
+            r = await self.http.post(f"http://{node.address}/node/drain",
+                                     headers={TOKEN_HEADER: self.token},
+                                     timeout=httpx.Timeout(10.0, read=None))
+            return Response(r.content, status_code=r.status_code,
+                            media_type="application/json")
+        except ApiError as e:
+            return _error(e)
+        except httpx.HTTPError as e:
+            return _error(ApiError("unavailable", f"node {nid} did not answer: {e}"))
+
     # ---- HTTP ---------------------------------------------------------------------------
     async def http_forward(self, request: Request) -> Response:
         path = request.url.path
@@ -251,6 +308,16 @@ def create_api_app(cfg: Config) -> Starlette:
         fwd: Forwarder = state["fwd"]
         await fwd.ws_forward(ws)
 
+    async def nodes(request: Request) -> Response:
+        fwd: Forwarder = state["fwd"]
+        return await fwd.nodes(request)
+
+    async def node_op(request: Request) -> Response:
+        fwd: Forwarder = state["fwd"]
+        return await fwd.node_op(request)
+
     methods = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
-    return Starlette(routes=[Route("/{path:path}", http, methods=methods),
+    return Starlette(routes=[Route("/nodes", nodes, methods=["GET"]),
+                             Route("/nodes/{node_id}/{op}", node_op, methods=["POST"]),
+                             Route("/{path:path}", http, methods=methods),
                              WebSocketRoute("/{path:path}", websocket)], lifespan=lifespan)

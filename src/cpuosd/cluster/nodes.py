@@ -42,6 +42,7 @@ from .membership import NODE_ID_RE
 if TYPE_CHECKING:
     from ..backends.base import Backend
     from ..config import Config
+    from ..lifecycle.manager import Manager
 
 log = logging.getLogger("cpuosd.cluster")
 
@@ -77,19 +78,48 @@ class NodeTokenGuard:
             return
         given = next((v for k, v in scope["headers"] if k == TOKEN_HEADER.encode()), b"")
         if hmac.compare_digest(given, self.token):
+            if scope["type"] == "http" and scope["path"] == "/node/drain":
+                if scope["method"] != "POST":
+                    await _reply(send, 404, ApiError("not_found", "POST /node/drain"))
+                    return
+                await _reply(send, 200, await drain(scope["app"].state.mgr))
+                return
             await self.app(scope, receive, send)
             return
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 4403,
                         "reason": "node token required"})
             return
-        err = ApiError("permission_denied", "this is a cpuos node: its API is reached "
-                       "through an API process (missing or wrong node token)")
-        body = json.dumps(err.body()).encode()
-        await send({"type": "http.response.start", "status": err.status,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        await _reply(send, 403, ApiError(
+            "permission_denied", "this is a cpuos node: its API is reached through an API "
+            "process (missing or wrong node token)"))
+
+
+async def _reply(send: Send, status: int, what: ApiError | dict[str, Any]) -> None:
+    body = json.dumps(what.body() if isinstance(what, ApiError) else what).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def drain(mgr: Manager) -> dict[str, Any]:
+    """Cordon this node, then pause every running sandbox of it (into the snapshot store
+    when the node has one: then any node resumes them), one after another (each pause is
+    bounded by itself)."""
+    if mgr.node_id is not None:  # (cordoned first: nothing new lands here meanwhile)
+        await asyncio.to_thread(mgr.store.set_node_cordoned, mgr.node_id, True)
+    rows = await asyncio.to_thread(mgr.store.list_sandboxes, None, ("running",),
+                                   node_id=mgr.node_id)
+    paused, failed = [], []
+    for row in rows:
+        try:
+            await mgr.pause(row.workspace_id, row.id, reason="drain")
+            paused.append(row.id)
+        except ApiError as e:
+            failed.append({"id": row.id, "error": e.code, "message": e.message})
+    log.info("node %s drained: %d paused, %d failed", mgr.node_id, len(paused), len(failed))
+    return {"node": mgr.node_id, "paused": paused, "failed": failed}
 
 
 def _meminfo() -> dict[str, int]:
