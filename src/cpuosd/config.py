@@ -128,6 +128,11 @@ class Config:
         default_factory=lambda: os.environ.get("CPUOS_SNAPSHOT_STORE") or None)
     # s without a heartbeat after which a node counts as dead; a node beats every third
     node_lease: float = field(default_factory=lambda: _duration_env("CPUOS_NODE_LEASE", 15))
+    # s a node has been dead (by an API process's clock) after which its sandboxes are
+    # fenced: marked error/node_lost with a new epoch (those paused on it are left for its
+    # return); a fenced node that comes back stops them. 0: never
+    node_fence_after: float = field(
+        default_factory=lambda: _duration_env("CPUOS_NODE_FENCE_AFTER", 60))
 
     @property
     def db_path(self) -> Path:

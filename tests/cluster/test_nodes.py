@@ -72,3 +72,31 @@ def test_placement() -> None:
     nodes[0] = _node("a", 4000, templates=("abc",))
     assert place(nodes, template_digest="abc").node_id == "a"  # type: ignore[union-attr]
     assert place([]) is None
+
+
+def test_fence_dead(store: Store) -> None:
+    from cpuosd.cluster.nodes import fence_dead
+
+    now = [1000.0]
+    view = NodeView(store, lease=3, clock=lambda: now[0])
+    ws = store.create_workspace("w")
+    store.register_node("node-a", "a:1", "i", {})
+    for sid, state in (("sbx-run", "running"), ("sbx-paused", "paused")):
+        store.insert_sandbox(SandboxRow(
+            id=sid, workspace_id=ws, template="python", backend="gvisor", state=state,
+            reason=None, created_at=time.time(), started_at=None, ended_at=None,
+            deadline=None, spec={}, metadata={}, node_id="node-a"))
+    view.refresh()
+    assert fence_dead(store, view, after=10) == {}
+    now[0] += 3 + 9  # dead for 9 s: not yet
+    view.refresh()
+    assert fence_dead(store, view, after=10) == {}
+    now[0] += 2
+    view.refresh()
+    assert fence_dead(store, view, after=10) == {"node-a": ["sbx-run"]}
+    run = store.get_sandbox("sbx-run")
+    assert run is not None and (run.state, run.reason, run.epoch) == ("error", "node_lost", 1)
+    paused = store.get_sandbox("sbx-paused")
+    assert paused is not None and paused.state == "paused"
+    assert fence_dead(store, view, after=10) == {}  # (done once)
+    assert fence_dead(store, view, after=0) == {}  # (0: never)

@@ -34,7 +34,8 @@ TOKEN = secrets.token_hex(16)
 class ApiProcess:
     """One ``cpuosd --role=api`` (no root needed, no home of its own to speak of)."""
 
-    def __init__(self, database_url: str, lease: str) -> None:
+    def __init__(self, database_url: str, lease: str, extra: dict[str, str] | None = None
+                 ) -> None:
         self.port = testbed.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.home = Path(tempfile.mkdtemp(prefix="cpuos-api-", dir="/tmp"))
@@ -42,7 +43,7 @@ class ApiProcess:
         env = {**os.environ, "CPUOS_ROLE": "api", "CPUOS_HOME": str(self.home),
                "CPUOS_HOST": "127.0.0.1", "CPUOS_PORT": str(self.port),
                "CPUOS_DATABASE_URL": database_url, "CPUOS_NODE_TOKEN": TOKEN,
-               "CPUOS_NODE_LEASE": lease}
+               "CPUOS_NODE_LEASE": lease, **(extra or {})}
         with open(self.log, "wb") as logf:
             self.proc = subprocess.Popen([sys.executable, "-m", "cpuosd.main"], env=env,
                                          stdout=logf, stderr=logf, start_new_session=True)
@@ -76,7 +77,13 @@ def cluster_s3(pg_url: str, s3_server: testbed.S3Server) -> Iterator[Cluster]:
     yield from _cluster(pg_url, s3_server.env(bucket))
 
 
-def _cluster(pg_url: str, extra: dict[str, str]) -> Iterator[Cluster]:
+@pytest.fixture
+def cluster_fencing(pg_url: str) -> Iterator[Cluster]:
+    yield from _cluster(pg_url, {}, {"CPUOS_NODE_FENCE_AFTER": "2"})
+
+
+def _cluster(pg_url: str, extra: dict[str, str], api_extra: dict[str, str] | None = None
+             ) -> Iterator[Cluster]:
     why = e2e_unavailable()
     if why:
         pytest.skip(why)
@@ -89,7 +96,7 @@ def _cluster(pg_url: str, extra: dict[str, str]) -> Iterator[Cluster]:
     try:
         for d in nodes:
             d.start()
-        apis = [ApiProcess(pg_url, "3") for _ in range(2)]
+        apis = [ApiProcess(pg_url, "3", api_extra) for _ in range(2)]
         for a in apis:
             wait_until(lambda a=a: a.health().get("nodes_alive") == 2,  # type: ignore[misc]
                        "the API process to see both nodes", timeout=60)
@@ -330,3 +337,42 @@ def test_node_cordon_and_drain_from_the_cli(cluster_s3: Cluster, pg_url: str) ->
                         capture_output=True, text=True, timeout=60)
     assert r2.returncode == 1 and "403" in r2.stderr
     Sandbox.connect(sbx.id, auto_resume=False, api_url=api1.url, api_key=key).kill()
+
+
+def test_a_dead_node_is_fenced(cluster_fencing: Cluster, pg_url: str) -> None:
+    """A node silent past the lease and CPUOS_NODE_FENCE_AFTER: its sandboxes are marked
+    error/node_lost (new epoch); when it wakes up (SIGSTOP, SIGCONT: a partition, not a
+    restart) it stops them itself; a paused one stays for its return."""
+    nodes, (api1, _), key = cluster_fencing
+    _cordon_all_but(pg_url, api1, "node-b")
+    sbx = Sandbox.create(template="python", timeout="5m", api_url=api1.url, api_key=key)
+    kept = Sandbox.create(template="python", timeout="5m", api_url=api1.url, api_key=key)
+    kept.pause()  # (no snapshot store: paused on node-b's disk)
+    assert {node_of(pg_url, s.id) for s in (sbx, kept)} == {"node-b"}
+    assert sbx.id in nodes[1].runsc_containers()
+    store = open_test_store(pg_url)
+    try:
+        epoch = store.get_sandbox(sbx.id).epoch  # type: ignore[union-attr]
+        assert nodes[1].proc is not None
+        os.kill(nodes[1].proc.pid, signal.SIGSTOP)
+        try:
+            wait_until(lambda: getattr(store.get_sandbox(sbx.id), "state", "") == "error",
+                       "node-b's sandbox to be fenced", timeout=60)
+        finally:
+            os.kill(nodes[1].proc.pid, signal.SIGCONT)
+        row = store.get_sandbox(sbx.id)
+        assert row is not None and row.reason == "node_lost" and row.epoch == epoch + 1
+        still = store.get_sandbox(kept.id)
+        assert still is not None and still.state == "paused" and still.node_id == "node-b"
+        # node-b beats again and stops what it still ran for the fenced row
+        wait_until(lambda: sbx.id not in nodes[1].runsc_containers(),
+                   "node-b to stop its fenced sandbox", timeout=60)
+        r = httpx.post(f"{api1.url}/sandboxes/{sbx.id}/exec", json={"cmd": "true"},
+                       headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 409, r.text
+        wait_until(lambda: api1.health().get("nodes_alive") == 2, "node-b alive", timeout=30)
+        back = Sandbox.connect(kept.id, api_url=api1.url, api_key=key)
+        assert back.exec("echo kept").stdout == "kept\n"
+        back.kill()
+    finally:
+        store.close()

@@ -413,11 +413,12 @@ def create_app(cfg: Config | None = None) -> FastAPI:
         cap_task = asyncio.ensure_future(enforcer.run())
         node_task = None
         if cfg.role == "node":
-            from ..cluster.nodes import NodeAgent, node_facts
+            from ..cluster.nodes import NodeAgent, node_facts, stop_fenced
 
             address = cfg.node_address or f"{cfg.host}:{cfg.port}"
             agent = NodeAgent(store, str(cfg.node_id), address,
-                              partial(node_facts, cfg, backend, address), cfg.node_lease)
+                              partial(node_facts, cfg, backend, address), cfg.node_lease,
+                              after_beat=partial(stop_fenced, mgr))
             await agent.register()
             node_task = asyncio.ensure_future(agent.run())
         app.state.meter = meter

@@ -41,7 +41,7 @@ from ..api.auth import bearer_key
 from ..config import Config
 from ..errors import ApiError
 from ..store import Store, open_store
-from .nodes import TOKEN_HEADER, NodeInfo, NodeView, check_token, place
+from .nodes import TOKEN_HEADER, NodeInfo, NodeView, check_token, fence_dead, place
 
 log = logging.getLogger("cpuosd.cluster")
 
@@ -81,6 +81,8 @@ class Forwarder:
             await asyncio.sleep(REFRESH)
             try:
                 await asyncio.to_thread(self.view.refresh)
+                await asyncio.to_thread(fence_dead, self.store, self.view,
+                                        self.cfg.node_fence_after)
             except Exception as e:
                 log.warning("reading the nodes failed: %s", e)
 

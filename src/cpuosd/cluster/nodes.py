@@ -29,7 +29,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -151,13 +151,59 @@ def node_facts(cfg: Config, backend: Backend, address: str) -> dict[str, Any]:
     return facts
 
 
+FENCED_STATES = ("creating", "running", "pausing", "resuming", "killing", "pooled")
+FENCED_REASON = "node_lost"
+
+
+def fence_dead(store: Store, view: NodeView, after: float) -> dict[str, list[str]]:
+    """Fence the nodes dead for longer than ``after`` s (by ``view``'s clock): their
+    sandboxes in FENCED_STATES become error/node_lost with a new epoch, in one
+    compare-and-set per node (safe if several API processes do it at once); their usage
+    intervals end. Those paused on such a node stay (its disk holds them)."""
+    out: dict[str, list[str]] = {}
+    if after <= 0:
+        return out
+    for n in view.nodes:
+        if n.alive or view.dead_for(n.node_id) < after:
+            continue
+        ids = store.fence_node(n.node_id, FENCED_STATES, "error", FENCED_REASON)
+        if ids:
+            now = time.time()
+            for sid in ids:
+                store.usage_close(sid, now)
+            log.error("node %s dead for %.0f s: %d sandbox(es) marked lost: %s", n.node_id,
+                      view.dead_for(n.node_id), len(ids), ", ".join(ids[:20]))
+            out[n.node_id] = ids
+    return out
+
+
+async def stop_fenced(mgr: Manager) -> list[str]:
+    """On a node: sandboxes it still runs whose rows were fenced while it was away (an
+    API process saw it dead): stopped, as their rows say they are lost."""
+    stopped: list[str] = []
+    if not mgr.live:
+        return stopped
+    mine = {r.id for r in await asyncio.to_thread(
+        mgr.store.list_sandboxes, None, FENCED_STATES, node_id=mgr.node_id)}
+    for sid in [s for s in mgr.live if s not in mine]:  # (one query while none is fenced)
+        row = await asyncio.to_thread(mgr.store.get_sandbox, sid)
+        if row is not None and row.state == "error" and row.reason == FENCED_REASON:
+            log.error("sandbox %s was fenced while this node was away: stopping it", sid)
+            with contextlib.suppress(Exception):
+                await mgr._teardown(sid)
+            stopped.append(sid)
+    return stopped
+
+
 class NodeAgent:
     """A node's registration and heartbeat in the store."""
 
     def __init__(self, store: Store, node_id: str, address: str,
-                 facts: Callable[[], dict[str, Any]], lease: float = 15.0) -> None:
+                 facts: Callable[[], dict[str, Any]], lease: float = 15.0,
+                 after_beat: Callable[[], Awaitable[Any]] | None = None) -> None:
         self.store, self.node_id, self.address = store, node_id, address
         self.facts = facts
+        self.after_beat = after_beat
         self.lease = max(1.0, lease)
         self.incarnation = secrets.token_hex(6)
         self.last_beat = 0.0  # monotonic
@@ -182,6 +228,8 @@ class NodeAgent:
                               self.node_id)
                     await self.register()
                 self.last_beat = time.monotonic()
+                if self.after_beat is not None:
+                    await self.after_beat()
             except Exception as e:  # (a database that is away: the next beat retries)
                 log.warning("node %s: heartbeat failed: %s", self.node_id, e)
 
@@ -225,6 +273,13 @@ class NodeView:
             del self._seen[gone]
         self.nodes = out
         return out
+
+    def dead_for(self, node_id: str) -> float:
+        """s since the node's lease ran out (by this process's clock); 0 while alive."""
+        seen = self._seen.get(node_id)
+        if seen is None:
+            return 0.0
+        return max(0.0, self.clock() - seen[2] - self.lease)
 
     def get(self, node_id: str | None) -> NodeInfo | None:
         return next((n for n in self.nodes if n.node_id == node_id), None)
