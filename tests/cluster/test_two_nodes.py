@@ -87,6 +87,11 @@ def _cluster(pg_url: str, extra: dict[str, str], api_extra: dict[str, str] | Non
     why = e2e_unavailable()
     if why:
         pytest.skip(why)
+    # one audit key for every node (a Secret's file in Kubernetes): one chain in Postgres
+    key_dir = Path(tempfile.mkdtemp(prefix="cpuos-auditkey-", dir="/tmp"))
+    (key_dir / "audit.key").write_text(secrets.token_hex(32) + "\n")
+    (key_dir / "audit.key").chmod(0o600)
+    extra = {"CPUOS_AUDIT_KEY_FILE": str(key_dir / "audit.key"), **extra}
     env = {"CPUOS_ROLE": "node", "CPUOS_DATABASE_URL": pg_url, "CPUOS_NODE_TOKEN": TOKEN,
            "CPUOS_NODE_LEASE": "3", "CPUOS_POOL_SIZE": "0", "CPUOS_HOST": "127.0.0.1",
            **extra}
@@ -116,6 +121,8 @@ def _cluster(pg_url: str, extra: dict[str, str], api_extra: dict[str, str] | Non
                     except httpx.HTTPError:
                         pass
         left = [x for d in nodes for x in d.teardown(failed)]
+        import shutil
+        shutil.rmtree(key_dir, ignore_errors=True)
         assert not left, left
 
 
@@ -269,6 +276,26 @@ def test_pause_on_one_node_resume_on_the_other(cluster_s3: Cluster, pg_url: str)
         final = Sandbox.connect(sbx.id, api_url=api2.url, api_key=key)
         assert final.files.read("/work/state.txt") == b"made on node-a"
         final.kill()
+
+        # the audit rows of both nodes: one chain in Postgres, verified through either
+        # API process (each lands on some node) and on each node
+        auth = {"Authorization": f"Bearer {key}"}
+        rows = httpx.get(f"{api1.url}/sandboxes/{sbx.id}/audit", headers=auth,
+                         params={"kind": "lifecycle"}).json()["rows"]
+        seqs = [r["seq"] for r in rows]
+        assert seqs == sorted(seqs) and len(seqs) >= 8, rows
+        states = [r["detail"].get("to") for r in rows]
+        assert states.count("paused") == 2 and states.count("resuming") == 2, states
+        assert states.count("running") >= 3 and states[-1] == "killed", states
+        total = None
+        for url, extra_h in ((api1.url, {}), (api2.url, {}),
+                             (nodes[0].url, {"X-Cpuos-Node-Token": TOKEN}),
+                             (nodes[1].url, {"X-Cpuos-Node-Token": TOKEN})):
+            v = httpx.get(f"{url}/audit/verify", headers={**auth, **extra_h},
+                          timeout=60).json()
+            assert v["ok"], v
+            total = total or v["rows"]
+            assert v["rows"] >= total  # (the same chain, possibly grown meanwhile)
     finally:
         store.close()
 

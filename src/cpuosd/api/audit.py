@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import AsyncIterator
 from datetime import datetime
+from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
-from ..accounting.audit import DB_NAME, KINDS, AuditLog, Limits, retention_seconds
+from ..accounting.audit import (DB_NAME, KINDS, AuditLog, Limits, load_key,
+                                retention_seconds)
 from ..config import Config
 from ..errors import invalid
 from ..events import EventBus
@@ -35,8 +38,16 @@ def start_audit(cfg: Config, events: EventBus, store: Store) -> AuditLog:
         row = store.get_sandbox(sid)
         return row.workspace_id if row is not None and row.state != "pooled" else None
 
-    audit = AuditLog(cfg.home / DB_NAME, cfg.home / "audit.key", cfg.home / "audit.head",
-                     retention_seconds(), workspace, Limits.from_env())
+    # the chain's key: every node of many must hold the same one (a Secret's file)
+    key_path = Path(os.environ.get("CPUOS_AUDIT_KEY_FILE") or cfg.home / "audit.key")
+    chain = None
+    if store.dialect == "postgres" and cfg.database_url:
+        # many hosts: one chain in the shared database (cpuosd.store.audit_chain)
+        from ..store.audit_chain import PgAuditChain
+
+        chain = PgAuditChain(cfg.database_url, load_key(key_path))
+    audit = AuditLog(cfg.home / DB_NAME, key_path, cfg.home / "audit.head",
+                     retention_seconds(), workspace, Limits.from_env(), chain=chain)
     if cfg.audit:
         events.subscribe(audit.on_event)
     return audit

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from ..agentconn import DEVICE_SETTLE
 from ..errors import ApiError
+from ..events import SandboxEvent
 from ..snapstore.facts import (host_facts, incompatibilities, read_meta, snapshot_meta,
                                write_meta)
 from ..store import SandboxRow
@@ -166,6 +167,7 @@ class Snapshots:
             raise ApiError("conflict", f"sandbox {sid} is being resumed elsewhere (now "
                            f"{now.state if now else 'gone'})",
                            {"state": now.state if now else None})
+        self.events.emit(SandboxEvent("resuming", sid, row.workspace_id, "paused"))
         snap = self._snap(sid)
         shutil.rmtree(snap, ignore_errors=True)
         try:

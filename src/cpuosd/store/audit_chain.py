@@ -77,7 +77,8 @@ class PgAuditChain:
         return (int(r["seq"]), str(r["hash"])) if r else (0, GENESIS)
 
     def query(self, sandbox: str | None = None, kinds: tuple[str, ...] = (),
-              after: int = 0, limit: int = 1000, workspace: str | None = None
+              after: int = 0, limit: int = 1000, workspace: str | None = None,
+              since: float | None = None, until: float | None = None
               ) -> list[dict[str, Any]]:
         sql = f"SELECT {COLS} FROM audit WHERE seq > %s"
         args: list[Any] = [after]
@@ -88,6 +89,12 @@ class PgAuditChain:
         if kinds:
             sql += " AND kind = ANY(%s)"
             args.append(list(kinds))
+        if since is not None:
+            sql += " AND time >= %s"
+            args.append(since)
+        if until is not None:
+            sql += " AND time < %s"
+            args.append(until)
         sql += " ORDER BY seq LIMIT %s"
         args.append(limit)
         with self.pool.connection() as c:
