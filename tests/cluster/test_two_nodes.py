@@ -14,56 +14,17 @@ import secrets
 import signal
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
 from cpuos import Sandbox
 from cpuosd.cluster import testbed
-from cpuosd.cluster.testbed import open_test_store
-from cpuosd.testing import Daemon, e2e_unavailable, new_daemon, wait_until
+from cpuosd.cluster.testbed import ApiProcess, open_test_store
+from cpuosd.testing import Daemon, e2e_unavailable, wait_until
 
 pytestmark = pytest.mark.cluster
-
-TOKEN = secrets.token_hex(16)
-
-
-class ApiProcess:
-    """One ``cpuosd --role=api`` (no root needed, no home of its own to speak of)."""
-
-    def __init__(self, database_url: str, lease: str, extra: dict[str, str] | None = None
-                 ) -> None:
-        self.port = testbed.free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.home = Path(tempfile.mkdtemp(prefix="cpuos-api-", dir="/tmp"))
-        self.log = self.home / "cpuosd.log"
-        env = {**os.environ, "CPUOS_ROLE": "api", "CPUOS_HOME": str(self.home),
-               "CPUOS_HOST": "127.0.0.1", "CPUOS_PORT": str(self.port),
-               "CPUOS_DATABASE_URL": database_url, "CPUOS_NODE_TOKEN": TOKEN,
-               "CPUOS_NODE_LEASE": lease, **(extra or {})}
-        with open(self.log, "wb") as logf:
-            self.proc = subprocess.Popen([sys.executable, "-m", "cpuosd.main"], env=env,
-                                         stdout=logf, stderr=logf, start_new_session=True)
-
-    def health(self) -> dict[str, object]:
-        try:
-            r = httpx.get(self.url + "/health", timeout=2)
-            return dict(r.json()) if r.status_code == 200 else {}
-        except httpx.TransportError:
-            assert self.proc.poll() is None, self.log.read_text()[-2000:]
-            return {}
-
-    def stop(self) -> None:
-        testbed.stop_process(self.proc, signal.SIGTERM, 15)
-        import shutil
-        shutil.rmtree(self.home, ignore_errors=True)
-
-
-Cluster = tuple[list[Daemon], list[ApiProcess], str]
-
 
 @pytest.fixture
 def cluster(pg_url: str) -> Iterator[Cluster]:
@@ -82,48 +43,19 @@ def cluster_fencing(pg_url: str) -> Iterator[Cluster]:
     yield from _cluster(pg_url, {}, {"CPUOS_NODE_FENCE_AFTER": "2"})
 
 
+Cluster = tuple[list[Daemon], list[ApiProcess], str]
+TOKEN = ""  # (the running cluster's node token, set by _cluster)
+
+
 def _cluster(pg_url: str, extra: dict[str, str], api_extra: dict[str, str] | None = None
              ) -> Iterator[Cluster]:
+    global TOKEN
     why = e2e_unavailable()
     if why:
         pytest.skip(why)
-    # one audit key for every node (a Secret's file in Kubernetes): one chain in Postgres
-    key_dir = Path(tempfile.mkdtemp(prefix="cpuos-auditkey-", dir="/tmp"))
-    (key_dir / "audit.key").write_text(secrets.token_hex(32) + "\n")
-    (key_dir / "audit.key").chmod(0o600)
-    extra = {"CPUOS_AUDIT_KEY_FILE": str(key_dir / "audit.key"), **extra}
-    env = {"CPUOS_ROLE": "node", "CPUOS_DATABASE_URL": pg_url, "CPUOS_NODE_TOKEN": TOKEN,
-           "CPUOS_NODE_LEASE": "3", "CPUOS_POOL_SIZE": "0", "CPUOS_HOST": "127.0.0.1",
-           **extra}
-    nodes = [new_daemon(CPUOS_NODE_ID=f"node-{n}", **env) for n in "ab"]
-    apis: list[ApiProcess] = []
-    failed = True
-    try:
-        for d in nodes:
-            d.start()
-        apis = [ApiProcess(pg_url, "3", api_extra) for _ in range(2)]
-        for a in apis:
-            wait_until(lambda a=a: a.health().get("nodes_alive") == 2,  # type: ignore[misc]
-                       "the API process to see both nodes", timeout=60)
-        yield nodes, apis, nodes[0].key
-        failed = False
-    finally:
-        for a in apis:
-            a.stop()
-        for d in nodes:
-            if d.proc is not None and d.proc.poll() is None:
-                with httpx.Client(base_url=d.url, timeout=30, headers={
-                        "Authorization": f"Bearer {d.key}",
-                        "X-Cpuos-Node-Token": TOKEN}) as c:
-                    try:
-                        for s in c.get("/sandboxes").json()["sandboxes"]:
-                            c.delete(f"/sandboxes/{s['id']}")
-                    except httpx.HTTPError:
-                        pass
-        left = [x for d in nodes for x in d.teardown(failed)]
-        import shutil
-        shutil.rmtree(key_dir, ignore_errors=True)
-        assert not left, left
+    with testbed.node_cluster(pg_url, extra, api_extra) as c:
+        TOKEN = c.token
+        yield c.nodes, c.apis, c.key
 
 
 def node_of(pg_url: str, sid: str) -> str | None:
@@ -394,10 +326,10 @@ def test_a_dead_node_is_fenced(cluster_fencing: Cluster, pg_url: str) -> None:
         # node-b beats again and stops what it still ran for the fenced row
         wait_until(lambda: sbx.id not in nodes[1].runsc_containers(),
                    "node-b to stop its fenced sandbox", timeout=60)
+        wait_until(lambda: api1.health().get("nodes_alive") == 2, "node-b alive", timeout=30)
         r = httpx.post(f"{api1.url}/sandboxes/{sbx.id}/exec", json={"cmd": "true"},
                        headers={"Authorization": f"Bearer {key}"})
         assert r.status_code == 409, r.text
-        wait_until(lambda: api1.health().get("nodes_alive") == 2, "node-b alive", timeout=30)
         back = Sandbox.connect(kept.id, api_url=api1.url, api_key=key)
         assert back.exec("echo kept").stdout == "kept\n"
         back.kill()

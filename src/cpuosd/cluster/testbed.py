@@ -458,3 +458,98 @@ def postgres(base: Path | None = None) -> Iterator[PostgresServer]:
         yield pg
     finally:
         pg.stop()
+
+
+# ---- many hosts on one host: node and API processes ------------------------------------
+
+class ApiProcess:
+    """One ``cpuosd --role=api`` (no root needed; a scratch home for its log)."""
+
+    def __init__(self, database_url: str, token: str, lease: str = "3",
+                 extra: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.home = Path(tempfile.mkdtemp(prefix="cpuos-api-", dir="/tmp"))
+        self.log = self.home / "cpuosd.log"
+        env = {**os.environ, "CPUOS_ROLE": "api", "CPUOS_HOME": str(self.home),
+               "CPUOS_HOST": "127.0.0.1", "CPUOS_PORT": str(self.port),
+               "CPUOS_DATABASE_URL": database_url, "CPUOS_NODE_TOKEN": token,
+               "CPUOS_NODE_LEASE": lease, **(extra or {})}
+        with open(self.log, "wb") as logf:
+            self.proc = subprocess.Popen([sys.executable, "-m", "cpuosd.main"], env=env,
+                                         stdout=logf, stderr=logf, start_new_session=True)
+
+    def health(self) -> dict[str, Any]:
+        import httpx
+
+        try:
+            r = httpx.get(self.url + "/health", timeout=2)
+            return dict(r.json()) if r.status_code == 200 else {}
+        except httpx.TransportError:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"cpuosd --role=api exited: {_tail(self.log)}") from None
+            return {}
+
+    def stop(self) -> None:
+        stop_process(self.proc, signal.SIGTERM, 15)
+        shutil.rmtree(self.home, ignore_errors=True)
+
+
+@dataclass
+class Cluster:
+    nodes: list[Any]  # cpuosd.testing.Daemon, each started with --role=node
+    apis: list[ApiProcess]
+    key: str  # the admin workspace's key
+    token: str  # the node token
+
+
+@contextlib.contextmanager
+def node_cluster(database_url: str, node_env: dict[str, str] | None = None,
+                 api_env: dict[str, str] | None = None, n_nodes: int = 2, n_apis: int = 2,
+                 lease: str = "3") -> Iterator[Cluster]:
+    """``n_nodes`` real node processes (``node-a``, ``node-b``...: own homes, network slots,
+    ports; runsc) and ``n_apis`` API processes over one database, sharing a node token and
+    an audit key; every sandbox deleted and every process stopped at the end (a leftover
+    runsc container or mount raises)."""
+    import httpx
+
+    from ..testing import new_daemon, wait_until
+
+    token = secrets.token_hex(16)
+    key_dir = Path(tempfile.mkdtemp(prefix="cpuos-auditkey-", dir="/tmp"))
+    (key_dir / "audit.key").write_text(secrets.token_hex(32) + "\n")
+    (key_dir / "audit.key").chmod(0o600)
+    env = {"CPUOS_ROLE": "node", "CPUOS_DATABASE_URL": database_url,
+           "CPUOS_NODE_TOKEN": token, "CPUOS_NODE_LEASE": lease, "CPUOS_POOL_SIZE": "0",
+           "CPUOS_HOST": "127.0.0.1", "CPUOS_AUDIT_KEY_FILE": str(key_dir / "audit.key"),
+           **(node_env or {})}
+    nodes = [new_daemon(CPUOS_NODE_ID=f"node-{chr(ord('a') + i)}", **env)
+             for i in range(n_nodes)]
+    apis: list[ApiProcess] = []
+    failed = True
+    try:
+        for d in nodes:
+            d.start()
+        apis = [ApiProcess(database_url, token, lease, api_env) for _ in range(n_apis)]
+        for a in apis:
+            wait_until(lambda a=a: a.health().get("nodes_alive") == n_nodes,  # type: ignore[misc]
+                       "the API process to see every node", timeout=60)
+        yield Cluster(nodes, apis, nodes[0].key, token)
+        failed = False
+    finally:
+        for a in apis:
+            a.stop()
+        for d in nodes:
+            if d.proc is not None and d.proc.poll() is None:
+                with httpx.Client(base_url=d.url, timeout=30, headers={
+                        "Authorization": f"Bearer {d.key}",
+                        "X-Cpuos-Node-Token": token}) as c:
+                    try:
+                        for s in c.get("/sandboxes").json()["sandboxes"]:
+                            c.delete(f"/sandboxes/{s['id']}")
+                    except httpx.HTTPError:
+                        pass
+        left = [x for d in nodes for x in d.teardown(failed)]
+        shutil.rmtree(key_dir, ignore_errors=True)
+        if left:
+            raise RuntimeError(f"left behind by the cluster: {left}")
