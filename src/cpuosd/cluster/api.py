@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import re
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -54,6 +55,8 @@ WS_DROP = DROP | {"sec-websocket-key", "sec-websocket-version", "sec-websocket-e
                   "sec-websocket-protocol", "origin"}
 REFRESH = 1.0  # s between reads of the nodes' rows
 WS_MAX_MESSAGE = 16 << 20
+SMALL_BODY = 64 << 10  # bytes of a request body read whole before it is forwarded
+KEY_CACHE = 5.0  # s a key found valid is not looked up again (the node re-checks it)
 
 
 def _error(err: ApiError) -> JSONResponse:
@@ -71,6 +74,7 @@ class Forwarder:
                                                             write=60.0, pool=10.0),
                                       follow_redirects=False)
         self._task: asyncio.Task[None] | None = None
+        self._keys: dict[str, float] = {}  # key -> monotonic time its check expires
 
     async def start(self) -> None:
         await asyncio.to_thread(self.view.refresh)
@@ -93,15 +97,29 @@ class Forwarder:
         await self.http.aclose()
 
     # ---- where a request goes ---------------------------------------------------------
-    async def target(self, method: str, path: str) -> NodeInfo:
+    def _row_node(self, path: str) -> tuple[str, str | None] | None:
+        """(sandbox id, its node) for a path under /sandboxes/<id> whose row exists."""
         m = SANDBOX_PATH.match(path)
-        if m:
-            row = await asyncio.to_thread(self.store.get_sandbox, m.group(1))
-            if row is not None and row.node_id is not None:
-                node = self.view.get(row.node_id)
+        if not m:
+            return None
+        row = self.store.get_sandbox(m.group(1))
+        return None if row is None else (row.id, row.node_id)
+
+    def _route(self, headers: list[tuple[bytes, bytes]], path: str
+               ) -> tuple[bool, tuple[str, str | None] | None]:
+        """The key check and the sandbox's row, in one trip to a thread."""
+        ok = self._authorized(headers)
+        return ok, (self._row_node(path) if ok else None)
+
+    def _target(self, method: str, path: str, found: tuple[str, str | None] | None
+                ) -> NodeInfo:
+        if found is not None:
+            sid, node_id = found
+            if node_id is not None:
+                node = self.view.get(node_id)
                 if node is None or not node.alive:
-                    raise ApiError("unavailable", f"the node holding sandbox {row.id} "
-                                   f"({row.node_id}) is not reachable; try again later")
+                    raise ApiError("unavailable", f"the node holding sandbox {sid} "
+                                   f"({node_id}) is not reachable; try again later")
                 return node
             # (unknown here: any node answers as one host would, 404 for a stranger)
         if method == "POST" and path == "/sandboxes":
@@ -114,8 +132,20 @@ class Forwarder:
         return chosen
 
     def _authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        """A known, unrevoked key (a positive answer is kept KEY_CACHE s: the node checks
+        the key again on every request, so a key revoked meanwhile gets no further)."""
         key = bearer_key(headers)
-        return key is not None and self.store.key_lookup(key) is not None
+        if key is None:
+            return False
+        now = time.monotonic()
+        if self._keys.get(key, 0.0) > now:
+            return True
+        if self.store.key_lookup(key) is None:
+            return False
+        if len(self._keys) >= 10_000:
+            self._keys.clear()
+        self._keys[key] = now + KEY_CACHE
+        return True
 
     def _admin(self, headers: list[tuple[bytes, bytes]]) -> None:
         """The admin workspace's key (as on one host: the "default" workspace), else
@@ -182,10 +212,11 @@ class Forwarder:
             placeable = sum(1 for n in self.view.nodes if n.placeable)
             return JSONResponse({"ok": True, "role": "api", "nodes_alive": alive,
                                  "nodes_placeable": placeable})
-        if not await asyncio.to_thread(self._authorized, request.scope["headers"]):
+        ok, found = await asyncio.to_thread(self._route, request.scope["headers"], path)
+        if not ok:
             return _error(ApiError("unauthorized", "missing or invalid API key"))
         try:
-            node = await self.target(request.method, path)
+            node = self._target(request.method, path, found)
         except ApiError as e:
             return _error(e)
         headers = [(k, v) for k, v in request.headers.raw if k.decode().lower() not in DROP]
@@ -195,10 +226,15 @@ class Forwarder:
         has_body = request.method not in ("GET", "HEAD", "DELETE", "OPTIONS") or any(
             k == b"content-length" or k == b"transfer-encoding"
             for k, _ in request.headers.raw)
+        content: Any = None
+        if has_body:
+            size = request.headers.get("content-length", "")
+            # a small body is sent with its head (one write); a big or unsized one streams
+            content = (await request.body() if size.isdigit() and int(size) <= SMALL_BODY
+                       else request.stream())
         upstream = self.http.build_request(
             request.method, f"http://{node.address}{path}",
-            params=request.url.query or None, headers=headers,
-            content=request.stream() if has_body else None)
+            params=request.url.query or None, headers=headers, content=content)
         try:
             resp = await self.http.send(upstream, stream=True)
         except httpx.HTTPError as e:
@@ -210,11 +246,12 @@ class Forwarder:
     # ---- WebSockets -----------------------------------------------------------------------
     async def ws_forward(self, ws: WebSocket) -> None:
         path = ws.url.path
-        if not await asyncio.to_thread(self._authorized, ws.scope["headers"]):
+        ok, found = await asyncio.to_thread(self._route, ws.scope["headers"], path)
+        if not ok:
             await ws.close(4401, "missing or invalid API key")
             return
         try:
-            node = await self.target("GET", path)
+            node = self._target("GET", path, found)
         except ApiError as e:
             await ws.close(4000 + e.status, e.message[:120])
             return
