@@ -128,6 +128,12 @@ class Config:
         default_factory=lambda: os.environ.get("CPUOS_SNAPSHOT_STORE") or None)
     # s without a heartbeat after which a node counts as dead; a node beats every third
     node_lease: float = field(default_factory=lambda: _duration_env("CPUOS_NODE_LEASE", 15))
+    # how nodes find each other: "store" (the state store's nodes table) or "kubernetes"
+    # (coordination.k8s.io Leases in CPUOS_K8S_NAMESPACE; the Pod's ServiceAccount, else
+    # $KUBECONFIG: cpuosd.cluster.membership)
+    membership: str = field(default_factory=lambda: os.environ.get("CPUOS_MEMBERSHIP") or "store")
+    k8s_namespace: str = field(
+        default_factory=lambda: os.environ.get("CPUOS_K8S_NAMESPACE") or "cpuos")
     # s a node has been dead (by an API process's clock) after which its sandboxes are
     # fenced: marked error/node_lost with a new epoch (those paused on it are left for its
     # return); a fenced node that comes back stops them. 0: never

@@ -411,16 +411,11 @@ def create_app(cfg: Config | None = None) -> FastAPI:
         await mgr.startup()
         meter.reconcile()
         cap_task = asyncio.ensure_future(enforcer.run())
-        node_task = None
-        if cfg.role == "node":
-            from ..cluster.nodes import NodeAgent, node_facts, stop_fenced
+        node_rt = None
+        if cfg.role == "node":  # registration and heartbeat (cpuosd.cluster.nodes)
+            from ..cluster.nodes import start_node
 
-            address = cfg.node_address or f"{cfg.host}:{cfg.port}"
-            agent = NodeAgent(store, str(cfg.node_id), address,
-                              partial(node_facts, cfg, backend, address), cfg.node_lease,
-                              after_beat=partial(stop_fenced, mgr))
-            await agent.register()
-            node_task = asyncio.ensure_future(agent.run())
+            node_rt = app.state.node = await start_node(cfg, store, backend, mgr)
         app.state.meter = meter
         app.state.store, app.state.mgr, app.state.network = store, mgr, network
         app.state.audit = audit
@@ -435,10 +430,9 @@ def create_app(cfg: Config | None = None) -> FastAPI:
             yield
         finally:
             cap_task.cancel()
-            if node_task is not None:
-                node_task.cancel()
-            await asyncio.gather(cap_task, *([node_task] if node_task else []),
-                                 return_exceptions=True)
+            await asyncio.gather(cap_task, return_exceptions=True)
+            if node_rt is not None:
+                await node_rt.close()
             await enforcer.close()
             await preview.close()
             app.state.e2b.close()

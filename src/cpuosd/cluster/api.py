@@ -42,7 +42,8 @@ from ..api.auth import bearer_key
 from ..config import Config
 from ..errors import ApiError
 from ..store import Store, open_store
-from .nodes import TOKEN_HEADER, NodeInfo, NodeView, check_token, fence_dead, place
+from .nodes import (TOKEN_HEADER, KubeNodeView, NodeInfo, NodeView, check_token, fence_dead,
+                    place)
 
 log = logging.getLogger("cpuosd.cluster")
 
@@ -67,7 +68,8 @@ class Forwarder:
     def __init__(self, cfg: Config, store: Store) -> None:
         self.cfg, self.store = cfg, store
         self.token = check_token(cfg.node_token, "api")
-        self.view = NodeView(store, cfg.node_lease)
+        self.view: NodeView | KubeNodeView = NodeView(store, cfg.node_lease)
+        self.kube: Any = None  # the Kubernetes API client (CPUOS_MEMBERSHIP=kubernetes)
         # no read timeout: a stream (exec output, watch, a long download) may be quiet for
         # long; the node bounds every operation itself
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(connect=5.0, read=None,
@@ -77,14 +79,28 @@ class Forwarder:
         self._keys: dict[str, float] = {}  # key -> monotonic time its check expires
 
     async def start(self) -> None:
-        await asyncio.to_thread(self.view.refresh)
+        if self.cfg.membership == "kubernetes":
+            from .membership import Membership, connect
+
+            self.kube = await connect()
+            self.view = KubeNodeView(Membership(self.kube, self.cfg.k8s_namespace))
+        elif self.cfg.membership != "store":
+            raise ValueError(f"CPUOS_MEMBERSHIP must be store or kubernetes, not "
+                             f"{self.cfg.membership!r}")
+        await self._refresh()
         self._task = asyncio.ensure_future(self._refresh_loop())
+
+    async def _refresh(self) -> None:
+        if isinstance(self.view, KubeNodeView):
+            await self.view.refresh_async()
+        else:
+            await asyncio.to_thread(self.view.refresh)
 
     async def _refresh_loop(self) -> None:
         while True:
             await asyncio.sleep(REFRESH)
             try:
-                await asyncio.to_thread(self.view.refresh)
+                await self._refresh()
                 await asyncio.to_thread(fence_dead, self.store, self.view,
                                         self.cfg.node_fence_after)
             except Exception as e:
@@ -95,6 +111,8 @@ class Forwarder:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         await self.http.aclose()
+        if self.kube is not None:
+            await self.kube.close()
 
     # ---- where a request goes ---------------------------------------------------------
     def _row_node(self, path: str) -> tuple[str, str | None] | None:
@@ -187,7 +205,12 @@ class Forwarder:
                                "drain)")
             if not await asyncio.to_thread(self.store.set_node_cordoned, nid, op != "uncordon"):
                 raise ApiError("not_found", f"no node {nid!r}")
-            await asyncio.to_thread(self.view.refresh)
+            if isinstance(self.view, KubeNodeView):  # (the Lease's label is what counts)
+                from .membership import Membership
+
+                await Membership(self.kube, self.cfg.k8s_namespace).cordon(
+                    nid, op != "uncordon")
+            await self._refresh()
             node = self.view.get(nid)
             assert node is not None
             if op != "drain":

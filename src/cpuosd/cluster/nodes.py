@@ -82,7 +82,9 @@ class NodeTokenGuard:
                 if scope["method"] != "POST":
                     await _reply(send, 404, ApiError("not_found", "POST /node/drain"))
                     return
-                await _reply(send, 200, await drain(scope["app"].state.mgr))
+                app_state = scope["app"].state
+                await _reply(send, 200, await drain(app_state.mgr,
+                                                    getattr(app_state, "node", None)))
                 return
             await self.app(scope, receive, send)
             return
@@ -103,11 +105,13 @@ async def _reply(send: Send, status: int, what: ApiError | dict[str, Any]) -> No
     await send({"type": "http.response.body", "body": body})
 
 
-async def drain(mgr: Manager) -> dict[str, Any]:
+async def drain(mgr: Manager, rt: NodeRuntime | None = None) -> dict[str, Any]:
     """Cordon this node, then pause every running sandbox of it (into the snapshot store
     when the node has one: then any node resumes them), one after another (each pause is
     bounded by itself)."""
-    if mgr.node_id is not None:  # (cordoned first: nothing new lands here meanwhile)
+    if rt is not None:  # (cordoned first: nothing new lands here meanwhile)
+        await rt.cordon()
+    elif mgr.node_id is not None:
         await asyncio.to_thread(mgr.store.set_node_cordoned, mgr.node_id, True)
     rows = await asyncio.to_thread(mgr.store.list_sandboxes, None, ("running",),
                                    node_id=mgr.node_id)
@@ -155,7 +159,8 @@ FENCED_STATES = ("creating", "running", "pausing", "resuming", "killing", "poole
 FENCED_REASON = "node_lost"
 
 
-def fence_dead(store: Store, view: NodeView, after: float) -> dict[str, list[str]]:
+def fence_dead(store: Store, view: NodeView | KubeNodeView, after: float
+               ) -> dict[str, list[str]]:
     """Fence the nodes dead for longer than ``after`` s (by ``view``'s clock): their
     sandboxes in FENCED_STATES become error/node_lost with a new epoch, in one
     compare-and-set per node (safe if several API processes do it at once); their usage
@@ -297,3 +302,111 @@ def place(nodes: list[NodeInfo], memory_mib: int = 0, template_digest: str | Non
     return max(fits, key=lambda n: (bool(template_digest) and template_digest in (
         n.facts.get("templates") or ()), float(n.facts.get("capacity", {}).get(
             "memory_available_mib", 0))))
+
+
+class NodeRuntime:
+    """What a node runs to be known: its row in the store (always: `cpuos node ls` reads
+    it), and with CPUOS_MEMBERSHIP=kubernetes its Lease (cpuosd.cluster.membership), which
+    is then what API processes judge it by."""
+
+    def __init__(self, agent: NodeAgent, lease: Any = None, api: Any = None) -> None:
+        self.agent, self.lease, self.api = agent, lease, api
+        self.tasks: list[asyncio.Task[Any]] = []
+
+    async def cordon(self) -> None:
+        await asyncio.to_thread(self.agent.store.set_node_cordoned, self.agent.node_id, True)
+        if self.lease is not None:
+            from .membership import Membership
+
+            await Membership(self.api, self.lease.namespace).cordon(self.agent.node_id)
+
+    async def close(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        if self.api is not None:
+            await self.api.close()
+
+
+def lease_facts(facts: dict[str, Any], node_id: str, incarnation: str) -> Any:
+    """A node's facts (node_facts) as a Lease annotation carries them."""
+    from .membership import NodeFacts
+
+    return NodeFacts(node_id=node_id, address=str(facts.get("address") or ""),
+                     incarnation=incarnation,
+                     capacity={k: float(v) for k, v in (facts.get("capacity") or {}).items()},
+                     runsc_version=str((facts.get("runtime") or {}).get("runsc_version") or ""),
+                     image_kind=str(facts.get("image_kind") or ""),
+                     cpu_features=tuple(facts.get("cpu_features") or ()),
+                     templates=tuple(facts.get("templates") or ()))
+
+
+def facts_of_lease(f: Any) -> dict[str, Any]:
+    """The other way round: what placement reads (``place``) from a Lease's NodeFacts."""
+    if f is None:
+        return {}
+    return {"address": f.address, "capacity": dict(f.capacity), "image_kind": f.image_kind,
+            "runtime": {"runsc_version": f.runsc_version},
+            "cpu_features": list(f.cpu_features), "templates": list(f.templates)}
+
+
+async def start_node(cfg: Config, store: Store, backend: Backend, mgr: Manager
+                     ) -> NodeRuntime:
+    from functools import partial
+
+    address = cfg.node_address or f"{cfg.host}:{cfg.port}"
+    facts = partial(node_facts, cfg, backend, address)
+    agent = NodeAgent(store, str(cfg.node_id), address, facts, cfg.node_lease,
+                      after_beat=partial(stop_fenced, mgr))
+    await agent.register()
+    rt = NodeRuntime(agent)
+    rt.tasks.append(asyncio.ensure_future(agent.run()))
+    if cfg.membership == "kubernetes":
+        from .membership import NodeLease, connect
+
+        rt.api = await connect()
+        lease = NodeLease(rt.api, cfg.k8s_namespace,
+                          lease_facts(facts(), agent.node_id, agent.incarnation),
+                          lease_seconds=int(max(3, cfg.node_lease)))
+        await lease.register()
+        rt.lease = lease
+        rt.tasks.append(asyncio.ensure_future(lease.run(
+            lambda: lease_facts(facts(), agent.node_id, agent.incarnation))))
+    elif cfg.membership != "store":
+        raise ValueError(f"CPUOS_MEMBERSHIP must be store or kubernetes, not "
+                         f"{cfg.membership!r}")
+    return rt
+
+
+class KubeNodeView:
+    """NodeView's interface over the nodes' Leases (CPUOS_MEMBERSHIP=kubernetes): alive by
+    the Lease's renewals as this process sees them (cpuosd.cluster.membership.Membership),
+    cordoned by the Lease's label."""
+
+    def __init__(self, membership: Any, clock: Callable[[], float] = time.monotonic
+                 ) -> None:
+        self.membership, self.clock = membership, clock
+        self.nodes: list[NodeInfo] = []
+        self._dead_since: dict[str, float] = {}
+
+    async def refresh_async(self) -> list[NodeInfo]:
+        states = await self.membership.refresh()
+        now = self.clock()
+        out = []
+        for s in states:
+            facts = facts_of_lease(s.facts)
+            out.append(NodeInfo(s.node_id, str(facts.get("address") or ""),
+                                s.holder.rpartition("/")[2], facts, s.alive, s.cordoned))
+            if s.alive:
+                self._dead_since.pop(s.node_id, None)
+            else:
+                self._dead_since.setdefault(s.node_id, now)
+        self.nodes = out
+        return out
+
+    def get(self, node_id: str | None) -> NodeInfo | None:
+        return next((n for n in self.nodes if n.node_id == node_id), None)
+
+    def dead_for(self, node_id: str) -> float:
+        since = self._dead_since.get(node_id)
+        return 0.0 if since is None else self.clock() - since
