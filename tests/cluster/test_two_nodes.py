@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -22,6 +23,7 @@ import pytest
 from cpuos import Sandbox
 from cpuosd.cluster import testbed
 from cpuosd.cluster.testbed import ApiProcess, open_test_store
+from cpuosd.fakenet import FakeInternet
 from cpuosd.testing import Daemon, e2e_unavailable, wait_until
 
 pytestmark = pytest.mark.cluster
@@ -36,6 +38,24 @@ def cluster_s3(pg_url: str, s3_server: testbed.S3Server) -> Iterator[Cluster]:
     bucket = "snap-" + secrets.token_hex(4)
     s3_server.create_bucket(bucket)
     yield from _cluster(pg_url, s3_server.env(bucket))
+
+
+@pytest.fixture
+def cluster_s3_inet(pg_url: str, s3_server: testbed.S3Server, tmp_path: Path
+                    ) -> Iterator[tuple[Cluster, FakeInternet]]:
+    """Both nodes' uplinks lead into one fake internet (cpuosd.fakenet): no route out."""
+    why = e2e_unavailable()
+    if why:
+        pytest.skip(why)
+    bucket = "snap-" + secrets.token_hex(4)
+    s3_server.create_bucket(bucket)
+    (tmp_path / "inet").mkdir()
+    inet = FakeInternet(tmp_path / "inet").start()
+    try:
+        for c in _cluster(pg_url, {**s3_server.env(bucket), **inet.env()}):
+            yield c, inet
+    finally:
+        inet.stop()
 
 
 @pytest.fixture
@@ -335,3 +355,38 @@ def test_a_dead_node_is_fenced(cluster_fencing: Cluster, pg_url: str) -> None:
         back.kill()
     finally:
         store.close()
+
+
+def _curl(s: Sandbox, url: str) -> bool:
+    r = s.exec(["curl", "-sS", "-m", "5", "-o", "/dev/null", url], timeout="1m")
+    return r.exit_code == 0
+
+
+def test_egress_policy_follows_the_sandbox(cluster_s3_inet: tuple[Cluster, FakeInternet],
+                                           pg_url: str) -> None:
+    """An allowlist sandbox paused on node A and resumed on node B (A SIGKILLed) keeps its
+    policy: the allowed name answers, another name, a private address and the metadata
+    address do not (nor did they reach the fake internet's listeners)."""
+    (nodes, (api1, api2), key), inet = cluster_s3_inet
+    _cordon_all_but(pg_url, api1, "node-a")
+    r = httpx.post(api1.url + "/sandboxes", headers={"Authorization": f"Bearer {key}"},
+                   json={"template": "python", "timeout": "10m",
+                         "network": {"mode": "allowlist", "allow": ["allowed.test"]}})
+    assert r.status_code == 201, r.text
+    s = Sandbox.connect(r.json()["id"], api_url=api1.url, api_key=key)
+    assert node_of(pg_url, s.id) == "node-a"
+    assert _curl(s, "http://allowed.test/") and not _curl(s, "http://other.test/")
+    s.pause()
+    nodes[0].kill9()
+    _cordon_all_but(pg_url, api1, "node-b")
+    wait_until(lambda: api2.health().get("nodes_alive") == 1, "node-a dead", timeout=30)
+    moved = Sandbox.connect(s.id, api_url=api2.url, api_key=key)
+    assert node_of(pg_url, s.id) == "node-b"
+    assert moved.info().network == {"mode": "allowlist", "allow": ["allowed.test"]}
+    assert _curl(moved, "http://allowed.test/")
+    for url in ("http://other.test/", "http://10.9.9.9/", "http://169.254.169.254/"):
+        assert not _curl(moved, url), url
+    bad = [e for e in inet.seen() if e["listener"].startswith(("10.9.9.9", "169.254"))]
+    assert not bad, bad
+    moved.kill()
+    nodes[0].start()  # (its network is set up again and torn down cleanly at the end)
