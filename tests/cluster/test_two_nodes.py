@@ -96,6 +96,10 @@ def test_two_nodes_two_apis(cluster: Cluster, pg_url: str) -> None:
     # an API process checks the key itself
     r = httpx.get(api1.url + "/sandboxes", headers={"Authorization": "Bearer nope"})
     assert r.status_code == 401
+    # placement by memory: no node has 256 GiB free
+    r = httpx.post(api1.url + "/sandboxes", headers={"Authorization": f"Bearer {key}"},
+                   json={"template": "python", "memory_mib": 262144})
+    assert r.status_code == 503 and "no node" in r.json()["error"]["message"], r.text
 
     # cordon node-b: the create lands on node-a; then the other way round
     store = open_test_store(pg_url)

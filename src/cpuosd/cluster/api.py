@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import re
 import time
@@ -129,8 +130,8 @@ class Forwarder:
         ok = self._authorized(headers)
         return ok, (self._row_node(path) if ok else None)
 
-    def _target(self, method: str, path: str, found: tuple[str, str | None] | None
-                ) -> NodeInfo:
+    def _target(self, method: str, path: str, found: tuple[str, str | None] | None,
+                memory_mib: int = 0) -> NodeInfo:
         if found is not None:
             sid, node_id = found
             if node_id is not None:
@@ -141,7 +142,7 @@ class Forwarder:
                 return node
             # (unknown here: any node answers as one host would, 404 for a stranger)
         if method == "POST" and path == "/sandboxes":
-            chosen = place(self.view.nodes)
+            chosen = place(self.view.nodes, memory_mib)
         else:
             chosen = place(self.view.nodes) or next(
                 (n for n in self.view.nodes if n.alive), None)
@@ -238,14 +239,6 @@ class Forwarder:
         ok, found = await asyncio.to_thread(self._route, request.scope["headers"], path)
         if not ok:
             return _error(ApiError("unauthorized", "missing or invalid API key"))
-        try:
-            node = self._target(request.method, path, found)
-        except ApiError as e:
-            return _error(e)
-        headers = [(k, v) for k, v in request.headers.raw if k.decode().lower() not in DROP]
-        headers.append((TOKEN_HEADER.encode(), self.token.encode()))
-        if request.client:
-            headers.append((b"x-forwarded-for", request.client.host.encode()))
         has_body = request.method not in ("GET", "HEAD", "DELETE", "OPTIONS") or any(
             k == b"content-length" or k == b"transfer-encoding"
             for k, _ in request.headers.raw)
@@ -255,6 +248,14 @@ class Forwarder:
             # a small body is sent with its head (one write); a big or unsized one streams
             content = (await request.body() if size.isdigit() and int(size) <= SMALL_BODY
                        else request.stream())
+        try:
+            node = self._target(request.method, path, found, _memory_of(path, content))
+        except ApiError as e:
+            return _error(e)
+        headers = [(k, v) for k, v in request.headers.raw if k.decode().lower() not in DROP]
+        headers.append((TOKEN_HEADER.encode(), self.token.encode()))
+        if request.client:
+            headers.append((b"x-forwarded-for", request.client.host.encode()))
         upstream = self.http.build_request(
             request.method, f"http://{node.address}{path}",
             params=request.url.query or None, headers=headers, content=content)
@@ -328,6 +329,18 @@ class Forwarder:
             await asyncio.gather(*tasks, return_exceptions=True)
             with contextlib.suppress(Exception):
                 await up.close()
+
+
+def _memory_of(path: str, body: Any) -> int:
+    """The memory a create asks for (its JSON's memory_mib; 0 when it leaves it to the
+    workspace's default, which the node resolves): what placement needs free."""
+    if path != "/sandboxes" or not isinstance(body, bytes):
+        return 0
+    try:
+        v = json.loads(body).get("memory_mib")
+    except (ValueError, AttributeError):
+        return 0
+    return v if isinstance(v, int) and v > 0 else 0
 
 
 class _Streamed(StreamingResponse):
