@@ -132,6 +132,8 @@ class Config:
     # (coordination.k8s.io Leases in CPUOS_K8S_NAMESPACE; the Pod's ServiceAccount, else
     # $KUBECONFIG: cpuosd.cluster.membership)
     membership: str = field(default_factory=lambda: os.environ.get("CPUOS_MEMBERSHIP") or "store")
+    # an API process's name (the Pod's, in deploy/kubernetes), in its leader election
+    api_id: str | None = field(default_factory=lambda: os.environ.get("CPUOS_API_ID"))
     k8s_namespace: str = field(
         default_factory=lambda: os.environ.get("CPUOS_K8S_NAMESPACE") or "cpuos")
     # s a node has been dead (by an API process's clock) after which its sandboxes are

@@ -1,7 +1,8 @@
 """CPUOS_MEMBERSHIP=kubernetes: two real node processes heartbeat their Leases in a real
-kube-apiserver (facts in the annotation), an API process places and routes by those Leases:
-`cpuos node cordon` sets the Lease's label and steers placement, a node whose Lease stops
-being renewed is dead for the API process (503 for its sandbox, creates elsewhere)."""
+kube-apiserver (facts in the annotation), two API processes place and route by those
+Leases and elect a leader: `cpuos node cordon` sets the Lease's label and steers placement,
+a node whose Lease stops being renewed is dead (503 for its sandbox, creates elsewhere) and
+the leader fences it; the leader stopping hands the lead over."""
 
 from __future__ import annotations
 
@@ -65,8 +66,11 @@ def test_nodes_by_their_leases(kube: testbed.KubeApiserver, pg_url: str) -> None
     kubeconfig = str(kube.kubeconfig(None, NS))
     env = {"CPUOS_MEMBERSHIP": "kubernetes", "KUBECONFIG": kubeconfig,
            "CPUOS_K8S_NAMESPACE": NS}
-    with testbed.node_cluster(pg_url, env, env, n_apis=1) as cl:
+    with testbed.node_cluster(pg_url, env, {**env, "CPUOS_NODE_FENCE_AFTER": "2"}) as cl:
         api, key = cl.apis[0], cl.key
+        # one leader among the API processes
+        wait_until(lambda: sorted(str(a.health().get("leader")) for a in cl.apis)
+                   == ["False", "True"], "one API process to lead", timeout=30)
         leases = lease_states(kubeconfig)
         assert set(leases) == {"node-a", "node-b"}
         assert all(alive and not cordoned and addr.startswith("127.0.0.1:")
@@ -103,8 +107,23 @@ def test_nodes_by_their_leases(kube: testbed.KubeApiserver, pg_url: str) -> None
         other = Sandbox.create(template="python", timeout="5m", api_url=api.url, api_key=key)
         assert other.exec("echo " + (word := secrets.token_hex(4))).stdout == word + "\n"
         other.kill()
-        # back: it takes its Lease over and reattaches its sandbox
+        # the leader fences it (CPUOS_NODE_FENCE_AFTER=2 s past its Lease)
+        store = testbed.open_test_store(pg_url)
+        try:
+            wait_until(lambda: getattr(store.get_sandbox(sbx.id), "reason", "") == "node_lost",
+                       "node-b's sandbox to be fenced", timeout=30)
+        finally:
+            store.close()
+        # back: it takes its Lease over; the fenced sandbox stays lost (killed at reconcile)
         cl.nodes[1].start()
         wait_until(lambda: api.health().get("nodes_alive") == 2, "node-b back", timeout=30)
-        assert sbx.exec("echo back").stdout == "back\n"
-        sbx.kill()
+        assert sbx.id not in cl.nodes[1].runsc_containers()
+        r = httpx.post(f"{api.url}/sandboxes/{sbx.id}/exec", json={"cmd": "true"},
+                       headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 409, r.text
+        # the leader stops: the other API process takes the lead over
+        leader = next(a for a in cl.apis if a.health().get("leader"))
+        follower = next(a for a in cl.apis if a is not leader)
+        leader.stop()
+        wait_until(lambda: follower.health().get("leader") is True, "the lead handed over",
+                   timeout=30)

@@ -25,6 +25,8 @@ import contextlib
 import json
 import logging
 import re
+import secrets
+import socket
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -78,6 +80,8 @@ class Forwarder:
                                       follow_redirects=False)
         self._task: asyncio.Task[None] | None = None
         self._keys: dict[str, float] = {}  # key -> monotonic time its check expires
+        self.elector: Any = None  # LeaderElector (CPUOS_MEMBERSHIP=kubernetes)
+        self._elect: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         if self.cfg.membership == "kubernetes":
@@ -85,6 +89,17 @@ class Forwarder:
 
             self.kube = await connect()
             self.view = KubeNodeView(Membership(self.kube, self.cfg.k8s_namespace))
+            # one API process leads (the Lease cpuos-api-leader) and runs the cluster-wide
+            # work: fencing dead nodes (with the store's table every process fences: safe,
+            # as it is one compare-and-set per node)
+            from .membership import LeaderElector
+
+            ident = f"{self.cfg.api_id or socket.gethostname()}-{secrets.token_hex(4)}"
+            lease = int(max(4, self.cfg.node_lease))  # (whole seconds: the Lease's field)
+            self.elector = LeaderElector(self.kube, self.cfg.k8s_namespace, ident,
+                                         lease_seconds=lease, renew_deadline=lease - 1,
+                                         retry_period=1)
+            self._elect = asyncio.ensure_future(self.elector.run(self._lead))
         elif self.cfg.membership != "store":
             raise ValueError(f"CPUOS_MEMBERSHIP must be store or kubernetes, not "
                              f"{self.cfg.membership!r}")
@@ -102,12 +117,32 @@ class Forwarder:
             await asyncio.sleep(REFRESH)
             try:
                 await self._refresh()
-                await asyncio.to_thread(fence_dead, self.store, self.view,
-                                        self.cfg.node_fence_after)
+                if self.elector is None:
+                    await asyncio.to_thread(fence_dead, self.store, self.view,
+                                            self.cfg.node_fence_after)
             except Exception as e:
                 log.warning("reading the nodes failed: %s", e)
 
+    async def _lead(self) -> None:
+        """While this API process leads: fence dead nodes (the refresh loop keeps the view
+        current)."""
+        while True:
+            await asyncio.sleep(REFRESH)
+            try:
+                await asyncio.to_thread(fence_dead, self.store, self.view,
+                                        self.cfg.node_fence_after)
+            except Exception as e:
+                log.warning("fencing failed: %s", e)
+
+    @property
+    def leading(self) -> bool | None:
+        """Whether this process leads (None: no election, every process fences)."""
+        return None if self.elector is None else self.elector.is_leader
+
     async def close(self) -> None:
+        if self._elect is not None:  # (a leader gives its Lease up on the way out)
+            self._elect.cancel()
+            await asyncio.gather(self._elect, return_exceptions=True)
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -235,7 +270,7 @@ class Forwarder:
             alive = sum(1 for n in self.view.nodes if n.alive)
             placeable = sum(1 for n in self.view.nodes if n.placeable)
             return JSONResponse({"ok": True, "role": "api", "nodes_alive": alive,
-                                 "nodes_placeable": placeable})
+                                 "nodes_placeable": placeable, "leader": self.leading})
         ok, found = await asyncio.to_thread(self._route, request.scope["headers"], path)
         if not ok:
             return _error(ApiError("unauthorized", "missing or invalid API key"))

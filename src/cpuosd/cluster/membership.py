@@ -289,7 +289,9 @@ class LeaderElector:
                  renew_deadline: float = 10, retry_period: float = 2) -> None:
         self.api = api
         self.namespace, self.name, self.identity = namespace, name, identity
-        self.lease_seconds, self.renew_deadline = lease_seconds, renew_deadline
+        # (whole seconds: the Lease's leaseDurationSeconds is an integer; a float makes the
+        # apiserver refuse the Lease, and the election would never be won)
+        self.lease_seconds, self.renew_deadline = round(lease_seconds), renew_deadline
         self.retry_period = retry_period
         self.is_leader = False
         self.leading_since: float | None = None
