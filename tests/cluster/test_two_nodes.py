@@ -394,3 +394,86 @@ def test_egress_policy_follows_the_sandbox(cluster_s3_inet: tuple[Cluster, FakeI
     assert not bad, bad
     moved.kill()
     nodes[0].start()  # (its network is set up again and torn down cleanly at the end)
+
+
+class StallingServer:
+    """A TCP server on 127.0.0.1 that accepts connections and never answers (an S3
+    endpoint that hangs): an upload to it stays under way until the node dies."""
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.accepted: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted.append(conn)
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.accepted:
+            c.close()
+
+
+@pytest.fixture
+def cluster_stalled_s3(pg_url: str) -> Iterator[tuple[Cluster, StallingServer]]:
+    stall = StallingServer()
+    try:
+        env = {"CPUOS_SNAPSHOT_STORE": "s3://never/p",
+               "CPUOS_S3_ENDPOINT": f"http://127.0.0.1:{stall.port}",
+               "CPUOS_S3_ACCESS_KEY_ID": "x", "CPUOS_S3_SECRET_ACCESS_KEY": "y"}
+        for c in _cluster(pg_url, env):
+            yield c, stall
+    finally:
+        stall.close()
+
+
+def test_a_node_killed_mid_upload_never_says_paused(
+        cluster_stalled_s3: tuple[Cluster, StallingServer], pg_url: str) -> None:
+    """The S3 endpoint hangs: the pause's upload is under way (row: pausing) when node A is
+    SIGKILLed. The row never says paused; restarted, A finds its local image and the
+    sandbox is paused on A (not in the store), and resumes there with its file."""
+    import threading
+
+    (nodes, (api1, _), key), stall = cluster_stalled_s3
+    _cordon_all_but(pg_url, api1, "node-a")
+    sbx = Sandbox.create(template="python", timeout="5m", api_url=api1.url, api_key=key)
+    sbx.files.write("/work/f", "kept")
+    answer: list[int] = []
+    t = threading.Thread(target=lambda: answer.append(httpx.post(
+        f"{api1.url}/sandboxes/{sbx.id}/pause", headers={"Authorization": f"Bearer {key}"},
+        timeout=120).status_code), daemon=True)
+    t.start()
+    store = open_test_store(pg_url)
+    try:
+        wait_until(lambda: bool(stall.accepted) and getattr(
+            store.get_sandbox(sbx.id), "state", "") == "pausing",
+            "the upload to be under way", timeout=60)
+        nodes[0].kill9()
+        t.join(60)
+        assert answer and answer[0] >= 500, answer  # (the pause did not answer ok)
+        row = store.get_sandbox(sbx.id)
+        assert row is not None and row.state == "pausing" and row.node_id == "node-a"
+        nodes[0].start()
+        wait_until(lambda: getattr(store.get_sandbox(sbx.id), "state", "") == "paused",
+                   "node-a's reconcile", timeout=30)
+        row = store.get_sandbox(sbx.id)
+        assert row is not None and row.node_id == "node-a"  # (on A's disk, not the store)
+        wait_until(lambda: api1.health().get("nodes_alive") == 2, "node-a back", timeout=30)
+        back = Sandbox.connect(sbx.id, api_url=api1.url, api_key=key)
+        assert back.files.read("/work/f") == b"kept"
+        assert store.get_sandbox(sbx.id).node_id == "node-a"  # type: ignore[union-attr]
+        back.kill()
+    finally:
+        store.close()
