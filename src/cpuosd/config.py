@@ -126,6 +126,10 @@ class Config:
     # s3://bucket/prefix, file:///shared/dir); unset: this host's snapshots directory
     snapshot_store: str | None = field(
         default_factory=lambda: os.environ.get("CPUOS_SNAPSHOT_STORE") or None)
+    # s an upload to (or a download from) that store may take at most, plus 1 s per 20 MiB
+    # of the image; past it the pause keeps its image on this node (the resume fails back)
+    snapshot_transfer_timeout: float = field(
+        default_factory=lambda: _duration_env("CPUOS_SNAPSHOT_TRANSFER_TIMEOUT", 60))
     # s without a heartbeat after which a node counts as dead; a node beats every third
     node_lease: float = field(default_factory=lambda: _duration_env("CPUOS_NODE_LEASE", 15))
     # how nodes find each other: "store" (the state store's nodes table) or "kubernetes"

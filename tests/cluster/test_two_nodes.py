@@ -426,11 +426,13 @@ class StallingServer:
             c.close()
 
 
-@pytest.fixture
-def cluster_stalled_s3(pg_url: str) -> Iterator[tuple[Cluster, StallingServer]]:
+@pytest.fixture(params=["600", "3"], ids=["no-timeout", "timeout-3s"])
+def cluster_stalled_s3(pg_url: str, request: pytest.FixtureRequest
+                       ) -> Iterator[tuple[Cluster, StallingServer]]:
     stall = StallingServer()
     try:
-        env = {"CPUOS_SNAPSHOT_STORE": "s3://never/p",
+        env = {"CPUOS_SNAPSHOT_TRANSFER_TIMEOUT": str(request.param),
+               "CPUOS_SNAPSHOT_STORE": "s3://never/p",
                "CPUOS_S3_ENDPOINT": f"http://127.0.0.1:{stall.port}",
                "CPUOS_S3_ACCESS_KEY_ID": "x", "CPUOS_S3_SECRET_ACCESS_KEY": "y"}
         for c in _cluster(pg_url, env):
@@ -439,6 +441,7 @@ def cluster_stalled_s3(pg_url: str) -> Iterator[tuple[Cluster, StallingServer]]:
         stall.close()
 
 
+@pytest.mark.parametrize("cluster_stalled_s3", ["600"], indirect=True)
 def test_a_node_killed_mid_upload_never_says_paused(
         cluster_stalled_s3: tuple[Cluster, StallingServer], pg_url: str) -> None:
     """The S3 endpoint hangs: the pause's upload is under way (row: pausing) when node A is
@@ -477,3 +480,22 @@ def test_a_node_killed_mid_upload_never_says_paused(
         back.kill()
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("cluster_stalled_s3", ["3"], indirect=True)
+def test_a_hanging_store_bounds_the_pause(
+        cluster_stalled_s3: tuple[Cluster, StallingServer], pg_url: str) -> None:
+    """CPUOS_SNAPSHOT_TRANSFER_TIMEOUT=3: the upload to a store that never answers is given
+    up; the pause answers, the sandbox paused on its node's disk, and resumes there."""
+    (_, (api1, _), key), stall = cluster_stalled_s3
+    _cordon_all_but(pg_url, api1, "node-a")
+    sbx = Sandbox.create(template="python", timeout="5m", api_url=api1.url, api_key=key)
+    sbx.files.write("/work/f", "here")
+    r = httpx.post(f"{api1.url}/sandboxes/{sbx.id}/pause",
+                   headers={"Authorization": f"Bearer {key}"}, timeout=120)
+    assert r.status_code == 200 and r.json()["state"] == "paused", r.text
+    assert stall.accepted  # (it did try)
+    assert node_of(pg_url, sbx.id) == "node-a"
+    back = Sandbox.connect(sbx.id, api_url=api1.url, api_key=key)
+    assert back.files.read("/work/f") == b"here"
+    back.kill()

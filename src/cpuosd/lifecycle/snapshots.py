@@ -8,8 +8,9 @@ import os
 import secrets
 import shutil
 import time
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 
 from ..agentconn import DEVICE_SETTLE
@@ -23,6 +24,8 @@ from .common import (Live, _du, _now)
 
 if TYPE_CHECKING:
     from .manager import Manager
+
+T = TypeVar("T")
 
 log = logging.getLogger("cpuosd.lifecycle")
 
@@ -142,16 +145,41 @@ class Snapshots:
         assert self.snapstore is not None
         t0 = time.monotonic()
         try:
-            m = await self.snapstore.put(sid, self._snap(sid))
+            m = await self._bounded(self.snapstore.put(sid, self._snap(sid)),
+                                    self._transfer_bound(_du(self._snap(sid))))
         except asyncio.CancelledError:
             raise
-        except Exception as e:
-            log.warning("upload of %s's snapshot failed (kept on this node): %s", sid, e)
+        except Exception as e:  # (TimeoutError included: a store that hangs)
+            log.warning("upload of %s's snapshot failed (kept on this node): %s", sid,
+                        e or type(e).__name__)
             return False
         shutil.rmtree(self._snap(sid), ignore_errors=True)
         log.info("snapshot of %s uploaded to the %s store: %d MiB in %.0f ms", sid,
                  self.snapstore.kind, m.total_bytes >> 20, (time.monotonic() - t0) * 1e3)
         return True
+
+    async def _bounded(self: Manager, aw: Coroutine[Any, Any, T], seconds: float) -> T:
+        """``aw``'s result, or TimeoutError after ``seconds``: then it is cancelled and left
+        to finish in the background (a transfer's cancellation waits for its thread, which
+        a store that hangs holds until botocore's own timeouts: minutes), never awaited
+        here."""
+        task = asyncio.ensure_future(aw)
+        try:
+            done, _ = await asyncio.wait({task}, timeout=seconds)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if not done:
+            task.cancel()
+            self._tasks.add(task)  # (kept referenced until it is done)
+            task.add_done_callback(self._tasks.discard)
+            raise TimeoutError(f"snapshot transfer took longer than {seconds:.0f} s")
+        return task.result()
+
+    def _transfer_bound(self: Manager, size: int) -> float:
+        """s one snapshot transfer may take: CPUOS_SNAPSHOT_TRANSFER_TIMEOUT plus 1 s per
+        20 MiB (a hanging store must not hold a pause or a resume without end)."""
+        return self.cfg.snapshot_transfer_timeout + size / (20 << 20)
 
     async def _claim(self: Manager, row: SandboxRow) -> SandboxRow:
         """A sandbox paused into the shared store, taken by this node: paused -> resuming
@@ -172,7 +200,8 @@ class Snapshots:
         shutil.rmtree(snap, ignore_errors=True)
         try:
             t0 = time.monotonic()
-            await self.snapstore.get(sid, snap)
+            await self._bounded(self.snapstore.get(sid, snap),
+                                self._transfer_bound(row.snapshot_bytes or 0))
             meta = read_meta(snap)
             bad = incompatibilities(meta, host_facts(self.backend)) if meta else []
             if bad:
