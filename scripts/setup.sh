@@ -18,8 +18,9 @@ fi
 need_pkgs=(runsc mmdebstrap iproute2 nftables python3 python3-venv python3-pip ca-certificates procps
            qemu-system-x86 busybox-static cpio lz4 e2fsprogs zstd xz-utils tmux)
 # --dev: nginx, the front proxy the preview tests start on loopback (tests/security), and
-# chromium, the browser the web console's tests drive headless (tests/e2e/test_console_ui.py)
-[ $dev -eq 1 ] && need_pkgs+=(nginx chromium)
+# chromium, the browser the web console's tests drive headless (tests/e2e/test_console_ui.py);
+# postgresql, the server the cluster tests start on loopback (tests/cluster, by pid)
+[ $dev -eq 1 ] && need_pkgs+=(nginx chromium postgresql)
 missing=()
 for p in "${need_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -31,6 +32,10 @@ if [ ${#missing[@]} -gt 0 ]; then
   if [[ " ${missing[*]} " == *" nginx "* ]] && command -v systemctl >/dev/null \
      && systemctl is-system-running >/dev/null 2>&1; then
     systemctl disable --now nginx >/dev/null 2>&1 || true  # tests start their own, by pid
+  fi
+  if [[ " ${missing[*]} " == *" postgresql "* ]] && command -v systemctl >/dev/null \
+     && systemctl is-system-running >/dev/null 2>&1; then
+    systemctl disable --now postgresql >/dev/null 2>&1 || true  # (the same)
   fi
 fi
 

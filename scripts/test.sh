@@ -29,6 +29,14 @@ if ! bash scripts/build-microvm-kernel.sh; then
   exit 1
 fi
 
+# etcd + kube-apiserver from the Go module proxy (~7.5 min once, cached by version): the
+# Kubernetes tests of tests/cluster run against them
+echo "==> etcd and kube-apiserver (scripts/build-k8s.sh, cached by version)"
+if ! bash scripts/build-k8s.sh; then
+  echo "error: building etcd/kube-apiserver failed (the tests of tests/cluster need them)" >&2
+  exit 1
+fi
+
 # the browser template (chromium; ~45-125 s once, cached by content hash): the browser
 # tests and the browser benchmark's smoke run need it; the demo (setup.sh) does not
 echo "==> building the browser template (cached by content hash)"

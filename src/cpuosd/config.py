@@ -154,6 +154,30 @@ def _ports(name: str, v: str) -> frozenset[int]:
     return frozenset(_int(name, x.strip()) for x in v.split(",") if x.strip())
 
 
+def _one_of(*choices: str) -> Parse:
+    def parse(name: str, v: str) -> str:
+        if v not in choices:
+            raise ConfigError(f"{name}={v!r}: one of {', '.join(choices)}")
+        return v
+    return parse
+
+
+def _database_url(name: str, v: str) -> str:
+    """A Postgres URL; anything else is refused (a typo must not quietly give each host a
+    database of its own)."""
+    if not v.startswith(("postgresql://", "postgres://")):
+        raise ConfigError(f"{name} must be a postgresql:// URL (unset: SQLite in "
+                          f"$CPUOS_HOME), not {v.split(':', 1)[0]!r}")
+    return v
+
+
+def _snapshot_store(name: str, v: str) -> str:
+    if not v.startswith(("s3://", "file://", "/")):
+        raise ConfigError(f"{name} must be s3://bucket/prefix, file:///path or /path, "
+                          f"not {v!r}")
+    return v
+
+
 @dataclass(frozen=True)
 class Var:
     """A variable's declaration (a field's metadata)."""
@@ -332,6 +356,10 @@ class AuditConfig:
     min_free: int | None = var("CPUOS_AUDIT_MIN_FREE", 1 << 30,
                                "free space below which only lifecycle rows are written "
                                "(0: no floor)", _min_free, shown="1GiB")
+    key_file: Path | None = var("CPUOS_AUDIT_KEY_FILE", None,
+                                "the audit chain's HMAC key (default $CPUOS_HOME/audit.key; "
+                                "many hosts: the same key on every node, a Secret's file)",
+                                _path, resolved="audit_key_path")
 
 
 @dataclass(frozen=True)
@@ -436,6 +464,69 @@ class E2BConfig:
 
 
 @dataclass(frozen=True)
+class ClusterConfig:
+    """Many hosts (issue 24, docs/DEPLOY.md): the role, the shared state and snapshot
+    stores, how nodes are known and fenced."""
+
+    role: str = var("CPUOS_ROLE", "all",
+                    "all: one host; node: runs sandboxes for API processes; api: the public "
+                    "API, forwarded to the nodes (no root)", _one_of("all", "node", "api"))
+    database_url: str | None = var("CPUOS_DATABASE_URL", None,
+                                   "the state store: Postgres (postgresql://...) shared by "
+                                   "API processes and nodes (default: SQLite in $CPUOS_HOME)",
+                                   _database_url, secret=True)
+    database_pool: int = var("CPUOS_DATABASE_POOL", 8,
+                             "connections to that Postgres per process (at least 1)",
+                             _at_least_1)
+    node_id: str | None = var("CPUOS_NODE_ID", None,
+                              "a node's id, a DNS label (default: the host's name)", _str)
+    node_address: str | None = var("CPUOS_NODE_ADDRESS", None,
+                                   "host:port where API processes reach this node (default "
+                                   "CPUOS_HOST:CPUOS_PORT)", _str)
+    node_token: str | None = var("CPUOS_NODE_TOKEN", None,
+                                 "the secret API processes and nodes share (16 characters or "
+                                 "more; X-Cpuos-Node-Token)", _str, secret=True)
+    node_lease: float = var("CPUOS_NODE_LEASE", 15.0,
+                            "s without a heartbeat after which a node counts as dead (it "
+                            "beats every third)", _seconds)
+    node_fence_after: float = var("CPUOS_NODE_FENCE_AFTER", 60.0,
+                                  "s a node has been dead after which its sandboxes are "
+                                  "marked lost (error/node_lost; 0: never)", _duration)
+    membership: str = var("CPUOS_MEMBERSHIP", "store",
+                          "how nodes are known: store (the state store's nodes table) or "
+                          "kubernetes (Leases in CPUOS_K8S_NAMESPACE)",
+                          _one_of("store", "kubernetes"))
+    api_id: str | None = var("CPUOS_API_ID", None,
+                             "an API process's name in its leader election (default: the "
+                             "host's name)", _str)
+    k8s_namespace: str = var("CPUOS_K8S_NAMESPACE", "cpuos",
+                             "the Kubernetes namespace of the Leases", _str)
+    snapshot_store: str | None = var("CPUOS_SNAPSHOT_STORE", None,
+                                     "where a node's pauses go so that any node resumes them: "
+                                     "s3://bucket/prefix, file:///shared/dir (default: this "
+                                     "host's snapshots directory)", _snapshot_store)
+    snapshot_transfer_timeout: float = var("CPUOS_SNAPSHOT_TRANSFER_TIMEOUT", 60.0,
+                                           "s an upload to (or download from) that store may "
+                                           "take, plus 1 s per 20 MiB (past it the pause "
+                                           "keeps its image on the node)", _seconds)
+    s3_endpoint: str | None = var("CPUOS_S3_ENDPOINT", None,
+                                  "the S3 endpoint (MinIO, Ceph, R2...: path-style "
+                                  "addressing; default AWS)", _str)
+    s3_region: str | None = var("CPUOS_S3_REGION", None,
+                                "the S3 region (default us-east-1)", _str)
+    s3_access_key_id: str | None = var("CPUOS_S3_ACCESS_KEY_ID", None,
+                                       "S3 credentials (default: boto3's chain, AWS_* ...)",
+                                       _str, secret=True)
+    s3_secret_access_key: str | None = var("CPUOS_S3_SECRET_ACCESS_KEY", None,
+                                           "S3 credentials, the secret half", _str,
+                                           secret=True)
+    s3_part_mib: int = var("CPUOS_S3_PART_MIB", 64,
+                           "MiB of a multipart upload's parts (at least 5)", _int)
+    s3_concurrency: int = var("CPUOS_S3_CONCURRENCY", 4,
+                              "parts transferred at once (at least 1)", _at_least_1)
+
+
+@dataclass(frozen=True)
 class Config:
     home: Path = var("CPUOS_HOME", Path(DEFAULT_HOME), "the daemon's state directory", _path)
     host: str = var("CPUOS_HOST", DEFAULT_HOST, "the API's address", _str)
@@ -464,6 +555,7 @@ class Config:
     builds: BuildConfig = section(BuildConfig)
     logs: LogsConfig = section(LogsConfig)
     e2b: E2BConfig = section(E2BConfig)
+    cluster: ClusterConfig = section(ClusterConfig)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
@@ -499,6 +591,11 @@ class Config:
     @property
     def runsc_root(self) -> Path:
         return self.home / "runsc"
+
+    @property
+    def audit_key_path(self) -> Path:
+        """The audit chain's HMAC key."""
+        return self.audit.key_file or self.home / "audit.key"
 
     @property
     def microvm_dir(self) -> Path:

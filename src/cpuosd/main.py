@@ -1,9 +1,10 @@
-"""``cpuosd``: run the daemon (``cpuosd [--host H] [--port P] [--home DIR]``), print its
-configuration (``cpuosd config``), or administer templates on this host (``cpuosd template
-build|ls|rm``, see cpuosd.templates.admin)."""
+"""``cpuosd``: run the daemon (``cpuosd [--host H] [--port P] [--home DIR] [--role R]``),
+print its configuration (``cpuosd config``), drain a node (``cpuosd drain``), or administer
+templates on this host (``cpuosd template build|ls|rm``, see cpuosd.templates.admin)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ from .config import Config, ConfigError, effective
 
 
 def load_config(home: str | None = None, host: str | None = None,
-                port: int | None = None) -> Config:
+                port: int | None = None, role: str | None = None) -> Config:
     """The configuration of this process's environment, with the command line's overrides;
     a bad value: a one-line error and exit status 2."""
     try:
@@ -27,11 +28,13 @@ def load_config(home: str | None = None, host: str | None = None,
         changes["host"] = host
     if port:
         changes["port"] = port
+    if role:
+        changes["cluster"] = dataclasses.replace(cfg.cluster, role=role)
     return cfg.replace(**changes) if changes else cfg
 
 
 def serve(host: str | None = None, port: int | None = None, home: str | None = None,
-          log_file: str | None = None) -> None:
+          log_file: str | None = None, role: str | None = None) -> None:
     import uvicorn
 
     from . import homedir, logs
@@ -39,7 +42,10 @@ def serve(host: str | None = None, port: int | None = None, home: str | None = N
 
     homedir.private_umask()  # before anything is opened (finding 9: SQLite's side files)
 
-    cfg = load_config(home, host, port)
+    cfg = load_config(home, host, port, role)
+    if cfg.cluster.role == "api":  # (no sandboxes here: needs no root)
+        serve_api(cfg, log_file)
+        return
     if os.geteuid() != 0:
         print("cpuosd: must run as root (runsc checkpoint/restore and cgroups need it)",
               file=sys.stderr)
@@ -51,7 +57,12 @@ def serve(host: str | None = None, port: int | None = None, home: str | None = N
     from .fdbudget import raise_nofile
 
     raise_nofile(conn_fds=cfg.limits.conn_fds)
-    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning",
+    try:
+        app = create_app(cfg)  # (--role=node: its id and token are checked here)
+    except ValueError as e:
+        print(f"cpuosd: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning",
                 log_config=None, access_log=False, timeout_graceful_shutdown=5,
                 http=guarded_http(cfg.api), limit_concurrency=cfg.api.max_connections + 1,
                 timeout_keep_alive=int(cfg.api.keepalive))
@@ -75,6 +86,57 @@ def show_config(argv: list[str]) -> int:
     for name, value, doc in rows:
         print(f"{name:<{width}}  {value or '-'}  # {doc}")
     return 0
+
+
+def serve_api(cfg: Config, log_file: str | None) -> None:
+    """``cpuosd --role=api``: the public API forwarded to the nodes (cpuosd.cluster.api)."""
+    import uvicorn
+
+    from . import logs
+    from .api.listener import guarded_http
+    from .cluster.api import create_api_app
+    from .fdbudget import raise_nofile
+
+    logs.setup(path=log_file, cfg=cfg.logs)
+    raise_nofile(conn_fds=cfg.limits.conn_fds)
+    try:
+        app = create_api_app(cfg)
+    except ValueError as e:
+        print(f"cpuosd: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", log_config=None,
+                access_log=False, timeout_graceful_shutdown=5, http=guarded_http(cfg.api),
+                limit_concurrency=cfg.api.max_connections + 1,
+                timeout_keep_alive=int(cfg.api.keepalive))
+
+
+def drain_self(argv: list[str]) -> int:
+    """``cpuosd drain``: on a node (its preStop hook, deploy/kubernetes), cordon it and
+    pause every sandbox running there into the snapshot store, through its own API
+    (CPUOS_PORT, CPUOS_NODE_TOKEN)."""
+    import json
+
+    import httpx
+
+    cfg = load_config()
+    token = cfg.cluster.node_token
+    if not token:
+        print("cpuosd drain: CPUOS_NODE_TOKEN is not set (a node's token)", file=sys.stderr)
+        return 2
+    host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
+    try:
+        r = httpx.post(f"http://{host}:{cfg.port}/node/drain", timeout=httpx.Timeout(
+            10.0, read=None), headers={"X-Cpuos-Node-Token": token})
+    except httpx.HTTPError as e:
+        print(f"cpuosd drain: the node did not answer: {e}", file=sys.stderr)
+        return 1
+    if r.status_code != 200:
+        print(f"cpuosd drain: {r.status_code}: {r.text[:300]}", file=sys.stderr)
+        return 1
+    out = r.json()
+    print(json.dumps(out) if "--json" in argv else
+          f"{out['node']}: {len(out['paused'])} paused, {len(out['failed'])} failed")
+    return 0 if not out["failed"] else 1
 
 
 def audit_verify(argv: list[str]) -> int:
@@ -115,6 +177,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(audit_verify(argv[2:]))
     if argv[:1] == ["config"]:
         raise SystemExit(show_config(argv[1:]))
+    if argv[:1] == ["drain"]:
+        raise SystemExit(drain_self(argv[1:]))
     ap = argparse.ArgumentParser(prog="cpuosd", description="the cpuos daemon "
                                  "(`cpuosd template --help`: template administration; "
                                  "`cpuosd config`: the effective configuration)")
@@ -123,8 +187,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--home", help="state directory (default $CPUOS_HOME or /var/lib/cpuos)")
     ap.add_argument("--log-file", help="log here, rotated by size (default $CPUOS_LOG_FILE, "
                                        "else stderr)")
+    ap.add_argument("--role", choices=("all", "node", "api"),
+                    help="all: one host (the default, $CPUOS_ROLE); node: runs sandboxes "
+                         "for API processes; api: the public API, forwarded to the nodes "
+                         "(docs/DEPLOY.md)")
     a = ap.parse_args(argv)
-    serve(a.host, a.port, a.home, a.log_file)
+    serve(a.host, a.port, a.home, a.log_file, a.role)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,12 @@ builds and the preview proxy; ``Services.close()`` stops them again. The HTTP ap
 (``cpuosd.api.app.create_app``) only serves them: its routes reach them through
 ``cpuosd.api.deps``.
 
+Many hosts (docs/DEPLOY.md): ``--role=node`` is the same daemon with its node id resolved
+and checked (``node_config``), its rows marked with it, a shared snapshot store if one is
+configured, and its registration and heartbeat (``cpuosd.cluster.nodes.start_node``);
+``--role=api`` builds only a store and a forwarder to the nodes (``build_api_services``,
+served by ``cpuosd.cluster.api.create_api_app``).
+
 A test hands in what it wants instead (``backend=``, ``network=``, ``store=``,
 ``measure=``): e.g. a backend that runs the real agent as a local process
 (tests/support/local.py), then drives the real app in process. What is handed in stays
@@ -21,8 +27,9 @@ import contextlib
 import logging
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
+from typing import TYPE_CHECKING
 
 from . import homedir
 from .accounting.audit import AuditLog
@@ -41,7 +48,12 @@ from .network.secrets import stored_names
 from .network.service import Network, RecordWriter
 from .procs import become_subreaper
 from .proxy.preview import Preview
-from .store import LIVE_STATES, Store
+from .snapstore import SnapshotStore, open_snapshot_store
+from .store import LIVE_STATES, Store, open_store
+
+if TYPE_CHECKING:
+    from .cluster.api import Forwarder
+    from .cluster.nodes import NodeRuntime
 
 log = logging.getLogger("cpuosd.api")
 
@@ -61,6 +73,7 @@ class Services:
     manager: Manager
     builds: TemplateBuilds
     preview: Preview
+    node: NodeRuntime | None = None  # --role=node: its registration and heartbeat
     _stack: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack,
                                               repr=False)
 
@@ -79,6 +92,26 @@ def bootstrap(cfg: Config, store: Store) -> None:
     with os.fdopen(fd, "w") as f:
         f.write(key + "\n")
     os.chmod(cfg.admin_key_path, 0o600)
+
+
+def node_config(cfg: Config) -> Config:
+    """``cfg`` for ``--role=node``: its node id resolved (CPUOS_NODE_ID, else the host's
+    name; a DNS label) and its node token checked. ValueError says what is wrong."""
+    from .cluster.nodes import check_token, node_id_of
+
+    check_token(cfg.cluster.node_token, "node")
+    nid = node_id_of(cfg)
+    return cfg if nid == cfg.cluster.node_id else cfg.replace(
+        cluster=replace(cfg.cluster, node_id=nid))
+
+
+def snapshot_store(cfg: Config) -> SnapshotStore | None:
+    """A node's snapshot store shared with the other nodes (CPUOS_SNAPSHOT_STORE): a pause
+    goes there and any node resumes it (cpuosd.lifecycle.snapshots); None: snapshots stay
+    on this host (one host, or a node without one)."""
+    if cfg.cluster.role != "node" or not cfg.cluster.snapshot_store:
+        return None
+    return open_snapshot_store(cfg.snapshots_dir, cfg.cluster.snapshot_store, cfg.cluster)
 
 
 async def start_network(cfg: Config, backend: Backend, store: Store, events: EventBus
@@ -139,8 +172,15 @@ async def build_services(cfg: Config, *, backend: Backend | None = None,
     """Make and start the daemon's parts for ``cfg``. ``backend``: the one
     ``CPUOS_BACKEND`` selects unless given (``BackendUnavailable``, before any state is
     touched, if it cannot run here); ``network``: started as configured unless given;
-    ``store``: the home's SQLite unless given; ``measure``: the host's measurement for
-    admission. Whatever fails half-way, what was made is stopped again."""
+    ``store``: the home's SQLite (CPUOS_DATABASE_URL: that Postgres) unless given;
+    ``measure``: the host's measurement for admission. Whatever fails half-way, what was
+    made is stopped again. ``cfg``'s role is ``all`` or ``node`` (``api``:
+    ``build_api_services``)."""
+    if cfg.cluster.role == "node":
+        cfg = node_config(cfg)  # (a bad id or token: refused before anything is touched)
+    elif cfg.cluster.role != "all":
+        raise ValueError(f"role {cfg.cluster.role!r}: the daemon's services are --role=all "
+                         "or --role=node (--role=api: build_api_services)")
     fixed = homedir.secure(cfg.home)  # 0700; files in it: no group/other bits
     if fixed:
         log.warning("took group/other permissions off %s", ", ".join(fixed))
@@ -152,7 +192,11 @@ async def build_services(cfg: Config, *, backend: Backend | None = None,
     stack = contextlib.AsyncExitStack()
     try:
         if store is None:
-            store = Store(cfg.db_path)
+            if cfg.cluster.role == "node" and not cfg.cluster.database_url:
+                log.warning("--role=node without CPUOS_DATABASE_URL: this node's state is "
+                            "its own SQLite, which no API process on another host can read")
+            store = open_store(cfg.db_path, cfg.cluster.database_url,
+                               cfg.cluster.database_pool)
             stack.callback(store.close)
         bootstrap(cfg, store)
         events = EventBus()
@@ -169,7 +213,7 @@ async def build_services(cfg: Config, *, backend: Backend | None = None,
                 stack.push_async_callback(network.close)
         if network is not None:
             backend = Networked(backend, network, cfg.sandboxes_dir)
-        mgr = Manager(cfg, store, backend, events, measure)
+        mgr = Manager(cfg, store, backend, events, measure, snapstore=snapshot_store(cfg))
         stack.push_async_callback(mgr.shutdown)
         builds = TemplateBuilds(cfg)
         stack.push_async_callback(builds.shutdown)
@@ -179,6 +223,12 @@ async def build_services(cfg: Config, *, backend: Backend | None = None,
         meter.reconcile()
         stack.push_async_callback(enforcer.close)
         stack.push_async_callback(_cancel, asyncio.ensure_future(enforcer.run()))
+        node = None
+        if cfg.cluster.role == "node":  # registration and heartbeat (cpuosd.cluster.nodes)
+            from .cluster.nodes import start_node
+
+            node = await start_node(cfg, store, backend, mgr)
+            stack.push_async_callback(node.close)
         preview = Preview(mgr, network, cfg.port + 1 if cfg.preview.port < 0
                           else cfg.preview.port, cfg.host, cfg.preview)
         await preview.start()
@@ -188,4 +238,41 @@ async def build_services(cfg: Config, *, backend: Backend | None = None,
         raise
     return Services(cfg=cfg, store=store, events=events, audit=audit, meter=meter,
                     enforcer=enforcer, backend=backend, network=network, manager=mgr,
-                    builds=builds, preview=preview, _stack=stack)
+                    builds=builds, preview=preview, node=node, _stack=stack)
+
+
+@dataclass
+class ApiServices:
+    """``--role=api``: what an API process is made of (no sandboxes, no root): the shared
+    state store and the forwarder to the nodes (``cpuosd.cluster.api``)."""
+
+    cfg: Config
+    store: Store
+    forwarder: Forwarder
+    _stack: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack,
+                                              repr=False)
+
+    async def close(self) -> None:
+        await self._stack.aclose()
+
+
+async def build_api_services(cfg: Config, *, store: Store | None = None) -> ApiServices:
+    """Make and start an API process's parts for ``cfg`` (``--role=api``): the state store
+    (``CPUOS_DATABASE_URL``, unless ``store`` is given: it stays the caller's) and the
+    forwarder, which watches the nodes (and, with CPUOS_MEMBERSHIP=kubernetes, stands in the
+    API processes' leader election)."""
+    from .cluster.api import Forwarder
+
+    stack = contextlib.AsyncExitStack()
+    try:
+        if store is None:
+            store = open_store(cfg.db_path, cfg.cluster.database_url,
+                               cfg.cluster.database_pool)
+            stack.callback(store.close)
+        fwd = Forwarder(cfg, store)
+        stack.push_async_callback(fwd.close)
+        await fwd.start()
+    except BaseException:
+        await stack.aclose()
+        raise
+    return ApiServices(cfg=cfg, store=store, forwarder=fwd, _stack=stack)

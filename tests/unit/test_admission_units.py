@@ -14,7 +14,7 @@ from cpuosd.accounting import quotas
 from cpuosd.accounting.quotas import Admission, HostMeter, Measure
 from cpuosd.config import Config
 from cpuosd.errors import ApiError
-from cpuosd.store import SandboxRow, Store
+from cpuosd.store import SandboxRow, SqliteStore, Store
 from support.fakes import FakeHost
 
 
@@ -28,7 +28,7 @@ class Clock:
 
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[Store]:
-    s = Store(tmp_path / "db")
+    s = SqliteStore(tmp_path / "db")
     yield s
     s.close()
 

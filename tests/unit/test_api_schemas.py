@@ -54,12 +54,12 @@ def test_every_documented_answer_is_a_route_and_in_the_document() -> None:
 def test_usage_answer_matches() -> None:
     from cpuosd.accounting.usage import Meter
     from cpuosd.api.schemas import Usage
-    from cpuosd.store import Store
+    from cpuosd.store import SqliteStore
     import tempfile
     from pathlib import Path
 
     with tempfile.TemporaryDirectory() as d:
-        store = Store(Path(d) / "db")
+        store = SqliteStore(Path(d) / "db")
         meter = Meter(store)
         store.execute("INSERT INTO usage (workspace_id, sandbox_id, kind, start, end, vcpus, "
                       "memory_mib) VALUES ('w', 's', 'running', 0, 10, 2, 1024)")

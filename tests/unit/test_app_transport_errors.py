@@ -14,7 +14,7 @@ import pytest
 from cpuosd.agentconn import AgentGone, AgentTimeout, TransportError
 from cpuosd.api.app import create_app
 from cpuosd.config import Config
-from cpuosd.store import Store
+from cpuosd.store import SqliteStore
 
 
 @pytest.mark.parametrize("exc, status, code", [
@@ -23,7 +23,7 @@ from cpuosd.store import Store
 ])
 def test_transport_errors_map_to_their_status(tmp_path: Path, exc: TransportError,
                                               status: int, code: str) -> None:
-    store = Store(tmp_path / "cpuos.db")
+    store = SqliteStore(tmp_path / "cpuos.db")
     key = store.add_key(store.create_workspace("default"), "admin")
     app = create_app(Config(home=tmp_path))
     app.state.services = SimpleNamespace(store=store)  # (the Guard's key lookup only)

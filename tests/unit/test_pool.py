@@ -20,7 +20,7 @@ from cpuosd.errors import ApiError
 from cpuosd.lifecycle import pool as pool_mod
 from cpuosd.lifecycle.common import Live
 from cpuosd.lifecycle.manager import Manager
-from cpuosd.store import SandboxRow, Store
+from cpuosd.store import SandboxRow, SqliteStore, Store
 from support.fakes import FakeBackend, FakeHost
 
 
@@ -74,7 +74,7 @@ def run(tmp_path: Path, test: Callable[[PoolManager, str, FakeHost], Awaitable[N
             {"name": "python", "digest": "0" * 16, "rootfs": str(tdir / "rootfs")}))
         cfg = Config(home=tmp_path / "home", templates_path=tdir,
                      pool=PoolConfig(templates=("python",), **pool_kw))  # type: ignore[arg-type]
-        store = Store(cfg.db_path)
+        store = SqliteStore(cfg.db_path)
         store.create_workspace("default")
         ws = store.create_workspace("w", {"max_sandboxes": 1000})
         host = FakeHost()

@@ -12,14 +12,14 @@ import pytest
 from cpuosd.config import Config
 from cpuosd.errors import ApiError
 from cpuosd.lifecycle.manager import Live, Manager
-from cpuosd.store import Store
+from cpuosd.store import SqliteStore
 from support.fakes import FakeBackend
 
 
 def test_no_checkpoint_capability(tmp_path: Path) -> None:
     async def main() -> None:
         cfg = Config(home=tmp_path)
-        store = Store(cfg.db_path)
+        store = SqliteStore(cfg.db_path)
         backend = FakeBackend(checkpoint=False)
         mgr = Manager(cfg, store, backend)
         info: dict[str, Any] = {"rootfs": "/nonexistent", "digest": "d"}

@@ -17,7 +17,7 @@ from cpuosd.errors import ApiError
 from cpuosd.events import EventBus, SandboxEvent
 from cpuosd.lifecycle import states
 from cpuosd.lifecycle.manager import Manager
-from cpuosd.store import LIVE_STATES, Store
+from cpuosd.store import LIVE_STATES, SqliteStore
 from support.fakes import FakeBackend
 
 
@@ -46,7 +46,7 @@ def test_every_state_and_operation(tmp_path: Path, state: str) -> None:
     async def main() -> None:
         # the fake has no agent
         cfg = Config(home=tmp_path, sandbox=SandboxConfig(agent_connect_timeout=0.2))
-        store = Store(cfg.db_path)
+        store = SqliteStore(cfg.db_path)
         fake = FakeBackend(checkpoint=True)
         backend: Backend = fake  # the fake must be a Backend (mypy checks tests/)
         events = EventBus()

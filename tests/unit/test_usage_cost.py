@@ -10,11 +10,11 @@ import pytest
 
 from cpuosd.accounting.usage import Meter, month_start
 from cpuosd.events import SandboxEvent
-from cpuosd.store import SandboxRow, Store
+from cpuosd.store import SandboxRow, SqliteStore
 
 
 def test_month_cost_agrees_with_the_summary(tmp_path: Path) -> None:
-    store = Store(tmp_path / "db")
+    store = SqliteStore(tmp_path / "db")
     meter = Meter(store)
     ws = store.create_workspace("w")
     t = month_start(1_800_000_000.0) + 3600.0

@@ -38,6 +38,7 @@ from . import audit as _audit
 from . import shell as _shell
 from .._sync.workspace import Workspace
 from . import mcp as _mcp
+from . import nodes as _nodes
 from . import workspaces as _workspaces
 from ._options import ApiKey, ApiUrl, JsonOut, SandboxId
 
@@ -732,6 +733,7 @@ _audit.register(app)
 _mcp.register(app)
 _shell.register(app)
 _workspaces.register(app, _Group)
+_nodes.register(app, _Group)
 
 
 # ---- usage and live metrics ---------------------------------------------------------------

@@ -60,11 +60,14 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import homedir
 from ..config import AuditConfig
 from ..events import NOT_TRANSITIONS, SandboxEvent
+
+if TYPE_CHECKING:
+    from ..store.audit_chain import PgAuditChain
 
 log = logging.getLogger("cpuosd.audit")
 
@@ -236,8 +239,12 @@ class AuditLog:
     def __init__(self, db_path: Path, key_path: Path, head_path: Path | None = None,
                  retention: float | None = None,
                  workspace_lookup: Callable[[str], str | None] | None = None,
-                 limits: Limits | None = None) -> None:
+                 limits: Limits | None = None, chain: PgAuditChain | None = None) -> None:
         self.db_path, self.head_path = db_path, head_path
+        # many hosts (the state store in Postgres): rows go to the one chain every node
+        # appends to (cpuosd.store.audit_chain) instead of this host's SQLite; the
+        # queue, coalescing, budgets and the free-space floor work as on one host
+        self.chain = chain
         self.limits = limits or Limits()
         # a sandbox's workspace before its first event names it (from the daemon's Store)
         self.workspace_lookup = workspace_lookup
@@ -502,6 +509,12 @@ class AuditLog:
                                       for h in self._held.values())
 
     def _write(self, batch: list[Pending]) -> None:
+        if self.chain is not None:
+            seq, head = self.chain.append([(p.time, p.workspace, p.sandbox, p.kind, p.detail)
+                                           for p in batch])
+            self._seq, self._head = seq, head
+            self._write_head(seq, head)
+            return
         rows = []
         seq, head = self._seq, self._head
         for p in batch:
@@ -520,6 +533,9 @@ class AuditLog:
                 self._db.execute("ROLLBACK")
                 raise
         self._seq, self._head = seq, head
+        self._write_head(seq, head)
+
+    def _write_head(self, seq: int, head: str) -> None:
         if self.head_path is not None:
             tmp = self.head_path.with_suffix(".tmp")
             tmp.write_text(json.dumps({"seq": seq, "hash": head}))
@@ -547,11 +563,15 @@ class AuditLog:
         self._thread.join(10.0)
         with self._dblock:
             self._db.close()
+        if self.chain is not None:
+            self.chain.close()
 
     # ---- readers ------------------------------------------------------------------------
     def query(self, sandbox: str | None = None, kinds: tuple[str, ...] = (),
               since: float | None = None, until: float | None = None, after: int = 0,
               limit: int = 1000, workspace: str | None = None) -> list[dict[str, Any]]:
+        if self.chain is not None:
+            return self.chain.query(sandbox, kinds, after, limit, workspace, since, until)
         sql = f"SELECT {COLS} FROM audit WHERE seq > ?"
         args: list[Any] = [after]
         for col, val in (("sandbox", sandbox), ("workspace", workspace)):
@@ -574,6 +594,9 @@ class AuditLog:
         return [row_json(r) for r in rows]
 
     def iter_rows(self, after: int = 0, chunk: int = 5000) -> Iterator[tuple[Any, ...]]:
+        if self.chain is not None:
+            yield from self.chain.iter_rows(after, chunk)
+            return
         while True:
             with self._dblock:
                 rows = self._db.execute(f"SELECT {COLS} FROM audit WHERE seq > ? ORDER BY seq "
@@ -584,12 +607,17 @@ class AuditLog:
             after = rows[-1][0]
 
     def anchor(self) -> tuple[int, str, str] | None:
+        if self.chain is not None:
+            return self.chain.anchor()
         with self._dblock:
             r = self._db.execute("SELECT seq, hash, mac FROM audit_anchor").fetchone()
         return None if r is None else (int(r[0]), str(r[1]), str(r[2]))
 
     def verify(self) -> dict[str, Any]:
         """Walk the whole chain (a thread's work: call it off the event loop)."""
+        if self.chain is not None:  # (the shared chain, and this node's last row in it)
+            mine = self._head_file()
+            return self.chain.verify([(int(mine["seq"]), str(mine["hash"]))] if mine else [])
         return verify_chain(self.iter_rows(), self.key, self.anchor(), self._head_file())
 
     def _head_file(self) -> dict[str, Any] | None:
@@ -604,6 +632,8 @@ class AuditLog:
     def prune(self, before: float) -> int:
         """Delete rows older than ``before`` from the front of the chain; the last one
         deleted becomes the anchor."""
+        if self.chain is not None:
+            return self.chain.prune(before)
         with self._dblock:
             r = self._db.execute("SELECT seq, hash FROM audit WHERE time < ? ORDER BY seq DESC "
                                  "LIMIT 1", (before,)).fetchone()

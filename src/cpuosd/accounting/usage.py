@@ -63,11 +63,9 @@ class Meter:
             row = self.store.get_sandbox(ev.sandbox)
             if row is None:
                 return
-            self.store.execute(
-                "INSERT INTO usage (workspace_id, sandbox_id, kind, start, vcpus, memory_mib) "
-                "VALUES (?,?,?,?,?,?)", (ev.workspace, ev.sandbox, "running", ev.time,
-                                         int(row.spec.get("vcpus") or 0),
-                                         int(row.spec.get("memory_mib") or 0)))
+            self.store.usage_open(ev.workspace, ev.sandbox, "running", ev.time,
+                                  vcpus=int(row.spec.get("vcpus") or 0),
+                                  memory_mib=int(row.spec.get("memory_mib") or 0))
         elif ev.kind in CLOSES:
             self._close(ev.sandbox, ev.time)
             if ev.kind == "paused":
@@ -76,45 +74,34 @@ class Meter:
                     row = self.store.get_sandbox(ev.sandbox)
                     size = row.snapshot_bytes if row else 0
                 reason = ev.fields.get("reason")
-                self.store.execute(
-                    "INSERT INTO usage (workspace_id, sandbox_id, kind, start, "
-                    "snapshot_bytes, reason) VALUES (?,?,?,?,?,?)",
-                    (ev.workspace, ev.sandbox, "paused", ev.time, int(size or 0),
-                     reason if isinstance(reason, str) else None))
+                self.store.usage_open(ev.workspace, ev.sandbox, "paused", ev.time,
+                                      snapshot_bytes=int(size or 0),
+                                      reason=reason if isinstance(reason, str) else None)
 
     def _close(self, sid: str, at: float) -> None:
-        self.store.execute("UPDATE usage SET end=MAX(start, ?) WHERE sandbox_id=? AND "
-                           "end IS NULL", (at, sid))
+        self.store.usage_close(sid, at)
 
     def reconcile(self) -> None:
         """After a restart: intervals left open by sandboxes that are no longer in the
         state they meter end when their sandbox did (or now)."""
         now = time.time()
-        rows = self.store.execute(
-            "SELECT u.id, u.kind, s.state, s.ended_at, s.paused_at FROM usage u "
-            "LEFT JOIN sandboxes s ON s.id = u.sandbox_id WHERE u.end IS NULL").fetchall()
-        for uid, kind, state, ended_at, paused_at in rows:
+        for uid, kind, state, ended_at, paused_at in self.store.usage_dangling():
             if state == kind:
                 continue
             at = ended_at or (paused_at if kind == "running" and state == "paused" else None)
-            self.store.execute("UPDATE usage SET end=MAX(start, ?) WHERE id=?",
-                               (at or now, uid))
+            self.store.usage_close_interval(uid, at or now)
 
     # ---- reading ------------------------------------------------------------------------
     def summary(self, workspace_id: str, since: float, until: float,
                 sandbox_id: str | None = None) -> dict[str, Any]:
         """Usage between since and until (open intervals count up to until), in total and
         per sandbox, with its cost at today's prices."""
-        sql = ("SELECT sandbox_id, kind, start, COALESCE(end, ?), vcpus, memory_mib, "
-               "snapshot_bytes, reason FROM usage WHERE workspace_id=? AND start < ? AND "
-               "(end IS NULL OR end > ?)")
-        args: list[Any] = [until, workspace_id, until, since]
-        if sandbox_id is not None:
-            sql += " AND sandbox_id=?"
-            args.append(sandbox_id)
         per: dict[str, dict[str, float]] = {}
-        for sid, kind, start, end, vcpus, mem, snap, reason in self.store.execute(
-                sql, tuple(args)).fetchall():
+        for u in self.store.usage_intervals(workspace_id, since, until, sandbox_id):
+            sid, kind, start, vcpus, mem, snap, reason = (u.sandbox_id, u.kind, u.start,
+                                                          u.vcpus, u.memory_mib,
+                                                          u.snapshot_bytes, u.reason)
+            end = until if u.end is None else u.end
             secs = max(0.0, min(end, until) - max(start, since))
             acc = per.setdefault(sid, _zero())
             if kind == "running":
@@ -149,14 +136,12 @@ class Meter:
         since = month_start(now)
         t0, closed = self._closed.get((workspace_id, since), (since, 0.0))
         newly, open_ = 0.0, 0.0
-        cols = "kind, start, end, vcpus, memory_mib, snapshot_bytes"
-        for kind, start, end, vcpus, mem, snap in self.store.execute(
-                f"SELECT {cols} FROM usage INDEXED BY usage_ws_end WHERE workspace_id=? AND "
-                f"end IS NULL AND start < ? UNION ALL SELECT {cols} FROM usage INDEXED BY "
-                "usage_ws_end WHERE workspace_id=? AND end > ? AND start < ?",
-                (workspace_id, now, workspace_id, t0, now)).fetchall():
-            ended = end is not None and end <= now
-            secs = max(0.0, min(end if ended else now, now) - max(start, since))
+        for u in self.store.usage_recent(workspace_id, t0, now):
+            kind, start, vcpus, mem, snap = (u.kind, u.start, u.vcpus, u.memory_mib,
+                                             u.snapshot_bytes)
+            ended = u.end is not None and u.end <= now
+            end = u.end if u.end is not None and ended else now
+            secs = max(0.0, min(end, now) - max(start, since))
             acc = _zero()
             if kind == "running":
                 acc["vcpu_seconds"] = secs * (vcpus or 0)
@@ -222,10 +207,7 @@ class Enforcer:
                 log.exception("spending cap check failed")
 
     async def enforce(self) -> None:
-        capped = [(r[0], r[1]) for r in self.store.execute(
-            "SELECT id, settings FROM workspaces WHERE settings LIKE '%spending_cap%'"
-        ).fetchall()]
-        for wid, _ in capped:
+        for wid in self.store.workspaces_with_setting("spending_cap"):
             cap = spending_cap(self.store, wid)
             if cap is None:
                 continue

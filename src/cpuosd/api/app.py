@@ -21,7 +21,7 @@ from ..backends.microvm.selection import BackendUnavailable
 from ..config import Config
 from ..agentconn import TransportError
 from ..errors import ApiError, api_error, invalid
-from ..wiring import Services, build_services
+from ..wiring import Services, build_services, node_config
 from ..console.routes import router as console_router
 from ..console.sessions import Sessions
 from . import (audit, browser, commands, dirs, eventstream, files, health, interp, ports, pty,
@@ -53,8 +53,14 @@ def create_app(cfg: Config | None = None, services: Services | None = None) -> F
     """The HTTP app: its routers, its middleware and its error handlers. Its lifespan
     serves ``services`` (which stay the caller's: started before, closed after), else
     builds the daemon's own from ``cfg`` (``cpuosd.wiring.build_services``) and closes
-    them when it ends."""
+    them when it ends. ``cfg``'s role is ``all`` or ``node`` (a node's id and token are
+    checked here: ValueError; ``api``: cpuosd.cluster.api.create_api_app)."""
     cfg = cfg or Config.from_env()
+    if cfg.cluster.role == "node":  # (many hosts: cpuosd.cluster.nodes, docs/DEPLOY.md)
+        cfg = node_config(cfg)
+    elif cfg.cluster.role != "all":
+        raise ValueError(f"role {cfg.cluster.role!r}: create_app serves --role=all or "
+                         "--role=node (--role=api: cpuosd.cluster.api)")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -79,6 +85,10 @@ def create_app(cfg: Config | None = None, services: Services | None = None) -> F
     app.state.console_sessions = Sessions(ttl=cfg.api.console_session_ttl)
     app.add_middleware(Guard)  # the key is checked before any body is read
     e2b_surface.install(app, cfg)  # /e2b and E2B's sandbox headers, before the Guard
+    if cfg.cluster.role == "node":  # outermost: a node answers API processes only
+        from ..cluster.nodes import NodeTokenGuard
+
+        app.add_middleware(NodeTokenGuard, token=str(cfg.cluster.node_token))
     for router in ROUTERS:
         app.include_router(router)
     document(app)  # the answers' schemas in /openapi.json (sdk/js's types)

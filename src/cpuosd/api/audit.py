@@ -14,7 +14,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
-from ..accounting.audit import DB_NAME, KINDS, AuditLog, Limits
+from ..accounting.audit import DB_NAME, KINDS, AuditLog, Limits, load_key
 from ..config import Config
 from ..errors import invalid
 from ..events import EventBus
@@ -35,8 +35,16 @@ def start_audit(cfg: Config, events: EventBus, store: Store) -> AuditLog:
         row = store.get_sandbox(sid)
         return row.workspace_id if row is not None and row.state != "pooled" else None
 
-    audit = AuditLog(cfg.home / DB_NAME, cfg.home / "audit.key", cfg.home / "audit.head",
-                     cfg.audit.retention, workspace, Limits.of(cfg.audit))
+    # the chain's key: every node of many must hold the same one (a Secret's file)
+    key_path = cfg.audit_key_path
+    chain = None
+    if store.dialect == "postgres" and cfg.cluster.database_url:
+        # many hosts: one chain in the shared database (cpuosd.store.audit_chain)
+        from ..store.audit_chain import PgAuditChain
+
+        chain = PgAuditChain(cfg.cluster.database_url, load_key(key_path))
+    audit = AuditLog(cfg.home / DB_NAME, key_path, cfg.home / "audit.head",
+                     cfg.audit.retention, workspace, Limits.of(cfg.audit), chain=chain)
     if cfg.audit.enabled:
         events.subscribe(audit.on_event)
     return audit

@@ -25,7 +25,7 @@ class Deadlines:
         expiring: set[str] = set()
         while True:
             await asyncio.sleep(self.cfg.sandbox.reaper_interval)
-            for sid, on_timeout in self.store.expired(_now()):
+            for sid, on_timeout in self.store.expired(_now(), node_id=self.node_id):
                 if sid in expiring:
                     continue
                 expiring.add(sid)

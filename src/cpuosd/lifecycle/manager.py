@@ -39,6 +39,7 @@ from ..store import LIVE_STATES, SandboxRow, Store
 from ..accounting.quotas import Admission, HostMeter, Measure
 from ..network.policy import Policy
 from ..templates.builder import template_info
+from ..snapstore import SnapshotStore
 from . import memwatch, states
 from .common import (KILL_LOCK_WAIT, KILL_RETRY_INTERVAL, KILL_TIMEOUT, RECONNECT_GRACE, Live,
                      _now)
@@ -57,9 +58,18 @@ __all__ = ["Live", "Manager"]
 
 class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
     def __init__(self, cfg: Config, store: Store, backend: Backend,
-                 events: EventBus | None = None, measure: Measure | None = None) -> None:
+                 events: EventBus | None = None, measure: Measure | None = None,
+                 snapstore: SnapshotStore | None = None) -> None:
         self.cfg = cfg
         self.store = store
+        # the node this daemon is (--role=node): its rows carry it, and what it reconciles,
+        # reaps or prunes is only its own; None on one host (--role=all): every row
+        self.node_id = cfg.cluster.node_id if cfg.cluster.role == "node" else None
+        # a node's snapshot store shared with the other nodes (CPUOS_SNAPSHOT_STORE,
+        # wiring.snapshot_store): a pause uploads there and the row is left on no node, so
+        # any node resumes it (cpuosd.lifecycle.snapshots); None: snapshots stay on this
+        # host (one host)
+        self.snapstore = snapstore if self.node_id is not None else None
         self.backend = backend
         self.events = events or EventBus()
         # admission by what the host really uses (accounting.quotas): ``measure`` stands in
@@ -124,7 +134,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
 
     def _prune_agents(self) -> None:
         """Agent copies other than the current one, once no live sandbox mounts them."""
-        if self.store.list_sandboxes(states=LIVE_STATES):
+        if self.store.list_sandboxes(states=LIVE_STATES, node_id=self.node_id):
             return  # a reattached or paused sandbox may still use an older copy
         for d in self.agent_dir.parent.iterdir():
             if d != self.agent_dir:
@@ -257,7 +267,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
                   "timeout": timeout, "machine_id": secrets.token_hex(16),
                   "template_env": info.get("env") or {}, "workdir": info.get("workdir"),
                   "network": network or self.default_network, "idle_timeout": idle_timeout},
-            metadata=metadata, on_timeout=on_timeout,
+            metadata=metadata, on_timeout=on_timeout, node_id=self.node_id,
         )
         self.store.insert_sandbox(row)
         return row
@@ -543,6 +553,11 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
                 self._spawn(self._retry_teardown(sid))
                 return
             shutil.rmtree(self._snap(sid), ignore_errors=True)
+            if self.snapstore is not None and row.state == "paused" and row.node_id is None:
+                try:  # (paused into the shared store: its image goes too)
+                    await asyncio.wait_for(self.snapstore.delete(sid), KILL_TIMEOUT)
+                except Exception as e:
+                    log.warning("kill of %s: its snapshot in the store stays: %s", sid, e)
             self._finish(sid, final_state, reason)
         finally:
             if locked:
@@ -617,7 +632,15 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         frm = row.state if row is not None else None
         if frm is not None and frm != to:
             states.check_transition(frm, to)
-        self.store.update_sandbox(sid, state=to, **fields)
+        # compare-and-set from the state read (one daemon: it always holds; where several
+        # processes share the store, the one that loses a race changes nothing)
+        if frm is not None and not self.store.transition(sid, (frm,), to, **fields):
+            now = self.store.get_sandbox(sid)
+            raise ApiError("conflict", f"sandbox {sid} changed state meanwhile (now "
+                           f"{now.state if now else 'gone'}); {frm} -> {to} not made",
+                           {"state": now.state if now else None})
+        if frm is None:
+            self.store.update_sandbox(sid, state=to, **fields)
         lv = self.live.get(sid)
         if lv is not None:
             lv.row.state = to

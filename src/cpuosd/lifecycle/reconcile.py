@@ -26,7 +26,7 @@ class Reconcile:
         """Make SQLite and the host agree after a (possibly unclean) restart."""
         actual = await self.backend.running()
         keep: set[str] = set()
-        for row in self.store.list_sandboxes(states=LIVE_STATES):
+        for row in self.store.list_sandboxes(states=LIVE_STATES, node_id=self.node_id):
             alive = actual.get(row.id) == "running"
             snap = self._snap(row.id)
             if alive and row.state in ("running", "pausing", "resuming"):
@@ -71,7 +71,8 @@ class Reconcile:
         for d in self.cfg.sandboxes_dir.iterdir():
             if d.name not in keep:
                 shutil.rmtree(d, ignore_errors=True)
-        paused = {r.id for r in self.store.list_sandboxes(states=("paused",))}
+        paused = {r.id for r in self.store.list_sandboxes(states=("paused",),
+                                                          node_id=self.node_id)}
         for d in self.cfg.snapshots_dir.iterdir():
             if d.name != "templates" and d.name not in paused:
                 shutil.rmtree(d, ignore_errors=True)

@@ -8,20 +8,26 @@ import os
 import secrets
 import shutil
 import time
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 
 from cpuos_agent.protocol import Kind
 
 from ..agentconn import DEVICE_SETTLE, TransportError
 from ..errors import ApiError
+from ..events import SandboxEvent
+from ..snapstore.facts import (host_facts, incompatibilities, read_meta, snapshot_meta,
+                               write_meta)
 from ..store import SandboxRow
 from . import states
 from .common import (Live, _du, _now)
 
 if TYPE_CHECKING:
     from .manager import Manager
+
+T = TypeVar("T")
 
 log = logging.getLogger("cpuosd.lifecycle")
 
@@ -88,6 +94,8 @@ class Snapshots:
         try:
             await self.backend.checkpoint(sid, tmp)
             self._save_agent_key(lv, tmp)
+            # what a node restoring it elsewhere must match (cpuosd.snapstore.facts)
+            write_meta(tmp, snapshot_meta(self.backend, sid, lv.row.template, lv.row.spec))
             os.rename(tmp, image)
         except asyncio.CancelledError:
             # a DELETE cancelled an auto-pause (or the daemon is stopping): nothing of the
@@ -121,8 +129,95 @@ class Snapshots:
         remaining = max(1.0, (lv.row.deadline or _now()) - _now())
         await self._checkpoint(lv, self._snap(sid))
         size = _du(self._snap(sid))
+        if self.snapstore is not None and await self._upload(sid):
+            # in the shared store: the row is on no node (a new epoch), any node resumes it
+            self._set_state(sid, "paused", paused_at=_now(), remaining=remaining,
+                            snapshot_bytes=size, deadline=None, reason=reason,
+                            node_id=None, new_epoch=True)
+            return
         self._set_state(sid, "paused", paused_at=_now(), remaining=remaining,
                         snapshot_bytes=size, deadline=None, reason=reason)
+
+    async def _upload(self: Manager, sid: str) -> bool:
+        """A paused image into the shared snapshot store, then off this node's disk (a
+        stale local copy must never be restored later). False: the upload failed; the
+        image stays here and the sandbox stays this node's (resumable here). Until it is
+        done the row says pausing: a node killed mid-upload never leaves a row saying paused
+        with an image that is not whole in the store."""
+        assert self.snapstore is not None
+        t0 = time.monotonic()
+        try:
+            m = await self._bounded(self.snapstore.put(sid, self._snap(sid)),
+                                    self._transfer_bound(_du(self._snap(sid))))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # (TimeoutError included: a store that hangs)
+            log.warning("upload of %s's snapshot failed (kept on this node): %s", sid,
+                        e or type(e).__name__)
+            return False
+        shutil.rmtree(self._snap(sid), ignore_errors=True)
+        log.info("snapshot of %s uploaded to the %s store: %d MiB in %.0f ms", sid,
+                 self.snapstore.kind, m.total_bytes >> 20, (time.monotonic() - t0) * 1e3)
+        return True
+
+    async def _bounded(self: Manager, aw: Coroutine[Any, Any, T], seconds: float) -> T:
+        """``aw``'s result, or TimeoutError after ``seconds``: then it is cancelled and left
+        to finish in the background (a transfer's cancellation waits for its thread, which
+        a store that hangs holds until botocore's own timeouts: minutes), never awaited
+        here."""
+        task = asyncio.ensure_future(aw)
+        try:
+            done, _ = await asyncio.wait({task}, timeout=seconds)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if not done:
+            task.cancel()
+            self._tasks.add(task)  # (kept referenced until it is done)
+            task.add_done_callback(self._tasks.discard)
+            raise TimeoutError(f"snapshot transfer took longer than {seconds:.0f} s")
+        return task.result()
+
+    def _transfer_bound(self: Manager, size: int) -> float:
+        """s one snapshot transfer may take: CPUOS_SNAPSHOT_TRANSFER_TIMEOUT plus 1 s per
+        20 MiB (a hanging store must not hold a pause or a resume without end)."""
+        return self.cfg.cluster.snapshot_transfer_timeout + size / (20 << 20)
+
+    async def _claim(self: Manager, row: SandboxRow) -> SandboxRow:
+        """A sandbox paused into the shared store, taken by this node: paused -> resuming
+        with this node's id and a new epoch in one compare-and-set (two nodes racing: one
+        wins, the other answers 409), then its image fetched (and checked against this
+        host: gVisor refuses a restore on a CPU lacking saved features). On failure it is
+        paused on no node again."""
+        assert self.snapstore is not None
+        sid = row.id
+        if not self.store.transition(sid, ("paused",), "resuming", expect_epoch=row.epoch,
+                                     new_epoch=True, node_id=self.node_id):
+            now = self.store.get_sandbox(sid)
+            raise ApiError("conflict", f"sandbox {sid} is being resumed elsewhere (now "
+                           f"{now.state if now else 'gone'})",
+                           {"state": now.state if now else None})
+        self.events.emit(SandboxEvent("resuming", sid, row.workspace_id, "paused"))
+        snap = self._snap(sid)
+        shutil.rmtree(snap, ignore_errors=True)
+        try:
+            t0 = time.monotonic()
+            await self._bounded(self.snapstore.get(sid, snap),
+                                self._transfer_bound(row.snapshot_bytes or 0))
+            meta = read_meta(snap)
+            bad = incompatibilities(meta, host_facts(self.backend)) if meta else []
+            if bad:
+                raise ApiError("conflict", f"sandbox {sid}'s snapshot cannot be restored on "
+                               f"node {self.node_id}: " + "; ".join(bad)[:300])
+            log.info("snapshot of %s fetched from the %s store in %.0f ms", sid,
+                     self.snapstore.kind, (time.monotonic() - t0) * 1e3)
+        except BaseException:
+            shutil.rmtree(snap, ignore_errors=True)
+            self.store.transition(sid, ("resuming",), "paused", new_epoch=True, node_id=None)
+            raise
+        got = self.store.get_sandbox(sid)
+        assert got is not None
+        return got
 
     async def resume(self: Manager, workspace_id: str, sid: str) -> SandboxRow:
         async with self._lock(sid):
@@ -130,6 +225,11 @@ class Snapshots:
             states.check("resume", sid, row.state, row.reason)
             if row.state == "running":
                 return row
+            if row.node_id != self.node_id:
+                if self.snapstore is None or row.node_id is not None:
+                    raise ApiError("conflict", f"sandbox {sid} is paused on node "
+                                   f"{row.node_id}, not on this one ({self.node_id})")
+                row = await self._claim(row)
             await self._resume_locked(row)
         return self.get(workspace_id, sid)
 
@@ -138,17 +238,29 @@ class Snapshots:
         it is paused as it was (the snapshot is kept until the restore succeeded)."""
         sid = row.id
         snap = self._snap(sid)
-        self.admission.admit(row.workspace_id, row.spec["vcpus"], row.spec["memory_mib"],
-                             new_sandboxes=False)
-        self._set_state(sid, "resuming")
+        claimed = row.state == "resuming"  # (fetched from the shared store: _claim)
         try:
+            self.admission.admit(row.workspace_id, row.spec["vcpus"], row.spec["memory_mib"],
+                                 new_sandboxes=False)
+            if not claimed:
+                self._set_state(sid, "resuming")
             await self._boot(row, snap, resume=True)
         except BaseException:
-            self._set_state(sid, "paused")  # the snapshot is still good
+            if claimed:  # the store's copy is still good: paused on no node again
+                shutil.rmtree(snap, ignore_errors=True)
+                self.store.transition(sid, ("resuming",), "paused", new_epoch=True,
+                                      node_id=None)
+            else:
+                self._set_state(sid, "paused")  # the snapshot is still good
             raise
         self._mark_running(row, row.remaining or row.spec.get("timeout") or 300.0)
         self.store.update_sandbox(sid, paused_at=None, remaining=None, snapshot_bytes=None)
         shutil.rmtree(snap, ignore_errors=True)
+        if claimed and self.snapstore is not None:
+            try:  # (running again: its next pause uploads a new image)
+                await self.snapstore.delete(sid)
+            except Exception as e:
+                log.warning("resumed %s: its old snapshot in the store stays: %s", sid, e)
 
     async def fork(self: Manager, workspace_id: str, sid: str, n: int) -> list[SandboxRow]:
         """n new sandboxes with the memory, processes and files of sid (which keeps running):

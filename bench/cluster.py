@@ -1,0 +1,194 @@
+"""Many hosts on one host (issue 24): what the API tier costs, and pause -> resume on
+another node.
+
+    .venv/bin/python bench/cluster.py [--quick | --smoke]     # as root
+
+Starts a real Postgres, an S3 server (moto) on 127.0.0.1, two node processes
+(``cpuosd --role=node``, real runsc) and one API process (``--role=api``), as
+tests/cluster/test_two_nodes.py does (tests/support/testbed.py: node_cluster). The same HTTP
+client code (httpx, one kept-alive connection) measures each path twice, through the API
+process and straight to the node (with the node token), on the same sandbox:
+
+- exec round trip of ``true`` (the whole framed answer read): p50 and p99, and the API
+  tier's overhead (difference of the p50s);
+- stdout streaming (``head -c 64M /dev/zero``, the framed stream read to its end): MB/s;
+- pause -> resume of an idle python sandbox: on the same node with no snapshot store
+  (checkpoint and restore from local disk) beside pause (checkpoint + upload) on node A ->
+  resume (download + restore) on node B through the S3 store.
+
+Prints the figures beside each other; the samples go to .cache/bench/cluster[-mode].json.
+The test suite runs ``--smoke`` (tests/cluster/test_bench_cluster.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / ".cache" / "bench"
+sys.path.insert(0, str(REPO / "tests"))  # for `support`
+
+
+def pct(xs: list[float], p: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(len(s) * p / 100))]
+
+
+def exec_times(c: httpx.Client, sid: str, cmd: str, n: int) -> tuple[list[float], int]:
+    lat, size = [], 0
+    for _ in range(n):
+        t0 = time.perf_counter()
+        r = c.post(f"/sandboxes/{sid}/exec", json={"cmd": cmd, "timeout": 120})
+        body = r.content
+        lat.append(time.perf_counter() - t0)
+        if r.status_code != 200:
+            raise RuntimeError(f"exec {cmd!r}: {r.status_code} {body[:300]!r}")
+        size = len(body)
+    return lat, size
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--smoke", action="store_true")
+    a = ap.parse_args()
+    mode = "smoke" if a.smoke else "quick" if a.quick else "full"
+    n_exec = {"smoke": 5, "quick": 50, "full": 300}[mode]
+    n_stream = {"smoke": 1, "quick": 3, "full": 5}[mode]
+    n_pause = {"smoke": 1, "quick": 2, "full": 5}[mode]
+    stream_mib = {"smoke": 4, "quick": 64, "full": 64}[mode]
+
+    from cpuos import Sandbox
+    from support import testbed
+    from support.daemon import e2e_unavailable, wait_until
+
+    why = e2e_unavailable() or testbed.postgres_unavailable() or testbed.s3_unavailable()
+    if why:
+        print(f"bench/cluster.py cannot run here: {why}", file=sys.stderr)
+        return 2
+    out: dict[str, Any] = {"mode": mode}
+    base = Path(os.environ.get("TMPDIR", "/tmp"))
+    with testbed.postgres() as pg:
+        s3 = testbed.S3Server(Path(tempfile.mkdtemp(prefix="cpuos-s3-", dir=base)))
+        s3.start()
+        try:
+            bucket = "bench-" + secrets.token_hex(4)
+            s3.create_bucket(bucket)
+            url = pg.create_database("bench_" + secrets.token_hex(4))
+            with testbed.node_cluster(url, s3.env(bucket), n_apis=1) as cl:
+                api, node_a = cl.apis[0], cl.nodes[0]
+                store = testbed.open_test_store(url)
+                auth = {"Authorization": f"Bearer {cl.key}"}
+
+                def only(node: str) -> None:
+                    for n in ("node-a", "node-b"):
+                        store.set_node_cordoned(n, True)
+                    wait_until(lambda: api.health().get("nodes_placeable") == 0,
+                               "both nodes cordoned", timeout=15)
+                    store.set_node_cordoned(node, False)
+                    wait_until(lambda: api.health().get("nodes_placeable") == 1,
+                               "placement on " + node, timeout=15)
+
+                only("node-a")
+                sbx = Sandbox.create(template="python", timeout="30m", api_url=api.url,
+                                     api_key=cl.key)
+                row = store.get_sandbox(sbx.id)
+                assert row is not None and row.node_id == "node-a", row
+                with httpx.Client(base_url=api.url, headers=auth, timeout=300) as via_api, \
+                        httpx.Client(base_url=node_a.url, timeout=300, headers={
+                            **auth, "X-Cpuos-Node-Token": cl.token}) as direct:
+                    for c in (via_api, direct):  # warm-up
+                        exec_times(c, sbx.id, "true", 3)
+                    for name, c in (("api", via_api), ("node", direct)):
+                        lat, _ = exec_times(c, sbx.id, "true", n_exec)
+                        out[f"exec_{name}_s"] = lat
+                        print(f"exec 'true' via {name}: p50 {statistics.median(lat) * 1e3:.2f} "
+                              f"ms, p99 {pct(lat, 99) * 1e3:.2f} ms")
+                    cmd = f"head -c {stream_mib}M /dev/zero"
+                    for name, c in (("api", via_api), ("node", direct)):
+                        lat, size = exec_times(c, sbx.id, cmd, n_stream)
+                        out[f"stream_{name}_MBps"] = [size / t / 1e6 for t in lat]
+                        print(f"stdout stream {stream_mib} MiB via {name}: "
+                              f"{statistics.median(out[f'stream_{name}_MBps']):.0f} MB/s")
+
+                # pause -> resume: on node A from its disk (no store) vs A -> B via S3
+                local_p, local_r, far_p, far_r = [], [], [], []
+                for _ in range(n_pause):
+                    only("node-a")
+                    s = Sandbox.create(template="python", timeout="30m", api_url=api.url,
+                                       api_key=cl.key)
+                    s.exec("true")
+                    t0 = time.perf_counter()
+                    s.pause()
+                    far_p.append(time.perf_counter() - t0)
+                    only("node-b")
+                    t0 = time.perf_counter()
+                    r = httpx.post(f"{api.url}/sandboxes/{s.id}/resume", headers=auth,
+                                   timeout=300)
+                    far_r.append(time.perf_counter() - t0)
+                    assert r.status_code == 200, r.text
+                    row = store.get_sandbox(s.id)
+                    assert row is not None and row.node_id == "node-b", row
+                    s.kill()
+                out["pause_upload_s"], out["resume_download_s"] = far_p, far_r
+                store.close()
+
+        finally:
+            s3.stop()
+        # the local figure: one host (--role=all, local snapshots), same sandbox kind
+        from support.daemon import new_daemon
+
+        d = new_daemon(CPUOS_POOL_SIZE="0")
+        try:
+            d.start()
+            for _ in range(n_pause):
+                s = Sandbox.create(template="python", timeout="30m", **d.sdk_kwargs())
+                s.exec("true")
+                t0 = time.perf_counter()
+                s.pause()
+                local_p.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                s = Sandbox.resume(s.id, **d.sdk_kwargs())
+                local_r.append(time.perf_counter() - t0)
+                s.kill()
+        finally:
+            left = d.teardown(False)
+        if left:
+            raise RuntimeError(f"left behind: {left}")
+        out["pause_local_s"], out["resume_local_s"] = local_p, local_r
+
+    def m(k: str) -> float:
+        return statistics.median(out[k])
+
+    print()
+    print(f"{'':48} {'through API':>12} {'to the node':>12}")
+    print(f"{'exec true round trip, p50 (ms)':48} {m('exec_api_s') * 1e3:>12.2f} "
+          f"{m('exec_node_s') * 1e3:>12.2f}   overhead "
+          f"{(m('exec_api_s') - m('exec_node_s')) * 1e3:.2f} ms")
+    print(f"{'stdout streaming, median (MB/s)':48} {m('stream_api_MBps'):>12.0f} "
+          f"{m('stream_node_MBps'):>12.0f}   ratio "
+          f"{m('stream_api_MBps') / m('stream_node_MBps'):.2f}")
+    print(f"{'':48} {'A -> B (S3)':>12} {'one host':>12}")
+    print(f"{'pause of an idle python sandbox, median (s)':48} {m('pause_upload_s'):>12.2f} "
+          f"{m('pause_local_s'):>12.2f}")
+    print(f"{'resume, median (s)':48} {m('resume_download_s'):>12.2f} "
+          f"{m('resume_local_s'):>12.2f}")
+    OUT.mkdir(parents=True, exist_ok=True)
+    path = OUT / ("cluster.json" if mode == "full" else f"cluster-{mode}.json")
+    path.write_text(json.dumps(out, indent=1))
+    print(f"samples: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

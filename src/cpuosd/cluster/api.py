@@ -1,0 +1,439 @@
+"""``cpuosd --role=api``: the public API of many nodes at one address (docs/DEPLOY.md).
+
+An API process keeps no state of its own: the state store (Postgres, CPUOS_DATABASE_URL) is
+shared with the nodes. It checks the caller's API key against the store, picks the node a
+request belongs to, and forwards the request there whole (httpx for HTTP, streamed both
+ways; the ``websockets`` client for WebSockets), with the node token:
+
+- a path under ``/sandboxes/<id>``: the node whose row holds the sandbox (``node_id``); a
+  node that is not alive answers 503 ``unavailable`` (its sandboxes wait for it to come
+  back or to be fenced);
+- ``POST /sandboxes`` (create): placement (``cpuosd.cluster.nodes.place``: live, not
+  cordoned, the memory free, the template built there first);
+- anything else (workspaces, keys, usage, audit, templates, listings): any live node (they
+  read and write the shared store).
+
+So the SDKs and the CLI do not change: they talk to an API process as to one daemon. The
+node re-checks the key, the workspace and every quota itself (the API process forwards the
+caller's Authorization header as it came).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import secrets
+import socket
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import httpx
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket, WebSocketDisconnect
+from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from ..api.auth import bearer_key
+from ..config import Config
+from ..errors import ApiError
+from ..store import Store
+from .nodes import (TOKEN_HEADER, KubeNodeView, NodeInfo, NodeView, check_token, fence_dead,
+                    place)
+
+if TYPE_CHECKING:
+    from ..wiring import ApiServices
+
+log = logging.getLogger("cpuosd.cluster")
+
+SANDBOX_PATH = re.compile(r"^/sandboxes/([A-Za-z0-9_-]{1,64})(?:/|$)")
+OPEN_PATHS = frozenset({"/health"})
+# hop-by-hop headers (RFC 9110 7.6.1) and those the forwarder sets itself
+DROP = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te",
+                  "trailer", "upgrade", "host", TOKEN_HEADER, "proxy-authorization"})
+WS_DROP = DROP | {"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
+                  "sec-websocket-protocol", "origin"}
+REFRESH = 1.0  # s between reads of the nodes' rows
+WS_MAX_MESSAGE = 16 << 20
+SMALL_BODY = 64 << 10  # bytes of a request body read whole before it is forwarded
+KEY_CACHE = 5.0  # s a key found valid is not looked up again (the node re-checks it)
+
+
+def _error(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+class Forwarder:
+    def __init__(self, cfg: Config, store: Store) -> None:
+        self.cfg, self.store = cfg, store
+        self.token = check_token(cfg.cluster.node_token, "api")
+        self.view: NodeView | KubeNodeView = NodeView(store, cfg.cluster.node_lease)
+        self.kube: Any = None  # the Kubernetes API client (CPUOS_MEMBERSHIP=kubernetes)
+        # no read timeout: a stream (exec output, watch, a long download) may be quiet for
+        # long; the node bounds every operation itself
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(connect=5.0, read=None,
+                                                            write=60.0, pool=10.0),
+                                      follow_redirects=False)
+        self._task: asyncio.Task[None] | None = None
+        self._keys: dict[str, float] = {}  # key -> monotonic time its check expires
+        self.elector: Any = None  # LeaderElector (CPUOS_MEMBERSHIP=kubernetes)
+        self._elect: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        if self.cfg.cluster.membership == "kubernetes":
+            from .membership import Membership, connect
+
+            self.kube = await connect()
+            self.view = KubeNodeView(Membership(self.kube, self.cfg.cluster.k8s_namespace))
+            # one API process leads (the Lease cpuos-api-leader) and runs the cluster-wide
+            # work: fencing dead nodes (with the store's table every process fences: safe,
+            # as it is one compare-and-set per node)
+            from .membership import LeaderElector
+
+            ident = f"{self.cfg.cluster.api_id or socket.gethostname()}-{secrets.token_hex(4)}"
+            lease = int(max(4, self.cfg.cluster.node_lease))  # (whole seconds: the Lease's field)
+            self.elector = LeaderElector(self.kube, self.cfg.cluster.k8s_namespace, ident,
+                                         lease_seconds=lease, renew_deadline=lease - 1,
+                                         retry_period=1)
+            self._elect = asyncio.ensure_future(self.elector.run(self._lead))
+        elif self.cfg.cluster.membership != "store":
+            raise ValueError(f"CPUOS_MEMBERSHIP must be store or kubernetes, not "
+                             f"{self.cfg.cluster.membership!r}")
+        await self._refresh()
+        self._task = asyncio.ensure_future(self._refresh_loop())
+
+    async def _refresh(self) -> None:
+        if isinstance(self.view, KubeNodeView):
+            await self.view.refresh_async()
+        else:
+            await asyncio.to_thread(self.view.refresh)
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(REFRESH)
+            try:
+                await self._refresh()
+                if self.elector is None:
+                    await asyncio.to_thread(fence_dead, self.store, self.view,
+                                            self.cfg.cluster.node_fence_after)
+            except Exception as e:
+                log.warning("reading the nodes failed: %s", e)
+
+    async def _lead(self) -> None:
+        """While this API process leads: fence dead nodes (the refresh loop keeps the view
+        current)."""
+        while True:
+            await asyncio.sleep(REFRESH)
+            try:
+                await asyncio.to_thread(fence_dead, self.store, self.view,
+                                        self.cfg.cluster.node_fence_after)
+            except Exception as e:
+                log.warning("fencing failed: %s", e)
+
+    @property
+    def leading(self) -> bool | None:
+        """Whether this process leads (None: no election, every process fences)."""
+        return None if self.elector is None else self.elector.is_leader
+
+    async def close(self) -> None:
+        if self._elect is not None:  # (a leader gives its Lease up on the way out)
+            self._elect.cancel()
+            await asyncio.gather(self._elect, return_exceptions=True)
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self.http.aclose()
+        if self.kube is not None:
+            await self.kube.close()
+
+    # ---- where a request goes ---------------------------------------------------------
+    def _row_node(self, path: str) -> tuple[str, str | None] | None:
+        """(sandbox id, its node) for a path under /sandboxes/<id> whose row exists."""
+        m = SANDBOX_PATH.match(path)
+        if not m:
+            return None
+        row = self.store.get_sandbox(m.group(1))
+        return None if row is None else (row.id, row.node_id)
+
+    def _route(self, headers: list[tuple[bytes, bytes]], path: str
+               ) -> tuple[bool, tuple[str, str | None] | None]:
+        """The key check and the sandbox's row, in one trip to a thread."""
+        ok = self._authorized(headers)
+        return ok, (self._row_node(path) if ok else None)
+
+    def _target(self, method: str, path: str, found: tuple[str, str | None] | None,
+                memory_mib: int = 0) -> NodeInfo:
+        if found is not None:
+            sid, node_id = found
+            if node_id is not None:
+                node = self.view.get(node_id)
+                if node is None or not node.alive:
+                    raise ApiError("unavailable", f"the node holding sandbox {sid} "
+                                   f"({node_id}) is not reachable; try again later")
+                return node
+            # (unknown here: any node answers as one host would, 404 for a stranger)
+        if method == "POST" and path == "/sandboxes":
+            chosen = place(self.view.nodes, memory_mib)
+        else:
+            chosen = place(self.view.nodes) or next(
+                (n for n in self.view.nodes if n.alive), None)
+        if chosen is None:
+            raise ApiError("unavailable", "no node is available (none alive with room)")
+        return chosen
+
+    def _authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        """A known, unrevoked key (a positive answer is kept KEY_CACHE s: the node checks
+        the key again on every request, so a key revoked meanwhile gets no further)."""
+        key = bearer_key(headers)
+        if key is None:
+            return False
+        now = time.monotonic()
+        if self._keys.get(key, 0.0) > now:
+            return True
+        if self.store.key_lookup(key) is None:
+            return False
+        if len(self._keys) >= 10_000:
+            self._keys.clear()
+        self._keys[key] = now + KEY_CACHE
+        return True
+
+    def _admin(self, headers: list[tuple[bytes, bytes]]) -> None:
+        """The admin workspace's key (as on one host: the "default" workspace), else
+        401/403."""
+        key = bearer_key(headers)
+        found = self.store.key_lookup(key) if key else None
+        if found is None:
+            raise ApiError("unauthorized", "missing or invalid API key")
+        if found[1] != self.store.workspace_by_name("default"):
+            raise ApiError("permission_denied", "only the admin workspace may do this")
+
+    # ---- the nodes (admin) ------------------------------------------------------------
+    def _node_json(self, n: NodeInfo) -> dict[str, Any]:
+        f = n.facts
+        running = len(self.store.list_sandboxes(states=("running",), node_id=n.node_id))
+        return {"id": n.node_id, "address": n.address, "alive": n.alive,
+                "cordoned": n.cordoned, "incarnation": n.incarnation,
+                "capacity": f.get("capacity") or {},
+                "runsc_version": (f.get("runtime") or {}).get("runsc_version"),
+                "cpu_model": f.get("cpu_model"), "templates": len(f.get("templates") or ()),
+                "running": running}
+
+    async def nodes(self, request: Request) -> Response:
+        try:
+            await asyncio.to_thread(self._admin, request.scope["headers"])
+        except ApiError as e:
+            return _error(e)
+        out = await asyncio.to_thread(lambda: [self._node_json(n) for n in self.view.nodes])
+        return JSONResponse({"nodes": out})
+
+    async def node_op(self, request: Request) -> Response:
+        """POST /nodes/{id}/cordon|uncordon|drain (drain: cordon, then the node pauses every
+        running sandbox of its own, into the snapshot store when it has one)."""
+        nid, op = request.path_params["node_id"], request.path_params["op"]
+        try:
+            await asyncio.to_thread(self._admin, request.scope["headers"])
+            if op not in ("cordon", "uncordon", "drain"):
+                raise ApiError("not_found", f"no node operation {op!r} (cordon, uncordon, "
+                               "drain)")
+            if not await asyncio.to_thread(self.store.set_node_cordoned, nid, op != "uncordon"):
+                raise ApiError("not_found", f"no node {nid!r}")
+            if isinstance(self.view, KubeNodeView):  # (the Lease's label is what counts)
+                from .membership import Membership
+
+                await Membership(self.kube, self.cfg.cluster.k8s_namespace).cordon(
+                    nid, op != "uncordon")
+            await self._refresh()
+            node = self.view.get(nid)
+            assert node is not None
+            if op != "drain":
+                return JSONResponse(self._node_json(node))
+            if not node.alive:
+                raise ApiError("unavailable", f"node {nid} is not alive: nothing to drain")
+            r = await self.http.post(f"http://{node.address}/node/drain",
+                                     headers={TOKEN_HEADER: self.token},
+                                     timeout=httpx.Timeout(10.0, read=None))
+            return Response(r.content, status_code=r.status_code,
+                            media_type="application/json")
+        except ApiError as e:
+            return _error(e)
+        except httpx.HTTPError as e:
+            return _error(ApiError("unavailable", f"node {nid} did not answer: {e}"))
+
+    # ---- HTTP ---------------------------------------------------------------------------
+    async def http_forward(self, request: Request) -> Response:
+        path = request.url.path
+        if path == "/health":
+            alive = sum(1 for n in self.view.nodes if n.alive)
+            placeable = sum(1 for n in self.view.nodes if n.placeable)
+            return JSONResponse({"ok": True, "role": "api", "nodes_alive": alive,
+                                 "nodes_placeable": placeable, "leader": self.leading})
+        ok, found = await asyncio.to_thread(self._route, request.scope["headers"], path)
+        if not ok:
+            return _error(ApiError("unauthorized", "missing or invalid API key"))
+        has_body = request.method not in ("GET", "HEAD", "DELETE", "OPTIONS") or any(
+            k == b"content-length" or k == b"transfer-encoding"
+            for k, _ in request.headers.raw)
+        content: Any = None
+        if has_body:
+            size = request.headers.get("content-length", "")
+            # a small body is sent with its head (one write); a big or unsized one streams
+            content = (await request.body() if size.isdigit() and int(size) <= SMALL_BODY
+                       else request.stream())
+        try:
+            node = self._target(request.method, path, found, _memory_of(path, content))
+        except ApiError as e:
+            return _error(e)
+        headers = [(k, v) for k, v in request.headers.raw if k.decode().lower() not in DROP]
+        headers.append((TOKEN_HEADER.encode(), self.token.encode()))
+        if request.client:
+            headers.append((b"x-forwarded-for", request.client.host.encode()))
+        upstream = self.http.build_request(
+            request.method, f"http://{node.address}{path}",
+            params=request.url.query or None, headers=headers, content=content)
+        try:
+            resp = await self.http.send(upstream, stream=True)
+        except httpx.HTTPError as e:
+            log.warning("forwarding to node %s failed: %s", node.node_id, e)
+            return _error(ApiError("unavailable", f"node {node.node_id} did not answer"))
+        out = [(k, v) for k, v in resp.headers.raw if k.decode().lower() not in DROP]
+        return _Streamed(resp, out)
+
+    # ---- WebSockets -----------------------------------------------------------------------
+    async def ws_forward(self, ws: WebSocket) -> None:
+        path = ws.url.path
+        ok, found = await asyncio.to_thread(self._route, ws.scope["headers"], path)
+        if not ok:
+            await ws.close(4401, "missing or invalid API key")
+            return
+        try:
+            node = self._target("GET", path, found)
+        except ApiError as e:
+            await ws.close(4000 + e.status, e.message[:120])
+            return
+        headers = [(k.decode(), v.decode("latin-1")) for k, v in ws.headers.raw
+                   if k.decode().lower() not in WS_DROP]
+        headers.append((TOKEN_HEADER, self.token))
+        url = f"ws://{node.address}{path}" + (f"?{ws.url.query}" if ws.url.query else "")
+        protocols = [p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",")
+                     if p.strip()]
+        try:
+            up = await ws_connect(url, additional_headers=headers, open_timeout=10,
+                                  subprotocols=protocols or None,  # type: ignore[arg-type]
+                                  max_size=WS_MAX_MESSAGE, compression=None)
+        except (OSError, TimeoutError, InvalidStatus) as e:
+            log.warning("WebSocket to node %s failed: %s", node.node_id, e)
+            await ws.close(4503, f"node {node.node_id} did not answer")
+            return
+        await ws.accept(subprotocol=up.subprotocol)
+
+        async def client_to_node() -> None:
+            with contextlib.suppress(WebSocketDisconnect, ConnectionClosed):
+                while True:
+                    msg = await ws.receive()
+                    if msg["type"] == "websocket.disconnect":
+                        await up.close(msg.get("code") or 1000)
+                        return
+                    if msg.get("bytes") is not None:
+                        await up.send(msg["bytes"])
+                    elif msg.get("text") is not None:
+                        await up.send(msg["text"])
+
+        async def node_to_client() -> None:
+            try:
+                async for data in up:
+                    if isinstance(data, bytes):
+                        await ws.send_bytes(data)
+                    else:
+                        await ws.send_text(data)
+            except ConnectionClosed:
+                pass
+            rcvd = up.close_code or 1000, up.close_reason or ""
+            with contextlib.suppress(Exception):
+                await ws.close(rcvd[0] if rcvd[0] not in (1005, 1006) else 1011, rcvd[1])
+
+        tasks = [asyncio.ensure_future(client_to_node()), asyncio.ensure_future(node_to_client())]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await up.close()
+
+
+def _memory_of(path: str, body: Any) -> int:
+    """The memory a create asks for (its JSON's memory_mib; 0 when it leaves it to the
+    workspace's default, which the node resolves): what placement needs free."""
+    if path != "/sandboxes" or not isinstance(body, bytes):
+        return 0
+    try:
+        v = json.loads(body).get("memory_mib")
+    except (ValueError, AttributeError):
+        return 0
+    return v if isinstance(v, int) and v > 0 else 0
+
+
+class _Streamed(StreamingResponse):
+    """A node's answer streamed back as it comes (raw: encodings untouched)."""
+
+    def __init__(self, resp: httpx.Response, headers: list[tuple[bytes, bytes]]) -> None:
+        async def body() -> AsyncIterator[bytes]:
+            async for chunk in resp.aiter_raw():
+                yield chunk
+
+        super().__init__(body(), status_code=resp.status_code,
+                         background=BackgroundTask(resp.aclose))
+        self.raw_headers = headers
+
+
+def create_api_app(cfg: Config, services: ApiServices | None = None) -> Starlette:
+    """``--role=api``'s app: ``/nodes`` (admin) and everything else forwarded. Its lifespan
+    serves ``services`` (the caller's), else builds its own (``wiring.build_api_services``)
+    and closes them when it ends. ValueError: the configuration cannot serve."""
+    if not cfg.cluster.database_url and services is None:
+        raise ValueError("--role=api needs CPUOS_DATABASE_URL (the state store it shares "
+                         "with the nodes)")
+    check_token(cfg.cluster.node_token, "api")
+    state: dict[str, Any] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        from ..wiring import build_api_services
+
+        svc = services or await build_api_services(cfg)
+        state["fwd"] = svc.forwarder
+        try:
+            yield
+        finally:
+            if services is None:
+                await svc.close()
+
+    async def http(request: Request) -> Response:
+        fwd: Forwarder = state["fwd"]
+        return await fwd.http_forward(request)
+
+    async def websocket(ws: WebSocket) -> None:
+        fwd: Forwarder = state["fwd"]
+        await fwd.ws_forward(ws)
+
+    async def nodes(request: Request) -> Response:
+        fwd: Forwarder = state["fwd"]
+        return await fwd.nodes(request)
+
+    async def node_op(request: Request) -> Response:
+        fwd: Forwarder = state["fwd"]
+        return await fwd.node_op(request)
+
+    methods = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+    return Starlette(routes=[Route("/nodes", nodes, methods=["GET"]),
+                             Route("/nodes/{node_id}/{op}", node_op, methods=["POST"]),
+                             Route("/{path:path}", http, methods=methods),
+                             WebSocketRoute("/{path:path}", websocket)], lifespan=lifespan)
