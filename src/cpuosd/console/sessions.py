@@ -146,10 +146,7 @@ def live_session(scope: Scope) -> Session | None:
         return None
     from ..api.deps import services_of  # (here: api imports this module)
 
-    live = services_of(app).store.execute(
-        "SELECT 1 FROM api_keys k JOIN workspaces w ON w.id=k.workspace_id WHERE k.id=? AND "
-        "k.revoked_at IS NULL AND w.deleted_at IS NULL", (s.key_id,)).fetchone()
-    if live is None:
+    if not services_of(app).store.key_live(s.key_id):
         sessions.drop_key(s.key_id)
         return None
     return s

@@ -193,6 +193,13 @@ class SqlStore:
     def _for_update(self) -> str:
         return ""
 
+    def key_live(self, key_id: str) -> bool:
+        """Whether the key (by id) is not revoked and its workspace not deleted (a console
+        session lives only as long as its key)."""
+        return self._one("SELECT 1 AS one FROM api_keys k JOIN workspaces w ON "
+                         "w.id=k.workspace_id WHERE k.id=? AND k.revoked_at IS NULL AND "
+                         "w.deleted_at IS NULL", (key_id,)) is not None
+
     def key_record(self, key_id: str) -> dict[str, Any] | None:
         return self._one("SELECT id, workspace_id, label, created_at, revoked_at FROM "
                          "api_keys WHERE id=?", (key_id,))
