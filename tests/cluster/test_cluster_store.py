@@ -58,7 +58,9 @@ def test_workspaces_and_keys(store: Store) -> None:
     assert [k["label"] for k in keys] == ["first", "second"]
     assert all("key" not in k and "key_hash" not in k for k in keys)
     kid1 = keys[0]["id"]
+    assert store.key_live(kid1) and store.key_live(kid2) and not store.key_live("key-nope")
     assert store.revoke_key(ws, kid1, keep_one=True) == "revoked"
+    assert not store.key_live(kid1) and store.key_live(kid2)
     assert store.revoke_key(ws, kid1, keep_one=True) == "already"
     assert store.revoke_key(ws, kid2, keep_one=True) == "last"
     assert store.revoke_key(other, kid2, keep_one=False) == "missing"
@@ -67,6 +69,7 @@ def test_workspaces_and_keys(store: Store) -> None:
     assert rec1 is not None and rec1["revoked_at"] is not None
 
     assert store.delete_workspace(ws) == [kid2]
+    assert not store.key_live(kid2)  # (its workspace is gone: a console session ends)
     assert store.workspace(ws) is None
     deleted = store.workspace(ws, deleted=True)
     assert deleted is not None and deleted["deleted_at"] is not None
