@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from cpuosd import config as C
 from cpuosd.config import Config, ConfigError, declarations, effective
 from cpuosd.main import load_config
 
@@ -147,6 +146,11 @@ def test_values_parse_into_their_sections() -> None:
     ({"CPUOS_IDLE_TIMEOUT": "soon"}, "CPUOS_IDLE_TIMEOUT"),
     ({"CPUOS_AUDIT_MIN_FREE": "lots"}, "CPUOS_AUDIT_MIN_FREE"),
     ({"CPUOS_AUDIT_SANDBOX_ROWS": "-1"}, "CPUOS_AUDIT_SANDBOX_ROWS must not be negative"),
+    ({"CPUOS_ROLE": "master"}, "CPUOS_ROLE='master': one of all, node, api"),
+    ({"CPUOS_MEMBERSHIP": "etcd"}, "CPUOS_MEMBERSHIP='etcd': one of store, kubernetes"),
+    ({"CPUOS_DATABASE_URL": "sqlite:///x.db"}, "CPUOS_DATABASE_URL must be a postgresql://"),
+    ({"CPUOS_SNAPSHOT_STORE": "ftp://x"}, "CPUOS_SNAPSHOT_STORE must be s3://"),
+    ({"CPUOS_NODE_LEASE": "soon"}, "CPUOS_NODE_LEASE"),
 ])
 def test_a_bad_value_is_one_line_naming_the_variable(env: dict[str, str], message: str
                                                      ) -> None:
@@ -184,16 +188,28 @@ def test_cpuosd_config_prints_the_effective_configuration(tmp_path: Path) -> Non
     assert len(text) == len(out) and text[0].startswith("CPUOS_HOME ")
 
 
-def test_secrets_are_masked(monkeypatch: pytest.MonkeyPatch) -> None:
-    """(No variable is a secret today; one marked so is masked.)"""
-    d = next(d for d in declarations() if d.var.env == "CPUOS_UPSTREAM_CA_FILE")
-    secret = dataclasses.replace(d.var, secret=True)
-    real = C.declarations
-    monkeypatch.setattr(C, "declarations", lambda: (
-        dataclasses.replace(x, var=secret) if x.var.env == d.var.env else x for x in real()))
-    rows = {n: v for n, v, _ in effective(Config.from_env({d.var.env: "/ca.pem"}))}
-    assert rows[d.var.env] == "****"
+def test_secrets_are_masked() -> None:
+    secrets = {d.var.env for d in declarations() if d.var.secret}
+    assert {"CPUOS_NODE_TOKEN", "CPUOS_DATABASE_URL", "CPUOS_S3_SECRET_ACCESS_KEY"} <= secrets
+    rows = {n: v for n, v, _ in effective(Config.from_env({
+        "CPUOS_NODE_TOKEN": "t" * 32, "CPUOS_DATABASE_URL": "postgresql://u:pw@db/cpuos"}))}
+    assert rows["CPUOS_NODE_TOKEN"] == rows["CPUOS_DATABASE_URL"] == "****"
+    assert rows["CPUOS_S3_SECRET_ACCESS_KEY"] == ""  # (unset: nothing to mask)
     assert rows["CPUOS_PORT"] == "7770"
+
+
+def test_the_cluster_section() -> None:
+    cfg = Config.from_env({"CPUOS_ROLE": "node", "CPUOS_NODE_LEASE": "3",
+                           "CPUOS_NODE_FENCE_AFTER": "never", "CPUOS_MEMBERSHIP": "kubernetes",
+                           "CPUOS_SNAPSHOT_STORE": "s3://b/p", "CPUOS_S3_PART_MIB": "16",
+                           "CPUOS_AUDIT_KEY_FILE": "/etc/cpuos/audit.key"})
+    c = cfg.cluster
+    assert (c.role, c.node_lease, c.node_fence_after, c.membership) == (
+        "node", 3.0, 0.0, "kubernetes")
+    assert (c.snapshot_store, c.s3_part_mib) == ("s3://b/p", 16)
+    assert cfg.audit_key_path == Path("/etc/cpuos/audit.key")
+    assert Config.from_env({"CPUOS_HOME": "/h"}).audit_key_path == Path("/h/audit.key")
+    assert load_config(role="api").cluster.role == "api"
 
 
 def test_a_bad_value_stops_the_daemon_with_one_line() -> None:
