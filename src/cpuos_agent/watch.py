@@ -58,6 +58,7 @@ class Watch:
         self.wds: dict[int, str] = {}
         self.overflow = False
         self.pending: dict[str, dict[str, Any]] = {}
+        self.done: list[dict[str, Any]] = []  # earlier events of a path, sent before pending
         self.moves: dict[int, str] = {}
         # written by cancel(): the loop sleeps on inotify and on this, nothing periodic
         self._cancel_r, self._cancel_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -112,7 +113,8 @@ class Watch:
         self.pending[path] = ev
 
     def _flush(self) -> None:
-        items = list(self.pending.values())
+        items = self.done + list(self.pending.values())
+        self.done = []
         self.pending.clear()
         overflow, self.overflow = self.overflow, False
         if not items and not overflow:
@@ -148,6 +150,12 @@ class Watch:
             elif mask & (IN_MODIFY | IN_CLOSE_WRITE):
                 self._note("modify", path, is_dir)
             elif mask & IN_DELETE:
+                prev = self.pending.get(path)
+                if prev is not None and prev["type"] in ("create", "rename"):
+                    # made or renamed in, then deleted, within the window: both are told
+                    # (a write of cpuos's is a rename from its temporary name; that name's
+                    # own create and move away are not)
+                    self.done.append(self.pending.pop(path))
                 self._note("delete", path, is_dir)
             elif mask & IN_MOVED_FROM:
                 self.moves[cookie] = path
