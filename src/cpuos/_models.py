@@ -144,6 +144,9 @@ class SandboxInfo:
     # s idle before it is paused (0: never); paused for that: reason "idle", and any call
     # that needs the machine resumes it
     idle_timeout: float | None = None
+    # the node it runs or is paused on (many hosts); None on one host, and while paused
+    # into the shared snapshot store
+    node_id: str | None = None
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> SandboxInfo:

@@ -335,6 +335,10 @@ class PreviewConfig:
                                   "proxy)", _int)
     max_per_sandbox: int = var("CPUOS_PREVIEW_MAX_PER_SANDBOX", 256,
                                "preview connections into one sandbox", _int)
+    public_address: str | None = var("CPUOS_PREVIEW_PUBLIC_ADDRESS", None,
+                                     "host:port the preview URLs in answers name (default "
+                                     "this listener's; many hosts: the API tier's preview "
+                                     "address, set on the nodes)", _str)
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,7 @@ from .store import LIVE_STATES, Store, open_store
 if TYPE_CHECKING:
     from .cluster.api import Forwarder
     from .cluster.nodes import NodeRuntime
+    from .cluster.preview import PreviewRelay
 
 log = logging.getLogger("cpuosd.api")
 
@@ -161,6 +162,11 @@ async def stop_for_cap(mgr: Manager, workspace_id: str, sid: str) -> str:
     return "killed"
 
 
+def preview_port(cfg: Config) -> int:
+    """The preview listener's port: CPUOS_PREVIEW_PORT, default the API's port + 1."""
+    return cfg.port + 1 if cfg.preview.port < 0 else cfg.preview.port
+
+
 async def _cancel(task: asyncio.Future[None]) -> None:
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
@@ -223,16 +229,15 @@ async def build_services(cfg: Config, *, backend: Backend | None = None,
         meter.reconcile()
         stack.push_async_callback(enforcer.close)
         stack.push_async_callback(_cancel, asyncio.ensure_future(enforcer.run()))
+        preview = Preview(mgr, network, preview_port(cfg), cfg.host, cfg.preview)
+        await preview.start()
+        stack.push_async_callback(preview.close)
         node = None
         if cfg.cluster.role == "node":  # registration and heartbeat (cpuosd.cluster.nodes)
             from .cluster.nodes import start_node
 
-            node = await start_node(cfg, store, backend, mgr)
+            node = await start_node(cfg, store, backend, mgr, preview_port=preview.port)
             stack.push_async_callback(node.close)
-        preview = Preview(mgr, network, cfg.port + 1 if cfg.preview.port < 0
-                          else cfg.preview.port, cfg.host, cfg.preview)
-        await preview.start()
-        stack.push_async_callback(preview.close)
     except BaseException:
         await stack.aclose()
         raise
@@ -249,6 +254,7 @@ class ApiServices:
     cfg: Config
     store: Store
     forwarder: Forwarder
+    preview: PreviewRelay  # the preview URLs of every node (cpuosd.cluster.preview)
     _stack: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack,
                                               repr=False)
 
@@ -260,8 +266,9 @@ async def build_api_services(cfg: Config, *, store: Store | None = None) -> ApiS
     """Make and start an API process's parts for ``cfg`` (``--role=api``): the state store
     (``CPUOS_DATABASE_URL``, unless ``store`` is given: it stays the caller's) and the
     forwarder, which watches the nodes (and, with CPUOS_MEMBERSHIP=kubernetes, stands in the
-    API processes' leader election)."""
+    API processes' leader election), and the preview relay on the preview port."""
     from .cluster.api import Forwarder
+    from .cluster.preview import PreviewRelay
 
     stack = contextlib.AsyncExitStack()
     try:
@@ -272,7 +279,10 @@ async def build_api_services(cfg: Config, *, store: Store | None = None) -> ApiS
         fwd = Forwarder(cfg, store)
         stack.push_async_callback(fwd.close)
         await fwd.start()
+        preview = PreviewRelay(fwd, preview_port(cfg), cfg.host, cfg.preview)
+        await preview.start()
+        stack.push_async_callback(preview.close)
     except BaseException:
         await stack.aclose()
         raise
-    return ApiServices(cfg=cfg, store=store, forwarder=fwd, _stack=stack)
+    return ApiServices(cfg=cfg, store=store, forwarder=fwd, preview=preview, _stack=stack)

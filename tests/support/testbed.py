@@ -466,15 +466,19 @@ class ApiProcess:
     """One ``cpuosd --role=api`` (no root needed; a scratch home for its log)."""
 
     def __init__(self, database_url: str, token: str, lease: str = "3",
-                 extra: dict[str, str] | None = None) -> None:
-        self.port = free_port()
+                 extra: dict[str, str] | None = None,
+                 ports: tuple[int, int] | None = None) -> None:
+        # (its API port and its preview port: cpuosd.cluster.preview)
+        self.port, self.preview_port = ports or (free_port(), free_port())
         self.url = f"http://127.0.0.1:{self.port}"
+        self.preview_url = f"http://127.0.0.1:{self.preview_port}"
         self.home = Path(tempfile.mkdtemp(prefix="cpuos-api-", dir="/tmp"))
         self.log = self.home / "cpuosd.log"
         env = {**os.environ, "CPUOS_ROLE": "api", "CPUOS_HOME": str(self.home),
                "CPUOS_HOST": "127.0.0.1", "CPUOS_PORT": str(self.port),
                "CPUOS_DATABASE_URL": database_url, "CPUOS_NODE_TOKEN": token,
-               "CPUOS_NODE_LEASE": lease, **(extra or {})}
+               "CPUOS_NODE_LEASE": lease, "CPUOS_PREVIEW_PORT": str(self.preview_port),
+               **(extra or {})}
         with open(self.log, "wb") as logf:
             self.proc = subprocess.Popen([sys.executable, "-m", "cpuosd.main"], env=env,
                                          stdout=logf, stderr=logf, start_new_session=True)
@@ -510,7 +514,8 @@ def node_cluster(database_url: str, node_env: dict[str, str] | None = None,
     """``n_nodes`` real node processes (``node-a``, ``node-b``...: own homes, network slots,
     ports; runsc) and ``n_apis`` API processes over one database, sharing a node token and
     an audit key; every sandbox deleted and every process stopped at the end (a leftover
-    runsc container or mount raises)."""
+    runsc container or mount raises). The nodes' preview URLs name the first API process's
+    preview listener (CPUOS_PREVIEW_PUBLIC_ADDRESS)."""
     import httpx
 
     from .daemon import new_daemon, wait_until
@@ -519,7 +524,9 @@ def node_cluster(database_url: str, node_env: dict[str, str] | None = None,
     key_dir = Path(tempfile.mkdtemp(prefix="cpuos-auditkey-", dir="/tmp"))
     (key_dir / "audit.key").write_text(secrets.token_hex(32) + "\n")
     (key_dir / "audit.key").chmod(0o600)
+    api_ports = [(free_port(), free_port()) for _ in range(n_apis)]
     env = {"CPUOS_ROLE": "node", "CPUOS_DATABASE_URL": database_url,
+           "CPUOS_PREVIEW_PUBLIC_ADDRESS": f"127.0.0.1:{api_ports[0][1]}" if n_apis else "",
            "CPUOS_NODE_TOKEN": token, "CPUOS_NODE_LEASE": lease, "CPUOS_POOL_SIZE": "0",
            "CPUOS_HOST": "127.0.0.1", "CPUOS_AUDIT_KEY_FILE": str(key_dir / "audit.key"),
            **(node_env or {})}
@@ -530,7 +537,7 @@ def node_cluster(database_url: str, node_env: dict[str, str] | None = None,
     try:
         for d in nodes:
             d.start()
-        apis = [ApiProcess(database_url, token, lease, api_env) for _ in range(n_apis)]
+        apis = [ApiProcess(database_url, token, lease, api_env, ports) for ports in api_ports]
         for a in apis:
             wait_until(lambda a=a: a.health().get("nodes_alive") == n_nodes,  # type: ignore[misc]
                        "the API process to see every node", timeout=60)

@@ -303,6 +303,8 @@ def _info_table(i: SandboxInfo) -> Table:
         ("metadata", escape(", ".join(f"{k}={v}" for k, v in sorted((i.metadata or {}).items()))
                             or "-")),
     ]
+    if i.node_id:  # (many hosts: the node it runs or is paused on)
+        rows.insert(5, ("node", escape(i.node_id)))
     for k, v in rows:  # values are markup: user text in them is escaped
         t.add_row(k, v)
     return t

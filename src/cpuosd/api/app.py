@@ -45,8 +45,10 @@ def attach(app: FastAPI, services: Services) -> None:
     surface (``cpuosd.e2b``) and the preview proxy's E2B routes are tied to them."""
     app.state.services = services
     app.state.e2b.attach(services.manager, services.store, services.preview)
+    cc = services.cfg.cluster  # (a node's listener wants its token: envd's host form)
     services.preview.route = e2b_surface.ports.router(
-        app.state.e2b, (services.cfg.host, services.cfg.port))
+        app.state.e2b, (services.cfg.host, services.cfg.port),
+        ((b"X-Cpuos-Node-Token", str(cc.node_token).encode()),) if cc.role == "node" else ())
 
 
 def create_app(cfg: Config | None = None, services: Services | None = None) -> FastAPI:

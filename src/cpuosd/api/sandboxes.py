@@ -63,6 +63,7 @@ def sandbox_json(row: SandboxRow) -> dict[str, Any]:
         "on_timeout": row.on_timeout, "paused_at": row.paused_at,
         "snapshot_bytes": row.snapshot_bytes,
         "idle_timeout": float(row.spec.get("idle_timeout") or 0.0),
+        "node_id": row.node_id,
     }
 
 

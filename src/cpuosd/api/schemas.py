@@ -42,6 +42,9 @@ class Sandbox(BaseModel):
     idle_timeout: float = Field(description="s idle before it is paused (0: never); a "
                                 "sandbox paused for that has reason 'idle' and any call "
                                 "needing the machine resumes it")
+    node_id: str | None = Field(description="the node it runs on or is paused on (many "
+                                "hosts, docs/DEPLOY.md); null on one host, and while "
+                                "paused into the shared snapshot store")
 
 
 class SandboxList(BaseModel):

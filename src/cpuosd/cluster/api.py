@@ -54,6 +54,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("cpuosd.cluster")
 
 SANDBOX_PATH = re.compile(r"^/sandboxes/([A-Za-z0-9_-]{1,64})(?:/|$)")
+# the E2B surface (cpuosd.e2b): its control plane's paths naming a sandbox, its creates
+E2B_SANDBOX_PATH = re.compile(r"^/e2b(?:/v2)?/sandboxes/([A-Za-z0-9_-]{1,64})(?:/|$)")
+E2B_CREATES = frozenset({"/e2b/sandboxes", "/e2b/v2/sandboxes"})
 OPEN_PATHS = frozenset({"/health"})
 # hop-by-hop headers (RFC 9110 7.6.1) and those the forwarder sets itself
 DROP = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te",
@@ -66,8 +69,18 @@ SMALL_BODY = 64 << 10  # bytes of a request body read whole before it is forward
 KEY_CACHE = 5.0  # s a key found valid is not looked up again (the node re-checks it)
 
 
-def _error(err: ApiError) -> JSONResponse:
+def _error(err: ApiError, e2b: bool = False) -> JSONResponse:
+    """The API's error body, or (``e2b``: a request of the E2B surface) E2B's
+    ``{"code": <status>, "message"}``, which E2B's SDKs read."""
+    if e2b:
+        return JSONResponse({"code": err.status, "message": err.message},
+                            status_code=err.status)
     return JSONResponse(err.body(), status_code=err.status)
+
+
+def _is_e2b(path: str, headers: list[tuple[bytes, bytes]]) -> bool:
+    return path == "/e2b" or path.startswith("/e2b/") or any(
+        k == b"e2b-sandbox-id" for k, _ in headers)
 
 
 class Forwarder:
@@ -154,18 +167,34 @@ class Forwarder:
             await self.kube.close()
 
     # ---- where a request goes ---------------------------------------------------------
-    def _row_node(self, path: str) -> tuple[str, str | None] | None:
-        """(sandbox id, its node) for a path under /sandboxes/<id> whose row exists."""
-        m = SANDBOX_PATH.match(path)
-        if not m:
-            return None
-        row = self.store.get_sandbox(m.group(1))
+    def _row_node(self, path: str, sid: str | None = None) -> tuple[str, str | None] | None:
+        """(sandbox id, its node) for a path under /sandboxes/<id> (or E2B's
+        /e2b/sandboxes/<id>, or ``sid``: the sandbox E2B's header names) whose row exists."""
+        if sid is None:
+            m = SANDBOX_PATH.match(path) or E2B_SANDBOX_PATH.match(path)
+            if not m:
+                return None
+            sid = m.group(1)
+        row = self.store.get_sandbox(sid)
         return None if row is None else (row.id, row.node_id)
 
     def _route(self, headers: list[tuple[bytes, bytes]], path: str
                ) -> tuple[bool, tuple[str, str | None] | None]:
-        """The key check and the sandbox's row, in one trip to a thread."""
-        ok = self._authorized(headers)
+        """The key check and the sandbox's row, in one trip to a thread. The E2B surface
+        (cpuosd.e2b) has credentials of its own: its control plane's key (X-API-Key or a
+        bearer key: keys of the store, checked here); its sandbox plane (the
+        E2b-Sandbox-Id header) carries the sandbox's access token, which only the nodes
+        can check (an HMAC under their E2B key): such a request goes to the sandbox's node
+        unchecked here, and the node checks it as one host does."""
+        e2b_sid = next((v.decode("latin-1") for k, v in headers if k == b"e2b-sandbox-id"),
+                       None)
+        if e2b_sid is not None:
+            return True, self._row_node(path, e2b_sid[:64])
+        key = None
+        if path == "/e2b" or path.startswith("/e2b/"):
+            key = next((v.decode("latin-1").strip() for k, v in headers if k == b"x-api-key"),
+                       None)
+        ok = self._authorized(headers, key)
         return ok, (self._row_node(path) if ok else None)
 
     def _target(self, method: str, path: str, found: tuple[str, str | None] | None,
@@ -179,7 +208,7 @@ class Forwarder:
                                    f"({node_id}) is not reachable; try again later")
                 return node
             # (unknown here: any node answers as one host would, 404 for a stranger)
-        if method == "POST" and path == "/sandboxes":
+        if method == "POST" and (path == "/sandboxes" or path in E2B_CREATES):
             chosen = place(self.view.nodes, memory_mib)
         else:
             chosen = place(self.view.nodes) or next(
@@ -188,10 +217,11 @@ class Forwarder:
             raise ApiError("unavailable", "no node is available (none alive with room)")
         return chosen
 
-    def _authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
-        """A known, unrevoked key (a positive answer is kept KEY_CACHE s: the node checks
-        the key again on every request, so a key revoked meanwhile gets no further)."""
-        key = bearer_key(headers)
+    def _authorized(self, headers: list[tuple[bytes, bytes]], key: str | None = None) -> bool:
+        """A known, unrevoked key (``key``, else the bearer key; a positive answer is kept
+        KEY_CACHE s: the node checks the key again on every request, so a key revoked
+        meanwhile gets no further)."""
+        key = key or bearer_key(headers)
         if key is None:
             return False
         now = time.monotonic()
@@ -275,8 +305,9 @@ class Forwarder:
             return JSONResponse({"ok": True, "role": "api", "nodes_alive": alive,
                                  "nodes_placeable": placeable, "leader": self.leading})
         ok, found = await asyncio.to_thread(self._route, request.scope["headers"], path)
+        e2b = _is_e2b(path, request.scope["headers"])
         if not ok:
-            return _error(ApiError("unauthorized", "missing or invalid API key"))
+            return _error(ApiError("unauthorized", "missing or invalid API key"), e2b)
         has_body = request.method not in ("GET", "HEAD", "DELETE", "OPTIONS") or any(
             k == b"content-length" or k == b"transfer-encoding"
             for k, _ in request.headers.raw)
@@ -289,7 +320,7 @@ class Forwarder:
         try:
             node = self._target(request.method, path, found, _memory_of(path, content))
         except ApiError as e:
-            return _error(e)
+            return _error(e, e2b)
         headers = [(k, v) for k, v in request.headers.raw if k.decode().lower() not in DROP]
         headers.append((TOKEN_HEADER.encode(), self.token.encode()))
         if request.client:
@@ -301,7 +332,7 @@ class Forwarder:
             resp = await self.http.send(upstream, stream=True)
         except httpx.HTTPError as e:
             log.warning("forwarding to node %s failed: %s", node.node_id, e)
-            return _error(ApiError("unavailable", f"node {node.node_id} did not answer"))
+            return _error(ApiError("unavailable", f"node {node.node_id} did not answer"), e2b)
         out = [(k, v) for k, v in resp.headers.raw if k.decode().lower() not in DROP]
         return _Streamed(resp, out)
 

@@ -80,6 +80,7 @@ class NodeFacts:
 
     node_id: str
     address: str  # where its internal API listens (host:port)
+    preview_address: str = ""  # where its preview listener is (host:port; API tier relays)
     incarnation: str = field(default_factory=lambda: secrets.token_hex(6))
     capacity: dict[str, float] = field(default_factory=dict)  # vcpus, memory_mib, free_*...
     runsc_version: str = ""
@@ -101,6 +102,7 @@ class NodeFacts:
     def from_annotation(cls, text: str) -> NodeFacts:
         d = json.loads(text)
         return cls(node_id=str(d["node_id"]), address=str(d.get("address") or ""),
+                   preview_address=str(d.get("preview_address") or ""),
                    incarnation=str(d.get("incarnation") or ""),
                    capacity={str(k): float(v) for k, v in (d.get("capacity") or {}).items()},
                    runsc_version=str(d.get("runsc_version") or ""),

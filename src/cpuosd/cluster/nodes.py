@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -338,6 +339,7 @@ def lease_facts(facts: dict[str, Any], node_id: str, incarnation: str) -> Any:
     from .membership import NodeFacts
 
     return NodeFacts(node_id=node_id, address=str(facts.get("address") or ""),
+                     preview_address=str(facts.get("preview_address") or ""),
                      incarnation=incarnation,
                      capacity={k: float(v) for k, v in (facts.get("capacity") or {}).items()},
                      runsc_version=str((facts.get("runtime") or {}).get("runsc_version") or ""),
@@ -350,20 +352,26 @@ def facts_of_lease(f: Any) -> dict[str, Any]:
     """The other way round: what placement reads (``place``) from a Lease's NodeFacts."""
     if f is None:
         return {}
-    return {"address": f.address, "capacity": dict(f.capacity), "image_kind": f.image_kind,
+    return {"address": f.address, "preview_address": f.preview_address,
+            "capacity": dict(f.capacity), "image_kind": f.image_kind,
             "runtime": {"runsc_version": f.runsc_version},
             "cpu_features": list(f.cpu_features), "templates": list(f.templates)}
 
 
-async def start_node(cfg: Config, store: Store, backend: Backend, mgr: Manager
-                     ) -> NodeRuntime:
-    from functools import partial
-
+async def start_node(cfg: Config, store: Store, backend: Backend, mgr: Manager,
+                     preview_port: int | None = None) -> NodeRuntime:
+    """``preview_port``: where the node's preview listener is; API processes relay preview
+    URLs to the host of its address at that port (``preview_address`` in its facts)."""
     cc = cfg.cluster
     address = cc.node_address or f"{cfg.host}:{cfg.port}"
-    facts = partial(node_facts, cfg, backend, address)
+    preview = (f"{address.rpartition(':')[0]}:{preview_port}" if preview_port is not None
+               else "")
+
+    def facts() -> dict[str, Any]:
+        return {**node_facts(cfg, backend, address), "preview_address": preview}
+
     agent = NodeAgent(store, str(cc.node_id), address, facts, cc.node_lease,
-                      after_beat=partial(stop_fenced, mgr))
+                      after_beat=functools.partial(stop_fenced, mgr))
     await agent.register()
     rt = NodeRuntime(agent)
     rt.tasks.append(asyncio.ensure_future(agent.run()))

@@ -15,10 +15,13 @@ from typing import Any
 from ..proxy.preview import Route
 from .state import E2B, ENVD_PORT, JUPYTER_PORT
 
-ROUTING = frozenset({b"e2b-sandbox-id", b"e2b-sandbox-port"})
+ROUTING = frozenset({b"e2b-sandbox-id", b"e2b-sandbox-port", b"x-cpuos-node-token"})
 
 
-def router(e2b: E2B, api: tuple[str, int]) -> Any:
+def router(e2b: E2B, api: tuple[str, int], api_headers: tuple[tuple[bytes, bytes], ...] = ()
+           ) -> Any:
+    """``api_headers``: what a request handed to the daemon's listener also carries (a
+    node's token, --role=node)."""
     def route(row: Any, port: int, hdr: dict[bytes, bytes]) -> Route | tuple[int, str] | None:
         public = e2b.public_ports(row.id)
         if public is None and port not in (ENVD_PORT, JUPYTER_PORT):
@@ -27,7 +30,7 @@ def router(e2b: E2B, api: tuple[str, int]) -> Any:
             # (the listener checks the sandbox's access token)
             return Route(upstream=api, drop=ROUTING,
                          add=((b"E2b-Sandbox-Id", row.id.encode()),
-                              (b"E2b-Sandbox-Port", str(port).encode())))
+                              (b"E2b-Sandbox-Port", str(port).encode()), *api_headers))
         if not public:
             given = hdr.get(b"e2b-traffic-access-token", b"").decode("latin-1")
             if not e2b.check_token(row.id, given, "traffic"):

@@ -282,7 +282,8 @@ class E2B:
         ``<port>-<id>.<domain>``, which the preview proxy routes."""
         if self.domain_override:
             return self.domain_override
-        port = getattr(self.preview, "port", None)
+        port = (self.preview.public()[1] if hasattr(self.preview, "public")
+                else getattr(self.preview, "port", None))
         return f"{self.cfg.preview.domain}:{port}" if port else self.cfg.preview.domain
 
     # -- a request of the sandbox plane ---------------------------------------------------

@@ -139,4 +139,9 @@ class Idle:
             row = self.get(workspace_id, sid)
             if row.state == "paused" and (any_pause or row.reason == "idle"):
                 log.info("sandbox %s: woken by a call (%s)", sid, row.reason)
+                if row.node_id != self.node_id:  # (many hosts: as resume decides)
+                    if self.snapstore is None or row.node_id is not None:
+                        raise ApiError("conflict", f"sandbox {sid} is paused on node "
+                                       f"{row.node_id}, not on this one ({self.node_id})")
+                    row = await self._claim(row)  # paused into the shared store: ours now
                 await self._resume_locked(row)

@@ -98,6 +98,9 @@ PATH_CSP = (b"sandbox allow-scripts allow-forms allow-popups allow-modals allow-
 LOG_INTERVAL = 10.0
 
 
+Headers = list[tuple[bytes, bytes]]
+
+
 class Route(NamedTuple):
     """A surface's own rule for one port of its sandbox (``Preview.route``, e.g.
     cpuosd.e2b.ports): reachable without a cpuos token, at ``upstream`` (None: the
@@ -182,16 +185,21 @@ class Preview:
     def __init__(self, mgr: Manager, network: Network | None, port: int,
                  host: str = "127.0.0.1", cfg: PreviewConfig | None = None) -> None:
         self.mgr, self.network = mgr, network
+        self._listener(port, host, cfg)
+        # (row, port, request headers) -> a Route, an answer (status, message) or None
+        # (cpuos's own rules): another surface's ports (cpuosd.e2b)
+        self.route: Callable[[Any, int, dict[bytes, bytes]],
+                             Route | tuple[int, str] | None] | None = None
+
+    def _listener(self, port: int, host: str, cfg: PreviewConfig | None) -> None:
+        """The listener's own state: what a relay without sandboxes of its own
+        (cpuosd.cluster.preview) shares with the proxy."""
         # CPUOS_PREVIEW_*: the host form's domain, the bounds on connections
         self.cfg = cfg or PreviewConfig()
         self.domain = self.cfg.domain
         self.host, self.port = host, port
         self._server: asyncio.Server | None = None
         self.conns: set[asyncio.Task[None]] = set()
-        # (row, port, request headers) -> a Route, an answer (status, message) or None
-        # (cpuos's own rules): another surface's ports (cpuosd.e2b)
-        self.route: Callable[[Any, int, dict[bytes, bytes]],
-                             Route | tuple[int, str] | None] | None = None
         self.clients: dict[_Client, None] = {}
         # connections waiting for a request head (oldest first), and how many per address
         self.pending: dict[_Client, None] = {}
@@ -213,10 +221,18 @@ class Preview:
         for t in list(self.conns):
             t.cancel()
 
+    def public(self) -> tuple[str, str]:
+        """(host, port) the preview URLs name: CPUOS_PREVIEW_PUBLIC_ADDRESS (many hosts: the
+        API tier's preview listener, which relays to this node's), else this listener."""
+        if self.cfg.public_address:
+            host, _, port = self.cfg.public_address.rpartition(":")
+            return host, port
+        return self.host, str(self.port)
+
     def urls(self, sid: str, port: int) -> dict[str, str]:
-        base = f"http://{self.host}:{self.port}"
-        return {"url": f"{base}/sandboxes/{sid}/ports/{port}/",
-                "host_url": f"http://{port}-{sid}.{self.domain}:{self.port}/"}
+        host, pport = self.public()
+        return {"url": f"http://{host}:{pport}/sandboxes/{sid}/ports/{port}/",
+                "host_url": f"http://{port}-{sid}.{self.domain}:{pport}/"}
 
     # -- exposing ports ------------------------------------------------------------------
     def _event(self, sid: str, ws: str, port: int, action: str, **fields: Any) -> None:
@@ -473,25 +489,11 @@ class Preview:
                 return await _reply(c.writer, *found)
             addr = found
         up = c.up
-        if up is not None and (up.sid, up.port, up.addr) != (sid, port, addr):
-            self._drop_upstream(c)
-            up = None
-        if up is None:
-            if self.per_sandbox.get(sid, 0) >= self.cfg.max_per_sandbox:
-                self._note_refusal(f"{self.cfg.max_per_sandbox} connections into {sid}")
-                return await _reply(c.writer, 503, f"too many connections to {sid}")
-            if not BUDGET.take():
-                self._note_refusal("the daemon's descriptor budget is spent")
-                return await _reply(c.writer, 503, "the preview proxy is at its limit")
-            self.per_sandbox[sid] = self.per_sandbox.get(sid, 0) + 1
-            try:
-                async with asyncio.timeout(CONNECT_TIMEOUT):
-                    ur, uw = await asyncio.open_connection(addr, to_port,
-                                                           limit=UPSTREAM_LIMIT)
-            except (OSError, TimeoutError):
-                self._release(sid)
-                return await _reply(c.writer, 502, f"nothing answers on port {port} in {sid}")
-            up = c.up = _Upstream(sid, port, addr, ur, uw)
+        if up is None or (up.sid, up.port, up.addr) != (sid, port, addr):
+            up = await self._upstream(c, sid, port, addr, to_port,
+                                      (502, f"nothing answers on port {port} in {sid}"))
+            if up is None:
+                return False
             # an open connection into the sandbox: it is not idle (lifecycle.idle)
             up.in_use.enter_context(self.mgr.using(sid))
             self._event(row.id, row.workspace_id, port, "connect", peer=c.ip)
@@ -519,10 +521,40 @@ class Preview:
                 (b"X-Forwarded-Host", host.encode("latin-1"))]
         out += list(routed.add) if routed is not None else []
         target = (rest + ("?" + clean if clean else "")).encode("latin-1")
+        return await self._send(c, up, req.method, target, out, form, upgrade)
+
+    async def _upstream(self, c: _Client, sid: str, port: int, addr: str, to_port: int,
+                        unreachable: tuple[int, str]) -> _Upstream | None:
+        """A new upstream connection for c's request to (sid, port) at addr:to_port, in
+        place of the one c had (None: refused or unreachable, answered to the client)."""
+        self._drop_upstream(c)
+        if self.per_sandbox.get(sid, 0) >= self.cfg.max_per_sandbox:
+            self._note_refusal(f"{self.cfg.max_per_sandbox} connections into {sid}")
+            await _reply(c.writer, 503, f"too many connections to {sid}")
+            return None
+        if not BUDGET.take():
+            self._note_refusal("the daemon's descriptor budget is spent")
+            await _reply(c.writer, 503, "the preview proxy is at its limit")
+            return None
+        self.per_sandbox[sid] = self.per_sandbox.get(sid, 0) + 1
+        try:
+            async with asyncio.timeout(CONNECT_TIMEOUT):
+                ur, uw = await asyncio.open_connection(addr, to_port, limit=UPSTREAM_LIMIT)
+        except (OSError, TimeoutError):
+            self._release(sid)
+            await _reply(c.writer, *unreachable)
+            return None
+        up = c.up = _Upstream(sid, port, addr, ur, uw)
+        return up
+
+    async def _send(self, c: _Client, up: _Upstream, method: bytes, target: bytes,
+                    out: Headers, form: str, upgrade: bool) -> bool:
+        """The request (its head as given, its body as it comes) on up, and the answer back
+        to the client; whether the client connection may go on."""
         up.h = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)  # per request
         up.reusable = False
         try:
-            up.writer.write(up.h.send(h11.Request(method=req.method, target=target,
+            up.writer.write(up.h.send(h11.Request(method=method, target=target,
                                                   headers=out)))
         except h11.LocalProtocolError as e:
             self._drop_upstream(c)
@@ -541,7 +573,7 @@ class Preview:
             body = asyncio.get_running_loop().create_task(self._request_body(c, up, first))
         keep = False
         try:
-            keep = await self._response(c, up, form, upgrade, req.method)
+            keep = await self._response(c, up, form, upgrade, method)
             for _ in range(3):  # a body already read to its end is sent by now
                 if body is None or body.done():
                     break
