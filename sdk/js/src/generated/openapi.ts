@@ -1663,6 +1663,11 @@ export interface components {
                 [key: string]: unknown;
             } | null;
             /**
+             * Node Id
+             * @description the node it runs on or is paused on (many hosts, docs/DEPLOY.md); null on one host, and while paused into the shared snapshot store
+             */
+            node_id: string | null;
+            /**
              * On Timeout
              * @enum {string}
              */
