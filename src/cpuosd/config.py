@@ -465,6 +465,10 @@ class E2BConfig:
     domain: str | None = var("CPUOS_E2B_DOMAIN", None,
                              "the domain in E2B's answers (default localhost:<preview "
                              "port>)", _str)
+    key_file: Path | None = var("CPUOS_E2B_KEY_FILE", None,
+                                "the key of E2B's access tokens (default $CPUOS_HOME/e2b.key; "
+                                "many hosts: the same key on every node, a Secret's file)",
+                                _path, resolved="e2b_key_path")
 
 
 @dataclass(frozen=True)
@@ -600,6 +604,11 @@ class Config:
     def audit_key_path(self) -> Path:
         """The audit chain's HMAC key."""
         return self.audit.key_file or self.home / "audit.key"
+
+    @property
+    def e2b_key_path(self) -> Path:
+        """The key E2B's access tokens are made with (cpuosd.e2b.state)."""
+        return self.e2b.key_file or self.home / "e2b.key"
 
     @property
     def microvm_dir(self) -> Path:

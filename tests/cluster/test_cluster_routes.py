@@ -73,17 +73,23 @@ def node_of(url: str, sid: str) -> str | None:
         s.close()
 
 
-def only(url: str, api: ApiProcess, here: str | None) -> None:
-    """Every node cordoned but ``here`` (None: none cordoned)."""
+def only(url: str, key: str, apis: list[ApiProcess], here: str | None) -> None:
+    """Every node cordoned but ``here`` (None: none cordoned), as every API process sees."""
+    want = {n: here is not None and n != here for n in ("node-a", "node-b")}
     store = open_test_store(url)
     try:
-        for n in ("node-a", "node-b"):
-            store.set_node_cordoned(n, here is not None and n != here)
+        for n, cordoned in want.items():
+            store.set_node_cordoned(n, cordoned)
     finally:
         store.close()
-    want = 2 if here is None else 1
-    wait_until(lambda: api.health().get("nodes_placeable") == want,
-               f"placement on {here or 'both'}", timeout=15)
+
+    def seen(api: ApiProcess) -> bool:
+        r = httpx.get(api.url + "/nodes", headers={"Authorization": f"Bearer {key}"})
+        return {n["id"]: n["cordoned"] for n in r.json()["nodes"]} == want
+
+    for api in apis:
+        wait_until(lambda api=api: seen(api),  # type: ignore[misc]
+                   f"placement on {here or 'both'}", timeout=15)
 
 
 def preview(api: ApiProcess, sid: str, port: int, path: str = "/",
@@ -102,7 +108,7 @@ def test_previews_through_the_api_tier(cluster: tuple[Cluster, str]) -> None:
     c, url = cluster
     api1, api2 = c.apis
     key = c.key
-    only(url, api1, "node-b")
+    only(url, key, c.apis, "node-b")
     s = Sandbox.create(template="python", timeout="10m", api_url=api1.url, api_key=key)
     try:
         assert node_of(url, s.id) == "node-b"
@@ -177,7 +183,7 @@ def test_previews_through_the_api_tier(cluster: tuple[Cluster, str]) -> None:
 
     # paused into the store on node-a; node-a SIGKILLed; the preview URL through the API
     # tier wakes it on node-b. A sandbox still running on node-a answers 503 meanwhile.
-    only(url, api1, "node-a")
+    only(url, key, c.apis, "node-a")
     moved = Sandbox.create(template="python", timeout="10m", api_url=api1.url, api_key=key)
     stuck = Sandbox.create(template="python", timeout="10m", api_url=api1.url, api_key=key)
     try:
@@ -191,7 +197,7 @@ def test_previews_through_the_api_tier(cluster: tuple[Cluster, str]) -> None:
         moved.pause()
         assert node_of(url, moved.id) is None  # (in the store, on no node)
         c.nodes[0].kill9()
-        only(url, api1, "node-b")
+        only(url, key, c.apis, "node-b")
         wait_until(lambda: api1.health().get("nodes_alive") == 1, "node-a dead", timeout=30)
         got = preview(api1, moved.id, 3000, "/index.html", {"X-Cpuos-Token": pm["token"]})
         assert got.status_code == 200 and got.text == "moved\n", got.text
@@ -205,7 +211,7 @@ def test_previews_through_the_api_tier(cluster: tuple[Cluster, str]) -> None:
             c.nodes[0].start()  # (its sandbox reattached, then killed)
         wait_until(lambda: api1.health().get("nodes_alive") == 2, "node-a back", timeout=60)
         Sandbox.connect(stuck.id, api_url=api1.url, api_key=key).kill()
-        only(url, api1, None)
+        only(url, key, c.apis, None)
 
 
 def test_e2b_requests_reach_the_sandboxs_node(cluster: tuple[Cluster, str]) -> None:
@@ -216,13 +222,13 @@ def test_e2b_requests_reach_the_sandboxs_node(cluster: tuple[Cluster, str]) -> N
     made: dict[str, dict[str, str]] = {}
     try:
         for here in ("node-a", "node-b"):
-            only(url, api1, here)
+            only(url, key, c.apis, here)
             r = httpx.post(f"{api1.url}/e2b/sandboxes", headers=control, timeout=120,
                            json={"templateID": "base", "timeout": 300})
             assert r.status_code == 201, r.text
             made[here] = r.json()
             assert node_of(url, r.json()["sandboxID"]) == here
-        only(url, api1, None)
+        only(url, key, c.apis, None)
         # a bad key is refused by the API process (E2B's X-API-Key)
         r = httpx.get(f"{api2.url}/e2b/v2/sandboxes", headers={"X-API-Key": "e2b_" + "0" * 40})
         assert r.status_code == 401
@@ -257,10 +263,32 @@ def test_e2b_requests_reach_the_sandboxs_node(cluster: tuple[Cluster, str]) -> N
         store = open_test_store(url)
         try:
             row = store.get_sandbox(sid_a)
-            assert row is not None and row.state == "paused"
+            assert row is not None and row.state == "paused" and row.node_id is None
         finally:
             store.close()
+        # resumed on node-b (node-a cordoned): its access token still holds (one E2B key
+        # on every node), and node-b answers with the facts node-a kept (its template name)
+        only(url, key, c.apis, "node-b")
+        r = httpx.post(f"{api1.url}/e2b/sandboxes/{sid_a}/connect", headers=control,
+                       json={"timeout": 300}, timeout=120)
+        assert r.status_code == 201 and r.json()["templateID"] == "base", r.text
+        assert node_of(url, sid_a) == "node-b"
+        envd = {"E2b-Sandbox-Id": sid_a, "X-Access-Token": made["node-a"]["envdAccessToken"]}
+        g = httpx.get(f"{api2.url}/e2b/files", params={"path": "/home/user/where.txt"},
+                      headers=envd, timeout=60)
+        assert g.status_code == 200 and g.content == b"node-a", g.text
+        # E2B's ports are public (no cpuos token) wherever the sandbox runs now
+        httpx.post(f"{api1.url}/e2b/files", params={"path": "/home/user/s/index.html"},
+                   headers={**envd, "Content-Type": "application/octet-stream"},
+                   content=b"e2b-site\n", timeout=60).raise_for_status()
+        httpx.post(f"{api1.url}/sandboxes/{sid_a}/exec", headers={
+            "Authorization": f"Bearer {key}"}, json={
+            "cmd": "cd /home/user/s && nohup python3 -m http.server 3000 >/dev/null 2>&1 &"},
+            timeout=60).raise_for_status()
+        wait_until(lambda: preview(api1, sid_a, 3000, "/index.html").text == "e2b-site\n",
+                   "the E2B sandbox's public port through the API tier", timeout=60)
     finally:
+        only(url, key, c.apis, None)
         for sb in made.values():
             httpx.delete(f"{api1.url}/e2b/sandboxes/{sb['sandboxID']}", headers=control,
                          timeout=120)

@@ -121,7 +121,7 @@ class E2B:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self._key = self._load_key(cfg.home / "e2b.key")
+        self._key = self._load_key(cfg.e2b_key_path)
         self.templates = parse_templates(cfg.e2b.templates)
         self.domain_override = cfg.e2b.domain
         self._db_path = cfg.home / "e2b.db"
@@ -237,11 +237,22 @@ class E2B:
 
     # -- the sandboxes it created ---------------------------------------------------------
     def remember(self, sid: str, alias: str, public: bool, extra: dict[str, Any]) -> None:
+        """The E2B-side facts of a sandbox made here: in e2b.db, and in the sandbox's row
+        (``spec["e2b"]``: a node that resumes it after a pause into the shared store, or
+        answers for it, reads them there; many hosts, docs/DEPLOY.md)."""
         assert self._db is not None
         with self._lock:
             self._db.execute("INSERT OR REPLACE INTO sandboxes VALUES (?,?,?,?)",
                              (sid, alias, int(public), json.dumps(extra)))
         self._public[sid] = public
+        row = self.store.get_sandbox(sid)
+        if row is not None:
+            facts = {**extra, "alias": alias, "public": public}
+            row.spec["e2b"] = facts
+            self.store.update_sandbox(sid, spec=row.spec)
+            lv = self.mgr.live.get(sid)
+            if lv is not None:
+                lv.row.spec["e2b"] = facts
 
     def facts(self, sid: str) -> dict[str, Any] | None:
         if self._db is None:
@@ -249,8 +260,12 @@ class E2B:
         with self._lock:
             r = self._db.execute("SELECT alias, public, extra FROM sandboxes WHERE id=?",
                                  (sid,)).fetchone()
-        if r is None:
-            return None
+        if r is None:  # (made on another node: its row says)
+            row = self.store.get_sandbox(sid) if self._store is not None else None
+            shared = row.spec.get("e2b") if row is not None else None
+            if not isinstance(shared, dict) or not isinstance(shared.get("alias"), str):
+                return None
+            return {**shared, "public": bool(shared.get("public", True))}
         return {"alias": r[0], "public": bool(r[1]), **json.loads(r[2])}
 
     def forget(self, sid: str) -> None:
