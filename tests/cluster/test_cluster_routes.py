@@ -9,6 +9,8 @@ is on loopback."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import os
 import secrets
 import socket
@@ -83,9 +85,11 @@ def only(url: str, key: str, apis: list[ApiProcess], here: str | None) -> None:
     finally:
         store.close()
 
-    def seen(api: ApiProcess) -> bool:
+    def seen(api: ApiProcess) -> bool:  # (and the node to place on alive)
         r = httpx.get(api.url + "/nodes", headers={"Authorization": f"Bearer {key}"})
-        return {n["id"]: n["cordoned"] for n in r.json()["nodes"]} == want
+        nodes = r.json()["nodes"]
+        return {n["id"]: n["cordoned"] for n in nodes} == want and all(
+            n["alive"] for n in nodes if n["id"] == here)
 
     for api in apis:
         wait_until(lambda api=api: seen(api),  # type: ignore[misc]
@@ -214,6 +218,13 @@ def test_previews_through_the_api_tier(cluster: tuple[Cluster, str]) -> None:
         only(url, key, c.apis, None)
 
 
+def signed(path: str, token: str) -> dict[str, str]:
+    """The query of E2B's signed read URL (the SDK's download_url) for path."""
+    raw = f"{path}:read:user:{token}".encode()
+    sig = "v1_" + base64.b64encode(hashlib.sha256(raw).digest()).rstrip(b"=").decode()
+    return {"path": path, "username": "user", "signature": sig}
+
+
 def test_e2b_requests_reach_the_sandboxs_node(cluster: tuple[Cluster, str]) -> None:
     c, url = cluster
     api1, api2 = c.apis
@@ -248,6 +259,10 @@ def test_e2b_requests_reach_the_sandboxs_node(cluster: tuple[Cluster, str]) -> N
             bad = httpx.get(f"{api2.url}/e2b/files", params={"path": "/home/user/where.txt"},
                             headers={**envd, "X-Access-Token": "0" * 64}, timeout=60)
             assert bad.status_code == 401
+            # a signed file URL (E2B's download_url: no headers): its signature names it
+            g = httpx.get(f"{api2.url}/files", params=signed("/home/user/where.txt", token),
+                          timeout=60)
+            assert g.status_code == 200 and g.content == here.encode(), g.text
             # envd by host name, through the API tier's preview listener
             h = httpx.get(f"{api1.preview_url}/files", params={"path": "/home/user/where.txt"},
                           headers={"Host": f"49983-{sid}.localhost:{api1.preview_port}",

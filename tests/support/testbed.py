@@ -539,7 +539,9 @@ def node_cluster(database_url: str, node_env: dict[str, str] | None = None,
     try:
         for d in nodes:
             d.start()
-        apis = [ApiProcess(database_url, token, lease, api_env, ports) for ports in api_ports]
+        apis = [ApiProcess(database_url, token, lease, {
+            "CPUOS_E2B_KEY_FILE": str(key_dir / "e2b.key"), **(api_env or {})}, ports)
+            for ports in api_ports]
         for a in apis:
             wait_until(lambda a=a: a.health().get("nodes_alive") == n_nodes,  # type: ignore[misc]
                        "the API process to see every node", timeout=60)

@@ -96,6 +96,7 @@ class Forwarder:
                                       follow_redirects=False)
         self._task: asyncio.Task[None] | None = None
         self._keys: dict[str, float] = {}  # key -> monotonic time its check expires
+        self._e2b: Any = None  # cpuosd.e2b.state.E2B: signed file URLs (made when needed)
         self.elector: Any = None  # LeaderElector (CPUOS_MEMBERSHIP=kubernetes)
         self._elect: asyncio.Task[None] | None = None
 
@@ -178,18 +179,27 @@ class Forwarder:
         row = self.store.get_sandbox(sid)
         return None if row is None else (row.id, row.node_id)
 
-    def _route(self, headers: list[tuple[bytes, bytes]], path: str
-               ) -> tuple[bool, tuple[str, str | None] | None]:
+    def _route(self, headers: list[tuple[bytes, bytes]], path: str, query: bytes = b"",
+               method: str = "GET") -> tuple[bool, tuple[str, str | None] | None]:
         """The key check and the sandbox's row, in one trip to a thread. The E2B surface
         (cpuosd.e2b) has credentials of its own: its control plane's key (X-API-Key or a
         bearer key: keys of the store, checked here); its sandbox plane (the
         E2b-Sandbox-Id header) carries the sandbox's access token, which only the nodes
         can check (an HMAC under their E2B key): such a request goes to the sandbox's node
-        unchecked here, and the node checks it as one host does."""
+        unchecked here, and the node checks it as one host does. So does a signed file URL
+        of E2B's (``/files?signature=...``, no headers): its signature names the sandbox
+        (with CPUOS_E2B_KEY_FILE, the nodes' key, here too; else any node answers)."""
         e2b_sid = next((v.decode("latin-1") for k, v in headers if k == b"e2b-sandbox-id"),
                        None)
         if e2b_sid is not None:
             return True, self._row_node(path, e2b_sid[:64])
+        if path in ("/files", "/e2b/files") and b"signature=" in query:
+            if self._e2b is None:
+                from ..e2b.state import E2B
+
+                self._e2b = E2B(self.cfg, self.store)
+            sid = self._e2b.signed_for(query, method, None)
+            return True, (self._row_node(path, sid) if sid else None)
         key = None
         if path == "/e2b" or path.startswith("/e2b/"):
             key = next((v.decode("latin-1").strip() for k, v in headers if k == b"x-api-key"),
@@ -304,7 +314,9 @@ class Forwarder:
             placeable = sum(1 for n in self.view.nodes if n.placeable)
             return JSONResponse({"ok": True, "role": "api", "nodes_alive": alive,
                                  "nodes_placeable": placeable, "leader": self.leading})
-        ok, found = await asyncio.to_thread(self._route, request.scope["headers"], path)
+        ok, found = await asyncio.to_thread(self._route, request.scope["headers"], path,
+                                            request.scope.get("query_string", b""),
+                                            request.method)
         e2b = _is_e2b(path, request.scope["headers"])
         if not ok:
             return _error(ApiError("unauthorized", "missing or invalid API key"), e2b)

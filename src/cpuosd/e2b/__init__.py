@@ -126,18 +126,7 @@ class E2BRouter:
     def _signature(self, scope: Scope, sid: str | None) -> str | None:
         """The sandbox a signed /files request is for (``sid``: the one its headers name),
         or None."""
-        from urllib.parse import parse_qs
-
-        q = parse_qs(scope.get("query_string", b"").decode("latin-1"))
-        sig, path = (q.get("signature") or [""])[0], (q.get("path") or [""])[0]
-        if not sig or not path:
-            return None
-        op = "write" if scope["method"] == "POST" else "read"
-        user, exp = (q.get("username") or [None])[0], (q.get("signature_expiration")
-                                                      or [None])[0]
-        if sid is not None:
-            return sid if self.e2b.signed(sid, path, op, user, sig, exp) else None
-        return self.e2b.find_signed(path, op, user, sig, exp)
+        return self.e2b.signed_for(scope.get("query_string", b""), scope["method"], sid)
 
     async def _sandbox(self, scope: Scope, receive: Receive, send: Send, sid: str,
                        path: str, signed: bool = False) -> None:

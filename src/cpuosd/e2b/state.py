@@ -119,7 +119,9 @@ class Target:
 class E2B:
     """The E2B surface's state; attached to the daemon's core at start (``attach``)."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, store: Store | None = None) -> None:
+        """``store``: for an API process (many hosts), which finds the sandbox of a signed
+        file URL (``signed_for``) and serves nothing else of the surface."""
         self.cfg = cfg
         self._key = self._load_key(cfg.e2b_key_path)
         self.templates = parse_templates(cfg.e2b.templates)
@@ -128,7 +130,7 @@ class E2B:
         self._db: sqlite3.Connection | None = None
         self._lock = threading.Lock()
         self._mgr: Manager | None = None
-        self._store: Store | None = None
+        self._store: Store | None = store
         self.preview: Any = None
         # per sandbox: pid -> (cmd, args, envs, cwd, tag) of processes started here
         self.processes: dict[str, dict[int, dict[str, Any]]] = {}
@@ -224,6 +226,22 @@ class E2B:
         want = "v1_" + base64.b64encode(hashlib.sha256(raw.encode()).digest()).rstrip(
             b"=").decode()
         return hmac.compare_digest(signature.encode("latin-1", "replace"), want.encode())
+
+    def signed_for(self, query_string: bytes, method: str, sid: str | None) -> str | None:
+        """The sandbox a signed /files request (its query and method) is for (``sid``: the
+        one its headers name), or None."""
+        from urllib.parse import parse_qs
+
+        q = parse_qs(query_string.decode("latin-1"))
+        sig, path = (q.get("signature") or [""])[0], (q.get("path") or [""])[0]
+        if not sig or not path:
+            return None
+        op = "write" if method == "POST" else "read"
+        user = (q.get("username") or [""])[0] or None
+        exp = (q.get("signature_expiration") or [""])[0] or None
+        if sid is not None:
+            return sid if self.signed(sid, path, op, user, sig, exp) else None
+        return self.find_signed(path, op, user, sig, exp)
 
     def find_signed(self, path: str, op: str, user: str | None, signature: str,
                     expiration: str | None) -> str | None:
