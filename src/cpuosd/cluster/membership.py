@@ -80,7 +80,6 @@ class NodeFacts:
 
     node_id: str
     address: str  # where its internal API listens (host:port)
-    preview_address: str = ""  # where its preview listener is (host:port; API tier relays)
     incarnation: str = field(default_factory=lambda: secrets.token_hex(6))
     capacity: dict[str, float] = field(default_factory=dict)  # vcpus, memory_mib, free_*...
     runsc_version: str = ""
@@ -89,6 +88,7 @@ class NodeFacts:
     templates: tuple[str, ...] = ()  # template digests it has built (and checkpointed)
     snapshots: tuple[str, ...] = ()  # snapshot keys it has a local copy of
     truncated: bool = False  # (more templates or snapshots than MAX_LISTED)
+    preview_address: str = ""  # where its preview listener is (host:port; API tier relays)
 
     def to_annotation(self) -> str:
         d = asdict(self)
