@@ -34,7 +34,7 @@ import h11
 
 from ..config import PreviewConfig
 from ..errors import ApiError
-from ..proxy.preview import HOP_HEADERS, PATH_RE, Preview, _Client, _reply, host_form
+from ..proxy.preview import HOP_HEADERS, Head, Preview, _Client, _reply, parse_head
 from .nodes import TOKEN_HEADER
 
 if TYPE_CHECKING:
@@ -74,23 +74,10 @@ class PreviewRelay(Preview):
         return host.strip("[]"), int(port)
 
     async def _exchange(self, c: _Client, req: h11.Request) -> bool:
-        headers = list(req.headers.raw_items())
-        lower = [(k.lower(), v) for k, v in headers]
-        hosts = [v for k, v in lower if k == b"host"]
-        if len(hosts) > 1:
-            return await _reply(c.writer, 400, "more than one Host header")
-        host = (hosts[0] if hosts else b"").decode("latin-1")
-        if req.method == b"CONNECT" or not req.target.startswith(b"/"):
-            return await _reply(c.writer, 400, "only origin-form requests (GET /path ...)")
-        hf = host_form(host, self.domain)
-        if hf is not None:
-            port, sid = hf
-        else:
-            pm = PATH_RE.match(req.target.decode("latin-1").partition("?")[0])
-            if not pm:
-                return await _reply(c.writer, 404, "no such preview: use "
-                                    f"<port>-<id>.{self.domain} or /sandboxes/<id>/ports/<port>/")
-            sid, port = pm.group(1), int(pm.group(2))
+        head = parse_head(req, self.domain)  # (exactly as the node will parse it)
+        if not isinstance(head, Head):
+            return await _reply(c.writer, *head)
+        headers, lower, sid, port = head.headers, head.lower, head.sid, head.port
         found = await asyncio.to_thread(self._node_for, sid)
         if isinstance(found[0], int):
             status, msg = found

@@ -124,6 +124,43 @@ def host_form(host: str, domain: str) -> tuple[int, str] | None:
     return (int(m.group(1)), m.group(2)) if m else None
 
 
+class Head(NamedTuple):
+    """A preview request's head, routed: which sandbox and port, in which form."""
+    headers: Headers
+    lower: Headers  # (names in lower case)
+    hosts: list[bytes]
+    host: str
+    path: str
+    query: str
+    sid: str
+    port: int
+    rest: str  # the path the sandbox's server is asked for
+    form: str  # host | path
+
+
+def parse_head(req: h11.Request, domain: str) -> Head | tuple[int, str]:
+    """The sandbox and port a request is for, by its Host (host form) or its path (path
+    form), or the answer (status, message) it gets when it names none."""
+    headers = list(req.headers.raw_items())
+    lower = [(k.lower(), v) for k, v in headers]
+    hosts = [v for k, v in lower if k == b"host"]
+    if len(hosts) > 1:
+        return 400, "more than one Host header"
+    host = (hosts[0] if hosts else b"").decode("latin-1")
+    if req.method == b"CONNECT" or not req.target.startswith(b"/"):
+        return 400, "only origin-form requests (GET /path ...)"
+    path, _, query = req.target.decode("latin-1").partition("?")
+    hf = host_form(host, domain)
+    if hf is not None:
+        return Head(headers, lower, hosts, host, path, query, hf[1], hf[0], path, "host")
+    pm = PATH_RE.match(path)
+    if not pm:
+        return 404, ("no such preview: use "
+                     f"<port>-<id>.{domain} or /sandboxes/<id>/ports/<port>/")
+    return Head(headers, lower, hosts, host, path, query, pm.group(1), int(pm.group(2)),
+                pm.group(3) or "/", "path")
+
+
 class _Upstream:
     """A connection into a sandbox, bound to one (sandbox, port)."""
 
@@ -405,24 +442,12 @@ class Preview:
 
     async def _exchange(self, c: _Client, req: h11.Request) -> bool:
         """One request: routed, checked, relayed; whether the connection may go on."""
-        headers = list(req.headers.raw_items())
-        lower = [(k.lower(), v) for k, v in headers]
-        hosts = [v for k, v in lower if k == b"host"]
-        if len(hosts) > 1:
-            return await _reply(c.writer, 400, "more than one Host header")
-        host = (hosts[0] if hosts else b"").decode("latin-1")
-        if req.method == b"CONNECT" or not req.target.startswith(b"/"):
-            return await _reply(c.writer, 400, "only origin-form requests (GET /path ...)")
-        path, _, query = req.target.decode("latin-1").partition("?")
-        hf = host_form(host, self.domain)
-        if hf is not None:
-            (port, sid), rest, form = hf, path, "host"
-        else:
-            pm = PATH_RE.match(path)
-            if not pm:
-                return await _reply(c.writer, 404, "no such preview: use "
-                                    f"<port>-<id>.{self.domain} or /sandboxes/<id>/ports/<port>/")
-            sid, port, rest, form = pm.group(1), int(pm.group(2)), pm.group(3) or "/", "path"
+        head = parse_head(req, self.domain)
+        if not isinstance(head, Head):
+            return await _reply(c.writer, *head)
+        headers, lower, hosts, host = head.headers, head.lower, head.hosts, head.host
+        path, query, sid, port, rest, form = (head.path, head.query, head.sid, head.port,
+                                              head.rest, head.form)
         hdr: dict[bytes, bytes] = {}
         for k, v in lower:
             hdr.setdefault(k, v)
