@@ -268,6 +268,13 @@ def test_e2b_requests_reach_the_sandboxs_node(cluster: tuple[Cluster, str]) -> N
                           headers={"Host": f"49983-{sid}.localhost:{api1.preview_port}",
                                    "X-Access-Token": token}, timeout=60)
             assert h.status_code == 200 and h.content == here.encode(), h.text
+            # that hand-off carries the node token to the node's own API: it reaches E2B's
+            # surface only, never the node's own routes (a drain)
+            d = httpx.post(f"{api1.preview_url}/node/drain", timeout=60, headers={
+                "Host": f"49983-{sid}.localhost:{api1.preview_port}", "X-Access-Token": token})
+            assert "paused" not in d.text, d.text
+            nodes = httpx.get(api1.url + "/nodes", headers={"Authorization": f"Bearer {key}"})
+            assert not any(n["cordoned"] for n in nodes.json()["nodes"]), nodes.text
             # the control plane by the sandbox in the path: its node
             info = httpx.get(f"{api1.url}/e2b/sandboxes/{sid}", headers=control, timeout=60)
             assert info.status_code == 200 and info.json()["sandboxID"] == sid

@@ -79,7 +79,10 @@ class NodeTokenGuard:
             return
         given = next((v for k, v in scope["headers"] if k == TOKEN_HEADER.encode()), b"")
         if hmac.compare_digest(given, self.token):
-            if scope["type"] == "http" and scope["path"] == "/node/drain":
+            # (a request of E2B's sandbox plane is E2B's, whole: envd's host form is handed
+            # here by the preview proxy with the token, on behalf of anyone)
+            if scope["type"] == "http" and scope["path"] == "/node/drain" and not any(
+                    k == b"e2b-sandbox-id" for k, _ in scope["headers"]):
                 if scope["method"] != "POST":
                     await _reply(send, 404, ApiError("not_found", "POST /node/drain"))
                     return
