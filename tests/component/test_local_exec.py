@@ -65,3 +65,11 @@ def test_stdin_given_twice_is_refused(sbx: Sandbox, local: LocalDaemon) -> None:
         assert r.status_code == 422 and r.json()["error"]["details"]["field"] == "stdin", r.text
         r = c.post(f"/sandboxes/{sbx.id}/exec", json={"cmd": "cat", "stdin_b64": "!!"})
         assert r.status_code == 422 and "base64" in r.json()["error"]["message"], r.text
+
+
+def test_one_host_names_no_node(sbx: Sandbox, local: LocalDaemon) -> None:
+    """--role=all: the sandbox's JSON has node_id null (many hosts: the node's id)."""
+    r = httpx.get(f"{local.url}/sandboxes/{sbx.id}",
+                  headers={"Authorization": f"Bearer {local.key}"})
+    assert r.status_code == 200 and "node_id" in r.json() and r.json()["node_id"] is None
+    assert sbx.info().node_id is None
