@@ -23,7 +23,7 @@ def router(e2b: E2B, api: tuple[str, int], api_headers: tuple[tuple[bytes, bytes
     """``api_headers``: what a request handed to the daemon's listener also carries (a
     node's token, --role=node)."""
     def route(row: Any, port: int, hdr: dict[bytes, bytes]) -> Route | tuple[int, str] | None:
-        public = e2b.public_ports(row.id)
+        public = e2b.public_ports(row.id, row)
         if public is None and port not in (ENVD_PORT, JUPYTER_PORT):
             return None  # not an E2B sandbox: cpuos's rules
         if port in (ENVD_PORT, JUPYTER_PORT):

@@ -272,14 +272,15 @@ class E2B:
             if lv is not None:
                 lv.row.spec["e2b"] = facts
 
-    def facts(self, sid: str) -> dict[str, Any] | None:
+    def facts(self, sid: str, row: SandboxRow | None = None) -> dict[str, Any] | None:
         if self._db is None:
             return None
         with self._lock:
             r = self._db.execute("SELECT alias, public, extra FROM sandboxes WHERE id=?",
                                  (sid,)).fetchone()
         if r is None:  # (made on another node: its row says)
-            row = self.store.get_sandbox(sid) if self._store is not None else None
+            if row is None and self._store is not None:
+                row = self.store.get_sandbox(sid)
             shared = row.spec.get("e2b") if row is not None else None
             if not isinstance(shared, dict) or not isinstance(shared.get("alias"), str):
                 return None
@@ -292,11 +293,12 @@ class E2B:
                 self._db.execute("DELETE FROM sandboxes WHERE id=?", (sid,))
         self._public.pop(sid, None)
 
-    def public_ports(self, sid: str) -> bool | None:
+    def public_ports(self, sid: str, row: SandboxRow | None = None) -> bool | None:
         """For a sandbox made on the E2B surface: are its ports open to anyone (E2B's
-        default), or do they need its traffic token? None: not an E2B sandbox."""
+        default), or do they need its traffic token? None: not an E2B sandbox. ``row``: its
+        row, read already (not read again)."""
         if sid not in self._public:
-            f = self.facts(sid)
+            f = self.facts(sid, row)
             if f is None:
                 return None
             self._public[sid] = f["public"]
