@@ -12,6 +12,9 @@ process and straight to the node (with the node token), on the same sandbox:
 - exec round trip of ``true`` (the whole framed answer read): p50 and p99, and the API
   tier's overhead (difference of the p50s);
 - stdout streaming (``head -c 64M /dev/zero``, the framed stream read to its end): MB/s;
+- a preview request (``GET /index.html`` of ``python -m http.server`` in the sandbox, a
+  public port, host form) through the API process's preview listener and straight to the
+  node's: p50 and the overhead;
 - pause -> resume of an idle python sandbox: on the same node with no snapshot store
   (checkpoint and restore from local disk) beside pause (checkpoint + upload) on node A ->
   resume (download + restore) on node B through the S3 store.
@@ -121,6 +124,28 @@ def main() -> int:
                         print(f"stdout stream {stream_mib} MiB via {name}: "
                               f"{statistics.median(out[f'stream_{name}_MBps']):.0f} MB/s")
 
+                # a preview request: API tier's preview relay vs the node's preview listener
+                sbx.exec("mkdir -p /work/site && echo hi > /work/site/index.html && "
+                         "cd /work/site && nohup python3 -m http.server 3000 >/dev/null 2>&1 &")
+                httpx.post(f"{api.url}/sandboxes/{sbx.id}/ports", headers=auth,
+                           json={"port": 3000, "public": True}).raise_for_status()
+                facts = next(n["facts"] for n in store.list_nodes() if n["id"] == "node-a")
+                for name, base in (("api", api.preview_url),
+                                   ("node", f"http://{facts['preview_address']}")):
+                    with httpx.Client(base_url=base, timeout=60, headers={
+                            "Host": f"3000-{sbx.id}.localhost"}) as c:
+                        wait_until(lambda c=c: c.get("/index.html").status_code == 200,
+                                   "the server in the sandbox", timeout=60)
+                        lat = []
+                        for _ in range(n_exec):
+                            t0 = time.perf_counter()
+                            r = c.get("/index.html")
+                            lat.append(time.perf_counter() - t0)
+                            assert r.status_code == 200 and r.text == "hi\n", r.text
+                        out[f"preview_{name}_s"] = lat
+                        print(f"preview GET via {name}: p50 {statistics.median(lat) * 1e3:.2f} "
+                              f"ms, p99 {pct(lat, 99) * 1e3:.2f} ms")
+
                 # pause -> resume: on node A from its disk (no store) vs A -> B via S3
                 local_p, local_r, far_p, far_r = [], [], [], []
                 for _ in range(n_pause):
@@ -178,6 +203,9 @@ def main() -> int:
     print(f"{'stdout streaming, median (MB/s)':48} {m('stream_api_MBps'):>12.0f} "
           f"{m('stream_node_MBps'):>12.0f}   ratio "
           f"{m('stream_api_MBps') / m('stream_node_MBps'):.2f}")
+    print(f"{'preview GET round trip, p50 (ms)':48} {m('preview_api_s') * 1e3:>12.2f} "
+          f"{m('preview_node_s') * 1e3:>12.2f}   overhead "
+          f"{(m('preview_api_s') - m('preview_node_s')) * 1e3:.2f} ms")
     print(f"{'':48} {'A -> B (S3)':>12} {'one host':>12}")
     print(f"{'pause of an idle python sandbox, median (s)':48} {m('pause_upload_s'):>12.2f} "
           f"{m('pause_local_s'):>12.2f}")
