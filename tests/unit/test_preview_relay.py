@@ -146,3 +146,14 @@ async def _e2b(tmp_path: Path) -> None:
         # a create goes where placement says
         assert fwd._target("POST", "/e2b/sandboxes", None).node_id == "node-b"
         assert fwd._target("POST", "/e2b/v2/sandboxes", None).node_id == "node-b"
+
+
+def test_a_lease_carries_the_preview_address() -> None:
+    """CPUOS_MEMBERSHIP=kubernetes: a node's preview address survives its Lease's facts."""
+    from cpuosd.cluster.membership import NodeFacts
+    from cpuosd.cluster.nodes import facts_of_lease, lease_facts
+
+    f = lease_facts({"address": "10.0.0.1:7780", "preview_address": "10.0.0.1:7781"},
+                    "node-a", "inc")
+    back = facts_of_lease(NodeFacts.from_annotation(f.to_annotation()))
+    assert back["address"] == "10.0.0.1:7780" and back["preview_address"] == "10.0.0.1:7781"
