@@ -28,5 +28,6 @@ def test_cluster_bench_smoke() -> None:
     assert "overhead" in r.stdout and "A -> B (S3)" in r.stdout, r.stdout
     out = json.loads((REPO / ".cache" / "bench" / "cluster-smoke.json").read_text())
     for k in ("exec_api_s", "exec_node_s", "stream_api_MBps", "stream_node_MBps",
-              "preview_api_s", "preview_node_s", "pause_upload_s", "resume_download_s", "pause_local_s", "resume_local_s"):
+              "preview_api_s", "preview_node_s", "pause_upload_s", "resume_download_s",
+              "pause_local_s", "resume_local_s"):
         assert out[k] and all(v > 0 for v in out[k]), k
