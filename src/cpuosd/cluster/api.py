@@ -432,8 +432,18 @@ def create_api_app(cfg: Config, services: ApiServices | None = None) -> Starlett
         fwd: Forwarder = state["fwd"]
         return await fwd.node_op(request)
 
+    async def fork(request: Request) -> Response:  # (across nodes: cluster.forks)
+        from . import forks
+
+        return await forks.fork(state["fwd"], request)
+
+    from .forks import refuse_internal
+
     methods = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
     return Starlette(routes=[Route("/nodes", nodes, methods=["GET"]),
                              Route("/nodes/{node_id}/{op}", node_op, methods=["POST"]),
+                             Route("/sandboxes/{sid}/fork", fork, methods=["POST"]),
+                             Route("/sandboxes/{sid}/fork/{rest:path}", refuse_internal,
+                                   methods=methods),
                              Route("/{path:path}", http, methods=methods),
                              WebSocketRoute("/{path:path}", websocket)], lifespan=lifespan)

@@ -157,6 +157,9 @@ def node_facts(cfg: Config, backend: Backend, address: str) -> dict[str, Any]:
     with contextlib.suppress(OSError):
         facts["templates"] = sorted({str(t.get("digest")) for t in
                                      list_templates(cfg.templates_dir) if t.get("digest")})
+    if cfg.cluster.snapshot_store:  # (its URL: bucket and prefix, or a path; no secret)
+        # nodes naming the same store restore each other's images (a fork across nodes)
+        facts["snapshot_store"] = cfg.cluster.snapshot_store
     return facts
 
 
@@ -307,6 +310,45 @@ def place(nodes: list[NodeInfo], memory_mib: int = 0, template_digest: str | Non
     return max(fits, key=lambda n: (bool(template_digest) and template_digest in (
         n.facts.get("templates") or ()), float(n.facts.get("capacity", {}).get(
             "memory_available_mib", 0))))
+
+
+def place_children(nodes: list[NodeInfo], parent: NodeInfo, n: int, memory_mib: int = 0,
+                   template_digest: str | None = None) -> list[NodeInfo] | None:
+    """The node of each of a fork's ``n`` children (None: not all fit). Candidates: the
+    parent's node and every node that can restore its image (placeable, the same shared
+    snapshot store, the parent's template build, a host the parent's node's snapshots
+    restore on: ``snapstore.facts.incompatibilities``). The children take turns over them,
+    the parent's node first (no transfer), then the others by memory available, each
+    child's memory counted against the node it is given: a fork fans out."""
+    from ..snapstore.facts import incompatibilities
+
+    def can(x: NodeInfo) -> bool:
+        if not x.placeable:
+            return False
+        if x.node_id == parent.node_id:
+            return True
+        return (bool(x.facts.get("snapshot_store"))
+                and x.facts.get("snapshot_store") == parent.facts.get("snapshot_store")
+                and (not template_digest or template_digest in (x.facts.get("templates")
+                                                                or ()))
+                and not incompatibilities(parent.facts, x.facts))
+
+    free = {x.node_id: float(x.facts.get("capacity", {}).get("memory_available_mib", 0))
+            for x in nodes}
+    others = sorted((x for x in nodes if x.node_id != parent.node_id and can(x)),
+                    key=lambda x: (-free[x.node_id], x.node_id))
+    order = ([parent] if can(parent) else []) + others
+    out: list[NodeInfo] = []
+    while len(out) < n:
+        took = False
+        for x in order:
+            if len(out) < n and free[x.node_id] >= memory_mib:
+                out.append(x)
+                free[x.node_id] -= memory_mib
+                took = True
+        if not took:
+            return None
+    return out
 
 
 class NodeRuntime:
