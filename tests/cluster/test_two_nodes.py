@@ -573,5 +573,29 @@ def test_fork_fans_out_across_nodes(
     local = parent.fork(n=1)
     assert [node_of(pg_url, c.id) for c in local] == ["node-a"]
     assert local[0].files.read("/work/state.txt") == b"written before the fork"
-    for s in (*children, *local, parent):
+    for s in (*children, *local):
         s.kill()
+
+    # node-b misconfigured (its store's endpoint refuses connections): the fork fails as a
+    # whole: a JSON error, node-a's child killed, the image released, the parent running
+    nodes[1].stop()
+    nodes[1].extra_env["CPUOS_S3_ENDPOINT"] = f"http://127.0.0.1:{testbed.free_port()}"
+    nodes[1].start()
+    store = open_test_store(pg_url)
+    try:
+        store.set_node_cordoned("node-b", False)
+    finally:
+        store.close()
+    wait_until(lambda: api1.health().get("nodes_placeable") == 2, "node-b back", timeout=30)
+    r = httpx.post(f"{api1.url}/sandboxes/{parent.id}/fork", json={"n": 2}, timeout=300,
+                   headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable", r.text
+    assert "fork image" in r.json()["error"]["message"], r.text
+    listed = httpx.get(f"{api1.url}/sandboxes", headers={"Authorization": f"Bearer {key}"}
+                       ).json()["sandboxes"]
+    assert [x["id"] for x in listed] == [parent.id], listed
+    assert nodes[0].runsc_containers() == [parent.id]
+    assert not nodes[1].runsc_containers()
+    assert not [k for k in _store_keys(s3, bucket) if "/fork-" in k]
+    assert parent.exec("cat /work/state.txt").stdout == "written before the fork"
+    parent.kill()
