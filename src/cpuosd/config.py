@@ -162,6 +162,15 @@ def _one_of(*choices: str) -> Parse:
     return parse
 
 
+def _admin_key(name: str, v: str) -> str:
+    """An API key given by the deployment (a Secret): long enough to be one."""
+    v = v.strip()
+    if len(v) < 32 or len(v) > 256 or not v.isprintable() or " " in v:
+        raise ConfigError(f"{name} must be 32 to 256 printable characters without spaces "
+                          "(e.g. cpk_ and 64 hex digits)")
+    return v
+
+
 def _database_url(name: str, v: str) -> str:
     """A Postgres URL; anything else is refused (a typo must not quietly give each host a
     database of its own)."""
@@ -486,6 +495,11 @@ class ClusterConfig:
     node_token: str | None = var("CPUOS_NODE_TOKEN", None,
                                  "the secret API processes and nodes share (16 characters or "
                                  "more; X-Cpuos-Node-Token)", _str, secret=True)
+    admin_key: str | None = var("CPUOS_ADMIN_KEY", None,
+                                "the admin workspace's API key, put into an empty database "
+                                "by the first node (32 characters or more; default: a node "
+                                "makes one, in $CPUOS_HOME/admin.key)", _admin_key,
+                                secret=True)
     node_lease: float = var("CPUOS_NODE_LEASE", 15.0,
                             "s without a heartbeat after which a node counts as dead (it "
                             "beats every third)", _seconds)
