@@ -544,7 +544,7 @@ def test_fork_fans_out_across_nodes(
     children = Sandbox.connect(parent.id, api_url=api2.url, api_key=key).fork(n=2)
     assert len(children) == 2
     where = {c.id: node_of(pg_url, c.id) for c in children}
-    assert sorted(where.values()) == ["node-a", "node-b"], where
+    assert sorted(str(w) for w in where.values()) == ["node-a", "node-b"], where
     for c in children:
         assert c.id in (nodes[0] if where[c.id] == "node-a" else nodes[1]).runsc_containers()
         for api in (api1, api2):  # exec through either API process
@@ -558,8 +558,7 @@ def test_fork_fans_out_across_nodes(
     a, b = children
     a.files.write("/work/only-a.txt", "a")
     for other in (b, parent):
-        r = other.exec("test -e /work/only-a.txt")
-        assert r.exit_code == 1
+        assert other.exec("test -e /work/only-a.txt").exit_code == 1
     assert parent.exec("cat /work/state.txt").stdout == "written before the fork"
     # the fork's image is gone from the store
     assert not [k for k in _store_keys(s3, bucket) if "/fork-" in k]
