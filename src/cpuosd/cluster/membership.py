@@ -88,6 +88,9 @@ class NodeFacts:
     templates: tuple[str, ...] = ()  # template digests it has built (and checkpointed)
     snapshots: tuple[str, ...] = ()  # snapshot keys it has a local copy of
     truncated: bool = False  # (more templates or snapshots than MAX_LISTED)
+    # the rest placement reads (cpuosd.cluster.nodes.LEASE_EXTRA: warm pools, template
+    # checkpoints, the snapshot store's URL)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def to_annotation(self) -> str:
         d = asdict(self)
@@ -108,7 +111,9 @@ class NodeFacts:
                    cpu_features=tuple(map(str, d.get("cpu_features") or ())),
                    templates=tuple(map(str, d.get("templates") or ())),
                    snapshots=tuple(map(str, d.get("snapshots") or ())),
-                   truncated=bool(d.get("truncated")))
+                   truncated=bool(d.get("truncated")),
+                   extra=dict(d.get("extra") or {}) if isinstance(d.get("extra"), dict)
+                   else {})
 
 
 @dataclass(frozen=True)

@@ -142,8 +142,10 @@ def _meminfo() -> dict[str, int]:
     return out
 
 
-def node_facts(cfg: Config, backend: Backend, address: str) -> dict[str, Any]:
-    """What placement needs to know about this node, now."""
+def node_facts(cfg: Config, backend: Backend, address: str, mgr: Manager | None = None
+               ) -> dict[str, Any]:
+    """What placement needs to know about this node, now (with ``mgr``: what it holds that
+    placement prefers: Manager.placement_facts)."""
     from ..snapstore.facts import host_facts
     from ..templates.builder import list_templates
 
@@ -160,6 +162,11 @@ def node_facts(cfg: Config, backend: Backend, address: str) -> dict[str, Any]:
     if cfg.cluster.snapshot_store:  # (its URL: bucket and prefix, or a path; no secret)
         # nodes naming the same store restore each other's images (a fork across nodes)
         facts["snapshot_store"] = cfg.cluster.snapshot_store
+    if mgr is not None:
+        try:
+            facts.update(mgr.placement_facts())
+        except Exception as e:  # (the next beat tries again)
+            log.warning("what this node holds could not be read: %s", e)
     return facts
 
 
@@ -298,18 +305,30 @@ class NodeView:
         return next((n for n in self.nodes if n.node_id == node_id), None)
 
 
-def place(nodes: list[NodeInfo], memory_mib: int = 0, template_digest: str | None = None
-          ) -> NodeInfo | None:
-    """The node for a new sandbox: live, not cordoned, with the memory free (its last
-    heartbeat's MemAvailable, as admission on one host goes by real use), preferring one
-    that has the template built, then the most memory available."""
-    fits = [n for n in nodes if n.placeable and float(
-        n.facts.get("capacity", {}).get("memory_available_mib", 0)) >= memory_mib]
+def _has(n: NodeInfo, fact: str, item: str | None) -> bool:
+    return bool(item) and item in (n.facts.get(fact) or ())
+
+
+def place(nodes: list[NodeInfo], memory_mib: int = 0, template_digest: str | None = None,
+          *, template: str | None = None, snapshot: str | None = None) -> NodeInfo | None:
+    """The node for a new sandbox (or a resume): live, not cordoned, with the memory free
+    (its last heartbeat's MemAvailable, as admission on one host goes by real use). Among
+    those, preferring one that holds a local copy of the ``snapshot`` (a resume: no
+    download), then one with a warm pool sandbox of the ``template`` ready (a create: no
+    restore at all), then one with that template's checkpoint made (a restore, no cold
+    boot), then one with the template's build (``template_digest``); ties by the most memory
+    available (then the node id, for a stable answer). What a node holds is in its
+    heartbeat's facts (``node_facts``: snapshots, pools, template_images, templates)."""
+    def mem(n: NodeInfo) -> float:
+        return float(n.facts.get("capacity", {}).get("memory_available_mib", 0))
+
+    fits = [n for n in nodes if n.placeable and mem(n) >= memory_mib]
     if not fits:
         return None
-    return max(fits, key=lambda n: (bool(template_digest) and template_digest in (
-        n.facts.get("templates") or ()), float(n.facts.get("capacity", {}).get(
-            "memory_available_mib", 0))))
+    return min(fits, key=lambda n: (
+        not _has(n, "snapshots", snapshot), not _has(n, "pools", template),
+        not _has(n, "template_images", template), not _has(n, "templates", template_digest),
+        -mem(n), n.node_id))
 
 
 def place_children(nodes: list[NodeInfo], parent: NodeInfo, n: int, memory_mib: int = 0,
@@ -375,6 +394,10 @@ class NodeRuntime:
             await self.api.close()
 
 
+# node_facts that ride in a Lease's NodeFacts.extra (placement's preferences, the store)
+LEASE_EXTRA = ("pools", "template_images", "snapshot_store")
+
+
 def lease_facts(facts: dict[str, Any], node_id: str, incarnation: str) -> Any:
     """A node's facts (node_facts) as a Lease annotation carries them."""
     from .membership import NodeFacts
@@ -385,16 +408,20 @@ def lease_facts(facts: dict[str, Any], node_id: str, incarnation: str) -> Any:
                      runsc_version=str((facts.get("runtime") or {}).get("runsc_version") or ""),
                      image_kind=str(facts.get("image_kind") or ""),
                      cpu_features=tuple(facts.get("cpu_features") or ()),
-                     templates=tuple(facts.get("templates") or ()))
+                     templates=tuple(facts.get("templates") or ()),
+                     snapshots=tuple(facts.get("snapshots") or ()),
+                     extra={k: facts[k] for k in LEASE_EXTRA if k in facts})
 
 
 def facts_of_lease(f: Any) -> dict[str, Any]:
     """The other way round: what placement reads (``place``) from a Lease's NodeFacts."""
     if f is None:
         return {}
-    return {"address": f.address, "capacity": dict(f.capacity), "image_kind": f.image_kind,
+    return {**{k: v for k, v in f.extra.items() if k in LEASE_EXTRA},
+            "address": f.address, "capacity": dict(f.capacity), "image_kind": f.image_kind,
             "runtime": {"runsc_version": f.runsc_version},
-            "cpu_features": list(f.cpu_features), "templates": list(f.templates)}
+            "cpu_features": list(f.cpu_features), "templates": list(f.templates),
+            "snapshots": list(f.snapshots)}
 
 
 async def start_node(cfg: Config, store: Store, backend: Backend, mgr: Manager
@@ -403,7 +430,7 @@ async def start_node(cfg: Config, store: Store, backend: Backend, mgr: Manager
 
     cc = cfg.cluster
     address = cc.node_address or f"{cfg.host}:{cfg.port}"
-    facts = partial(node_facts, cfg, backend, address)
+    facts = partial(node_facts, cfg, backend, address, mgr)
     agent = NodeAgent(store, str(cc.node_id), address, facts, cc.node_lease,
                       after_beat=partial(stop_fenced, mgr))
     await agent.register()
