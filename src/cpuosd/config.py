@@ -523,6 +523,10 @@ class ClusterConfig:
                                            "s an upload to (or download from) that store may "
                                            "take, plus 1 s per 20 MiB (past it the pause "
                                            "keeps its image on the node)", _seconds)
+    snapshot_sweep_after: float = var("CPUOS_SNAPSHOT_SWEEP_AFTER", 3600.0,
+                                      "s after which what an unfinished upload left in that "
+                                      "store, and a fork's image, is swept by an API process "
+                                      "(the leader; 0: never)", _duration)
     s3_endpoint: str | None = var("CPUOS_S3_ENDPOINT", None,
                                   "the S3 endpoint (MinIO, Ceph, R2...: path-style "
                                   "addressing; default AWS)", _str)

@@ -295,6 +295,13 @@ async def build_api_services(cfg: Config, *, store: Store | None = None) -> ApiS
         fwd = Forwarder(cfg, store)
         stack.push_async_callback(fwd.close)
         await fwd.start()
+        if cfg.cluster.snapshot_store and cfg.cluster.snapshot_sweep_after > 0:
+            from .cluster.sweep import Sweeper
+
+            sweeper = Sweeper(store, open_snapshot_store(
+                cfg.snapshots_dir, cfg.cluster.snapshot_store, cfg.cluster),
+                cfg.cluster.snapshot_sweep_after, lambda: fwd.leading)
+            stack.push_async_callback(_cancel, asyncio.ensure_future(sweeper.run()))
     except BaseException:
         await stack.aclose()
         raise
