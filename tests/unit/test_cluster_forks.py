@@ -7,6 +7,7 @@ own node; the nodes' internal routes are not the public's."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -17,10 +18,10 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from cpuosd.cluster.api import create_api_app
+from cpuosd.cluster.api import Forwarder, create_api_app
 from cpuosd.config import Config
 from cpuosd.store import SandboxRow, SqliteStore
-from cpuosd.wiring import ApiServices, build_api_services
+from cpuosd.wiring import ApiServices
 
 TOKEN = "t" * 32
 PARENT = "sbx-parent000001"
@@ -53,22 +54,19 @@ class Env:
             metadata={}, node_id="node-a"))
 
     def client(self, handler: Handler) -> Iterator[TestClient]:
-        import asyncio
-
         def record(r: httpx.Request) -> httpx.Response:
             self.calls.append(r)
             return handler(r)
 
-        # (built in a loop of its own, which cancels its refresh loop at the end: the view
-        # keeps what it read at start)
-        svc: ApiServices = asyncio.run(build_api_services(self.cfg, store=self.store))
-        svc.forwarder.http = httpx.AsyncClient(transport=httpx.MockTransport(record))
-        try:
-            with TestClient(create_api_app(self.cfg, svc)) as c:
-                c.headers["Authorization"] = f"Bearer {self.key}"
-                yield c
-        finally:
-            asyncio.run(svc.close())
+        # (not started: no refresh loop; the view is what it reads here)
+        fwd = Forwarder(self.cfg, self.store)
+        fwd.view.refresh()  # type: ignore[union-attr]
+        fwd.http = httpx.AsyncClient(transport=httpx.MockTransport(record))
+        svc = ApiServices(cfg=self.cfg, store=self.store, forwarder=fwd,
+                          _stack=contextlib.AsyncExitStack())
+        with TestClient(create_api_app(self.cfg, svc)) as c:
+            c.headers["Authorization"] = f"Bearer {self.key}"
+            yield c
 
     def seen(self) -> list[tuple[str, str]]:
         return [(r.method, f"{r.url.host}{r.url.path}") for r in self.calls]
