@@ -159,3 +159,12 @@ def test_local_forks_are_forwarded(env: Env) -> None:
             r = c.post(f"/sandboxes/{PARENT}/fork/{op}", json={})
             assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     assert env.seen() == [("POST", f"node-a/sandboxes/{PARENT}/fork")] * 2
+
+
+def test_a_target_that_answers_nonsense(env: Env) -> None:
+    env.parent()
+    for c in env.client(nodes(httpx.Response(201, json={"sandboxes": "all of them"}))):
+        r = c.post(f"/sandboxes/{PARENT}/fork", json={"n": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable", r.text
+    assert ("DELETE", "node-a/sandboxes/sbx-child-a") in env.seen()
+    assert env.seen()[-1] == ("POST", f"node-a/sandboxes/{PARENT}/fork/release")

@@ -27,6 +27,7 @@ the workspace and its quotas itself.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from typing import TYPE_CHECKING, Any
@@ -128,9 +129,14 @@ async def _fan_out(fwd: Forwarder, sid: str, parent: NodeInfo, plan: list[NodeIn
         return _error(ApiError("unavailable", f"node {parent.node_id} did not answer"))
     if r.status_code != 201:
         return _answer(r)
-    pub = r.json()
-    key, size = str(pub["image"]), int(pub.get("bytes") or 0)
-    made: list[tuple[NodeInfo, dict[str, Any]]] = [(parent, s) for s in pub["sandboxes"]]
+    try:
+        pub = r.json()
+        key, size = str(pub["image"]), int(pub.get("bytes") or 0)
+        made: list[tuple[NodeInfo, dict[str, Any]]] = [(parent, s) for s in
+                                                       _children(pub)]
+    except (ValueError, KeyError, TypeError):  # (not this API's node: nothing to undo)
+        return _error(ApiError("unavailable", f"node {parent.node_id} answered the fork "
+                               "with something else than a fork's answer"))
     failure: Response | None = None
     try:
         async def restore(node: NodeInfo, k: int) -> httpx.Response:
@@ -142,16 +148,20 @@ async def _fan_out(fwd: Forwarder, sid: str, parent: NodeInfo, plan: list[NodeIn
                                        return_exceptions=True)
         for (node, _), a in zip(groups.values(), answers, strict=True):
             if isinstance(a, httpx.Response) and a.status_code == 201:
-                made += [(node, s) for s in a.json()["sandboxes"]]
-                continue
-            if isinstance(a, BaseException):
-                log.warning("fork of %s: node %s failed to restore: %r", sid, node.node_id, a)
-            else:
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    made += [(node, s) for s in _children(a.json())]
+                    continue
+                a = ApiError("unavailable", f"node {node.node_id} answered the fork's "
+                             "restore with something else than a fork's answer")
+            if isinstance(a, httpx.Response):
                 log.warning("fork of %s: node %s answered %d: %s", sid, node.node_id,
                             a.status_code, a.text[:300])
-            if failure is None:
-                failure = (_answer(a) if isinstance(a, httpx.Response) else _error(ApiError(
-                    "unavailable", f"node {node.node_id} did not answer the fork's restore")))
+                answer = _answer(a)
+            else:
+                log.warning("fork of %s: node %s failed to restore: %r", sid, node.node_id, a)
+                answer = _error(a if isinstance(a, ApiError) else ApiError(
+                    "unavailable", f"node {node.node_id} did not answer the fork's restore"))
+            failure = failure or answer
         if failure is not None:
             await _kill_all(fwd, made, headers)
             return failure
@@ -164,6 +174,15 @@ async def _fan_out(fwd: Forwarder, sid: str, parent: NodeInfo, plan: list[NodeIn
     log.info("fork of %s: %d children on %s", sid, len(made),
              ", ".join(sorted({x.node_id for x, _ in made})))
     return JSONResponse({"sandboxes": [s for _, s in made]}, status_code=201)
+
+
+def _children(answer: Any) -> list[dict[str, Any]]:
+    """The children in a node's fork answer (each a sandbox's JSON with its id)."""
+    out = answer["sandboxes"]
+    if not isinstance(out, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("id"), str) for c in out):
+        raise TypeError("not a list of sandboxes")
+    return out
 
 
 async def _kill_all(fwd: Forwarder, made: list[tuple[NodeInfo, dict[str, Any]]],
