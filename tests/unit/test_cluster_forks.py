@@ -168,3 +168,14 @@ def test_a_target_that_answers_nonsense(env: Env) -> None:
         assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable", r.text
     assert ("DELETE", "node-a/sandboxes/sbx-child-a") in env.seen()
     assert env.seen()[-1] == ("POST", f"node-a/sandboxes/{PARENT}/fork/release")
+
+
+def test_nodes_without_a_shared_store_fork_locally(env: Env) -> None:
+    """A node's own snapshot directory (no CPUOS_SNAPSHOT_STORE): the node's fork."""
+    for nid in ("node-a", "node-b"):
+        env.store.register_node(nid, f"{nid}:7780", "i2", {
+            **CPU, "capacity": {"memory_available_mib": 8000}, "templates": ["d1"]})
+    env.parent()
+    for c in env.client(nodes(httpx.Response(500))):
+        assert c.post(f"/sandboxes/{PARENT}/fork", json={"n": 4}).status_code == 200
+    assert env.seen() == [("POST", f"node-a/sandboxes/{PARENT}/fork")]
