@@ -162,6 +162,15 @@ def _one_of(*choices: str) -> Parse:
     return parse
 
 
+def _admin_key(name: str, v: str) -> str:
+    """An API key given by the deployment (a Secret): long enough to be one."""
+    v = v.strip()
+    if len(v) < 32 or len(v) > 256 or not v.isprintable() or " " in v:
+        raise ConfigError(f"{name} must be 32 to 256 printable characters without spaces "
+                          "(e.g. cpk_ and 64 hex digits)")
+    return v
+
+
 def _database_url(name: str, v: str) -> str:
     """A Postgres URL; anything else is refused (a typo must not quietly give each host a
     database of its own)."""
@@ -494,6 +503,11 @@ class ClusterConfig:
     node_token: str | None = var("CPUOS_NODE_TOKEN", None,
                                  "the secret API processes and nodes share (16 characters or "
                                  "more; X-Cpuos-Node-Token)", _str, secret=True)
+    admin_key: str | None = var("CPUOS_ADMIN_KEY", None,
+                                "the admin workspace's API key, put into an empty database "
+                                "by the first node (32 characters or more; default: a node "
+                                "makes one, in $CPUOS_HOME/admin.key)", _admin_key,
+                                secret=True)
     node_lease: float = var("CPUOS_NODE_LEASE", 15.0,
                             "s without a heartbeat after which a node counts as dead (it "
                             "beats every third)", _seconds)
@@ -517,6 +531,10 @@ class ClusterConfig:
                                            "s an upload to (or download from) that store may "
                                            "take, plus 1 s per 20 MiB (past it the pause "
                                            "keeps its image on the node)", _seconds)
+    snapshot_sweep_after: float = var("CPUOS_SNAPSHOT_SWEEP_AFTER", 3600.0,
+                                      "s after which what an unfinished upload left in that "
+                                      "store, and a fork's image, is swept by an API process "
+                                      "(the leader; 0: never)", _duration)
     s3_endpoint: str | None = var("CPUOS_S3_ENDPOINT", None,
                                   "the S3 endpoint (MinIO, Ceph, R2...: path-style "
                                   "addressing; default AWS)", _str)

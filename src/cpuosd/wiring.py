@@ -84,7 +84,13 @@ class Services:
 
 
 def bootstrap(cfg: Config, store: Store) -> None:
-    """First start: a default workspace and an admin key at $CPUOS_HOME/admin.key (0600)."""
+    """First start: a default workspace and an admin key at $CPUOS_HOME/admin.key (0600).
+    With CPUOS_ADMIN_KEY (a deployment's Secret) that key instead, and only into a
+    database whose admin workspace has no key yet: nodes starting later add none (nor
+    write admin.key), and a key revoked since is not brought back."""
+    if cfg.cluster.admin_key:
+        _bootstrap_given_key(store, cfg.cluster.admin_key)
+        return
     if cfg.admin_key_path.exists() and store.workspace_by_name("default"):
         return
     wid = store.workspace_by_name("default") or store.create_workspace("default")
@@ -93,6 +99,21 @@ def bootstrap(cfg: Config, store: Store) -> None:
     with os.fdopen(fd, "w") as f:
         f.write(key + "\n")
     os.chmod(cfg.admin_key_path, 0o600)
+
+
+def _bootstrap_given_key(store: Store, key: str) -> None:
+    wid = store.workspace_by_name("default") or store.create_workspace("default")
+    if store.list_keys(wid):  # (not an empty database: its keys stay as they are)
+        if store.key_lookup(key) is None:
+            log.warning("CPUOS_ADMIN_KEY is not a live key of the admin workspace (revoked, "
+                        "or the database was set up with another key): not added")
+        return
+    try:
+        store.add_key(wid, "admin", key=key)
+    except Exception:  # (another node added it at the same moment: the key is unique)
+        if store.key_lookup(key) is None:
+            raise
+    log.info("the admin workspace's key is CPUOS_ADMIN_KEY")
 
 
 def node_config(cfg: Config) -> Config:
@@ -276,12 +297,21 @@ async def build_api_services(cfg: Config, *, store: Store | None = None) -> ApiS
             store = open_store(cfg.db_path, cfg.cluster.database_url,
                                cfg.cluster.database_pool)
             stack.callback(store.close)
+        if cfg.cluster.admin_key:  # (whoever starts first on an empty database puts it in)
+            await asyncio.to_thread(_bootstrap_given_key, store, cfg.cluster.admin_key)
         fwd = Forwarder(cfg, store)
         stack.push_async_callback(fwd.close)
         await fwd.start()
         preview = PreviewRelay(fwd, preview_port(cfg), cfg.host, cfg.preview)
         await preview.start()
         stack.push_async_callback(preview.close)
+        if cfg.cluster.snapshot_store and cfg.cluster.snapshot_sweep_after > 0:
+            from .cluster.sweep import Sweeper
+
+            sweeper = Sweeper(store, open_snapshot_store(
+                cfg.snapshots_dir, cfg.cluster.snapshot_store, cfg.cluster),
+                cfg.cluster.snapshot_sweep_after, lambda: fwd.leading)
+            stack.push_async_callback(_cancel, asyncio.ensure_future(sweeper.run()))
     except BaseException:
         await stack.aclose()
         raise

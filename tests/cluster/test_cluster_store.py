@@ -281,3 +281,15 @@ def test_two_processes_resume_one_sandbox_exactly_one_wins(store: Store, store_u
         r = store.get_sandbox(f"sbx-r{i}")
         assert r is not None and r.state == "running" and r.epoch == 1
         assert r.node_id == ("node-a" if r.id in a else "node-b")
+
+
+def test_take_lease(store: Store) -> None:
+    """A named lease (the snapshot store's sweep): one holder until it expires; the holder
+    renews it."""
+    assert store.take_lease("chore", "api-1", 30)
+    assert not store.take_lease("chore", "api-2", 30)
+    assert store.take_lease("chore", "api-1", 30)  # (renewed)
+    assert store.take_lease("other", "api-2", 30)  # (another name: its own)
+    assert store.take_lease("chore", "api-1", -1)  # (renewed as already expired)
+    assert store.take_lease("chore", "api-2", 30)  # (taken over)
+    assert not store.take_lease("chore", "api-1", 30)

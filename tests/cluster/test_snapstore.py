@@ -263,6 +263,25 @@ def test_s3_sweep_removes_what_a_killed_put_left(s3_server: testbed.S3Server,
     asyncio.run(snap.get("sbx-k", tmp_path / "out"))
 
 
+@pytest.mark.cluster
+def test_s3_sweep_removes_an_old_fork_image(s3_server: testbed.S3Server,
+                                            tmp_path: Path) -> None:
+    """A fork image (fork-*) its fork never released goes past the bound; a paused
+    sandbox's image never does."""
+    bucket = "b-" + secrets.token_hex(4)
+    s3_server.create_bucket(bucket)
+    snap = S3SnapshotStore(bucket, "p", endpoint_url=s3_server.endpoint,
+                           access_key=s3_server.access_key, secret_key=s3_server.secret_key)
+    asyncio.run(snap.put("fork-sbx-k-0badf00d", image(tmp_path / "f", b"f")))
+    asyncio.run(snap.put("sbx-k", image(tmp_path / "k", b"k")))
+    assert snap.sweep(older_than=3600) == []
+    assert snap.sweep(older_than=0) == ["p/fork-sbx-k-0badf00d/"]
+    assert not asyncio.run(snap.exists("fork-sbx-k-0badf00d"))
+    keys = [o["Key"] for o in snap.client.list_objects_v2(Bucket=bucket)["Contents"]]
+    assert keys and all(k.startswith("p/sbx-k/") for k in keys)
+    asyncio.run(snap.get("sbx-k", tmp_path / "out"))
+
+
 def test_directory_sweep(tmp_path: Path) -> None:
     snap = DirectorySnapshotStore(tmp_path / "s", shared=True)
     left = tmp_path / "s" / ".incoming-sbx-1-abcd"

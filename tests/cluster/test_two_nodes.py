@@ -499,3 +499,102 @@ def test_a_hanging_store_bounds_the_pause(
     back = Sandbox.connect(sbx.id, api_url=api1.url, api_key=key)
     assert back.files.read("/work/f") == b"here"
     back.kill()
+
+
+@pytest.fixture
+def cluster_s3_bucket(pg_url: str, s3_server: testbed.S3Server
+                      ) -> Iterator[tuple[Cluster, testbed.S3Server, str]]:
+    bucket = "snap-" + secrets.token_hex(4)
+    s3_server.create_bucket(bucket)
+    for c in _cluster(pg_url, s3_server.env(bucket)):
+        yield c, s3_server, bucket
+
+
+def _store_keys(s3: testbed.S3Server, bucket: str) -> list[str]:
+    import boto3
+
+    c = boto3.client("s3", endpoint_url=s3.endpoint, region_name="us-east-1",
+                     aws_access_key_id=s3.access_key, aws_secret_access_key=s3.secret_key)
+    return [o["Key"] for o in c.list_objects_v2(Bucket=bucket).get("Contents", [])]
+
+
+def test_fork_fans_out_across_nodes(
+        cluster_s3_bucket: tuple[Cluster, testbed.S3Server, str], pg_url: str) -> None:
+    """fork n=2 through an API process, both nodes placeable: one child on the parent's
+    node, one on the other (restored from the fork's image in the S3 store), each with the
+    parent's files and processes, its own identity, independent of the other; exec works
+    on both through either API process; the image leaves the store; the internal routes
+    are not the public's; with the other node cordoned the fork stays on the parent's
+    node (the node-local fork)."""
+    (nodes, (api1, api2), key), s3, bucket = cluster_s3_bucket
+    _cordon_all_but(pg_url, api1, "node-a")
+    parent = Sandbox.create(template="python", timeout="5m", api_url=api1.url, api_key=key)
+    assert node_of(pg_url, parent.id) == "node-a"
+    parent.files.write("/work/state.txt", "written before the fork")
+    pid = parent.exec("sleep 1000 >/dev/null 2>&1 & echo $!").stdout.strip()
+    assert pid.isdigit()
+    store = open_test_store(pg_url)
+    try:
+        store.set_node_cordoned("node-b", False)
+    finally:
+        store.close()
+    wait_until(lambda: api2.health().get("nodes_placeable") == 2, "both placeable",
+               timeout=10)
+
+    children = Sandbox.connect(parent.id, api_url=api2.url, api_key=key).fork(n=2)
+    assert len(children) == 2
+    where = {c.id: node_of(pg_url, c.id) for c in children}
+    assert sorted(str(w) for w in where.values()) == ["node-a", "node-b"], where
+    for c in children:
+        assert c.id in (nodes[0] if where[c.id] == "node-a" else nodes[1]).runsc_containers()
+        for api in (api1, api2):  # exec through either API process
+            s = Sandbox.connect(c.id, api_url=api.url, api_key=key)
+            assert s.files.read("/work/state.txt") == b"written before the fork"
+            assert s.exec(f"kill -0 {pid} && cat /proc/{pid}/cmdline | tr '\\0' ' '"
+                          ).stdout == "sleep 1000 "
+        assert c.exec("hostname").stdout.strip() == c.id  # (its own identity)
+        assert c.info().state == "running"
+    # independent: a write in one is seen neither in the other nor in the parent
+    a, b = children
+    a.files.write("/work/only-a.txt", "a")
+    for other in (b, parent):
+        assert other.exec("test -e /work/only-a.txt").exit_code == 1
+    assert parent.exec("cat /work/state.txt").stdout == "written before the fork"
+    # the fork's image is gone from the store
+    assert not [k for k in _store_keys(s3, bucket) if "/fork-" in k]
+    # the nodes' internal routes are refused by an API process
+    r = httpx.post(f"{api1.url}/sandboxes/{parent.id}/fork/publish", json={"remote": 1},
+                   headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text
+
+    # node-b cordoned: the fork is node-a's own (the node-local fork, no image stored)
+    _cordon_all_but(pg_url, api1, "node-a")
+    local = parent.fork(n=1)
+    assert [node_of(pg_url, c.id) for c in local] == ["node-a"]
+    assert local[0].files.read("/work/state.txt") == b"written before the fork"
+    for s in (*children, *local):
+        s.kill()
+
+    # node-b misconfigured (its store's endpoint refuses connections): the fork fails as a
+    # whole: a JSON error, node-a's child killed, the image released, the parent running
+    nodes[1].stop()
+    nodes[1].extra_env["CPUOS_S3_ENDPOINT"] = f"http://127.0.0.1:{testbed.free_port()}"
+    nodes[1].start()
+    store = open_test_store(pg_url)
+    try:
+        store.set_node_cordoned("node-b", False)
+    finally:
+        store.close()
+    wait_until(lambda: api1.health().get("nodes_placeable") == 2, "node-b back", timeout=30)
+    r = httpx.post(f"{api1.url}/sandboxes/{parent.id}/fork", json={"n": 2}, timeout=300,
+                   headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable", r.text
+    assert "fork image" in r.json()["error"]["message"], r.text
+    listed = httpx.get(f"{api1.url}/sandboxes", headers={"Authorization": f"Bearer {key}"}
+                       ).json()["sandboxes"]
+    assert [x["id"] for x in listed] == [parent.id], listed
+    assert nodes[0].runsc_containers() == [parent.id]
+    assert not nodes[1].runsc_containers()
+    assert not [k for k in _store_keys(s3, bucket) if "/fork-" in k]
+    assert parent.exec("cat /work/state.txt").stdout == "written before the fork"
+    parent.kill()

@@ -24,8 +24,8 @@ from ..errors import ApiError, api_error, invalid
 from ..wiring import Services, build_services, node_config
 from ..console.routes import router as console_router
 from ..console.sessions import Sessions
-from . import (audit, browser, commands, dirs, eventstream, files, health, interp, ports, pty,
-               sandboxes, templates, usage, workspaces)
+from . import (audit, browser, commands, dirs, eventstream, files, forks, health, interp,
+               ports, pty, sandboxes, templates, usage, workspaces)
 from .auth import Guard
 from .health import VERSION
 from .schemas import document
@@ -36,6 +36,7 @@ log = logging.getLogger("cpuosd.api")
 ROUTERS = (templates.router, audit.router, commands.router, pty.router, dirs.router,
            browser.router, interp.router, usage.router, workspaces.router, health.router,
            workspaces.settings_router, sandboxes.router, ports.router, files.router,
+           forks.router,  # a fork across nodes: a node's internal half (cluster.forks)
            eventstream.router,  # GET /events: the event bus, server-sent
            console_router)  # /ui: the web console (cpuosd.console)
 

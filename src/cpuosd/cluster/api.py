@@ -208,7 +208,7 @@ class Forwarder:
         return ok, (self._row_node(path) if ok else None)
 
     def _target(self, method: str, path: str, found: tuple[str, str | None] | None,
-                memory_mib: int = 0) -> NodeInfo:
+                memory_mib: int = 0, template: str | None = None) -> NodeInfo:
         if found is not None:
             sid, node_id = found
             if node_id is not None:
@@ -219,9 +219,10 @@ class Forwarder:
                 return node
             # (unknown here: any node answers as one host would, 404 for a stranger)
         if method == "POST" and (path == "/sandboxes" or path in E2B_CREATES):
-            chosen = place(self.view.nodes, memory_mib)
-        else:
-            chosen = place(self.view.nodes) or next(
+            # (a warm pool, a template image)
+            chosen = place(self.view.nodes, memory_mib, template=template)
+        else:  # (a resume from the store: a node with a local copy first)
+            chosen = place(self.view.nodes, snapshot=found[0] if found else None) or next(
                 (n for n in self.view.nodes if n.alive), None)
         if chosen is None:
             raise ApiError("unavailable", "no node is available (none alive with room)")
@@ -330,7 +331,7 @@ class Forwarder:
             content = (await request.body() if size.isdigit() and int(size) <= SMALL_BODY
                        else request.stream())
         try:
-            node = self._target(request.method, path, found, _memory_of(path, content))
+            node = self._target(request.method, path, found, *_create_args(path, content))
         except ApiError as e:
             return _error(e, e2b)
         headers = [(k, v) for k, v in request.headers.raw if k.decode().lower() not in DROP]
@@ -412,16 +413,19 @@ class Forwarder:
                 await up.close()
 
 
-def _memory_of(path: str, body: Any) -> int:
+def _create_args(path: str, body: Any) -> tuple[int, str | None]:
     """The memory a create asks for (its JSON's memory_mib; 0 when it leaves it to the
-    workspace's default, which the node resolves): what placement needs free."""
+    workspace's default, which the node resolves): what placement needs free; and its
+    template (placement prefers a node with a warm pool or a checkpoint of it)."""
     if path != "/sandboxes" or not isinstance(body, bytes):
-        return 0
+        return 0, None
     try:
-        v = json.loads(body).get("memory_mib")
+        d = json.loads(body)
+        v, t = d.get("memory_mib"), d.get("template")
     except (ValueError, AttributeError):
-        return 0
-    return v if isinstance(v, int) and v > 0 else 0
+        return 0, None
+    return (v if isinstance(v, int) and v > 0 else 0,
+            t if isinstance(t, str) and len(t) <= 64 else None)
 
 
 class _Streamed(StreamingResponse):
@@ -475,8 +479,18 @@ def create_api_app(cfg: Config, services: ApiServices | None = None) -> Starlett
         fwd: Forwarder = state["fwd"]
         return await fwd.node_op(request)
 
+    async def fork(request: Request) -> Response:  # (across nodes: cluster.forks)
+        from . import forks
+
+        return await forks.fork(state["fwd"], request)
+
+    from .forks import refuse_internal
+
     methods = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
     return Starlette(routes=[Route("/nodes", nodes, methods=["GET"]),
                              Route("/nodes/{node_id}/{op}", node_op, methods=["POST"]),
+                             Route("/sandboxes/{sid}/fork", fork, methods=["POST"]),
+                             Route("/sandboxes/{sid}/fork/{rest:path}", refuse_internal,
+                                   methods=methods),
                              Route("/{path:path}", http, methods=methods),
                              WebSocketRoute("/{path:path}", websocket)], lifespan=lifespan)

@@ -89,6 +89,9 @@ class NodeFacts:
     snapshots: tuple[str, ...] = ()  # snapshot keys it has a local copy of
     truncated: bool = False  # (more templates or snapshots than MAX_LISTED)
     preview_address: str = ""  # where its preview listener is (host:port; API tier relays)
+    # the rest placement reads (cpuosd.cluster.nodes.LEASE_EXTRA: warm pools, template
+    # checkpoints, the snapshot store's URL)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def to_annotation(self) -> str:
         d = asdict(self)
@@ -110,7 +113,9 @@ class NodeFacts:
                    cpu_features=tuple(map(str, d.get("cpu_features") or ())),
                    templates=tuple(map(str, d.get("templates") or ())),
                    snapshots=tuple(map(str, d.get("snapshots") or ())),
-                   truncated=bool(d.get("truncated")))
+                   truncated=bool(d.get("truncated")),
+                   extra=dict(d.get("extra") or {}) if isinstance(d.get("extra"), dict)
+                   else {})
 
 
 @dataclass(frozen=True)

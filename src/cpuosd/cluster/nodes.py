@@ -146,8 +146,10 @@ def _meminfo() -> dict[str, int]:
     return out
 
 
-def node_facts(cfg: Config, backend: Backend, address: str) -> dict[str, Any]:
-    """What placement needs to know about this node, now."""
+def node_facts(cfg: Config, backend: Backend, address: str, mgr: Manager | None = None
+               ) -> dict[str, Any]:
+    """What placement needs to know about this node, now (with ``mgr``: what it holds that
+    placement prefers: Manager.placement_facts)."""
     from ..snapstore.facts import host_facts
     from ..templates.builder import list_templates
 
@@ -161,6 +163,14 @@ def node_facts(cfg: Config, backend: Backend, address: str) -> dict[str, Any]:
     with contextlib.suppress(OSError):
         facts["templates"] = sorted({str(t.get("digest")) for t in
                                      list_templates(cfg.templates_dir) if t.get("digest")})
+    if cfg.cluster.snapshot_store:  # (its URL: bucket and prefix, or a path; no secret)
+        # nodes naming the same store restore each other's images (a fork across nodes)
+        facts["snapshot_store"] = cfg.cluster.snapshot_store
+    if mgr is not None:
+        try:
+            facts.update(mgr.placement_facts())
+        except Exception as e:  # (the next beat tries again)
+            log.warning("what this node holds could not be read: %s", e)
     return facts
 
 
@@ -299,18 +309,69 @@ class NodeView:
         return next((n for n in self.nodes if n.node_id == node_id), None)
 
 
-def place(nodes: list[NodeInfo], memory_mib: int = 0, template_digest: str | None = None
-          ) -> NodeInfo | None:
-    """The node for a new sandbox: live, not cordoned, with the memory free (its last
-    heartbeat's MemAvailable, as admission on one host goes by real use), preferring one
-    that has the template built, then the most memory available."""
-    fits = [n for n in nodes if n.placeable and float(
-        n.facts.get("capacity", {}).get("memory_available_mib", 0)) >= memory_mib]
+def _has(n: NodeInfo, fact: str, item: str | None) -> bool:
+    return bool(item) and item in (n.facts.get(fact) or ())
+
+
+def place(nodes: list[NodeInfo], memory_mib: int = 0, template_digest: str | None = None,
+          *, template: str | None = None, snapshot: str | None = None) -> NodeInfo | None:
+    """The node for a new sandbox (or a resume): live, not cordoned, with the memory free
+    (its last heartbeat's MemAvailable, as admission on one host goes by real use). Among
+    those, preferring one that holds a local copy of the ``snapshot`` (a resume: no
+    download), then one with a warm pool sandbox of the ``template`` ready (a create: no
+    restore at all), then one with that template's checkpoint made (a restore, no cold
+    boot), then one with the template's build (``template_digest``); ties by the most memory
+    available (then the node id, for a stable answer). What a node holds is in its
+    heartbeat's facts (``node_facts``: snapshots, pools, template_images, templates)."""
+    def mem(n: NodeInfo) -> float:
+        return float(n.facts.get("capacity", {}).get("memory_available_mib", 0))
+
+    fits = [n for n in nodes if n.placeable and mem(n) >= memory_mib]
     if not fits:
         return None
-    return max(fits, key=lambda n: (bool(template_digest) and template_digest in (
-        n.facts.get("templates") or ()), float(n.facts.get("capacity", {}).get(
-            "memory_available_mib", 0))))
+    return min(fits, key=lambda n: (
+        not _has(n, "snapshots", snapshot), not _has(n, "pools", template),
+        not _has(n, "template_images", template), not _has(n, "templates", template_digest),
+        -mem(n), n.node_id))
+
+
+def place_children(nodes: list[NodeInfo], parent: NodeInfo, n: int, memory_mib: int = 0,
+                   template_digest: str | None = None) -> list[NodeInfo] | None:
+    """The node of each of a fork's ``n`` children (None: not all fit). Candidates: the
+    parent's node and every node that can restore its image (placeable, the same shared
+    snapshot store, the parent's template build, a host the parent's node's snapshots
+    restore on: ``snapstore.facts.incompatibilities``). The children take turns over them,
+    the parent's node first (no transfer), then the others by memory available, each
+    child's memory counted against the node it is given: a fork fans out."""
+    from ..snapstore.facts import incompatibilities
+
+    def can(x: NodeInfo) -> bool:
+        if not x.placeable:
+            return False
+        if x.node_id == parent.node_id:
+            return True
+        return (bool(x.facts.get("snapshot_store"))
+                and x.facts.get("snapshot_store") == parent.facts.get("snapshot_store")
+                and (not template_digest or template_digest in (x.facts.get("templates")
+                                                                or ()))
+                and not incompatibilities(parent.facts, x.facts))
+
+    free = {x.node_id: float(x.facts.get("capacity", {}).get("memory_available_mib", 0))
+            for x in nodes}
+    others = sorted((x for x in nodes if x.node_id != parent.node_id and can(x)),
+                    key=lambda x: (-free[x.node_id], x.node_id))
+    order = ([parent] if can(parent) else []) + others
+    out: list[NodeInfo] = []
+    while len(out) < n:
+        took = False
+        for x in order:
+            if len(out) < n and free[x.node_id] >= memory_mib:
+                out.append(x)
+                free[x.node_id] -= memory_mib
+                took = True
+        if not took:
+            return None
+    return out
 
 
 class NodeRuntime:
@@ -337,6 +398,10 @@ class NodeRuntime:
             await self.api.close()
 
 
+# node_facts that ride in a Lease's NodeFacts.extra (placement's preferences, the store)
+LEASE_EXTRA = ("pools", "template_images", "snapshot_store")
+
+
 def lease_facts(facts: dict[str, Any], node_id: str, incarnation: str) -> Any:
     """A node's facts (node_facts) as a Lease annotation carries them."""
     from .membership import NodeFacts
@@ -348,17 +413,21 @@ def lease_facts(facts: dict[str, Any], node_id: str, incarnation: str) -> Any:
                      runsc_version=str((facts.get("runtime") or {}).get("runsc_version") or ""),
                      image_kind=str(facts.get("image_kind") or ""),
                      cpu_features=tuple(facts.get("cpu_features") or ()),
-                     templates=tuple(facts.get("templates") or ()))
+                     templates=tuple(facts.get("templates") or ()),
+                     snapshots=tuple(facts.get("snapshots") or ()),
+                     extra={k: facts[k] for k in LEASE_EXTRA if k in facts})
 
 
 def facts_of_lease(f: Any) -> dict[str, Any]:
     """The other way round: what placement reads (``place``) from a Lease's NodeFacts."""
     if f is None:
         return {}
-    return {"address": f.address, "preview_address": f.preview_address,
+    return {**{k: v for k, v in f.extra.items() if k in LEASE_EXTRA},
+            "address": f.address, "preview_address": f.preview_address,
             "capacity": dict(f.capacity), "image_kind": f.image_kind,
             "runtime": {"runsc_version": f.runsc_version},
-            "cpu_features": list(f.cpu_features), "templates": list(f.templates)}
+            "cpu_features": list(f.cpu_features), "templates": list(f.templates),
+            "snapshots": list(f.snapshots)}
 
 
 async def start_node(cfg: Config, store: Store, backend: Backend, mgr: Manager,
@@ -371,7 +440,7 @@ async def start_node(cfg: Config, store: Store, backend: Backend, mgr: Manager,
                else "")
 
     def facts() -> dict[str, Any]:
-        return {**node_facts(cfg, backend, address), "preview_address": preview}
+        return {**node_facts(cfg, backend, address, mgr), "preview_address": preview}
 
     agent = NodeAgent(store, str(cc.node_id), address, facts, cc.node_lease,
                       after_beat=functools.partial(stop_fenced, mgr))

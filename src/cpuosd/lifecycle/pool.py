@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("cpuosd.lifecycle")
 
+MAX_SNAPSHOTS_LISTED = 500  # paused sandboxes a heartbeat names (placement's preference)
+
 # s of creates counted as the pool's recent demand
 DEMAND_WINDOW = 10.0
 # s a create waits for a refill under way before it restores a sandbox of its own
@@ -114,6 +116,28 @@ class Templates:
             for d in gone:
                 await asyncio.to_thread(shutil.rmtree, d, True)
             return len(gone)
+
+    def placement_facts(self: Manager) -> dict[str, Any]:
+        """What a node holds that placement prefers it for (cpuosd.cluster.nodes.place),
+        read by its heartbeat (a thread: only copies of the loop's dicts are walked): the
+        templates with a warm pool sandbox ready (``pools``), those whose template
+        checkpoint is made here for their current build (``template_images``), and the
+        paused sandboxes whose image is on this node's disk (``snapshots``)."""
+        pools = sorted(t for t, ready in list(self.pool.items()) if ready)
+        images = []
+        if self.cfg.pool.template_snapshots and self.backend.capabilities.checkpoint:
+            from ..templates.builder import list_templates
+
+            tdir = self.cfg.snapshots_dir / "templates"
+            for t in list_templates(self.cfg.templates_dir):
+                name, digest = t.get("name"), t.get("digest")
+                if name and digest and (tdir / self._template_image_name(
+                        str(name), str(digest)) / "checkpoint.img").exists():
+                    images.append(str(name))
+        snaps = sorted(r.id for r in self.store.list_sandboxes(None, ("paused",),
+                                                               node_id=self.node_id)
+                       if r.node_id is not None)[:MAX_SNAPSHOTS_LISTED]
+        return {"pools": pools, "template_images": sorted(images), "snapshots": snaps}
 
     # ---- the warm pool ------------------------------------------------------------------
     def _pool_on(self: Manager, template: str) -> bool:

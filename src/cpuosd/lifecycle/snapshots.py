@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import re
 import secrets
 import shutil
 import time
@@ -16,11 +18,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from cpuos_agent.protocol import Kind
 
 from ..agentconn import DEVICE_SETTLE, TransportError
-from ..errors import ApiError
+from ..errors import ApiError, invalid
 from ..events import SandboxEvent
+from ..snapstore import SnapshotMissing
 from ..snapstore.facts import (host_facts, incompatibilities, read_meta, snapshot_meta,
                                write_meta)
 from ..store import SandboxRow
+from ..templates.builder import template_info
 from . import states
 from .common import (Live, _du, _now)
 
@@ -265,12 +269,42 @@ class Snapshots:
     async def fork(self: Manager, workspace_id: str, sid: str, n: int) -> list[SandboxRow]:
         """n new sandboxes with the memory, processes and files of sid (which keeps running):
         checkpoint once, restore n + 1 times."""
+        clones, _, _ = await self._fork(workspace_id, sid, n, publish=0)
+        return clones
+
+    async def fork_publish(self: Manager, workspace_id: str, sid: str, n_local: int,
+                           n_remote: int) -> tuple[list[SandboxRow], str, int]:
+        """A fork fanned out across nodes (cpuosd.cluster.forks), the parent's node's part:
+        checkpoint sid once, restore it, put the image into the shared snapshot store under
+        a key of its own (``fork-<sid>-<hex>``: other nodes restore their children from
+        it), and restore ``n_local`` children here. (children, key, bytes); nothing is
+        left made on failure (the children made are killed, the key deleted)."""
+        if self.snapstore is None:
+            raise ApiError("not_found", "this node has no shared snapshot store (a fork "
+                           "across nodes needs CPUOS_SNAPSHOT_STORE)")
+        if n_remote < 1:
+            raise invalid_n(n_remote)
+        clones, key, size = await self._fork(workspace_id, sid, n_local, publish=n_remote)
+        assert key is not None
+        return clones, key, size
+
+    async def _fork(self: Manager, workspace_id: str, sid: str, n: int, publish: int
+                    ) -> tuple[list[SandboxRow], str | None, int]:
+        """Checkpoint sid, restore it, (``publish`` > 0: put the image into the shared
+        store for that many children elsewhere), restore n children from it here."""
         async with self._lock(sid):
             lv = self.running(workspace_id, sid, "fork")
             row = lv.row
-            self.admission.admit(workspace_id, row.spec["vcpus"], row.spec["memory_mib"], n=n)
+            if publish:  # the workspace's count for every child, wherever it lands
+                self.admission.admit(workspace_id, row.spec["vcpus"], row.spec["memory_mib"],
+                                     n=n + publish, reserve_host=False)
+            if n:
+                self.admission.admit(workspace_id, row.spec["vcpus"], row.spec["memory_mib"],
+                                     n=n)
             image = self.cfg.snapshots_dir / f"fork-{sid}-{secrets.token_hex(4)}"
             remaining = max(1.0, (row.deadline or _now()) - _now())
+            key: str | None = None
+            size = 0
             try:
                 await self._checkpoint(lv, image)
                 self._set_state(sid, "resuming")
@@ -280,24 +314,133 @@ class Snapshots:
                     self._finish(sid, "error", f"restore after fork failed: {e}"[:500])
                     raise
                 self._mark_running(row, remaining)
-                info = {"rootfs": row.spec["rootfs"], "digest": row.spec.get("template_digest")}
-                clones = []
-                for _ in range(n):
-                    c = self._new_row(workspace_id, row.template, info, remaining, row.metadata,
-                                      row.spec.get("env", {}), row.spec["vcpus"],
-                                      row.spec["memory_mib"], on_timeout=row.on_timeout)
-                    c.spec["pids"] = row.spec.get("pids")  # rlimits must match at restore
-                    c.spec["disk_mib"] = row.spec.get("disk_mib")  # and the overlay's medium
-                    c.spec["network"] = row.spec.get("network")
-                    c.spec["idle_timeout"] = row.spec.get("idle_timeout") or 0.0
-                    self.store.update_sandbox(c.id, spec=c.spec)
-                    try:
-                        await self._boot(c, image)
-                    except BaseException as e:
-                        self._finish(c.id, "error", f"fork restore failed: {e}"[:500])
-                        raise
-                    self._mark_running(c, remaining)
-                    clones.append(c)
+                if publish:
+                    assert self.snapstore is not None
+                    size = _du(image)
+                    key = await self._publish_fork(sid, image, size)
+                try:
+                    clones = await self._clones(row, image, n, remaining)
+                except BaseException:
+                    if key is not None:
+                        await self.release_fork(sid, key)
+                    raise
             finally:
                 shutil.rmtree(image, ignore_errors=True)
+        return clones, key, size
+
+    async def _publish_fork(self: Manager, sid: str, image: Path, size: int) -> str:
+        assert self.snapstore is not None
+        key = f"fork-{sid}-{secrets.token_hex(4)}"
+        t0 = time.monotonic()
+        try:
+            await self._bounded(self.snapstore.put(key, image), self._transfer_bound(size))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # (TimeoutError included: a store that hangs)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.snapstore.delete(key), 10)
+            raise ApiError("unavailable", f"the fork's image could not be stored in the "
+                           f"{self.snapstore.kind} snapshot store: {e or type(e).__name__}"
+                           ) from None
+        log.info("fork image of %s stored as %s: %d MiB in %.0f ms", sid, key, size >> 20,
+                 (time.monotonic() - t0) * 1e3)
+        return key
+
+    async def release_fork(self: Manager, sid: str, key: str) -> None:
+        """The fork image ``key`` of sid out of the shared store (all its children are
+        restored, or the fork failed)."""
+        if self.snapstore is None:
+            raise ApiError("not_found", "this node has no shared snapshot store")
+        check_fork_key(sid, key)
+        try:
+            await asyncio.wait_for(self.snapstore.delete(key), 30)
+        except Exception as e:  # (the orphan sweep removes it later)
+            log.warning("fork image %s stays in the store: %s", key, e or type(e).__name__)
+
+    async def fork_restore(self: Manager, workspace_id: str, sid: str, key: str, n: int,
+                           size: int) -> list[SandboxRow]:
+        """A fork fanned out across nodes, a target node's part: n children of sid (whose
+        row may be any node's) restored here from the fork image ``key`` in the shared
+        store (fetched once, checked against this host), each a row of this node with its
+        own network identity. Nothing is left made on failure."""
+        if self.snapstore is None:
+            raise ApiError("not_found", "this node has no shared snapshot store (a fork "
+                           "across nodes needs CPUOS_SNAPSHOT_STORE)")
+        check_fork_key(sid, key)
+        parent = self.get(workspace_id, sid)  # (404 unless the caller's)
+        info = template_info(self.cfg.templates_dir, parent.template)
+        if info is None or info.get("digest") != parent.spec.get("template_digest"):
+            raise ApiError("conflict", f"node {self.node_id} does not have the build of "
+                           f"template {parent.template!r} that sandbox {sid} runs")
+        self.admission.admit(workspace_id, parent.spec["vcpus"], parent.spec["memory_mib"],
+                             n=n)
+        image = self.cfg.snapshots_dir / f"fork-{sid}-{secrets.token_hex(4)}"
+        shutil.rmtree(image, ignore_errors=True)
+        try:
+            t0 = time.monotonic()
+            try:
+                await self._bounded(self.snapstore.get(key, image), self._transfer_bound(size))
+            except asyncio.CancelledError:
+                raise
+            except SnapshotMissing:
+                raise ApiError("not_found", f"fork image {key} is not in the store") from None
+            except Exception as e:
+                raise ApiError("unavailable", f"fetching fork image {key} failed: "
+                               f"{e or type(e).__name__}") from None
+            meta = read_meta(image)
+            bad = incompatibilities(meta, host_facts(self.backend)) if meta else []
+            if bad:
+                raise ApiError("conflict", f"sandbox {sid}'s fork image cannot be restored "
+                               f"on node {self.node_id}: " + "; ".join(bad)[:300])
+            log.info("fork image %s fetched in %.0f ms", key, (time.monotonic() - t0) * 1e3)
+            remaining = max(1.0, (parent.deadline or _now()) - _now())
+            return await self._clones(parent, image, n, remaining, rootfs=info["rootfs"])
+        finally:
+            shutil.rmtree(image, ignore_errors=True)
+
+    async def _clones(self: Manager, row: SandboxRow, image: Path, n: int, remaining: float,
+                      rootfs: str | None = None) -> list[SandboxRow]:
+        """n children of row restored from image, each a new row of this node; on a failure
+        (or a cancellation) the ones made are killed and the error raised."""
+        info = {"rootfs": rootfs or row.spec["rootfs"],
+                "digest": row.spec.get("template_digest")}
+        clones: list[SandboxRow] = []
+        try:
+            for _ in range(n):
+                c = self._new_row(row.workspace_id, row.template, info, remaining,
+                                  row.metadata, row.spec.get("env", {}), row.spec["vcpus"],
+                                  row.spec["memory_mib"], on_timeout=row.on_timeout)
+                c.spec["pids"] = row.spec.get("pids")  # rlimits must match at restore
+                c.spec["disk_mib"] = row.spec.get("disk_mib")  # and the overlay's medium
+                c.spec["network"] = row.spec.get("network")
+                c.spec["idle_timeout"] = row.spec.get("idle_timeout") or 0.0
+                self.store.update_sandbox(c.id, spec=c.spec)
+                try:
+                    await self._boot(c, image)
+                except BaseException as e:
+                    self._finish(c.id, "error", f"fork restore failed: {e}"[:500])
+                    raise
+                self._mark_running(c, remaining)
+                clones.append(c)
+        except BaseException:
+            for c in clones:  # nothing half-made: a fork gives all its children or none
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self.kill(c.id, reason="fork failed"))
+            raise
         return clones
+
+
+FORK_KEY = re.compile(r"^fork-(sbx-[a-z0-9]{1,60})-[0-9a-f]{8}$")
+
+
+def check_fork_key(sid: str, key: str) -> str:
+    """A fork image's key names its parent: a caller may fetch or delete only the fork
+    images of a sandbox it may see (never another sandbox's paused image)."""
+    m = FORK_KEY.fullmatch(key)
+    if m is None or m.group(1) != sid:
+        raise invalid(f"{key[:100]!r} is not a fork image of sandbox {sid}", field="image")
+    return key
+
+
+def invalid_n(n: int) -> ApiError:
+    return invalid(f"n {n}: a fork across nodes has at least one child elsewhere", field="n")

@@ -26,6 +26,9 @@ from typing import Any, Protocol
 
 KEY_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
 MANIFEST = "cpuos-manifest.json"
+# keys of a fork's transfer images (cpuosd.lifecycle.snapshots: ``fork-<sandbox>-<hex>``),
+# needed for one fork only: the sweep removes those older than its bound
+FORK_PREFIX = "fork-"
 MAX_FILES = 4096  # files in one snapshot (runsc writes a handful)
 HASH_CHUNK = 1 << 20
 

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from .base import (MANIFEST, Manifest, SnapshotError, SnapshotMissing, check_file, check_key,
-                   manifest_of, walk)
+from .base import (FORK_PREFIX, MANIFEST, Manifest, SnapshotError, SnapshotMissing,
+                   check_file, check_key, manifest_of, walk)
 
 T = TypeVar("T")
 COPY_CHUNK = 8 << 20
@@ -183,5 +183,18 @@ class DirectorySnapshotStore:
                 with contextlib.suppress(OSError):
                     if now - p.lstat().st_mtime > older_than:
                         shutil.rmtree(p, ignore_errors=True)
+                        out.append(p.name)
+            elif p.name.startswith(FORK_PREFIX) and p.is_dir() and not p.is_symlink():
+                # a fork's image its fork did not release (an API process that died)
+                try:
+                    m = self._manifest(p.name)
+                    made = m.created_at if m is not None else p.lstat().st_mtime
+                except (OSError, SnapshotError, ValueError):
+                    made = p.lstat().st_mtime
+                if now - made > older_than:
+                    gone = self.root / f".old-{p.name}-{secrets.token_hex(4)}"
+                    with contextlib.suppress(OSError):
+                        os.rename(p, gone)
+                        shutil.rmtree(gone, ignore_errors=True)
                         out.append(p.name)
         return out

@@ -41,8 +41,8 @@ from botocore.config import Config as BotoConfig
 from botocore.exceptions import ClientError
 from s3transfer.manager import TransferConfig, TransferManager
 
-from .base import (Manifest, SnapshotCorrupt, SnapshotError, SnapshotMissing, check_file,
-                   check_key, manifest_of)
+from .base import (FORK_PREFIX, Manifest, SnapshotCorrupt, SnapshotError, SnapshotMissing,
+                   check_file, check_key, manifest_of)
 from .directory import Cancelled, run_cancellable
 
 if TYPE_CHECKING:
@@ -273,4 +273,9 @@ class S3SnapshotStore:
                 p = f"{self._base(key)}v-{version}/"
                 self._delete_prefix(p)
                 out.append(p)
+            elif key.startswith(FORK_PREFIX) and now - m.created_at >= older_than:
+                # a fork's image its fork did not release (an API process that died)
+                self.client.delete_object(Bucket=self.bucket, Key=self._manifest_key(key))
+                self._delete_prefix(self._base(key))
+                out.append(self._base(key))
         return out

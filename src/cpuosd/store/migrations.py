@@ -123,6 +123,12 @@ MIGRATIONS: list[Migration] = [
         cordoned INTEGER NOT NULL DEFAULT 0
     );
     """),
+    # named leases of cluster-wide chores (Store.take_lease: the snapshot store's sweep)
+    Migration("""
+    CREATE TABLE leases (
+        name TEXT PRIMARY KEY, holder TEXT NOT NULL, expires_at REAL NOT NULL
+    );
+    """),
 ]
 
 _PG_TYPES = {"REAL": "DOUBLE PRECISION", "INTEGER": "BIGINT"}

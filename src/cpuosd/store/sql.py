@@ -342,6 +342,13 @@ class SqlStore:
     def remove_node(self, node_id: str) -> None:
         self._run("DELETE FROM nodes WHERE id=?", (node_id,))
 
+    def take_lease(self, name: str, holder: str, ttl: float) -> bool:
+        now = time.time()
+        return self._run("INSERT INTO leases (name, holder, expires_at) VALUES (?,?,?) "
+                         "ON CONFLICT (name) DO UPDATE SET holder=excluded.holder, "
+                         "expires_at=excluded.expires_at WHERE leases.holder=excluded.holder "
+                         "OR leases.expires_at < ?", (name, holder, now + ttl, now)) == 1
+
     # ---- execs ----------------------------------------------------------------------
     def insert_exec(self, eid: str, sandbox_id: str, argv: list[str]) -> None:
         self._run("INSERT INTO execs (id, sandbox_id, argv, started_at) VALUES (?,?,?,?)",
