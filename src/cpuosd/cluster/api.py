@@ -45,28 +45,29 @@ from ..api.auth import bearer_key
 from ..config import Config
 from ..errors import ApiError
 from ..store import Store
-from .nodes import (TOKEN_HEADER, KubeNodeView, NodeInfo, NodeView, check_token, fence_dead,
-                    place)
+from .nodes import (ROUTE_HEADER, SANDBOX_PATH, TOKEN_HEADER, KubeNodeView, NodeInfo, NodeView,
+                    check_token, fence_dead, place)
 
 if TYPE_CHECKING:
     from ..wiring import ApiServices
 
 log = logging.getLogger("cpuosd.cluster")
 
-SANDBOX_PATH = re.compile(r"^/sandboxes/([A-Za-z0-9_-]{1,64})(?:/|$)")
 # the E2B surface (cpuosd.e2b): its control plane's paths naming a sandbox, its creates
 E2B_SANDBOX_PATH = re.compile(r"^/e2b(?:/v2)?/sandboxes/([A-Za-z0-9_-]{1,64})(?:/|$)")
 E2B_CREATES = frozenset({"/e2b/sandboxes", "/e2b/v2/sandboxes"})
 OPEN_PATHS = frozenset({"/health"})
 # hop-by-hop headers (RFC 9110 7.6.1) and those the forwarder sets itself
 DROP = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te",
-                  "trailer", "upgrade", "host", TOKEN_HEADER, "proxy-authorization"})
+                  "trailer", "upgrade", "host", TOKEN_HEADER, ROUTE_HEADER,
+                  "proxy-authorization"})
 WS_DROP = DROP | {"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
                   "sec-websocket-protocol", "origin"}
 REFRESH = 1.0  # s between reads of the nodes' rows
 WS_MAX_MESSAGE = 16 << 20
 SMALL_BODY = 64 << 10  # bytes of a request body read whole before it is forwarded
 KEY_CACHE = 5.0  # s a key found valid is not looked up again (the node re-checks it)
+ROUTE_CACHE = 60.0  # s a sandbox's node is remembered (the node refuses a stale guess: 421)
 
 
 def _error(err: ApiError, e2b: bool = False) -> JSONResponse:
@@ -96,6 +97,8 @@ class Forwarder:
                                       follow_redirects=False)
         self._task: asyncio.Task[None] | None = None
         self._keys: dict[str, float] = {}  # key -> monotonic time its check expires
+        # sandbox id -> (the node its row named, monotonic time the guess expires)
+        self._where: dict[str, tuple[str, float]] = {}
         self._e2b: Any = None  # cpuosd.e2b.state.E2B: signed file URLs (made when needed)
         self.elector: Any = None  # LeaderElector (CPUOS_MEMBERSHIP=kubernetes)
         self._elect: asyncio.Task[None] | None = None
@@ -315,37 +318,91 @@ class Forwarder:
             placeable = sum(1 for n in self.view.nodes if n.placeable)
             return JSONResponse({"ok": True, "role": "api", "nodes_alive": alive,
                                  "nodes_placeable": placeable, "leader": self.leading})
+        guess = self._cached_route(request.scope["headers"], path)
+        has_body = request.method not in ("GET", "HEAD", "DELETE", "OPTIONS") or any(
+            k == b"content-length" or k == b"transfer-encoding"
+            for k, _ in request.headers.raw)
+        size = request.headers.get("content-length", "") if has_body else "0"
+        small = size.isdigit() and int(size) <= SMALL_BODY
+        content: Any = None
+        if guess is not None and small:  # (a body sent twice must be whole in hand)
+            if has_body:
+                content = await request.body()
+            resp = await self._send(request, guess, path, content, cached=True)
+            if isinstance(resp, Response):
+                return resp
+            if not (resp.status_code == 421 and resp.headers.get(ROUTE_HEADER) == "elsewhere"):
+                return self._answer(resp)
+            await resp.aclose()
+            self._where.pop(guess[1], None)  # (moved, paused or gone: ask the store)
         ok, found = await asyncio.to_thread(self._route, request.scope["headers"], path,
                                             request.scope.get("query_string", b""),
                                             request.method)
         e2b = _is_e2b(path, request.scope["headers"])
         if not ok:
             return _error(ApiError("unauthorized", "missing or invalid API key"), e2b)
-        has_body = request.method not in ("GET", "HEAD", "DELETE", "OPTIONS") or any(
-            k == b"content-length" or k == b"transfer-encoding"
-            for k, _ in request.headers.raw)
-        content: Any = None
-        if has_body:
-            size = request.headers.get("content-length", "")
+        if has_body and content is None:
             # a small body is sent with its head (one write); a big or unsized one streams
-            content = (await request.body() if size.isdigit() and int(size) <= SMALL_BODY
-                       else request.stream())
+            content = await request.body() if small else request.stream()
         try:
             node = self._target(request.method, path, found, *_create_args(path, content))
         except ApiError as e:
             return _error(e, e2b)
+        resp = await self._send(request, (node, None), path, content, e2b=e2b)
+        if isinstance(resp, Response):
+            return resp
+        if found is not None and found[1] == node.node_id and resp.status_code < 500:
+            self._remember(found[0], node.node_id)
+        return self._answer(resp)
+
+    def _cached_route(self, headers: list[tuple[bytes, bytes]], path: str
+                      ) -> tuple[NodeInfo, str] | None:
+        """(the node, the sandbox) a request under /sandboxes/<id> may go to without a trip
+        to the store: its key is in the key cache, the sandbox's node in the route cache
+        and alive. Sent marked (ROUTE_HEADER): the node answers 421 unless it holds the
+        sandbox live, and nothing runs there."""
+        m = SANDBOX_PATH.match(path)
+        if m is None:
+            return None
+        now = time.monotonic()
+        hit = self._where.get(m.group(1))
+        if hit is None or hit[1] <= now:
+            return None
+        key = bearer_key(headers)
+        if key is None or self._keys.get(key, 0.0) <= now or any(
+                k == b"e2b-sandbox-id" for k, _ in headers):
+            return None
+        node = self.view.get(hit[0])
+        return (node, m.group(1)) if node is not None and node.alive else None
+
+    def _remember(self, sid: str, node_id: str) -> None:
+        if len(self._where) >= 100_000:
+            self._where.clear()
+        self._where[sid] = (node_id, time.monotonic() + ROUTE_CACHE)
+
+    async def _send(self, request: Request, target: tuple[NodeInfo, str | None], path: str,
+                    content: Any, *, cached: bool = False, e2b: bool = False
+                    ) -> httpx.Response | Response:
+        """The request sent to the node (its answer's head read), or the error to answer."""
+        node = target[0]
         headers = [(k, v) for k, v in request.headers.raw if k.decode().lower() not in DROP]
         headers.append((TOKEN_HEADER.encode(), self.token.encode()))
+        if cached:
+            headers.append((ROUTE_HEADER.encode(), b"cached"))
         if request.client:
             headers.append((b"x-forwarded-for", request.client.host.encode()))
         upstream = self.http.build_request(
             request.method, f"http://{node.address}{path}",
             params=request.url.query or None, headers=headers, content=content)
         try:
-            resp = await self.http.send(upstream, stream=True)
+            return await self.http.send(upstream, stream=True)
         except httpx.HTTPError as e:
+            # (never sent again: the node may have run it)
             log.warning("forwarding to node %s failed: %s", node.node_id, e)
             return _error(ApiError("unavailable", f"node {node.node_id} did not answer"), e2b)
+
+    @staticmethod
+    def _answer(resp: httpx.Response) -> Response:
         out = [(k, v) for k, v in resp.headers.raw if k.decode().lower() not in DROP]
         return _Streamed(resp, out)
 

@@ -27,6 +27,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import secrets
 import socket
 import time
@@ -49,6 +50,13 @@ log = logging.getLogger("cpuosd.cluster")
 
 TOKEN_HEADER = "x-cpuos-node-token"
 OPEN_PATHS = frozenset({"/health"})
+SANDBOX_PATH = re.compile(r"^/sandboxes/([A-Za-z0-9_-]{1,64})(?:/|$)")
+# An API process sends a request under /sandboxes/<id> straight to the node it last found
+# holding that sandbox (its route cache: no trip to the store), marked with this header
+# ("cached"); a node that does not hold the sandbox live answers 421 with the header set to
+# "elsewhere" before anything runs, and the API process then takes the ordinary way (the
+# sandbox's row) with the same request.
+ROUTE_HEADER = "x-cpuos-route"
 
 
 def node_id_of(cfg: Config) -> str:
@@ -79,6 +87,12 @@ class NodeTokenGuard:
             return
         given = next((v for k, v in scope["headers"] if k == TOKEN_HEADER.encode()), b"")
         if hmac.compare_digest(given, self.token):
+            if scope["type"] == "http" and not self._holds(scope):
+                await _reply(send, 421, ApiError(
+                    "conflict", "this node does not hold that sandbox live (an API "
+                    "process's route cache; it asks the store next)"),
+                    [(ROUTE_HEADER.encode(), b"elsewhere")])
+                return
             # (a request of E2B's sandbox plane is E2B's, whole: envd's host form is handed
             # here by the preview proxy with the token, on behalf of anyone)
             if scope["type"] == "http" and scope["path"] == "/node/drain" and not any(
@@ -105,12 +119,29 @@ class NodeTokenGuard:
             "permission_denied", "this is a cpuos node: its API is reached through an API "
             "process (missing or wrong node token)"))
 
+    @staticmethod
+    def _holds(scope: Scope) -> bool:
+        """False for a request the API process routed by its cache (ROUTE_HEADER) to a
+        sandbox this node does not hold live (paused, gone, moved to another node)."""
+        if not any(k == ROUTE_HEADER.encode() and v == b"cached" for k, v in scope["headers"]):
+            return True
+        m = SANDBOX_PATH.match(scope["path"])
+        if m is None:
+            return False
+        from ..api.deps import services_of
 
-async def _reply(send: Send, status: int, what: ApiError | dict[str, Any]) -> None:
+        try:
+            return m.group(1) in services_of(scope["app"]).manager.live
+        except ApiError:
+            return False
+
+
+async def _reply(send: Send, status: int, what: ApiError | dict[str, Any],
+                 extra: list[tuple[bytes, bytes]] | None = None) -> None:
     body = json.dumps(what.body() if isinstance(what, ApiError) else what).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode())]})
+                            (b"content-length", str(len(body)).encode()), *(extra or ())]})
     await send({"type": "http.response.body", "body": body})
 
 
