@@ -179,7 +179,8 @@ def _cordon_all_but(pg_url: str, api: ApiProcess, here: str) -> None:
 
 def test_pause_on_one_node_resume_on_the_other(cluster_s3: Cluster, pg_url: str) -> None:
     """Pause uploads to the S3 store and leaves the row on no node; node A is SIGKILLed;
-    the resume lands on node B with the sandbox's files and processes; two nodes racing
+    the resume lands on node B with the sandbox's files, processes and Python variables (the
+    interpreter's kernel); two nodes racing
     to resume one id: one restore."""
     nodes, (api1, api2), key = cluster_s3
     _cordon_all_but(pg_url, api1, "node-a")
@@ -188,6 +189,8 @@ def test_pause_on_one_node_resume_on_the_other(cluster_s3: Cluster, pg_url: str)
     sbx.files.write("/work/state.txt", "made on node-a")
     pid = sbx.exec("sleep 1000 >/dev/null 2>&1 & echo $!").stdout.strip()
     assert pid.isdigit()
+    made = sbx.run_code("answer = 6 * 7")  # (a Python variable, in the kernel's memory)
+    assert made.ok and made.error is None, made
 
     Sandbox.connect(sbx.id, api_url=api2.url, api_key=key).pause()
     store = open_test_store(pg_url)
@@ -205,6 +208,7 @@ def test_pause_on_one_node_resume_on_the_other(cluster_s3: Cluster, pg_url: str)
         assert back.exec(f"kill -0 {pid} && cat /proc/{pid}/cmdline | tr '\\0' ' '"
                          ).stdout == "sleep 1000 "
         assert back.exec("echo resumed").stdout == "resumed\n"
+        assert back.run_code("answer").text == "42"  # (its Python variables came along)
 
         # again: paused into the store, then both nodes asked to resume it at once
         back.pause()
