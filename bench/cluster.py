@@ -10,8 +10,10 @@ client code (httpx, one kept-alive connection) measures each path twice, through
 process and straight to the node (with the node token), on the same sandbox:
 
 - exec round trip of ``true`` (the whole framed answer read): p50 and p99, and the API
-  tier's overhead (difference of the p50s);
-- stdout streaming (``head -c 64M /dev/zero``, the framed stream read to its end): MB/s;
+  tier's overhead (the median of paired differences: the two paths alternate, so each pair
+  sees the same moment of the host's load);
+- stdout streaming (``head -c 64M /dev/zero``, the framed stream read to its end): MB/s,
+  the two paths alternating as well;
 - a preview request (``GET /index.html`` of ``python -m http.server`` in the sandbox, a
   public port, host form) through the API process's preview listener and straight to the
   node's: p50 and the overhead;
@@ -67,7 +69,7 @@ def main() -> int:
     a = ap.parse_args()
     mode = "smoke" if a.smoke else "quick" if a.quick else "full"
     n_exec = {"smoke": 5, "quick": 50, "full": 300}[mode]
-    n_stream = {"smoke": 1, "quick": 3, "full": 5}[mode]
+    n_stream = {"smoke": 1, "quick": 4, "full": 10}[mode]
     n_pause = {"smoke": 1, "quick": 2, "full": 5}[mode]
     stream_mib = {"smoke": 4, "quick": 64, "full": 64}[mode]
 
@@ -112,17 +114,30 @@ def main() -> int:
                             **auth, "X-Cpuos-Node-Token": cl.token}) as direct:
                     for c in (via_api, direct):  # warm-up
                         exec_times(c, sbx.id, "true", 3)
-                    for name, c in (("api", via_api), ("node", direct)):
-                        lat, _ = exec_times(c, sbx.id, "true", n_exec)
+                    # interleaved, the order alternating: each pair sees the same moment of
+                    # a shared host's load; the overhead is the median of the pairs' differences
+                    lat_api: list[float] = []
+                    lat_node: list[float] = []
+                    for i in range(n_exec):
+                        pair = ((via_api, lat_api), (direct, lat_node))
+                        for c, into in (pair if i % 2 == 0 else pair[::-1]):
+                            into += exec_times(c, sbx.id, "true", 1)[0]
+                    for name, lat in (("api", lat_api), ("node", lat_node)):
                         out[f"exec_{name}_s"] = lat
                         print(f"exec 'true' via {name}: p50 {statistics.median(lat) * 1e3:.2f} "
                               f"ms, p99 {pct(lat, 99) * 1e3:.2f} ms")
+                    out["exec_overhead_s"] = [a - b for a, b in zip(lat_api, lat_node, strict=True)]
                     cmd = f"head -c {stream_mib}M /dev/zero"
-                    for name, c in (("api", via_api), ("node", direct)):
-                        lat, size = exec_times(c, sbx.id, cmd, n_stream)
-                        out[f"stream_{name}_MBps"] = [size / t / 1e6 for t in lat]
+                    mbps: dict[str, list[float]] = {"api": [], "node": []}
+                    for i in range(n_stream):  # (interleaved too, the order alternating)
+                        two = (("api", via_api), ("node", direct))
+                        for name, c in (two if i % 2 == 0 else two[::-1]):
+                            lat, size = exec_times(c, sbx.id, cmd, 1)
+                            mbps[name].append(size / lat[0] / 1e6)
+                    for name in ("api", "node"):
+                        out[f"stream_{name}_MBps"] = mbps[name]
                         print(f"stdout stream {stream_mib} MiB via {name}: "
-                              f"{statistics.median(out[f'stream_{name}_MBps']):.0f} MB/s")
+                              f"{statistics.median(mbps[name]):.0f} MB/s")
 
                 # a preview request: API tier's preview relay vs the node's preview listener
                 sbx.exec("mkdir -p /work/site && echo hi > /work/site/index.html && "
@@ -199,7 +214,7 @@ def main() -> int:
     print(f"{'':48} {'through API':>12} {'to the node':>12}")
     print(f"{'exec true round trip, p50 (ms)':48} {m('exec_api_s') * 1e3:>12.2f} "
           f"{m('exec_node_s') * 1e3:>12.2f}   overhead "
-          f"{(m('exec_api_s') - m('exec_node_s')) * 1e3:.2f} ms")
+          f"{m('exec_overhead_s') * 1e3:.2f} ms (median of paired differences)")
     print(f"{'stdout streaming, median (MB/s)':48} {m('stream_api_MBps'):>12.0f} "
           f"{m('stream_node_MBps'):>12.0f}   ratio "
           f"{m('stream_api_MBps') / m('stream_node_MBps'):.2f}")
