@@ -7,7 +7,6 @@ own node; the nodes' internal routes are not the public's."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -18,11 +17,9 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from cpuosd.cluster.preview import PreviewRelay
-from cpuosd.cluster.api import Forwarder, create_api_app
 from cpuosd.config import Config
 from cpuosd.store import SandboxRow, SqliteStore
-from cpuosd.wiring import ApiServices
+from support.api_tier import api_client
 
 TOKEN = "t" * 32
 PARENT = "sbx-parent000001"
@@ -59,15 +56,7 @@ class Env:
             self.calls.append(r)
             return handler(r)
 
-        # (not started: no refresh loop; the view is what it reads here)
-        fwd = Forwarder(self.cfg, self.store)
-        fwd.view.refresh()  # type: ignore[union-attr]
-        fwd.http = httpx.AsyncClient(transport=httpx.MockTransport(record))
-        svc = ApiServices(cfg=self.cfg, store=self.store, forwarder=fwd,
-                          preview=PreviewRelay(fwd, 0, "127.0.0.1", self.cfg.preview),
-                          _stack=contextlib.AsyncExitStack())
-        with TestClient(create_api_app(self.cfg, svc)) as c:
-            c.headers["Authorization"] = f"Bearer {self.key}"
+        with api_client(self.cfg, self.store, self.key, record) as c:
             yield c
 
     def seen(self) -> list[tuple[str, str]]:

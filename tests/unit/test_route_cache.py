@@ -23,12 +23,10 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from cpuosd.cluster.api import Forwarder, create_api_app
 from cpuosd.cluster.nodes import NodeTokenGuard
-from cpuosd.cluster.preview import PreviewRelay
 from cpuosd.config import Config
 from cpuosd.store import SandboxRow, SqliteStore
-from cpuosd.wiring import ApiServices
+from support.api_tier import api_client
 
 TOKEN = "t" * 32
 SID = "sbx-routed000001"
@@ -67,14 +65,7 @@ class Env:
             self.calls.append(r)
             return handler(r)
 
-        fwd = Forwarder(self.cfg, self.store)  # (not started: the view is what it reads)
-        fwd.view.refresh()  # type: ignore[union-attr]
-        fwd.http = httpx.AsyncClient(transport=httpx.MockTransport(record))
-        svc = ApiServices(cfg=self.cfg, store=self.store, forwarder=fwd,
-                          preview=PreviewRelay(fwd, 0, "127.0.0.1", self.cfg.preview),
-                          _stack=contextlib.AsyncExitStack())
-        with TestClient(create_api_app(self.cfg, svc)) as c:
-            c.headers["Authorization"] = f"Bearer {self.key}"
+        with api_client(self.cfg, self.store, self.key, record) as c:
             yield c
 
     def seen(self) -> list[tuple[str, str | None, bytes]]:
