@@ -24,7 +24,7 @@ import pytest
 from cpuos import Sandbox
 from support import testbed
 from support.daemon import e2e_unavailable, wait_until
-from support.testbed import ApiProcess, Cluster, open_test_store
+from support.testbed import ApiProcess, Cluster, node_of, open_test_store
 
 pytestmark = pytest.mark.cluster
 
@@ -64,15 +64,6 @@ def cluster(pg_server: testbed.PostgresServer, s3_server: testbed.S3Server
             yield c, url
     finally:
         pg_server.drop_database(name)
-
-
-def node_of(url: str, sid: str) -> str | None:
-    s = open_test_store(url)
-    try:
-        row = s.get_sandbox(sid)
-        return row.node_id if row else None
-    finally:
-        s.close()
 
 
 def only(url: str, key: str, apis: list[ApiProcess], here: str | None) -> None:

@@ -22,7 +22,7 @@ import pytest
 
 from cpuos import Sandbox
 from support import testbed
-from support.testbed import ApiProcess, open_test_store
+from support.testbed import ApiProcess, node_of, open_test_store
 from support.fakenet import FakeInternet
 from support.daemon import Daemon, e2e_unavailable, wait_until
 
@@ -76,15 +76,6 @@ def _cluster(pg_url: str, extra: dict[str, str], api_extra: dict[str, str] | Non
     with testbed.node_cluster(pg_url, extra, api_extra) as c:
         TOKEN = c.token
         yield c.nodes, c.apis, c.key
-
-
-def node_of(pg_url: str, sid: str) -> str | None:
-    s = open_test_store(pg_url)
-    try:
-        row = s.get_sandbox(sid)
-        return row.node_id if row else None
-    finally:
-        s.close()
 
 
 def test_two_nodes_two_apis(cluster: Cluster, pg_url: str) -> None:

@@ -19,12 +19,18 @@ from cpuosd.wiring import ApiServices
 
 @contextlib.contextmanager
 def api_client(cfg: Config, store: Store, key: str,
-               handler: Callable[[httpx.Request], httpx.Response]) -> Iterator[TestClient]:
-    """A client of the API process's app, authorized with ``key``; the forwarder is not
+               handler: Callable[[httpx.Request], httpx.Response],
+               calls: list[httpx.Request]) -> Iterator[TestClient]:
+    """A client of the API process's app, authorized with ``key``; every request a node is
+    sent is appended to ``calls``, then answered by ``handler``. The forwarder is not
     started (no refresh loop: its view of the nodes is the store's at this moment)."""
+    def record(r: httpx.Request) -> httpx.Response:
+        calls.append(r)
+        return handler(r)
+
     fwd = Forwarder(cfg, store)
     fwd.view.refresh()  # type: ignore[union-attr]
-    fwd.http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    fwd.http = httpx.AsyncClient(transport=httpx.MockTransport(record))
     svc = ApiServices(cfg=cfg, store=store, forwarder=fwd,
                       preview=PreviewRelay(fwd, 0, "127.0.0.1", cfg.preview),
                       _stack=contextlib.AsyncExitStack())

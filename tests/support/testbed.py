@@ -564,3 +564,13 @@ def node_cluster(database_url: str, node_env: dict[str, str] | None = None,
         shutil.rmtree(key_dir, ignore_errors=True)
         if left:
             raise RuntimeError(f"left behind by the cluster: {left}")
+
+
+def node_of(database_url: str, sid: str) -> str | None:
+    """The node a sandbox's row names (None: on no node, or no such row)."""
+    s = open_test_store(database_url)
+    try:
+        row = s.get_sandbox(sid)
+        return row.node_id if row else None
+    finally:
+        s.close()

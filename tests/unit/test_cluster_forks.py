@@ -52,11 +52,7 @@ class Env:
             metadata={}, node_id="node-a"))
 
     def client(self, handler: Handler) -> Iterator[TestClient]:
-        def record(r: httpx.Request) -> httpx.Response:
-            self.calls.append(r)
-            return handler(r)
-
-        with api_client(self.cfg, self.store, self.key, record) as c:
+        with api_client(self.cfg, self.store, self.key, handler, self.calls) as c:
             yield c
 
     def seen(self) -> list[tuple[str, str]]:

@@ -61,11 +61,7 @@ class Env:
 
     @contextlib.contextmanager
     def client(self, handler: Handler) -> Iterator[TestClient]:
-        def record(r: httpx.Request) -> httpx.Response:
-            self.calls.append(r)
-            return handler(r)
-
-        with api_client(self.cfg, self.store, self.key, record) as c:
+        with api_client(self.cfg, self.store, self.key, handler, self.calls) as c:
             yield c
 
     def seen(self) -> list[tuple[str, str | None, bytes]]:
