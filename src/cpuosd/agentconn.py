@@ -213,6 +213,9 @@ class AgentChannel:
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._connected = asyncio.Event()
+        # set when the current connection ends (a new one per connection): a wait for the
+        # hang-up cannot miss it when the agent reconnects at once
+        self._hung_up = asyncio.Event()
         self._lsock: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         # connections read for their hello, oldest first
@@ -322,11 +325,14 @@ class AgentChannel:
             self.sock_path.unlink()
 
     async def wait_disconnected(self, timeout: float) -> None:
-        deadline = asyncio.get_running_loop().time() + timeout
-        while self.connected:
-            if asyncio.get_running_loop().time() > deadline:
-                raise AgentTimeout("sandbox agent did not let go of its connection")
-            await asyncio.sleep(0.005)
+        """Until the connection current at the call ends (even if the agent is back by
+        then)."""
+        if not self.connected:
+            return
+        try:
+            await asyncio.wait_for(self._hung_up.wait(), timeout)
+        except TimeoutError:
+            raise AgentTimeout("sandbox agent did not let go of its connection") from None
 
     def disconnect(self) -> None:
         """Drop the current agent connection from our side."""
@@ -357,6 +363,7 @@ class AgentChannel:
                         "not a cgroup (ruid %r)", self.sock_path, h.get("ruid"))
         self.hello = h
         self._writer = writer
+        self._hung_up = asyncio.Event()
         self._connected.set()
         for cb in list(self.on_connect):
             cb()
@@ -464,6 +471,7 @@ class AgentChannel:
             self._writer.close()
         self._writer = None
         self._connected.clear()
+        self._hung_up.set()
         for st in list(self.streams.values()):
             st.gone = True
             st._stdin_ev.set()

@@ -153,6 +153,14 @@ async def _every_request(agent_src: str, d: Path) -> None:
         await chan.wait_disconnected(5)
         await chan.wait_connected(20)
         assert (await chan.call({"t": Kind.PING}))["t"] == Kind.PONG
+
+        # a hang-up is seen by whoever waits for it even when the agent is back at once
+        waiter = asyncio.ensure_future(chan.wait_disconnected(5))
+        await asyncio.sleep(0)
+        chan.disconnect()
+        await chan.wait_connected(20)
+        await waiter
+        assert (await chan.call({"t": Kind.PING}))["t"] == Kind.PONG
     finally:
         proc.kill()
         proc.wait()
