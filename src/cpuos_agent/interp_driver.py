@@ -2,11 +2,12 @@
 with jupyter_client.
 
 It runs inside the sandbox as the sandbox user, started by the ``code-interpreter``
-template's start command (``python3 -m cpuos_agent.kernel``), so the kernel is up and warm
-(pandas and matplotlib's inline backend imported) in the template snapshot (at a cold boot
-it starts the kernel in the background and listens at once: a create does not wait for
-it; on an emulated CPU it waits for the first request). In a template without it (the
-plain ``python``) the daemon starts it on the first run_code (cpuosd.lifecycle.kernel).
+template's start command (``python3 -m cpuos_agent.interp_driver``), so the kernel is up
+and warm (pandas and matplotlib's inline backend imported) in the template snapshot (at a
+cold boot it starts the kernel in the background and listens at once: a create does not
+wait for it; on an emulated CPU it waits for the first request). In a template without it
+(the plain ``python``) the daemon starts it on the first run_code
+(cpuosd.lifecycle.interpreter).
 The kernel is its child (jupyter_client's ``KernelManager``): a timeout interrupts the
 running cell with SIGINT and the kernel's state stays. The kernel's ZMQ channels are unix
 sockets in a directory of the sandbox user's (mode 0700), not TCP ports: nothing outside
