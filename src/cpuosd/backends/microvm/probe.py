@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .kernel import PROBE_MARKER, Artifacts, cache_dir, current_artifacts
+from .guest_artifacts import PROBE_MARKER, Artifacts, cache_dir, current_artifacts
 from .qemu import QEMU, VMConfig, kernel_cmdline, qemu_argv
 
 MAX_LOG = 1 << 20
@@ -44,7 +44,7 @@ def kvm_boot_probe(timeout: float = 5.0, *, artifacts: Artifacts | None = None,
                    qemu: str | None = None, cache: Path | None = None) -> tuple[bool, str]:
     """(ok, reason). ok only when a guest booted to the marker within ``timeout`` seconds.
     ``cache``: where to look for the guest artifacts when none are given (default
-    ``kernel.cache_dir()``)."""
+    ``guest_artifacts.cache_dir()``)."""
     try:
         fd = os.open("/dev/kvm", os.O_RDWR | os.O_CLOEXEC)
         os.close(fd)
