@@ -28,7 +28,7 @@ from ..api.streams import CutOnFailure, file_response
 from ..agentconn import TransportError
 from ..errors import STATUS, ApiError, api_error
 from ..lifecycle.interpreter import LANGUAGE_RE, restart_kernel, run_code
-from ..lifecycle.session import StreamCut
+from ..lifecycle.exec_files import StreamCut
 from .envd import CURRENT
 from .state import E2B, HOME, E2BError, Target
 
