@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # for `support`
 
 from cpuos import Sandbox
-from cpuosd.backends.microvm import kernel
+from cpuosd.backends.microvm import guest_artifacts
 from support.fakenet import WEB, FakeInternet
 from support.daemon import Daemon
 
@@ -59,7 +59,7 @@ def main() -> None:
     home = work / "home"
     home.mkdir()
     d = Daemon(home, {"CPUOS_BACKEND": "microvm", "CPUOS_MICROVM_ACCEL": "tcg",
-                      "CPUOS_MICROVM_DIR": str(kernel.cache_dir()), "CPUOS_POOL_SIZE": "0",
+                      "CPUOS_MICROVM_DIR": str(guest_artifacts.cache_dir()), "CPUOS_POOL_SIZE": "0",
                       "CPUOS_AGENT_CONNECT_TIMEOUT": "240", **inet.env()})
     d.start()
     try:

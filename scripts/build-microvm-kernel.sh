@@ -31,4 +31,4 @@ fi
 
 py=.venv/bin/python
 [ -x "$py" ] || py=python3
-exec "$py" -m cpuosd.backends.microvm.kernel build "$@"
+exec "$py" -m cpuosd.backends.microvm.guest_artifacts build "$@"

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `cas
 import cpuos_agent
 from cpuosd.agentconn import DEVICE_SETTLE, AgentChannel
 from cpuosd.backends.base import SandboxSpec
-from cpuosd.backends.microvm import jailer, kernel
+from cpuosd.backends.microvm import guest_artifacts, jailer
 from cpuosd.backends.microvm.backend import JAIL_QMP, MicroVMBackend
 from cpuosd.backends.microvm.backend import QEMU_BIN as MVM_QEMU
 from cpuosd.backends.microvm.backend import UID_BASE as MVM_UID_BASE
@@ -134,16 +134,18 @@ class MicroVMBench:
         self.tmp = (tmp / "microvm").resolve()
         self.tmp.mkdir(parents=True)
         self.accel: Accel = accel
-        self.art = kernel.current_artifacts()
+        self.art = guest_artifacts.current_artifacts()
         art = self.art
         if art is None:  # placeholders for the binds; QEMU gets no -kernel (see vm_config)
             ph = self.tmp / "no-artifacts"
             ph.mkdir()
             for name in ("vmlinux", "initrd"):
                 (ph / name).write_bytes(b"")
-            art = kernel.Artifacts("none", str(ph / "vmlinux"), str(ph / "initrd"), [], 0.0)
+            art = guest_artifacts.Artifacts("none", str(ph / "vmlinux"), str(ph / "initrd"), [],
+                                            0.0)
         # guest disk images: content-keyed, cached beside the guest artifacts (as the tests do)
-        images = kernel.cache_dir() / "images" if self.art is not None else self.tmp / "images"
+        images = (guest_artifacts.cache_dir() / "images" if self.art is not None
+                  else self.tmp / "images")
         # uids of their own (never a running daemon's sandbox uids)
         self.backend = MicroVMBackend(self.tmp / "home", accel=accel, artifacts=art,
                                       images=images, uid_base=MVM_UID + 100, uid_count=200)

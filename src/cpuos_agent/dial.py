@@ -1,5 +1,5 @@
 """``dial``: a byte stream between the host and a unix socket inside the sandbox (the code
-interpreter's driver, ``cpuos_agent.kernel``).
+interpreter's driver, ``cpuos_agent.interp_driver``).
 
 The host sends ``{"t": "dial", "path": P}`` with the request's bytes as the payload; the
 agent connects (as the sandbox user: its effective ids), sends them, answers ``ok``, then

@@ -299,7 +299,7 @@ class Frame(StrEnum):
     DONE = "done"  # run_code: the cell ended
 
 
-# ---- the code interpreter's driver (cpuos_agent.kernel), JSON lines over a dial -------
+# ---- the code interpreter's driver (cpuos_agent.interp_driver), JSON lines over a dial
 
 
 class InterpKind(StrEnum):

@@ -1,6 +1,9 @@
 """The one owner of the daemon's child processes: spawn, wait, signal, reap.
 
-Every program the daemon starts (runsc, the microVM jailer) goes through ``spawn``: the
+Every program the daemon starts (runsc, the microVM jailer, QEMU's boot probe, ``ip`` and
+``nft``, a template build and the steps it runs) goes through ``spawn`` (``run`` and
+``run_sync`` for one-shot commands, bounded in time); nothing else in cpuosd starts a
+process (``tests/unit/test_procs_owner.py`` holds every module to that). The
 child is forked, opened as a pidfd and registered in one step under ``LOCK``, so no other
 waiter can take its exit status and no pid of it is trusted after it could have been
 reused (signals go through the pidfd). Its exit is seen on the pidfd (readable once the
@@ -33,6 +36,8 @@ from .homedir import CHILD_UMASK
 log = logging.getLogger("cpuosd.procs")
 PR_SET_CHILD_SUBREAPER = 36
 OUTPUT_CAP = 16 << 20  # what run() keeps of a child's stdout (runsc list with many sandboxes)
+KILLED = -signal.SIGKILL  # run_sync's status for a child it killed at its timeout
+DEVNULL = subprocess.DEVNULL
 
 LOCK = threading.Lock()
 _owned: dict[int, Child] = {}
@@ -248,10 +253,11 @@ async def run(argv: Sequence[str], *, timeout: float, log_path: Path | None = No
 
 
 def run_sync(argv: Sequence[str], *, input: bytes | None = None, timeout: float = 600,
-             env: dict[str, str] | None = None, cwd: str | Path | None = None
-             ) -> tuple[int, bytes, bytes]:
+             env: dict[str, str] | None = None, cwd: str | Path | None = None,
+             new_session: bool = True) -> tuple[int, bytes, bytes]:
     """run() for threads and scripts: (exit status, stdout, stderr); the child is killed
-    after timeout (status -9)."""
+    after timeout (status ``KILLED``). ``new_session=False`` leaves it in our process group
+    (a template build's steps: the daemon ends a build by signalling its group)."""
     with tempfile.TemporaryFile() as out_f, tempfile.TemporaryFile() as err_f, \
             tempfile.TemporaryFile() as in_f:
         if input is not None:
@@ -259,15 +265,16 @@ def run_sync(argv: Sequence[str], *, input: bytes | None = None, timeout: float 
             in_f.seek(0)
         child = spawn(argv, stdin=in_f if input is not None else subprocess.DEVNULL,
                       stdout=out_f, stderr=err_f, env=env,
-                      cwd=None if cwd is None else str(cwd))
+                      cwd=None if cwd is None else str(cwd), new_session=new_session)
         rc = child.wait_sync(timeout)
         if rc is None:
-            child.killpg()
+            if new_session:
+                child.killpg()
             child.kill()
             rc = child.wait_sync(10)
         out_f.seek(0)
         err_f.seek(0)
-        return (-9 if rc is None else rc), out_f.read(), err_f.read()
+        return (KILLED if rc is None else rc), out_f.read(), err_f.read()
 
 
 def _tail(f: IO[bytes], n: int = 4000) -> bytes:

@@ -47,7 +47,7 @@ from .network.backend import Networked
 from .network.secrets import stored_names
 from .network.service import Network, RecordWriter
 from .procs import become_subreaper
-from .proxy.preview import Preview
+from .network.preview import Preview
 from .snapstore import SnapshotStore, open_snapshot_store
 from .store import LIVE_STATES, Store, open_store
 

@@ -141,7 +141,7 @@ def test_a_hostile_driver_is_bounded(box: Sandbox) -> None:
         "import os, signal, socket, subprocess\n"
         "for line in subprocess.run(['ps', '-eo', 'pid,args'], capture_output=True,"
         " text=True).stdout.splitlines():\n"
-        "    if ('cpuos_agent.kernel' in line or 'ipykernel' in line)"
+        "    if ('cpuos_agent.interp_driver' in line or 'ipykernel' in line)"
         " and 'fake_driver' not in line:\n"
         "        os.kill(int(line.split()[0]), signal.SIGKILL)\n"
         "p = '/tmp/.cpuos-kernel/driver.sock'\n"
@@ -183,13 +183,13 @@ def test_1000_calls_do_not_grow_the_kernel(box: Sandbox) -> None:
 
 def _kernel_processes(s: Sandbox) -> list[str]:
     return [line for line in s.exec(["ps", "-eo", "args"]).stdout.splitlines()
-            if "cpuos_agent.kernel" in line or "ipykernel" in line]
+            if "cpuos_agent.interp_driver" in line or "ipykernel" in line]
 
 
 def test_code_interpreter_has_its_kernel_warm(box: Sandbox) -> None:
     """The template's snapshot holds the driver and its kernel, already running."""
     kinds = _kernel_processes(box)
-    assert any("cpuos_agent.kernel" in k for k in kinds), kinds
+    assert any("cpuos_agent.interp_driver" in k for k in kinds), kinds
     assert any("ipykernel" in k for k in kinds), kinds
 
 

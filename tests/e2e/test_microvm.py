@@ -25,13 +25,13 @@ import httpx
 import pytest
 
 from cpuos import Sandbox
-from cpuosd.backends.microvm import jailer, kernel
+from cpuosd.backends.microvm import guest_artifacts, jailer
 from cpuosd.backends.microvm.probe import kvm_boot_probe
 from support.daemon import Daemon, e2e_unavailable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.tcg]
 
-CACHE = kernel.cache_dir()
+CACHE = guest_artifacts.cache_dir()
 
 
 @pytest.fixture(scope="module", params=["tcg", pytest.param("kvm", marks=pytest.mark.kvm)])
@@ -45,7 +45,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequ
         pytest.skip(why)
     if not os.path.exists("/usr/bin/qemu-system-x86_64"):
         pytest.skip("qemu-system-x86_64 not installed (apt-get install qemu-system-x86)")
-    art = kernel.current_artifacts(CACHE)
+    art = guest_artifacts.current_artifacts(CACHE)
     if art is None or not art.exist():
         pytest.skip(f"guest artifacts not built in {CACHE} (scripts/build-microvm-kernel.sh)")
     if accel == "kvm":

@@ -22,7 +22,7 @@ import cpuos_agent
 from cpuos_agent.protocol import Kind
 from cpuosd.agentconn import AgentChannel
 from cpuosd.backends.base import SandboxSpec
-from cpuosd.backends.microvm import jailer, kernel
+from cpuosd.backends.microvm import guest_artifacts, jailer
 from cpuosd.backends.microvm.backend import MicroVMBackend
 from cpuosd.backends.microvm.probe import kvm_boot_probe
 
@@ -46,7 +46,7 @@ def kvm_probe() -> None:
 def home(tmp_path: Path) -> Iterator[Path]:
     h = tmp_path / "home"
     (h / "microvm").mkdir(parents=True)
-    art = kernel.current_artifacts()
+    art = guest_artifacts.current_artifacts()
     assert art is not None  # the probe passed, so they exist
     yield h
 
@@ -91,7 +91,7 @@ def test_boot_to_agent_and_exec(home: Path, tmp_path: Path) -> None:
     sid = f"kvm-{os.getpid()}"
     spec = SandboxSpec(id=sid, rootfs=rootfs, dir=home / "sandboxes" / sid,
                        agent_dir=_agent_dir(tmp_path), vcpus=1, memory_mib=512, hostname=sid)
-    backend = MicroVMBackend(home, artifacts=kernel.current_artifacts())
+    backend = MicroVMBackend(home, artifacts=guest_artifacts.current_artifacts())
 
     async def body() -> None:
         spec.sock_dir.mkdir(parents=True, exist_ok=True)
@@ -105,7 +105,7 @@ def test_boot_to_agent_and_exec(home: Path, tmp_path: Path) -> None:
             await chan.wait_connected(60)
             print(f"agent connected after {time.monotonic() - t0:.2f}s")
             assert chan.hello is not None
-            assert chan.hello["pid"] == 1 and chan.hello["uid"] == kernel.AGENT_UID
+            assert chan.hello["pid"] == 1 and chan.hello["uid"] == guest_artifacts.AGENT_UID
             code, out = await _exec(chan, ["/bin/sh", "-c", "echo hello from $(hostname)"])
             assert code == 0
             assert out.strip() == f"hello from {sid}".encode()

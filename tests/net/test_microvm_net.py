@@ -27,14 +27,14 @@ import httpx
 import pytest
 
 from cpuos import Sandbox
-from cpuosd.backends.microvm import jailer, kernel
+from cpuosd.backends.microvm import guest_artifacts, jailer
 from cpuosd.config import Config
 from support.fakenet import DENIED_LISTENERS, SMTP, WEB, FakeInternet
 from support.daemon import Daemon, e2e_unavailable, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.net, pytest.mark.tcg]
 
-CACHE = kernel.cache_dir()
+CACHE = guest_artifacts.cache_dir()
 # the guest's own IPv4 address: the source of its route to anywhere (a UDP connect sends
 # nothing)
 ADDRESS = ("import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
@@ -50,10 +50,10 @@ def inet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeInternet]:
         pytest.skip("qemu-system-x86_64 not installed (apt-get install qemu-system-x86)")
     if shutil.which("nft") is None or shutil.which("tc") is None:
         pytest.skip("nft or tc not installed (apt-get install nftables iproute2)")
-    art = kernel.current_artifacts(CACHE)
+    art = guest_artifacts.current_artifacts(CACHE)
     if art is None or not art.exist():
         pytest.skip(f"guest artifacts not built in {CACHE} (scripts/build-microvm-kernel.sh)")
-    if not kernel.built_from_this_init(art):
+    if not guest_artifacts.built_from_this_init(art):
         pytest.skip(f"guest artifacts in {CACHE} are of an older /init "
                     "(scripts/build-microvm-kernel.sh rebuilds them)")
     f = FakeInternet(tmp_path_factory.mktemp("inet")).start()

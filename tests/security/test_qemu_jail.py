@@ -28,7 +28,7 @@ from cpuos_agent import protocol as P
 from cpuos_agent.protocol import Kind
 from cpuosd.agentconn import AgentChannel
 from cpuosd.backends.base import SandboxSpec
-from cpuosd.backends.microvm import jailer, kernel, ram
+from cpuosd.backends.microvm import guest_artifacts, jailer, ram
 from cpuosd.backends.microvm.backend import MicroVMBackend
 from cpuosd.backends.microvm.qemu import (
     QMP,
@@ -334,9 +334,9 @@ def test_template_ram_is_a_sealed_memfd_that_jailed_clones_map_private(
 def test_guest_kernel_boots_to_init_under_tcg_jailed(work: Path, ids: list[str]) -> None:
     """The guest artifacts (vmlinux, initramfs, virtio modules, /init) boot, jailed. Under
     TCG: a KVM guest cannot boot on this kind of host (see probe.py), an emulated one can."""
-    art = kernel.current_artifacts()
+    art = guest_artifacts.current_artifacts()
     if art is None:
-        pytest.skip(f"guest artifacts not built in {kernel.cache_dir()} "
+        pytest.skip(f"guest artifacts not built in {guest_artifacts.cache_dir()} "
                     "(scripts/build-microvm-kernel.sh)")
     sid = f"qb-{os.getpid()}"
     ids.append(sid)
@@ -361,14 +361,14 @@ def test_guest_kernel_boots_to_init_under_tcg_jailed(work: Path, ids: list[str])
         while time.monotonic() - t0 < 40 and proc.poll() is None:
             with contextlib.suppress(OSError):
                 text = serial.read_text(errors="replace")
-            if kernel.PROBE_MARKER in text:
+            if guest_artifacts.PROBE_MARKER in text:
                 break
             time.sleep(0.05)
         with contextlib.suppress(OSError):  # QEMU may have exited (poweroff) meanwhile
             text = serial.read_text(errors="replace")
         print(f"guest reached the marker after {time.monotonic() - t0:.1f}s")
         assert "CPUOS-INIT-START" in text, text[-1500:]
-        assert kernel.PROBE_MARKER in text, text[-1500:]
+        assert guest_artifacts.PROBE_MARKER in text, text[-1500:]
         assert "CPUOS-INIT-FAILED" not in text
         # /init powers the VM off after the marker; -no-reboot: QEMU exits by itself
         assert proc.wait(30) == 0
@@ -385,9 +385,9 @@ def test_guest_boots_to_the_agent_under_tcg_jailed(work: Path) -> None:
     runs the real agent on the virtio-serial port, the agent says hello to the daemon-side
     ``AgentChannel`` (through QEMU's chardev), runs a command, says hello again after the
     host reconnects, and is killed with the VM."""
-    art = kernel.current_artifacts()
+    art = guest_artifacts.current_artifacts()
     if art is None:
-        pytest.skip(f"guest artifacts not built in {kernel.cache_dir()} "
+        pytest.skip(f"guest artifacts not built in {guest_artifacts.cache_dir()} "
                     "(scripts/build-microvm-kernel.sh)")
     info = Path(os.environ.get("CPUOS_TEMPLATES_DIR", "/var/lib/cpuos/templates")) / "python.json"
     if not info.exists():
@@ -402,7 +402,7 @@ def test_guest_boots_to_the_agent_under_tcg_jailed(work: Path) -> None:
                        vcpus=1, memory_mib=512, hostname=sid)
     # the template's ext4 image is content-keyed: cached beside the artifacts
     backend = MicroVMBackend(work / "home", accel="tcg", artifacts=art,
-                             images=kernel.cache_dir() / "images")
+                             images=guest_artifacts.cache_dir() / "images")
 
     async def run(chan: AgentChannel, argv: list[str]) -> tuple[list[str], P.Header, bytes]:
         st = chan.open()
@@ -430,13 +430,13 @@ def test_guest_boots_to_the_agent_under_tcg_jailed(work: Path) -> None:
             await chan.wait_connected(180)
             print(f"agent hello after {time.monotonic() - t0:.1f}s: {chan.hello}")
             assert chan.hello is not None
-            assert chan.hello["pid"] == 1 and chan.hello["uid"] == kernel.AGENT_UID
+            assert chan.hello["pid"] == 1 and chan.hello["uid"] == guest_artifacts.AGENT_UID
             assert (await chan.call({"t": Kind.PING}, timeout=60))["t"] == "pong"
             kinds, h, out = await run(chan, ["echo", "hi"])
             assert kinds == ["started", "out", "exit"], (kinds, h)
             assert h["exit_code"] == 0 and out == b"hi\n"
             kinds, h, out = await run(chan, ["/bin/sh", "-c", "echo $(hostname) $(id -u)"])
-            assert out == f"{sid} {kernel.AGENT_UID}\n".encode()
+            assert out == f"{sid} {guest_artifacts.AGENT_UID}\n".encode()
             # host hang-up and reconnect (a daemon restart): a fresh hello, commands run
             await chan.close()
             chan = AgentChannel(spec.sock_path)

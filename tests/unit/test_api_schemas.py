@@ -8,7 +8,7 @@ import time
 from cpuosd.api.app import create_app
 from cpuosd.api.sandboxes import sandbox_json
 from cpuosd.api.schemas import ANSWERS, Sandbox
-from cpuosd.lifecycle.session import _clean_stat, _exit_frame
+from cpuosd.lifecycle.exec_files import _clean_stat, _exit_frame
 from cpuosd.api.schemas import ExecExitFrame, FileEntry
 from cpuosd.store import SandboxRow
 

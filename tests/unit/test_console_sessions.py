@@ -8,7 +8,7 @@ from typing import Any
 
 from cpuosd.console.sessions import (COOKIE, COOKIE_TLS, Sessions, cookie_token, csrf_ok,
                                      same_origin)
-from cpuosd.proxy.preview import _drop_cookies
+from cpuosd.network.preview import _drop_cookies
 
 
 def test_a_session_is_found_by_its_token_only_until_it_expires_or_is_dropped() -> None:

@@ -1,5 +1,5 @@
 """Model-shaped output (for_model, clip) and the daemon's checks of what a kernel driver
-sends (cpuosd.lifecycle.kernel): no daemon needed."""
+sends (cpuosd.lifecycle.interpreter): no daemon needed."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 from cpuos import CodeError, CodeResult, ExecResult, Result
 from cpuos._for_model import clip
 from cpuos_agent.protocol import FrameDecoder
-from cpuosd.lifecycle.kernel import _done, _frames_of
+from cpuosd.lifecycle.interpreter import _done, _frames_of
 
 
 def test_clip_keeps_short_text() -> None:

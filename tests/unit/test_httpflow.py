@@ -15,16 +15,17 @@ from typing import Any
 import h11
 import pytest
 
-from cpuosd.network import httpflow
-from cpuosd.network.httpflow import (CHUNK, Decoder, Outcome, Refused, Rules, check_request,
+from cpuosd.network import httpflow, relay
+from cpuosd.network.httpflow import (Decoder, Outcome, Refused, Rules, check_request,
                                      parse_authority, relay_http)
+from cpuosd.network.relay import CHUNK
 
 SECRET = b"sk-live-0123456789abcdef"
 PLACEHOLDER = b"cpuos-secret-00112233445566778899aabb"
 
 
 class Side:
-    """One end of a connection as the relay sees it (the httpflow.Stream protocol): what
+    """One end of a connection as the relay sees it (the relay.Stream protocol): what
     the test feeds is what the relay reads; what the relay writes is collected."""
 
     def __init__(self) -> None:
@@ -75,7 +76,7 @@ class Run:
         self.opened = 0
         self.rules = rules
 
-    async def open(self) -> httpflow.Stream:
+    async def open(self) -> relay.Stream:
         self.opened += 1
         return self.server
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cpuosd.backends.microvm import jailer, kernel
+from cpuosd.backends.microvm import guest_artifacts, jailer
 
 # ---- jailer arguments -------------------------------------------------------------------------
 
@@ -129,17 +129,17 @@ def _image(payload: bytes) -> bytes:
         {"id": lzma.FILTER_LZMA1, "dict_size": 1 << 24}])),
 ])
 def test_extract_vmlinux(kind: str, compress: object) -> None:
-    out, found = kernel.extract_vmlinux(_image(compress(FAKE_ELF)))  # type: ignore[operator]
+    out, found = guest_artifacts.extract_vmlinux(_image(compress(FAKE_ELF)))  # type: ignore[operator]
     assert out == FAKE_ELF and found == kind
 
 
 def test_extract_vmlinux_already_elf_and_nothing_found() -> None:
-    assert kernel.extract_vmlinux(FAKE_ELF) == (FAKE_ELF, "none")
-    with pytest.raises(kernel.KernelError, match="no compressed ELF"):
-        kernel.extract_vmlinux(b"MZ" + os.urandom(1000).replace(b"\x7fELF", b""))
+    assert guest_artifacts.extract_vmlinux(FAKE_ELF) == (FAKE_ELF, "none")
+    with pytest.raises(guest_artifacts.KernelError, match="no compressed ELF"):
+        guest_artifacts.extract_vmlinux(b"MZ" + os.urandom(1000).replace(b"\x7fELF", b""))
     # a compressed payload that is not an ELF is skipped
-    with pytest.raises(kernel.KernelError):
-        kernel.extract_vmlinux(_image(gzip.compress(b"not an elf" * 100)))
+    with pytest.raises(guest_artifacts.KernelError):
+        guest_artifacts.extract_vmlinux(_image(gzip.compress(b"not an elf" * 100)))
 
 
 def _lz4_block(literals: bytes, matches: list[tuple[int, int, bytes]]) -> bytes:
@@ -167,16 +167,16 @@ def _lz4_block(literals: bytes, matches: list[tuple[int, int, bytes]]) -> bytes:
 def test_lz4_block_overlapping_and_long_matches() -> None:
     blk = _lz4_block(b"ab", [(2, 300, b"xyz" * 10), (1, 5, b"end")])
     out = bytearray()
-    kernel.lz4_block_decompress(blk, out)
+    guest_artifacts.lz4_block_decompress(blk, out)
     assert bytes(out) == b"ab" + b"ab" * 150 + b"xyz" * 10 + b"zzzzz" + b"end"
 
 
 def test_lz4_legacy_frame_with_trailer() -> None:
     b1 = _lz4_block(b"hello ", [(6, 12, b"world")])
     b2 = _lz4_block(b"0123456789abcdef" * 2, [])
-    frame = (kernel.LZ4_LEGACY_MAGIC + struct.pack("<I", len(b1)) + b1
+    frame = (guest_artifacts.LZ4_LEGACY_MAGIC + struct.pack("<I", len(b1)) + b1
              + struct.pack("<I", len(b2)) + b2 + struct.pack("<I", 123456789))
-    assert kernel.lz4_legacy_decompress(frame) == \
+    assert guest_artifacts.lz4_legacy_decompress(frame) == \
         b"hello " + b"hello hello " + b"world" + b"0123456789abcdef" * 2
 
 
@@ -185,9 +185,10 @@ def test_lz4_matches_the_reference_tool(tmp_path: Path) -> None:
     data = (FAKE_ELF + os.urandom(3000) + b"kernel text " * 5000) * 3
     comp = subprocess.run(["lz4", "-l", "-9", "-c"], input=data, capture_output=True,
                           check=True).stdout
-    assert comp.startswith(kernel.LZ4_LEGACY_MAGIC)
-    assert kernel.lz4_legacy_decompress(comp + b"\x00\x01\x02\x03") == data
-    out, kind = kernel.extract_vmlinux(b"MZ" + b"\x00" * 100 + comp + b"\x10\x00\x00\x00")
+    assert comp.startswith(guest_artifacts.LZ4_LEGACY_MAGIC)
+    assert guest_artifacts.lz4_legacy_decompress(comp + b"\x00\x01\x02\x03") == data
+    out, kind = guest_artifacts.extract_vmlinux(b"MZ" + b"\x00" * 100 + comp
+                                                + b"\x10\x00\x00\x00")
     assert out == data and kind == "lz4"
 
 
@@ -223,16 +224,16 @@ def test_modinfo_and_dependency_order(tmp_path: Path) -> None:
     for name, deps in mods.items():
         fname = name.replace("_", "-") if name == "net_failover" else name
         _fake_ko(tmp_path / f"{fname}.ko", {"license": "GPL", "depends": deps, "name": name})
-    assert kernel.modinfo(tmp_path / "virtio_mmio.ko")["depends"] == "virtio,virtio_ring"
-    index = kernel.module_index(tmp_path)
+    assert guest_artifacts.modinfo(tmp_path / "virtio_mmio.ko")["depends"] == "virtio,virtio_ring"
+    index = guest_artifacts.module_index(tmp_path)
     assert set(index) == set(mods)
-    order = kernel.module_closure(["virtio_mmio", "virtio_blk", "virtio_net"], index)
+    order = guest_artifacts.module_closure(["virtio_mmio", "virtio_blk", "virtio_net"], index)
     assert sorted(order) == sorted(mods)
     for name, deps in mods.items():
         for d in filter(None, deps.split(",")):
             assert order.index(d) < order.index(name)
-    with pytest.raises(kernel.KernelError, match="not found"):
-        kernel.module_closure(["nope"], index)
+    with pytest.raises(guest_artifacts.KernelError, match="not found"):
+        guest_artifacts.module_closure(["nope"], index)
 
 
 # ---- initramfs ----------------------------------------------------------------------------------
@@ -258,7 +259,7 @@ def test_initramfs_layout(tmp_path: Path) -> None:
     bb.write_bytes(b"\x7fELF busybox")
     ko = tmp_path / "virtio.ko"
     ko.write_bytes(b"module")
-    data = kernel.build_initramfs(bb, [("virtio", ko), ("virtio_mmio", ko)])
+    data = guest_artifacts.build_initramfs(bb, [("virtio", ko), ("virtio_mmio", ko)])
     assert len(data) % 512 == 0
     ents = _parse_cpio(data)
     assert ents["bin/busybox"][1] == b"\x7fELF busybox"
@@ -269,14 +270,14 @@ def test_initramfs_layout(tmp_path: Path) -> None:
     assert ents["dev/console"][2:] == (5, 1)
     init = ents["init"][1]
     assert ents["init"][0] & 0o111 and init.startswith(b"#!/bin/busybox sh\n")
-    assert kernel.PROBE_MARKER.encode() in init and b"@" not in init
+    assert guest_artifacts.PROBE_MARKER.encode() in init and b"@" not in init
 
 
 @pytest.mark.skipif(shutil.which("cpio") is None, reason="needs cpio")
 def test_initramfs_readable_by_cpio(tmp_path: Path) -> None:
     bb = tmp_path / "busybox"
     bb.write_bytes(b"x")
-    data = kernel.build_initramfs(bb, [])
+    data = guest_artifacts.build_initramfs(bb, [])
     r = subprocess.run(["cpio", "-it"], input=data, capture_output=True, check=True)
     names = r.stdout.decode().split()
     assert {"init", "bin/busybox", "bin/sh", "dev/console", "lib/modules/order"} <= set(names)
@@ -288,7 +289,8 @@ def test_init_script_parses() -> None:
     sh = shutil.which("dash") or shutil.which("busybox")
     assert sh is not None
     argv = [sh, "-n"] if sh.endswith("dash") else [sh, "sh", "-n"]
-    r = subprocess.run([*argv, "/dev/stdin"], input=kernel.init_script(), capture_output=True)
+    r = subprocess.run([*argv, "/dev/stdin"], input=guest_artifacts.init_script(),
+                       capture_output=True)
     assert r.returncode == 0, r.stderr
 
 
@@ -314,13 +316,13 @@ def test_rootfs_image_from_a_tree(tmp_path: Path) -> None:
     (tree / "etc").mkdir()
     (tree / "etc" / "hostname").write_text("template\n")
     (tree / "bin").symlink_to("usr/bin")
-    img = kernel.build_rootfs_image(tree, tmp_path / "out" / "root.ext4")
+    img = guest_artifacts.build_rootfs_image(tree, tmp_path / "out" / "root.ext4")
     assert img.exists() and not list(img.parent.glob(".*.tmp"))
     assert "template" in _debugfs(img, "cat /etc/hostname")
     assert "python3" in _debugfs(img, "ls -l /usr/bin")
     assert "has_journal" not in _debugfs(img, "features")
-    with pytest.raises(kernel.KernelError):
-        kernel.build_rootfs_image(tmp_path / "missing", tmp_path / "x.ext4")
+    with pytest.raises(guest_artifacts.KernelError):
+        guest_artifacts.build_rootfs_image(tmp_path / "missing", tmp_path / "x.ext4")
 
 
 @needs_mkfs
@@ -328,13 +330,13 @@ def test_overlay_image_carries_the_agent(tmp_path: Path) -> None:
     agent = tmp_path / "agent"
     (agent / "cpuos_agent").mkdir(parents=True)
     (agent / "cpuos_agent" / "agent.py").write_text("print('hi')\n")
-    img = kernel.build_overlay_image(tmp_path / "overlay.ext4", 64, agent)
+    img = guest_artifacts.build_overlay_image(tmp_path / "overlay.ext4", 64, agent)
     assert img.stat().st_size == 64 << 20
     assert img.stat().st_blocks * 512 < 16 << 20  # sparse
     assert "agent.py" in _debugfs(img, "ls /upper/opt/cpuos/cpuos_agent")
     assert "work" in _debugfs(img, "ls /")
     copy = tmp_path / "copy.ext4"
-    kernel.copy_sparse(img, copy)
+    guest_artifacts.copy_sparse(img, copy)
     assert copy.read_bytes() == img.read_bytes()
     assert copy.stat().st_blocks <= img.stat().st_blocks + 64
 
@@ -348,7 +350,7 @@ def test_copy_sparse_keeps_holes(tmp_path: Path) -> None:
         f.seek(40 << 20)
         f.write(b"b" * 70000)
     dst = tmp_path / "dst"
-    kernel.copy_sparse(src, dst)
+    guest_artifacts.copy_sparse(src, dst)
     assert dst.stat().st_size == src.stat().st_size
     with open(src, "rb") as a, open(dst, "rb") as b:
         while True:
@@ -358,7 +360,7 @@ def test_copy_sparse_keeps_holes(tmp_path: Path) -> None:
                 break
     assert dst.stat().st_blocks * 512 < 1 << 20
     with pytest.raises(FileExistsError):
-        kernel.copy_sparse(src, dst)
+        guest_artifacts.copy_sparse(src, dst)
 
 
 def test_one_option_table_writes_and_parses_every_field() -> None:

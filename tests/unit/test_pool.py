@@ -1,5 +1,5 @@
-"""The warm pool's logic (cpuosd.lifecycle.pool) with restores that only take time: a burst
-of creates drains it and is served by refills under way (never more than
+"""The warm pool's logic (cpuosd.lifecycle.template_images) with restores that only take
+time: a burst of creates drains it and is served by refills under way (never more than
 CPUOS_POOL_PARALLEL at once) rather than restores of their own; the pool grows with recent
 demand up to CPUOS_POOL_MAX, shrinks back once demand stops, fills only where the host has
 room for a user's sandbox too, and a create whose refill fails makes its own. (The restores
@@ -17,7 +17,7 @@ import pytest
 from cpuosd.agentconn import AgentChannel
 from cpuosd.config import Config, PoolConfig
 from cpuosd.errors import ApiError
-from cpuosd.lifecycle import pool as pool_mod
+from cpuosd.lifecycle import template_images as pool_mod
 from cpuosd.lifecycle.common import Live
 from cpuosd.lifecycle.manager import Manager
 from cpuosd.store import SandboxRow, SqliteStore, Store

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from cpuosd.config import PreviewConfig
-from cpuosd.proxy import preview
+from cpuosd.network import preview
 
 SID = "sbx-aaaaaaaaaaaa"
 TOKEN = "t0ken"

@@ -27,7 +27,7 @@ from .. import browser as cdp
 from ..errors import ApiError
 from ..lifecycle.manager import Manager
 from ..network.service import Network
-from ..proxy.preview import Preview
+from ..network.preview import Preview
 from .deps import ManagerDep, NetworkDep, PreviewDep, Ws
 from .models import MAX_BROWSER_TIMEOUT as MAX_TIMEOUT, Click, Fill, Goto
 

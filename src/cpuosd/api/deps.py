@@ -17,7 +17,7 @@ from ..accounting.usage import Meter
 from ..errors import ApiError
 from ..lifecycle.manager import Manager
 from ..network.service import Network
-from ..proxy.preview import Preview
+from ..network.preview import Preview
 from ..store import Store
 
 if TYPE_CHECKING:

@@ -35,7 +35,7 @@ from ..agentconn import AgentGone, Stream, TransportError, open_stream, raise_fo
 from ..lifecycle.commands import gone_message
 from ..errors import ApiError, api_error
 from ..lifecycle.manager import Manager
-from ..lifecycle.session import FileStream
+from ..lifecycle.exec_files import FileStream
 from ..paths import check_path
 from .deps import ManagerDep, Ws
 from .streams import MaxBytesQ, file_response

@@ -1,6 +1,6 @@
 """The code interpreter over the API: ``POST /sandboxes/{sid}/code`` runs a cell on the
 sandbox's persistent kernel and streams its output as frames (see
-cpuosd.lifecycle.kernel); ``POST /sandboxes/{sid}/kernel/restart`` starts the kernel anew
+cpuosd.lifecycle.interpreter); ``POST /sandboxes/{sid}/kernel/restart`` starts the kernel anew
 (its state is lost)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from fastapi.responses import StreamingResponse
 
 from cpuos_agent import protocol as P
 
-from ..lifecycle.kernel import restart_kernel, run_code
+from ..lifecycle.interpreter import restart_kernel, run_code
 from .deps import ManagerDep, Ws
 from .models import RestartKernel, RunCode
 

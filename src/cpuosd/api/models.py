@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from cpuos_agent.protocol import parse_duration
 
 from .. import browser as cdp
-from ..lifecycle.kernel import LANGUAGE_RE
+from ..lifecycle.interpreter import LANGUAGE_RE
 from ..paths import ID_RE
 
 ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")

@@ -1,4 +1,4 @@
-"""Ports of a sandbox exposed through the preview proxy (``cpuosd.proxy.preview``): a URL
+"""Ports of a sandbox exposed through the preview proxy (``cpuosd.network.preview``): a URL
 for a server listening inside, token-protected or public."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from fastapi import APIRouter
 
 from ..errors import ApiError
 from ..network.service import Network
-from ..proxy.preview import Preview
+from ..network.preview import Preview
 from .deps import NetworkDep, PreviewDep, Ws
 from .models import ExposePort
 

@@ -1,6 +1,6 @@
 """File bodies as the API sends them (``GET /sandboxes/{id}/files``): framed for clients
 that ask for frames, raw bytes otherwise; a failure after the headers is reported either
-way (cpuosd.lifecycle.session.FileStream)."""
+way (cpuosd.lifecycle.exec_files.FileStream)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from starlette.types import Send
 
 from cpuos_agent import protocol as P
 
-from ..lifecycle.session import FileStream, StreamCut
+from ..lifecycle.exec_files import FileStream, StreamCut
 
 MaxBytesQ = Annotated[int | None, Query(
     ge=0, description="the most bytes the client accepts: a file declaring more is 413 "

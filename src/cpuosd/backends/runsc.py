@@ -20,10 +20,10 @@ import logging
 import os
 import re
 import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import procs
 from ..config import Config, RunscConfig
 
 log = logging.getLogger("cpuosd.runsc")
@@ -35,6 +35,7 @@ MODULE_VERSION = "v0.0.0-20260905035102-160fafc42237"
 PATCH_LEVEL = 2
 PINNED_VERSION = f"{MODULE_VERSION}+cpuos.{PATCH_LEVEL}"
 PLATFORMS = ("systrap", "ptrace", "kvm")
+PROBE_TIMEOUT = 20.0  # s each of the commands that tell what a runsc binary can do
 
 
 class RunscUnavailable(Exception):
@@ -89,21 +90,24 @@ def pinned_path(prefix: Path | None = None) -> Path:
 def _probe(path: str) -> tuple[str, tuple[str, ...], bool, bool]:
     """(version, platforms known, knows --gofer-network-namespace, knows restore
     --background) of a runsc binary; raises RunscUnavailable."""
-    try:
-        v = subprocess.run([path, "--version"], capture_output=True, timeout=20, check=False)
-        f = subprocess.run([path, "flags"], capture_output=True, timeout=20, check=False)
-        r = subprocess.run([path, "help", "restore"], capture_output=True, timeout=20,
-                           check=False)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise RunscUnavailable(f"cannot run {path}: {e}") from None
-    m = re.search(rb"runsc version (\S+)", v.stdout + v.stderr)
-    if v.returncode != 0 or m is None:
-        raise RunscUnavailable(f"{path} --version failed: {(v.stdout + v.stderr)[-200:]!r}")
-    text = f.stdout + f.stderr
+    outputs = []
+    for args in (["--version"], ["flags"], ["help", "restore"]):
+        try:
+            rc, out, err = procs.run_sync([path, *args], timeout=PROBE_TIMEOUT)
+        except OSError as e:
+            raise RunscUnavailable(f"cannot run {path}: {e}") from None
+        if rc == procs.KILLED:  # (at the timeout)
+            raise RunscUnavailable(f"cannot run {path}: {' '.join(args)} was killed (it may "
+                                   f"have taken over {PROBE_TIMEOUT:g}s)")
+        outputs.append((rc, out + err))
+    (rc, version), (_, text), (_, restore) = outputs
+    m = re.search(rb"runsc version (\S+)", version)
+    if rc != 0 or m is None:
+        raise RunscUnavailable(f"{path} --version failed: {version[-200:]!r}")
     line = next((ln for ln in text.splitlines() if b"platform to use" in ln), b"")
     known = tuple(p for p in PLATFORMS if p.encode() in line) or ("ptrace",)
     return (m.group(1).decode(), known, b"-gofer-network-namespace" in text,
-            b"-background" in r.stdout + r.stderr)
+            b"-background" in restore)
 
 
 def _others(prefix: Path) -> list[Path]:

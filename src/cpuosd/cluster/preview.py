@@ -13,7 +13,7 @@ nothing else dropped; ``X-Forwarded-For`` extended with the client's address).
 Routing, per request (also the second and later ones on a kept-alive connection, issue
 25): the sandbox id and port from the Host (``<port>-<id>.<CPUOS_PREVIEW_DOMAIN>``) or the
 path (``/sandboxes/<id>/ports/<port>/``), parsed exactly as the node parses them
-(``cpuosd.proxy.preview``); its row in the store names the node (the forwarder's
+(``cpuosd.network.preview``); its row in the store names the node (the forwarder's
 ``_target``): a sandbox paused into the snapshot store (on no node) goes to the node
 placement picks, which resumes it as the request wakes it. Unknown sandbox: 404; the
 node not alive, or not answering: 503. The node's preview address is in its registration
@@ -34,7 +34,7 @@ import h11
 
 from ..config import PreviewConfig
 from ..errors import ApiError
-from ..proxy.preview import HOP_HEADERS, Head, Preview, _Client, _reply, parse_head
+from ..network.preview import HOP_HEADERS, Head, Preview, _Client, _reply, parse_head
 from .nodes import TOKEN_HEADER
 
 if TYPE_CHECKING:

@@ -443,7 +443,7 @@ def _owner(v: Any) -> str:
 
 
 def entry(d: dict[str, Any]) -> F.EntryInfo:
-    """cpuos's checked entry (lifecycle.session._clean_stat) as E2B's EntryInfo."""
+    """cpuos's checked entry (lifecycle.exec_files._clean_stat) as E2B's EntryInfo."""
     kind = {"file": F.FileType.FILE, "dir": F.FileType.DIRECTORY,
             "symlink": F.FileType.SYMLINK}.get(d["type"], F.FileType.UNSPECIFIED)
     bits = {"file": stat_mod.S_IFREG, "dir": stat_mod.S_IFDIR,

@@ -27,8 +27,8 @@ from starlette.routing import Route, Router
 from ..api.streams import CutOnFailure, file_response
 from ..agentconn import TransportError
 from ..errors import STATUS, ApiError, api_error
-from ..lifecycle.kernel import LANGUAGE_RE, restart_kernel, run_code
-from ..lifecycle.session import StreamCut
+from ..lifecycle.interpreter import LANGUAGE_RE, restart_kernel, run_code
+from ..lifecycle.exec_files import StreamCut
 from .envd import CURRENT
 from .state import E2B, HOME, E2BError, Target
 
@@ -334,7 +334,7 @@ MIME_KEYS = {"text/plain": "text", "text/html": "html", "text/markdown": "markdo
 
 
 async def _ndjson(frames: AsyncIterator[bytes], gone: Any = None) -> AsyncIterator[bytes]:
-    """cpuos's cell frames (lifecycle.kernel) as the E2B code interpreter's lines
+    """cpuos's cell frames (lifecycle.interpreter) as the E2B code interpreter's lines
     (``gone()``: the sandbox ended: the stream is cut, StreamCut)."""
     dec = P.FrameDecoder()
     item: dict[str, Any] | None = None

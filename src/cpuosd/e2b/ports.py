@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..proxy.preview import Route
+from ..network.preview import Route
 from .state import E2B, ENVD_PORT, JUPYTER_PORT
 
 ROUTING = frozenset({b"e2b-sandbox-id", b"e2b-sandbox-port", b"x-cpuos-node-token"})

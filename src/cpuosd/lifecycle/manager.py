@@ -2,9 +2,9 @@
 (lifecycle.states), each written to SQLite before it is acted on and published as an event.
 
 The Manager is assembled from one module per concern:
-``reconcile`` (restart), ``pool`` (template snapshots, warm pool), ``snapshots`` (pause,
-resume, fork), ``deadlines``, ``wake`` (auto-pause on idle, wake on a call), ``session``
-(exec, files); this module holds what they share
+``reconcile`` (restart), ``template_images`` (template snapshots, warm pool), ``snapshots``
+(pause, resume, fork), ``deadlines``, ``wake`` (auto-pause on idle, wake on a call),
+``exec_files`` (exec, files); this module holds what they share
 and the lifecycle itself.
 """
 
@@ -46,9 +46,9 @@ from .common import (KILL_LOCK_WAIT, KILL_RETRY_INTERVAL, KILL_TIMEOUT, RECONNEC
 from .deadlines import Deadlines
 from .idle import IdleWatch
 from .wake import Idle
-from .pool import Templates
+from .template_images import Templates
 from .reconcile import Reconcile
-from .session import Session
+from .exec_files import Session
 from .snapshots import Snapshots
 
 log = logging.getLogger("cpuosd.lifecycle")
@@ -87,7 +87,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         self._locks: dict[str, asyncio.Lock] = {}
         # creates in progress (cancelled by a DELETE of their sandbox)
         self._inflight: dict[str, asyncio.Task[Any] | None] = {}
-        # the warm pool (lifecycle.pool): ready sandboxes, refills under way, creates
+        # the warm pool (lifecycle.template_images): ready sandboxes, refills under way, creates
         # waiting for one (and per workspace, how many), recent creates, generations
         self.pool: dict[str, list[Live]] = {}
         self._pool_inflight: dict[str, int] = {}

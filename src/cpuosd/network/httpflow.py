@@ -40,13 +40,12 @@ import ssl
 import zlib
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import h11
 
+from .relay import CHUNK, PlainStream, Stream, relay
 from .secrets import CREDENTIAL_HEADERS, Scrubber
 
-CHUNK = 256 * 1024
 MAX_HEAD = 64 * 1024  # one request or response head (h11's max_incomplete_event_size)
 FIRST_REQUEST_WAIT = 10.0  # s the first request head may take to arrive
 AUTHORITY = re.compile(r"^(?:\[([0-9A-Fa-f:.]+)\]|([A-Za-z0-9_.-]+))(?::([0-9]{1,5}))?$")
@@ -56,51 +55,6 @@ DECODABLE = {"gzip", "x-gzip", "deflate"}
 
 class Refused(Exception):
     """The proxy will not pass this: the connection ends, the record says why."""
-
-
-class Stream(Protocol):
-    async def read(self, n: int) -> bytes: ...
-
-    def write(self, data: bytes | bytearray | memoryview) -> None: ...
-
-    async def drain(self) -> None: ...
-
-    def write_eof(self) -> None: ...
-
-    def abort(self) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class PlainStream:
-    """An asyncio stream pair; ``ack``: ACK what is read at once (preview.quickack)."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 ack: Callable[[asyncio.StreamWriter], None] | None = None) -> None:
-        self.reader, self.writer, self.ack = reader, writer, ack
-
-    async def read(self, n: int) -> bytes:
-        data = await self.reader.read(n)
-        if self.ack is not None:
-            self.ack(self.writer)
-        return data
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        self.writer.write(data)
-
-    async def drain(self) -> None:
-        await self.writer.drain()
-
-    def write_eof(self) -> None:
-        with contextlib.suppress(Exception):
-            if self.writer.can_write_eof():
-                self.writer.write_eof()
-
-    def abort(self) -> None:
-        self.writer.transport.abort()
-
-    def close(self) -> None:
-        self.writer.close()
 
 
 class TlsServerStream:
@@ -563,9 +517,9 @@ class _Exchange:
             if o.switched:
                 assert self.up is not None
                 scrub = Scrubber(self.rules.subs) if self.rules.subs else None
-                sent, got = await relay_raw(self.client, self.up,
-                                            bytes(self.srv.trailing_data[0]),
-                                            bytes(self.cli.trailing_data[0]), scrub=scrub)
+                sent, got = await relay(self.client, self.up,
+                                        bytes(self.srv.trailing_data[0]),
+                                        bytes(self.cli.trailing_data[0]), scrub=scrub)
                 o.sent += sent
                 o.got += got
                 return o
@@ -588,42 +542,3 @@ async def relay_http(client: Stream, first: bytes, open_upstream: Opener, rules:
 
 class _Stop(Exception):
     """Ends the exchange (an answer was written already)."""
-
-
-async def relay_raw(a: Stream, b: Stream, to_b: bytes = b"", to_a: bytes = b"", *,
-                    scrub: Scrubber | None = None,
-                    first: Callable[[bytes], None] | None = None) -> tuple[int, int]:
-    """Bytes both ways until both sides have closed: (from a, from b). ``to_b``/``to_a``
-    go first; ``scrub`` masks what b sends; ``first`` sees a's first bytes."""
-    counts = [len(to_b), len(to_a)]
-
-    async def pump(r: Stream, w: Stream, i: int, pre: bytes) -> None:
-        try:
-            if i == 1 and scrub is not None:
-                pre = scrub.feed(pre)
-            if pre:
-                w.write(pre)
-                await w.drain()
-            seen = bool(pre)
-            while True:
-                chunk = await r.read(CHUNK)
-                if not chunk:
-                    break
-                counts[i] += len(chunk)
-                if i == 0 and not seen and first is not None:
-                    first(chunk)
-                seen = True
-                if i == 1 and scrub is not None:
-                    chunk = scrub.feed(chunk)
-                if chunk:
-                    w.write(chunk)
-                    await w.drain()
-            if i == 1 and scrub is not None and (rest := scrub.flush()):
-                w.write(rest)
-        except (ConnectionError, OSError, ssl.SSLError):
-            pass
-        finally:
-            w.write_eof()
-
-    await asyncio.gather(pump(a, b, 0, to_b), pump(b, a, 1, to_a))
-    return counts[0], counts[1]

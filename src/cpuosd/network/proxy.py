@@ -35,12 +35,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .dns import Upstream
-from .httpflow import (CHUNK, Outcome, PlainStream, Rules, TlsServerStream, parse_authority,
-                       relay_http, relay_raw, same_name)
+from .httpflow import (Outcome, Rules, TlsServerStream, parse_authority, relay_http,
+                       same_name)
+from .relay import CHUNK, PlainStream, quickack, relay
 from .secrets import SecretStore
 from .policy import NAME_RE, Deny, Policy
 from ..fdbudget import BUDGET
-from ..proxy.preview import quickack
 from .uplink import Uplink
 
 log = logging.getLogger("cpuosd.network")
@@ -329,7 +329,7 @@ class EgressProxy:
                 self.record(sid, verdict="error", rule=f"connect: {e}", **rec)
                 return
             try:
-                sent, got = await relay_raw(
+                sent, got = await relay(
                     client, up, head, first=(lambda b: self._sniff(b, rec))
                     if policy.mode == "on" and "name" not in rec else None)
             finally:

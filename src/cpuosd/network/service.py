@@ -26,7 +26,7 @@ from .dns import Resolver, Upstream, default_upstream
 from .secrets import SecretStore
 from .nflog import Dropped, NflogReader
 from .policy import Deny, Policy
-from .httpflow import CHUNK
+from .relay import CHUNK
 from .proxy import EgressProxy
 from .uplink import Uplink
 

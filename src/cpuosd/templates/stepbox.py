@@ -26,7 +26,6 @@ import json
 import os
 import secrets
 import shutil
-import subprocess
 import tempfile
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -34,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import procs
 from ..backends.gvisor import KERNEL_MOUNTS
 from ..backends.runsc import Runsc, RunscUnavailable, find_runsc
 from ..config import BuildConfig, Config
@@ -144,10 +144,11 @@ class NetConfig:
 
 
 def _ip(*argv: str) -> str:
-    r = subprocess.run(["ip", *argv], capture_output=True, text=True, timeout=30, check=False)
-    if r.returncode != 0:
-        raise TemplateError(f"ip {' '.join(argv)}: {r.stderr.strip()[:300]}")
-    return r.stdout
+    rc, out, err = procs.run_sync(["ip", *argv], timeout=30, new_session=False)
+    if rc != 0:
+        raise TemplateError(f"ip {' '.join(argv)}: "
+                            f"{err.decode(errors='replace').strip()[:300] or f'status {rc}'}")
+    return out.decode(errors="replace")
 
 
 class StepRunner:
@@ -191,12 +192,8 @@ class StepRunner:
     def _delete(self, cid: str) -> None:
         """The sandbox gone, whatever happened (a foreground run that ended normally has
         removed it already)."""
-        try:
-            subprocess.run([self.box.runsc.path, "--root", str(self.state / "runsc"),
-                            "delete", "--force", cid], capture_output=True,
-                           timeout=DELETE_TIMEOUT, check=False)
-        except subprocess.TimeoutExpired:
-            pass
+        procs.run_sync([self.box.runsc.path, "--root", str(self.state / "runsc"), "delete",
+                        "--force", cid], timeout=DELETE_TIMEOUT, new_session=False)
 
     def close(self) -> None:
         shutil.rmtree(self.state, ignore_errors=True)
@@ -218,10 +215,15 @@ def stream(argv: list[str], emit: Emit, *, env: Mapping[str, str] | None = None,
     """Run ``argv`` with stdout and stderr line by line to ``emit`` (a line is cut at
     MAX_LINE bytes: output is untrusted); (exit code, last lines)."""
     lines: deque[str] = deque(maxlen=tail)
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, env=env)
-    assert proc.stdout is not None
-    fd = proc.stdout.fileno()
+    fd, w = os.pipe()
+    try:  # in our process group: the daemon ends a build by signalling the build's group
+        child = procs.spawn(argv, stdout=w, stderr=w,
+                            env=None if env is None else dict(env), new_session=False)
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        os.close(w)
     buf = b""
     cut = False
 
@@ -250,9 +252,11 @@ def stream(argv: list[str], emit: Emit, *, env: Mapping[str, str] | None = None,
         if buf and not cut:
             out(buf)
     except BaseException:
-        proc.kill()
-        proc.wait()
+        child.kill()
+        child.wait_sync()
         raise
     finally:
-        proc.stdout.close()
-    return proc.wait(), list(lines)
+        os.close(fd)
+    rc = child.wait_sync()
+    assert rc is not None  # (no timeout)
+    return rc, list(lines)

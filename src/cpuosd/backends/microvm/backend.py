@@ -4,18 +4,20 @@ Per sandbox: a uid/gid of its own (``uid_base + slot``), a jail
 ``<CPUOS_HOME>/microvm/jail/qemu-system-x86_64/<id>/root`` holding QEMU, its libraries and
 firmware, and, bind-mounted (read-only unless noted):
 
-* ``/boot/vmlinux``, ``/boot/initrd``: the guest kernel and initramfs (``kernel.py``);
+* ``/boot/vmlinux``, ``/boot/initrd``: the guest kernel and initramfs
+  (``guest_artifacts.py``);
 * ``/disk/root.ext4``: the template's tree as an ext4 image, built once per template;
 * ``/disk/overlay.ext4`` (read-write, owned by the sandbox uid): the writable layer, a
   sparse copy of a blank image that carries the agent package;
 * ``/agent``: the daemon's per-sandbox socket directory; QEMU's virtio-serial chardev
   connects to ``/agent/agent.sock`` (where ``AgentChannel`` listens) and reconnects.
 
-In the guest, /init (``kernel.py``) runs the agent itself (``python3 -m cpuos_agent``, real
-uid 0, effective uid 1000; commands run as 1000) with ``CPUOS_AGENT_SOCKET`` set to the
-port's device (``/dev/vportNpM``): the agent's character-device transport waits until
-QEMU is connected to the daemon, says hello, and says it again on every reconnect (a
-daemon restart, a restore), so ``AgentChannel`` sees an ordinary agent connection. The
+In the guest, /init (``guest_artifacts.py``) runs the agent itself (``python3 -m
+cpuos_agent``, real uid 0, effective uid 1000; commands run as 1000) with
+``CPUOS_AGENT_SOCKET`` set to the port's device (``/dev/vportNpM``): the agent's
+character-device transport waits until QEMU is connected to the daemon, says hello, and
+says it again on every reconnect (a daemon restart, a restore), so ``AgentChannel`` sees
+an ordinary agent connection. The
 agent cannot close QEMU's connection: after a ``quiesce`` the host side must hang up
 (close the accepted connection) for the next hello to come on a new connection; otherwise
 the agent resumes on the same one after 5 s.
@@ -72,7 +74,7 @@ from typing import Any
 from ... import procs
 from ...errors import ApiError
 from ..base import Capabilities, SandboxSpec
-from . import jailer, kernel, ram, tap
+from . import guest_artifacts, jailer, ram, tap
 from .qemu import QMP, Accel, QMPFailure, VMConfig, kernel_cmdline, qemu_argv, support_files
 
 log = logging.getLogger("cpuosd.microvm")
@@ -128,7 +130,7 @@ class MicroVMBackend:
 
     def __init__(self, home: Path, *, qemu: str = QEMU_BIN, accel: Accel = "kvm",
                  uid_base: int = UID_BASE, uid_count: int = UID_COUNT,
-                 overlay_mib: int = OVERLAY_MIB, artifacts: kernel.Artifacts | None = None,
+                 overlay_mib: int = OVERLAY_MIB, artifacts: guest_artifacts.Artifacts | None = None,
                  console_log: bool = False, python: str | None = None,
                  images: Path | None = None, standby: int = 1) -> None:
         self.home = home
@@ -165,14 +167,14 @@ class MicroVMBackend:
     def runtime(self) -> dict[str, str]:
         return {"vmm": self.qemu, "accel": self.accel}
 
-    def artifacts(self) -> kernel.Artifacts:
-        art = self._artifacts or kernel.current_artifacts(self.dir)
+    def artifacts(self) -> guest_artifacts.Artifacts:
+        art = self._artifacts or guest_artifacts.current_artifacts(self.dir)
         if art is None or not art.exist():
             raise ApiError("unavailable", f"microVM guest kernel not built in {self.dir} "
                            "(scripts/build-microvm-kernel.sh)")
         if not self._init_checked:
             self._init_checked = True
-            if not kernel.built_from_this_init(art):
+            if not guest_artifacts.built_from_this_init(art):
                 log.warning("the guest initramfs %s is of an older /init: guests may lack "
                             "what the daemon asks of them (their network address); rebuild "
                             "it with scripts/build-microvm-kernel.sh", art.initrd)
@@ -189,7 +191,7 @@ class MicroVMBackend:
         """The template's tree as an ext4 image (built once; template trees never change)."""
         key = hashlib.sha256(str(rootfs.resolve()).encode()).hexdigest()[:20]
         out = self.images / f"root-{key}.ext4"
-        return await self._once(key, out, lambda: kernel.build_rootfs_image(rootfs, out))
+        return await self._once(key, out, lambda: guest_artifacts.build_rootfs_image(rootfs, out))
 
     def disk_mib(self, spec: SandboxSpec) -> int:
         """The size of the sandbox's writable layer (an ext4 image: ENOSPC past it, and
@@ -204,7 +206,7 @@ class MicroVMBackend:
             h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
         key = f"overlay-{h.hexdigest()[:16]}-{size_mib}"
         out = self.images / f"{key}.ext4"
-        return await self._once(key, out, lambda: kernel.build_overlay_image(
+        return await self._once(key, out, lambda: guest_artifacts.build_overlay_image(
             out, size_mib, agent_dir))
 
     # ---- uids and jails ------------------------------------------------------------------
@@ -387,7 +389,7 @@ class MicroVMBackend:
 
     async def _writable_layer(self, src: Path, dst: Path, uid: int) -> None:
         dst.unlink(missing_ok=True)
-        await asyncio.to_thread(kernel.copy_sparse, src, dst)
+        await asyncio.to_thread(guest_artifacts.copy_sparse, src, dst)
         os.chown(dst, uid, uid)
         os.chmod(dst, 0o600)
 
@@ -397,7 +399,7 @@ class MicroVMBackend:
         try:
             rootfs_image = await self.prepare_template(spec.rootfs)
             base = await self._overlay_base(spec.agent_dir, self.disk_mib(spec))
-        except kernel.KernelError as e:
+        except guest_artifacts.KernelError as e:
             raise ApiError("internal", f"microVM disk images: {e}") from None
         uid = self._allocate_uid()
         spec.dir.mkdir(parents=True, exist_ok=True)
@@ -769,7 +771,8 @@ class MicroVMBackend:
             await q.wait_migration()
         finally:
             await q.close()
-        await asyncio.to_thread(kernel.copy_sparse, rec.overlay, directory / "overlay.ext4")
+        await asyncio.to_thread(guest_artifacts.copy_sparse, rec.overlay,
+                                directory / "overlay.ext4")
         vm = dataclasses.replace(rec.vm, memory_file=None, memory_shared=True, incoming=False)
         meta = {"vm": dataclasses.asdict(vm), "rootfs_image": str(rec.rootfs_image),
                 "ram": "stream"}

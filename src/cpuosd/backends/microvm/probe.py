@@ -15,14 +15,13 @@ import argparse
 import contextlib
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from .kernel import PROBE_MARKER, Artifacts, cache_dir, current_artifacts
+from ... import procs
+from .guest_artifacts import PROBE_MARKER, Artifacts, cache_dir, current_artifacts
 from .qemu import QEMU, VMConfig, kernel_cmdline, qemu_argv
 
 MAX_LOG = 1 << 20
@@ -44,7 +43,7 @@ def kvm_boot_probe(timeout: float = 5.0, *, artifacts: Artifacts | None = None,
                    qemu: str | None = None, cache: Path | None = None) -> tuple[bool, str]:
     """(ok, reason). ok only when a guest booted to the marker within ``timeout`` seconds.
     ``cache``: where to look for the guest artifacts when none are given (default
-    ``kernel.cache_dir()``)."""
+    ``guest_artifacts.cache_dir()``)."""
     try:
         fd = os.open("/dev/kvm", os.O_RDWR | os.O_CLOEXEC)
         os.close(fd)
@@ -66,19 +65,19 @@ def kvm_boot_probe(timeout: float = 5.0, *, artifacts: Artifacts | None = None,
                                                                  extra=["cpuos.probe=1"]),
                        vcpus=1, memory_mib=256, serial_log=str(log), qemu=exe)
         t0 = time.monotonic()
-        proc = subprocess.Popen(qemu_argv(cfg), stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                start_new_session=True, env={"PATH": "/usr/bin:/bin"})
+        with open(Path(tmp) / "stderr", "w+b") as stderr:
+            child = procs.spawn(qemu_argv(cfg), stdout=procs.DEVNULL, stderr=stderr,
+                                env={"PATH": "/usr/bin:/bin"})
         try:
             while True:
                 elapsed = time.monotonic() - t0
                 with contextlib.suppress(OSError):
                     if log.stat().st_size <= MAX_LOG and PROBE_MARKER.encode() in log.read_bytes():
                         return True, f"guest booted to the probe marker in {elapsed:.2f}s"
-                rc = proc.poll()
+                rc = child.poll()
                 if rc is not None:
-                    assert proc.stderr is not None
-                    err = proc.stderr.read().decode(errors="replace").strip()[-300:]
+                    err = (Path(tmp) / "stderr").read_bytes().decode(errors="replace")
+                    err = err.strip()[-300:]
                     return False, (f"QEMU exited with status {rc} after {elapsed:.2f}s before "
                                    f"the guest reached the marker: {err or _tail(log)!s}")
                 if elapsed > timeout:
@@ -88,12 +87,8 @@ def kvm_boot_probe(timeout: float = 5.0, *, artifacts: Artifacts | None = None,
                                    + (repr(tail) if tail else "nothing"))
                 time.sleep(0.02)
         finally:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-            if proc.stderr is not None:
-                proc.stderr.close()
+            child.kill()  # by its pidfd: a no-op once it has exited
+            child.wait_sync(10)
 
 
 def main() -> int:

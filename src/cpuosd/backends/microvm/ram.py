@@ -31,7 +31,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from .kernel import copy_sparse_fd
+from .guest_artifacts import copy_sparse_fd
 
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
 

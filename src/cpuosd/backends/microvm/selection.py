@@ -21,7 +21,7 @@ from ...config import Config
 from ..base import Backend
 from ..gvisor import GVisorBackend
 from ..runsc import RunscUnavailable, find_runsc
-from . import kernel
+from . import guest_artifacts
 from . import probe as probe_mod
 from .backend import QEMU_BIN, MicroVMBackend
 
@@ -42,11 +42,11 @@ def microvm_cache(cfg: Config) -> Path:
 
 
 def run_probe(cfg: Config, timeout: float = PROBE_TIMEOUT
-              ) -> tuple[bool, str, kernel.Artifacts | None]:
+              ) -> tuple[bool, str, guest_artifacts.Artifacts | None]:
     """(ok, reason, artifacts): the KVM boot probe against the artifacts the backend would
     use. Never raises: a probe that crashes is a failed probe."""
     cache = microvm_cache(cfg)
-    art = kernel.current_artifacts(cache)
+    art = guest_artifacts.current_artifacts(cache)
     try:
         ok, reason = probe_mod.kvm_boot_probe(
             timeout, artifacts=art, cache=cache,
@@ -87,7 +87,7 @@ def select_backend(cfg: Config) -> Backend:
         if choice != "microvm":
             raise BackendUnavailable("CPUOS_MICROVM_ACCEL=tcg needs CPUOS_BACKEND=microvm "
                                      "(emulated guests are for tests, never picked by auto)")
-        art = kernel.current_artifacts(microvm_cache(cfg))
+        art = guest_artifacts.current_artifacts(microvm_cache(cfg))
         if art is None or not art.exist():
             raise BackendUnavailable(f"CPUOS_BACKEND=microvm: guest kernel artifacts missing "
                                      f"in {microvm_cache(cfg)} (scripts/build-microvm-kernel.sh)")

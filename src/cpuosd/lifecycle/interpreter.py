@@ -1,6 +1,6 @@
 """The code interpreter, host side: a cell goes to the sandbox's kernel driver
-(``cpuos_agent.kernel``, started by the ``code-interpreter`` template before its snapshot,
-by the first run_code elsewhere) through
+(``cpuos_agent.interp_driver``, started by the ``code-interpreter`` template before its
+snapshot, by the first run_code elsewhere) through
 the agent's ``dial`` (a byte stream to the driver's unix socket inside the sandbox); the
 driver's JSON lines come back, are checked and bounded, and go to the client as frames
 (``cpuos_agent.protocol``):
@@ -34,7 +34,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from cpuos_agent import protocol as P
-from cpuos_agent.kernel import SOCK
+from cpuos_agent.interp_driver import SOCK
 from cpuos_agent.messages import Frame, InterpKind
 from cpuos_agent.protocol import Kind
 
@@ -46,7 +46,7 @@ from .common import Live
 if TYPE_CHECKING:
     from .manager import Manager
 
-log = logging.getLogger("cpuosd.kernel")
+log = logging.getLogger("cpuosd.interpreter")
 
 LANGUAGE_RE = re.compile(r"^[a-z][a-z0-9_+-]{0,31}$")
 MAX_LINE = 8 << 20  # one driver line (a base64 PNG of up to ~4 MiB)
@@ -62,9 +62,13 @@ STATUSES = {"ok", "error", "timeout", "died", "busy", "invalid"}
 TEXT_MIMES = {"text/plain", "text/html", "text/markdown", "text/latex", "image/svg+xml",
               "application/json"}
 BINARY_MIMES = {"image/png", "image/jpeg"}
+# (an agent older than the driver's rename, in a sandbox paused before it, has only
+# cpuos_agent/kernel.py: the driver is started by whichever name the agent copy has)
 START_DRIVER = ("python3 -c 'import ipykernel, jupyter_client' 2>/dev/null || exit 3; "
-                "cd /work 2>/dev/null || cd /; PYTHONPATH=/opt/cpuos nohup python3 -s -m "
-                "cpuos_agent.kernel >/tmp/cpuos-kernel.log 2>&1 &")
+                "cd /work 2>/dev/null || cd /; m=interp_driver; "
+                "[ -e /opt/cpuos/cpuos_agent/interp_driver.py ] || m=kernel; "
+                "PYTHONPATH=/opt/cpuos nohup python3 -s -m "
+                "cpuos_agent.$m >/tmp/cpuos-kernel.log 2>&1 &")
 
 
 async def _dial(mgr: Manager, lv: Live, req: dict[str, Any]) -> Any:

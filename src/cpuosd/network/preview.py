@@ -54,7 +54,6 @@ import json
 import logging
 import re
 import secrets
-import socket
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -65,10 +64,11 @@ import h11
 from ..config import PreviewConfig
 from ..errors import ApiError, invalid, not_found
 from ..fdbudget import BUDGET
+from .relay import PlainStream, quickack, relay
 
 if TYPE_CHECKING:
     from ..lifecycle.manager import Manager
-    from ..network.service import Network
+    from .service import Network
 
 log = logging.getLogger("cpuosd.preview")
 
@@ -80,7 +80,7 @@ CONNECT_TIMEOUT = 10.0
 WAKE_TIMEOUT = 120.0
 # reads: what one recv of the event loop brings at most (taken whole: nothing is left
 # behind in a reader while a request head is incomplete)
-CHUNK = READ = 256 * 1024
+READ = 256 * 1024
 # a connection's reader stops reading from its socket past twice this (while the other
 # side is slow): with a read in flight, at most about 0.5 MiB per connection and direction
 CLIENT_LIMIT = 64 * 1024
@@ -764,11 +764,12 @@ class Preview:
         """After a real 101: bytes both ways, what either side sent early included."""
         early, _ = c.h.trailing_data
         late, _ = up.h.trailing_data
-        if late:
-            c.writer.write(late)
-        if early:
-            up.writer.write(early)
-        await _relay(c.reader, c.writer, up.reader, up.writer)
+        try:
+            await relay(PlainStream(c.reader, c.writer),
+                        PlainStream(up.reader, up.writer, ack=quickack),
+                        to_b=bytes(early), to_a=bytes(late), until_b_ends=True)
+        finally:
+            up.writer.close()
 
     def _release(self, sid: str) -> None:
         BUDGET.give()
@@ -921,41 +922,3 @@ def _write(w: asyncio.StreamWriter, h: h11.Connection, data: bytes) -> None:
     """A body's bytes, framed by h: as they are (no copy) where the framing adds nothing."""
     pieces = h.send_with_data_passthrough(h11.Data(data=data)) or []
     w.write(pieces[0] if len(pieces) == 1 else b"".join(pieces))
-
-
-def quickack(w: asyncio.StreamWriter) -> None:
-    """ACK at once on this socket (Linux clears TCP_QUICKACK after a while: set it after
-    each read): a sandbox's server that writes a response's head and body separately would
-    otherwise wait for our delayed ACK (gVisor's netstack holds the second write, Nagle)."""
-    sock = w.get_extra_info("socket")
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
-
-
-async def _relay(cr: asyncio.StreamReader, cw: asyncio.StreamWriter,
-                 ur: asyncio.StreamReader, uw: asyncio.StreamWriter) -> None:
-    async def pump(r: asyncio.StreamReader, w: asyncio.StreamWriter,
-                   ack: asyncio.StreamWriter | None = None) -> None:
-        try:
-            while True:
-                chunk = await r.read(CHUNK)
-                if ack is not None:
-                    quickack(ack)
-                if not chunk:
-                    break
-                w.write(chunk)
-                await w.drain()
-        except (ConnectionError, OSError):
-            pass
-        finally:
-            with contextlib.suppress(Exception):
-                if w.can_write_eof():
-                    w.write_eof()
-
-    to_server = asyncio.ensure_future(pump(cr, uw))
-    try:
-        await pump(ur, cw, ack=uw)  # the server's side ending ends the exchange
-    finally:
-        to_server.cancel()
-        uw.close()

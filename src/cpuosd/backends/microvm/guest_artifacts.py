@@ -16,7 +16,7 @@ layer is on the second disk, finds the agent's virtio-serial port by name and
 With ``cpuos.probe=1`` on the kernel command line it prints ``CPUOS-PROBE-OK`` to the
 console once the modules are loaded and powers off (the boot probe).
 
-Command line: ``python -m cpuosd.backends.microvm.kernel build|status|image``.
+Command line: ``python -m cpuosd.backends.microvm.guest_artifacts build|status|image``.
 """
 
 from __future__ import annotations
@@ -643,7 +643,7 @@ def copy_sparse_fd(fdi: int, fdo: int, size: int) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m cpuosd.backends.microvm.kernel")
+    ap = argparse.ArgumentParser(prog="python -m cpuosd.backends.microvm.guest_artifacts")
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="download the kernel + busybox, build vmlinux/initramfs")
     b.add_argument("--force", action="store_true")

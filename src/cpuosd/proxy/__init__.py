@@ -1,1 +1,0 @@
-"""The preview proxy: live URLs for servers inside sandboxes."""
