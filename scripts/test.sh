@@ -52,8 +52,13 @@ echo "==> lint and types"
 
 args=("$@")
 [ ${#args[@]} -eq 0 ] && args=(-m "not slow and not kvm")
+# tiers 1 and 2 on several workers (pytest-xdist; a test module stays on one worker, so its
+# module-scoped daemons and testbeds are made once): each worker has its own daemons, homes
+# and network slots, and the template cache is shared. Most tests wait on sandboxes more
+# than they compute: more workers than cores. CPUOS_TEST_WORKERS=0 runs them in this process.
+workers=${CPUOS_TEST_WORKERS:-4}
 set +e
-.venv/bin/python -m pytest tests --durations=25 "${args[@]}"
+.venv/bin/python -m pytest tests -n "$workers" --dist loadfile --durations=25 "${args[@]}"
 rc=$?
 set -e
 if [ $rc -eq 5 ]; then

@@ -30,6 +30,21 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         item.session.config._cpuos_failed = True  # type: ignore[attr-defined]
 
 
+# tier 2 (marker ``tier2``): heavy suites, still in the default run (scripts/test.sh): the
+# bench smokes, microVM guests under TCG, the browser. Tier 0 is tests/unit and
+# tests/component (``scripts/test.sh --fast``); tier 1 everything else.
+TIER2 = ("tests/bench/", "tests/cluster/test_bench_cluster.py", "tests/e2e/test_microvm.py",
+         "tests/net/test_microvm_net.py", "tests/e2e/test_browser.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = Path(__file__).resolve().parent.parent
+    for item in items:
+        rel = Path(item.fspath).resolve().relative_to(root).as_posix()
+        if rel.startswith(TIER2):
+            item.add_marker(pytest.mark.tier2)
+
+
 @pytest.fixture(scope="session")
 def daemon(request: pytest.FixtureRequest) -> Iterator[Daemon]:
     why = e2e_unavailable()
