@@ -156,7 +156,7 @@ async def _every_request(agent_src: str, d: Path) -> None:
 
         # a hang-up is seen by whoever waits for it even when the agent is back at once
         waiter = asyncio.ensure_future(chan.wait_disconnected(5))
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # (one turn of the loop: the waiter starts waiting)
         chan.disconnect()
         await chan.wait_connected(20)
         await waiter
