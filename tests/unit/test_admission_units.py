@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from cpuosd.lifecycle.states import State
 from cpuosd.accounting import quotas
 from cpuosd.accounting.quotas import Admission, HostMeter, Measure
 from cpuosd.config import Config
@@ -53,7 +54,7 @@ def limit_of(e: pytest.ExceptionInfo[ApiError]) -> str:
 def add_row(store: Store, ws: str, state: str, vcpus: int = 2, memory_mib: int = 2048) -> None:
     sid = f"sbx-{len(store.list_sandboxes()):012d}"
     store.insert_sandbox(SandboxRow(
-        id=sid, workspace_id=ws, template="python", backend="fake", state=state, reason=None,
+        id=sid, workspace_id=ws, template="python", backend="fake", state=State(state), reason=None,
         created_at=time.time(), started_at=None, ended_at=None, deadline=None,
         spec={"vcpus": vcpus, "memory_mib": memory_mib}, metadata={}))
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 
+from cpuosd.lifecycle.states import State
 from cpuosd.cluster.api import Forwarder
 from cpuosd.cluster.preview import PreviewRelay
 from cpuosd.config import Config
@@ -64,7 +65,7 @@ async def relay(tmp_path: Path) -> AsyncIterator[tuple[PreviewRelay, Forwarder]]
     for key, node in (("a", "node-a"), ("b", "node-b"), ("store", None), ("gone", "node-z")):
         store.insert_sandbox(SandboxRow(
             id=SIDS[key], workspace_id=ws, template="python", backend="gvisor",
-            state="paused" if node is None else "running", reason=None,
+            state=State.PAUSED if node is None else State.RUNNING, reason=None,
             created_at=time.time(), started_at=None, ended_at=None, deadline=None, spec={},
             metadata={}, node_id=node))
     cfg = Config()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from cpuosd.lifecycle.states import State
 from cpuosd.accounting.usage import Meter, month_start
 from cpuosd.events import SandboxEvent
 from cpuosd.store import SandboxRow, SqliteStore
@@ -25,7 +26,7 @@ def test_month_cost_agrees_with_the_summary(tmp_path: Path) -> None:
     for i in range(3):
         store.insert_sandbox(SandboxRow(
             id=f"sbx-{i:012d}", workspace_id=ws, template="python", backend="fake",
-            state="running", reason=None, created_at=t, started_at=t, ended_at=None,
+            state=State.RUNNING, reason=None, created_at=t, started_at=t, ended_at=None,
             deadline=None, spec={"vcpus": 2, "memory_mib": 2048}, metadata={}))
     # an interval from last month still open: only this month's part counts
     ev("running", "sbx-000000000000", t - 7200)

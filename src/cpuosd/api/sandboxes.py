@@ -25,6 +25,7 @@ from .auth import all_workspaces
 from .deps import ManagerDep, NetworkDep, StoreDep, Ws
 from .models import CreateSandbox, ExecRequest, ForkRequest, SetNetwork, SetTimeout
 from .usage import sandbox_metrics
+from ..lifecycle.states import SHOWN, State
 
 router = APIRouter()
 
@@ -56,7 +57,7 @@ def sandbox_json(row: SandboxRow) -> dict[str, Any]:
         "backend": row.backend, "created_at": row.created_at, "started_at": row.started_at,
         "ended_at": row.ended_at, "deadline": row.deadline,
         "timeout_remaining": max(0.0, row.deadline - now)
-        if row.deadline and row.state == "running" else None,
+        if row.deadline and row.state == State.RUNNING else None,
         "vcpus": row.spec.get("vcpus"), "memory_mib": row.spec.get("memory_mib"),
         "pids": row.spec.get("pids"), "disk_mib": row.spec.get("disk_mib"),
         "network": row.spec.get("network"), "metadata": row.metadata,
@@ -167,8 +168,7 @@ async def list_(request: Request, store: StoreDep, ws: Ws, all: bool = False
                 ) -> dict[str, Any]:
     """The caller's sandboxes (``all``: ended ones too); the admin's ``workspace=*``:
     every workspace's."""
-    states: tuple[str, ...] = ("creating", "running", "pausing", "paused", "resuming",
-                               "killing", "killed", "error") if all else ACTIVE_STATES
+    states: tuple[State, ...] = SHOWN if all else ACTIVE_STATES
     every = all_workspaces(request)
     rows = [r for r in store.list_sandboxes(None if every else ws, states)
             if r.workspace_id]  # (not a template's boot: the daemon's own)

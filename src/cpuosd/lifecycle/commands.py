@@ -21,6 +21,7 @@ from ..agentconn import AgentGone, Stream, TransportError, open_stream, raise_fo
 from ..errors import ApiError, api_error
 from ..store import Store
 from .common import Live, _base_env
+from .states import State
 
 log = logging.getLogger("cpuosd.commands")
 
@@ -34,7 +35,7 @@ MAX_COMMANDS = 256  # entries of a listing believed
 
 def gone_message(store: Store, lv: Live, e: AgentGone) -> str:
     row = store.get_sandbox(lv.row.id)
-    if row is not None and row.state != "running":
+    if row is not None and row.state != State.RUNNING:
         return f"sandbox is {row.state}" + (f" ({row.reason})" if row.reason else "")
     return e.message
 

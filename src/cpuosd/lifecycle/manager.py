@@ -50,6 +50,7 @@ from .pool import Templates
 from .reconcile import Reconcile
 from .session import Session
 from .snapshots import Snapshots
+from .states import State
 
 log = logging.getLogger("cpuosd.lifecycle")
 
@@ -250,7 +251,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
 
     def _new_row(self, workspace_id: str, template: str, info: dict[str, Any], timeout: float,
                  metadata: dict[str, str], env: dict[str, str], vcpus: int, memory_mib: int,
-                 state: str = "creating", on_timeout: str = "kill",
+                 state: State = State.CREATING, on_timeout: str = "kill",
                  network: dict[str, Any] | None = None, pids: int | None = None,
                  disk_mib: int | None = None, idle_timeout: float = 0.0) -> SandboxRow:
         sid = "sbx-" + "".join(secrets.choice("abcdefghijklmnopqrstuvwxyz0123456789")
@@ -370,11 +371,11 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         started = _now()
         row.deadline = started + timeout
         row.started_at = row.started_at or started
-        self._set_state(row.id, "running", started_at=row.started_at,
+        self._set_state(row.id, State.RUNNING, started_at=row.started_at,
                         deadline=row.deadline, workspace_id=row.workspace_id,
                         spec=row.spec, metadata=row.metadata, on_timeout=row.on_timeout,
                         reason=None)
-        row.state, row.reason = "running", None
+        row.state, row.reason = State.RUNNING, None
 
     async def create(self, workspace_id: str, template: str, timeout: float,
                      metadata: dict[str, str], env: dict[str, str], vcpus: int,
@@ -441,7 +442,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
                 await self._teardown(row.id)
                 why = "cancelled (deleted while creating)" if isinstance(
                     e, asyncio.CancelledError) else str(e)
-                self._finish(row.id, "error", f"create failed: {why}"[:500])
+                self._finish(row.id, State.ERROR, f"create failed: {why}"[:500])
                 raise
             finally:
                 self._inflight.pop(row.id, None)
@@ -468,7 +469,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
     def get(self, workspace_id: str, sid: str) -> SandboxRow:
         check_id(sid)
         row = self.store.get_sandbox(sid)
-        if row is None or row.workspace_id != workspace_id or row.state == "pooled":
+        if row is None or row.workspace_id != workspace_id or row.state == State.POOLED:
             raise not_found("sandbox", sid)
         return row
 
@@ -507,14 +508,14 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         lv = self.live.get(sid)
         if lv is not None:
             lv.row.spec["idle_timeout"] = idle_timeout
-            if lv.row.state == "running":
+            if lv.row.state == State.RUNNING:
                 self.idle.arm(sid, idle_timeout)
         return self.get(workspace_id, sid)
 
     def set_timeout(self, workspace_id: str, sid: str, timeout: float) -> SandboxRow:
         row = self.get(workspace_id, sid)
         states.check("set_timeout", sid, row.state, row.reason)
-        if row.state == "paused":
+        if row.state == State.PAUSED:
             self.store.update_sandbox(sid, remaining=timeout)
             return self.get(workspace_id, sid)
         lv = self.running(workspace_id, sid, "set_timeout")
@@ -523,7 +524,8 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         lv.row.deadline = deadline
         return self.get(workspace_id, sid)
 
-    async def kill(self, sid: str, reason: str = "killed", final_state: str = "killed") -> None:
+    async def kill(self, sid: str, reason: str = "killed",
+                   final_state: State = State.KILLED) -> None:
         """Returns within about KILL_LOCK_WAIT + KILL_TIMEOUT in every state: a create in
         progress is cancelled; an operation that holds the sandbox longer is not waited
         for; a teardown that overruns leaves the row in error with that reason."""
@@ -544,16 +546,16 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
             row = self.store.get_sandbox(sid)
             if row is None or row.state not in LIVE_STATES:
                 return
-            self._set_state(sid, "killing", reason=reason)
+            self._set_state(sid, State.KILLING, reason=reason)
             try:
                 await asyncio.wait_for(self._teardown(sid), KILL_TIMEOUT)
             except TimeoutError:
                 log.error("kill of %s: teardown did not finish in %.0fs", sid, KILL_TIMEOUT)
-                self._finish(sid, "error", f"kill timed out after {KILL_TIMEOUT:.0f}s")
+                self._finish(sid, State.ERROR, f"kill timed out after {KILL_TIMEOUT:.0f}s")
                 self._spawn(self._retry_teardown(sid))
                 return
             shutil.rmtree(self._snap(sid), ignore_errors=True)
-            if self.snapstore is not None and row.state == "paused" and row.node_id is None:
+            if self.snapstore is not None and row.state == State.PAUSED and row.node_id is None:
                 try:  # (paused into the shared store: its image goes too)
                     await asyncio.wait_for(self.snapstore.delete(sid), KILL_TIMEOUT)
                 except Exception as e:
@@ -624,7 +626,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         if t is not None:
             await asyncio.wait([t])
 
-    def _set_state(self, sid: str, to: str, **fields: Any) -> None:
+    def _set_state(self, sid: str, to: State, **fields: Any) -> None:
         """The one way a sandbox changes state: checked against the table
         (lifecycle.states), written to SQLite before anything acts on it, published as an
         event."""
@@ -650,6 +652,6 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
                 fields={k: v for k, v in fields.items()
                         if k in ("reason", "deadline", "remaining", "snapshot_bytes")}))
 
-    def _finish(self, sid: str, state: str, reason: str) -> None:
+    def _finish(self, sid: str, state: State, reason: str) -> None:
         self._set_state(sid, state, reason=reason, ended_at=_now())
         self._locks.pop(sid, None)

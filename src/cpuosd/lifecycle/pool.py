@@ -24,6 +24,7 @@ from ..errors import ApiError
 from ..store import SandboxRow
 from ..templates.builder import template_info
 from .common import (Live, _base_env, _now)
+from .states import State
 
 if TYPE_CHECKING:
     from .manager import Manager
@@ -75,7 +76,7 @@ class Templates:
                                    d: Path) -> None:
         t0 = time.monotonic()
         row = SandboxRow(id="tpl-" + secrets.token_hex(6), workspace_id="", template=template,
-                         backend=self.backend.capabilities.name, state="creating", reason=None,
+                         backend=self.backend.capabilities.name, state=State.CREATING, reason=None,
                          created_at=_now(), started_at=None, ended_at=None, deadline=None,
                          spec={"rootfs": info["rootfs"], "vcpus": self.cfg.sandbox.default_vcpus,
                                "memory_mib": self.cfg.sandbox.default_memory_mib,
@@ -134,7 +135,7 @@ class Templates:
                 if name and digest and (tdir / self._template_image_name(
                         str(name), str(digest)) / "checkpoint.img").exists():
                     images.append(str(name))
-        snaps = sorted(r.id for r in self.store.list_sandboxes(None, ("paused",),
+        snaps = sorted(r.id for r in self.store.list_sandboxes(None, (State.PAUSED,),
                                                                node_id=self.node_id)
                        if r.node_id is not None)[:MAX_SNAPSHOTS_LISTED]
         return {"pools": pools, "template_images": sorted(images), "snapshots": snaps}
@@ -186,12 +187,12 @@ class Templates:
                 return
             row = self._new_row(ws, template, info, self.cfg.sandbox.default_timeout, {}, {},
                                 self.cfg.sandbox.default_vcpus, self.cfg.sandbox.default_memory_mib,
-                                state="pooled")
+                                state=State.POOLED)
             try:
                 lv = await self._boot(row, image)
             except Exception:
                 log.exception("warm pool: restoring %s failed", template)
-                self._finish(row.id, "error", "pool restore failed")
+                self._finish(row.id, State.ERROR, "pool restore failed")
                 return
             ok = True
             if gen != self._pool_gen.get(template, 0):  # the template was removed meanwhile

@@ -22,6 +22,7 @@ from ..errors import ApiError, api_error
 from ..events import SandboxEvent
 from . import commands
 from .common import (Live, _base_env)
+from .states import State
 
 if TYPE_CHECKING:
     from .manager import Manager
@@ -92,7 +93,7 @@ class FileStream:
                            f"{READ_IDLE:.0f}s") from None
         except AgentGone:
             row = self.mgr.store.get_sandbox(self.lv.row.id)
-            why = f"sandbox is {row.state} ({row.reason})" if row and row.state != "running" \
+            why = f"sandbox is {row.state} ({row.reason})" if row and row.state != State.RUNNING \
                 else "sandbox agent disconnected"
             raise ApiError("unavailable", f"reading {self.path}: {why}") from None
         finally:
@@ -212,7 +213,7 @@ class Session:
                     raise_for_agent_error(h)
         except AgentGone as e:
             row = self.store.get_sandbox(lv.row.id)
-            why = f"sandbox is {row.state} ({row.reason})" if row and row.state != "running" \
+            why = f"sandbox is {row.state} ({row.reason})" if row and row.state != State.RUNNING \
                 else e.message
             result = {"t": Frame.ERROR, "code": "unavailable", "message": why}
             yield P.encode(result)

@@ -27,6 +27,7 @@ from ..store import SandboxRow
 from ..templates.builder import template_info
 from . import states
 from .common import (Live, _du, _now)
+from .states import State
 
 if TYPE_CHECKING:
     from .manager import Manager
@@ -86,11 +87,11 @@ class Snapshots:
                            "snapshot sandboxes yet (pause and fork need it)")
         t0 = time.monotonic()
         self._check_space(sid, image.parent)
-        self._set_state(sid, "pausing")
+        self._set_state(sid, State.PAUSING)
         try:
             await self._quiesce(lv)
         except BaseException:
-            self._set_state(sid, "running")
+            self._set_state(sid, State.RUNNING)
             raise
         tmp = image.with_name("." + image.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -112,7 +113,7 @@ class Snapshots:
             shutil.rmtree(tmp, ignore_errors=True)
             await self._teardown(sid)
             msg = e.message if isinstance(e, ApiError | TransportError) else str(e)
-            self._finish(sid, "error", f"checkpoint failed: {msg}"[:500])
+            self._finish(sid, State.ERROR, f"checkpoint failed: {msg}"[:500])
             raise
         t2 = time.monotonic()
         self._teardown_later(sid)  # the container stopped at its checkpoint
@@ -135,11 +136,11 @@ class Snapshots:
         size = _du(self._snap(sid))
         if self.snapstore is not None and await self._upload(sid):
             # in the shared store: the row is on no node (a new epoch), any node resumes it
-            self._set_state(sid, "paused", paused_at=_now(), remaining=remaining,
+            self._set_state(sid, State.PAUSED, paused_at=_now(), remaining=remaining,
                             snapshot_bytes=size, deadline=None, reason=reason,
                             node_id=None, new_epoch=True)
             return
-        self._set_state(sid, "paused", paused_at=_now(), remaining=remaining,
+        self._set_state(sid, State.PAUSED, paused_at=_now(), remaining=remaining,
                         snapshot_bytes=size, deadline=None, reason=reason)
 
     async def _upload(self: Manager, sid: str) -> bool:
@@ -195,13 +196,13 @@ class Snapshots:
         paused on no node again."""
         assert self.snapstore is not None
         sid = row.id
-        if not self.store.transition(sid, ("paused",), "resuming", expect_epoch=row.epoch,
+        if not self.store.transition(sid, (State.PAUSED,), State.RESUMING, expect_epoch=row.epoch,
                                      new_epoch=True, node_id=self.node_id):
             now = self.store.get_sandbox(sid)
             raise ApiError("conflict", f"sandbox {sid} is being resumed elsewhere (now "
                            f"{now.state if now else 'gone'})",
                            {"state": now.state if now else None})
-        self.events.emit(SandboxEvent("resuming", sid, row.workspace_id, "paused"))
+        self.events.emit(SandboxEvent(State.RESUMING, sid, row.workspace_id, State.PAUSED))
         snap = self._snap(sid)
         shutil.rmtree(snap, ignore_errors=True)
         try:
@@ -217,7 +218,8 @@ class Snapshots:
                      self.snapstore.kind, (time.monotonic() - t0) * 1e3)
         except BaseException:
             shutil.rmtree(snap, ignore_errors=True)
-            self.store.transition(sid, ("resuming",), "paused", new_epoch=True, node_id=None)
+            self.store.transition(sid, (State.RESUMING,), State.PAUSED, new_epoch=True,
+                                  node_id=None)
             raise
         got = self.store.get_sandbox(sid)
         assert got is not None
@@ -227,7 +229,7 @@ class Snapshots:
         async with self._lock(sid):
             row = self.get(workspace_id, sid)
             states.check("resume", sid, row.state, row.reason)
-            if row.state == "running":
+            if row.state == State.RUNNING:
                 return row
             if row.node_id != self.node_id:
                 if self.snapstore is None or row.node_id is not None:
@@ -242,20 +244,20 @@ class Snapshots:
         it is paused as it was (the snapshot is kept until the restore succeeded)."""
         sid = row.id
         snap = self._snap(sid)
-        claimed = row.state == "resuming"  # (fetched from the shared store: _claim)
+        claimed = row.state == State.RESUMING  # (fetched from the shared store: _claim)
         try:
             self.admission.admit(row.workspace_id, row.spec["vcpus"], row.spec["memory_mib"],
                                  new_sandboxes=False)
             if not claimed:
-                self._set_state(sid, "resuming")
+                self._set_state(sid, State.RESUMING)
             await self._boot(row, snap, resume=True)
         except BaseException:
             if claimed:  # the store's copy is still good: paused on no node again
                 shutil.rmtree(snap, ignore_errors=True)
-                self.store.transition(sid, ("resuming",), "paused", new_epoch=True,
+                self.store.transition(sid, (State.RESUMING,), State.PAUSED, new_epoch=True,
                                       node_id=None)
             else:
-                self._set_state(sid, "paused")  # the snapshot is still good
+                self._set_state(sid, State.PAUSED)  # the snapshot is still good
             raise
         self._mark_running(row, row.remaining or row.spec.get("timeout") or 300.0)
         self.store.update_sandbox(sid, paused_at=None, remaining=None, snapshot_bytes=None)
@@ -307,11 +309,11 @@ class Snapshots:
             size = 0
             try:
                 await self._checkpoint(lv, image)
-                self._set_state(sid, "resuming")
+                self._set_state(sid, State.RESUMING)
                 try:
                     await self._boot(row, image)
                 except BaseException as e:
-                    self._finish(sid, "error", f"restore after fork failed: {e}"[:500])
+                    self._finish(sid, State.ERROR, f"restore after fork failed: {e}"[:500])
                     raise
                 self._mark_running(row, remaining)
                 if publish:
@@ -418,7 +420,7 @@ class Snapshots:
                 try:
                     await self._boot(c, image)
                 except BaseException as e:
-                    self._finish(c.id, "error", f"fork restore failed: {e}"[:500])
+                    self._finish(c.id, State.ERROR, f"fork restore failed: {e}"[:500])
                     raise
                 self._mark_running(c, remaining)
                 clones.append(c)

@@ -65,6 +65,7 @@ import h11
 from ..config import PreviewConfig
 from ..errors import ApiError, invalid, not_found
 from ..fdbudget import BUDGET
+from ..lifecycle.states import GONE, State
 
 if TYPE_CHECKING:
     from ..lifecycle.manager import Manager
@@ -288,7 +289,7 @@ class Preview:
             raise invalid("port must be 1..65535", field="port")
         async with self.mgr._lock(sid):
             row = self.mgr.get(ws, sid)
-            if row.state in ("killing", "killed", "error"):
+            if row.state in GONE:
                 raise ApiError("conflict", f"sandbox {sid} is {row.state}",
                                {"state": row.state})
             ports = dict(row.spec.get("ports") or {})
@@ -789,8 +790,8 @@ class Preview:
                                ) -> str | tuple[int, str]:
         """The sandbox's address, resuming it first if it is paused (or pausing, resuming)
         and may be woken: one resume for any number of requests (Manager.wake)."""
-        if state in ("paused", "pausing", "resuming"):
-            if spec.get("wake_on_request") is False and state != "resuming":
+        if state in (State.PAUSED, State.PAUSING, State.RESUMING):
+            if spec.get("wake_on_request") is False and state != State.RESUMING:
                 return 503, f"{sid} is {state}"
             try:
                 async with asyncio.timeout(WAKE_TIMEOUT):
@@ -799,7 +800,7 @@ class Preview:
                 return 503, f"{sid} could not be resumed: {getattr(e, 'message', e)}"
             row = self.mgr.store.get_sandbox(sid)
             state = row.state if row else "gone"
-        if state != "running":
+        if state != State.RUNNING:
             return 503, f"{sid} is {state}"
         self.mgr.idle.touch(sid)
         a = self.network.by_sid.get(sid) if self.network else None

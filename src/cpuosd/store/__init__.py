@@ -17,8 +17,8 @@ from .base import (ACTIVE_STATES, LIVE_STATES, MAX_CONNECTIONS, SandboxRow, Stor
                    UsageInterval, hash_key, new_key)
 from .sqlite import SqliteStore
 
-__all__ = ["ACTIVE_STATES", "LIVE_STATES", "MAX_CONNECTIONS", "SandboxRow", "SqliteStore",
-           "Store", "UsageInterval", "hash_key", "new_key", "open_store"]
+__all__ = ["ACTIVE_STATES", "LIVE_STATES", "MAX_CONNECTIONS", "SandboxRow",
+           "SqliteStore", "Store", "UsageInterval", "hash_key", "new_key", "open_store"]
 
 
 def open_store(sqlite_path: Path, url: str | None = None, pool_size: int | None = None

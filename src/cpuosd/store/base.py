@@ -19,12 +19,15 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ..lifecycle.states import State
+from ..lifecycle import states
+
 # what is kept of one sandbox's connection record (the oldest go first)
 MAX_CONNECTIONS = 10_000
 
 # States with something on the host (a runsc sandbox, a snapshot, or both in flux).
-LIVE_STATES = ("creating", "running", "pausing", "paused", "resuming", "killing", "pooled")
-ACTIVE_STATES = ("creating", "running", "pausing", "paused", "resuming", "killing")
+LIVE_STATES = states.LIVE
+ACTIVE_STATES = states.ACTIVE
 
 
 def hash_key(key: str) -> str:
@@ -41,7 +44,7 @@ class SandboxRow:
     workspace_id: str
     template: str
     backend: str
-    state: str
+    state: State
     reason: str | None
     created_at: float
     started_at: float | None
@@ -61,6 +64,7 @@ class SandboxRow:
     @classmethod
     def from_row(cls, r: Mapping[str, Any]) -> SandboxRow:
         d = dict(r)
+        d["state"] = State(d["state"])
         d["spec"] = json.loads(d["spec"])
         d["metadata"] = json.loads(d["metadata"])
         return cls(**d)
@@ -110,15 +114,15 @@ class Store(Protocol):
     # ---- sandboxes
     def insert_sandbox(self, row: SandboxRow) -> None: ...
     def update_sandbox(self, sid: str, **fields: Any) -> None: ...
-    def transition(self, sid: str, from_states: Iterable[str], to_state: str, *,
+    def transition(self, sid: str, from_states: Iterable[State], to_state: State, *,
                    expect_epoch: int | None = None, new_epoch: bool = False,
                    **fields: Any) -> bool: ...
-    def fence_node(self, node_id: str, states: Iterable[str], to_state: str,
+    def fence_node(self, node_id: str, states: Iterable[State], to_state: State,
                    reason: str) -> list[str]: ...
     def get_sandbox(self, sid: str) -> SandboxRow | None: ...
-    def list_sandboxes(self, workspace_id: str | None = None, states: tuple[str, ...] = (),
+    def list_sandboxes(self, workspace_id: str | None = None, states: tuple[State, ...] = (),
                        *, node_id: str | None = None) -> list[SandboxRow]: ...
-    def sandbox_totals(self, workspace_id: str | None, states: tuple[str, ...]
+    def sandbox_totals(self, workspace_id: str | None, states: tuple[State, ...]
                        ) -> tuple[int, int, int]: ...
     def expired(self, now: float, *, node_id: str | None = None) -> list[tuple[str, str]]: ...
 

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
+from ..lifecycle.states import State
 from .base import MAX_CONNECTIONS, SandboxRow, UsageInterval, hash_key, new_key
 
 
@@ -223,7 +224,7 @@ class SqlStore:
         cols, args = self._set(fields)
         self._run(f"UPDATE sandboxes SET {', '.join(cols)} WHERE id=?", (*args, sid))
 
-    def transition(self, sid: str, from_states: Iterable[str], to_state: str, *,
+    def transition(self, sid: str, from_states: Iterable[State], to_state: State, *,
                    expect_epoch: int | None = None, new_epoch: bool = False,
                    **fields: Any) -> bool:
         """Compare-and-set: move the sandbox to ``to_state`` (and write ``fields``) only if
@@ -244,7 +245,7 @@ class SqlStore:
             args.append(expect_epoch)
         return self._run(sql, args) == 1
 
-    def fence_node(self, node_id: str, states: Iterable[str], to_state: str,
+    def fence_node(self, node_id: str, states: Iterable[State], to_state: State,
                    reason: str) -> list[str]:
         """A node declared dead: its sandboxes in ``states`` move to ``to_state`` with
         ``reason`` and a new epoch, in one statement, so that whatever that node still
@@ -260,7 +261,7 @@ class SqlStore:
         r = self._one("SELECT * FROM sandboxes WHERE id=?", (sid,))
         return SandboxRow.from_row(r) if r else None
 
-    def list_sandboxes(self, workspace_id: str | None = None, states: tuple[str, ...] = (),
+    def list_sandboxes(self, workspace_id: str | None = None, states: tuple[State, ...] = (),
                        *, node_id: str | None = None) -> list[SandboxRow]:
         sql, args = "SELECT * FROM sandboxes WHERE 1=1", []
         if workspace_id is not None:
@@ -275,7 +276,7 @@ class SqlStore:
         sql += " ORDER BY created_at"
         return [SandboxRow.from_row(r) for r in self._rows(sql, args)]
 
-    def sandbox_totals(self, workspace_id: str | None, states: tuple[str, ...]
+    def sandbox_totals(self, workspace_id: str | None, states: tuple[State, ...]
                        ) -> tuple[int, int, int]:
         """(how many, their vCPUs, their memory MiB) of the sandboxes in these states (of
         one workspace, or all): summed by the database from the (workspace, state) index."""
@@ -290,8 +291,8 @@ class SqlStore:
         return int(r["n"]), int(r["v"]), int(r["m"])
 
     def expired(self, now: float, *, node_id: str | None = None) -> list[tuple[str, str]]:
-        sql = "SELECT id, on_timeout FROM sandboxes WHERE state='running' AND deadline<=?"
-        args: list[Any] = [now]
+        sql = "SELECT id, on_timeout FROM sandboxes WHERE state=? AND deadline<=?"
+        args: list[Any] = [State.RUNNING, now]
         if node_id is not None:
             sql += " AND node_id=?"
             args.append(node_id)
