@@ -162,11 +162,11 @@ async def start_network(cfg: Config, backend: Backend, store: Store, events: Eve
         if ev.kind not in ENDED:
             return
         row = store.get_sandbox(ev.sandbox)
-        mine = stored_names(row.spec.get("network") if row else None)
+        mine = stored_names(row.spec.network if row else None)
         if not mine:
             return
         for other in store.list_sandboxes(None, LIVE_STATES):
-            mine -= stored_names(other.spec.get("network"))
+            mine -= stored_names(other.spec.network)
         net.secrets.forget(sorted(mine))
 
     events.subscribe(forget_secrets)

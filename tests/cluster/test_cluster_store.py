@@ -18,7 +18,7 @@ from cpuosd.lifecycle.states import State
 from cpuosd.accounting.usage import Meter
 from cpuosd.config import PricingConfig
 from cpuosd.events import SandboxEvent
-from cpuosd.store import SandboxRow, SqliteStore, Store
+from cpuosd.store import RowSpec, SandboxRow, SqliteStore, Store
 from cpuosd.store import sql as store_sql
 from cpuosd.store.migrations import MIGRATIONS, render
 from support.testbed import open_test_store
@@ -32,7 +32,7 @@ def _row(ws: str, sid: str, state: str = "running", vcpus: int = 2, memory_mib: 
     return SandboxRow(id=sid, workspace_id=ws, template="python", backend="gvisor",
                       state=State(state), reason=None, created_at=time.time(), started_at=None,
                       ended_at=None, deadline=None,
-                      spec={"vcpus": vcpus, "memory_mib": memory_mib, "rootfs": "/x"},
+                      spec=RowSpec(vcpus=vcpus, memory_mib=memory_mib, rootfs="/x"),
                       metadata={"k": "v"}, **kw)  # type: ignore[arg-type]
 
 
@@ -86,13 +86,15 @@ def test_sandboxes(store: Store) -> None:
     store.insert_sandbox(_row(ws, "sbx-b", "paused", vcpus=4, memory_mib=512))
     store.insert_sandbox(_row(ws, "sbx-c", "killed", vcpus=8))
     a = store.get_sandbox("sbx-a")
-    assert a is not None and a.spec["vcpus"] == 2 and a.metadata == {"k": "v"}
+    assert a is not None and a.spec.vcpus == 2 and a.metadata == {"k": "v"}
     assert a.node_id is None and a.epoch == 0 and a.on_timeout == "kill"
     assert store.get_sandbox("nope") is None
-    store.update_sandbox("sbx-a", deadline=time.time() - 1, spec={**a.spec, "x": 1},
+    # a key this version does not know (a newer daemon's) is kept through a read and write
+    store.update_sandbox("sbx-a", deadline=time.time() - 1,
+                         spec=RowSpec.from_json({**a.spec.to_json(), "x": 1}),
                          snapshot_bytes=5 << 30)
     a = store.get_sandbox("sbx-a")
-    assert a is not None and a.spec["x"] == 1 and a.snapshot_bytes == 5 << 30
+    assert a is not None and a.spec.extra == {"x": 1} and a.snapshot_bytes == 5 << 30
     assert store.expired(time.time()) == [("sbx-a", "kill")]
     assert [r.id for r in store.list_sandboxes(ws)] == ["sbx-a", "sbx-b", "sbx-c"]
     assert [r.id for r in store.list_sandboxes(None, (State.PAUSED, State.RUNNING))] == ["sbx-a",

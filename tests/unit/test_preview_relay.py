@@ -23,7 +23,7 @@ from cpuosd.lifecycle.states import State
 from cpuosd.cluster.api import Forwarder
 from cpuosd.cluster.preview import PreviewRelay
 from cpuosd.config import Config
-from cpuosd.store import SandboxRow
+from cpuosd.store import RowSpec, SandboxRow
 from cpuosd.store.sqlite import SqliteStore
 
 TOKEN = "t" * 24
@@ -66,7 +66,8 @@ async def relay(tmp_path: Path) -> AsyncIterator[tuple[PreviewRelay, Forwarder]]
         store.insert_sandbox(SandboxRow(
             id=SIDS[key], workspace_id=ws, template="python", backend="gvisor",
             state=State.PAUSED if node is None else State.RUNNING, reason=None,
-            created_at=time.time(), started_at=None, ended_at=None, deadline=None, spec={},
+            created_at=time.time(), started_at=None, ended_at=None, deadline=None,
+            spec=RowSpec(),
             metadata={}, node_id=node))
     cfg = Config()
     cfg = cfg.replace(cluster=dataclasses.replace(cfg.cluster, role="api", node_token=TOKEN))

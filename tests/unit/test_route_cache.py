@@ -26,7 +26,7 @@ from starlette.testclient import TestClient
 from cpuosd.lifecycle.states import State
 from cpuosd.cluster.nodes import NodeTokenGuard
 from cpuosd.config import Config
-from cpuosd.store import SandboxRow, SqliteStore
+from cpuosd.store import RowSpec, SandboxRow, SqliteStore
 from support.api_tier import api_client
 
 TOKEN = "t" * 32
@@ -47,7 +47,7 @@ class Env:
         self.store.insert_sandbox(SandboxRow(
             id=SID, workspace_id=ws, template="python", backend="gvisor", state=State.RUNNING,
             reason=None, created_at=now, started_at=now, ended_at=None, deadline=now + 300,
-            spec={"memory_mib": 512}, metadata={}, node_id="node-a"))
+            spec=RowSpec(memory_mib=512), metadata={}, node_id="node-a"))
         self.cfg = Config.from_env({"CPUOS_HOME": str(tmp), "CPUOS_ROLE": "api",
                                     "CPUOS_NODE_TOKEN": TOKEN})
         self.calls: list[httpx.Request] = []

@@ -21,7 +21,7 @@ from cpuosd.events import EventBus, SandboxEvent
 from cpuosd.lifecycle import states
 from cpuosd.lifecycle.manager import Manager
 from cpuosd.lifecycle.states import State
-from cpuosd.store import LIVE_STATES, SandboxRow, SqliteStore
+from cpuosd.store import LIVE_STATES, RowSpec, SandboxRow, SqliteStore
 from support.fakes import FakeBackend
 
 
@@ -59,7 +59,7 @@ def test_a_state_is_its_string_on_the_wire_and_in_the_store(tmp_path: Path) -> N
         row0 = SandboxRow(id="sbx-000000000001", workspace_id=store.create_workspace("w"),
                           template="python", backend="fake", state=State.PAUSED, reason=None,
                           created_at=1.0, started_at=None, ended_at=None, deadline=None,
-                          spec={}, metadata={})
+                          spec=RowSpec(), metadata={})
         store.insert_sandbox(row0)
         assert store.transition(row0.id, (State.PAUSED,), State.RESUMING)
         with sqlite3.connect(tmp_path / "cpuos.db") as db:  # the text it always was

@@ -65,8 +65,8 @@ class Meter:
             if row is None:
                 return
             self.store.usage_open(ev.workspace, ev.sandbox, "running", ev.time,
-                                  vcpus=int(row.spec.get("vcpus") or 0),
-                                  memory_mib=int(row.spec.get("memory_mib") or 0))
+                                  vcpus=int(row.spec.vcpus or 0),
+                                  memory_mib=int(row.spec.memory_mib or 0))
         elif ev.kind in CLOSES:
             self._close(ev.sandbox, ev.time)
             if ev.kind == State.PAUSED:

@@ -114,7 +114,7 @@ async def start_command(sid: str, body: StartCommand, mgr: ManagerDep, ws: Ws
     what: dict[str, Any] = {"source": "api", "background": True,
                             **({"shell": body.cmd} if isinstance(body.cmd, str)
                                else {"argv": body.cmd}),
-                            "cwd": cwd or lv.row.spec.get("workdir") or "/work",
+                            "cwd": cwd or lv.row.spec.workdir or "/work",
                             "env": sorted(body.env)}
     try:
         out = await C.start(lv, body.cmd, body.env, cwd, timeout, body.buffer, body.stdin)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import binascii
 import time
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
@@ -58,12 +59,12 @@ def sandbox_json(row: SandboxRow) -> dict[str, Any]:
         "ended_at": row.ended_at, "deadline": row.deadline,
         "timeout_remaining": max(0.0, row.deadline - now)
         if row.deadline and row.state == State.RUNNING else None,
-        "vcpus": row.spec.get("vcpus"), "memory_mib": row.spec.get("memory_mib"),
-        "pids": row.spec.get("pids"), "disk_mib": row.spec.get("disk_mib"),
-        "network": row.spec.get("network"), "metadata": row.metadata,
+        "vcpus": row.spec.vcpus, "memory_mib": row.spec.memory_mib,
+        "pids": row.spec.pids, "disk_mib": row.spec.disk_mib,
+        "network": row.spec.network, "metadata": row.metadata,
         "on_timeout": row.on_timeout, "paused_at": row.paused_at,
         "snapshot_bytes": row.snapshot_bytes,
-        "idle_timeout": float(row.spec.get("idle_timeout") or 0.0),
+        "idle_timeout": float(row.spec.idle_timeout or 0.0),
         "node_id": row.node_id,
     }
 
@@ -112,7 +113,7 @@ async def create(body: CreateSandbox, mgr: ManagerDep, store: StoreDep, net: Net
             net.secrets.forget(sorted(stored_names(network)))
         raise
     if not body.wake_on_request:
-        row.spec["wake_on_request"] = False
+        row.spec = replace(row.spec, wake_on_request=False)
         store.update_sandbox(row.id, spec=row.spec)
     return sandbox_json(row)
 

@@ -158,13 +158,13 @@ def build(e2b: E2B) -> FastAPI:
         out: dict[str, Any] = {
             "templateID": facts.get("alias") or row.template, "sandboxID": row.id,
             "clientID": "cpuos", "startedAt": _iso(started), "endAt": _iso(end),
-            "envdVersion": ENVD_VERSION, "cpuCount": int(row.spec.get("vcpus") or 0),
-            "memoryMB": int(row.spec.get("memory_mib") or 0),
-            "diskSizeMB": int(row.spec.get("disk_mib") or 0),
+            "envdVersion": ENVD_VERSION, "cpuCount": int(row.spec.vcpus or 0),
+            "memoryMB": int(row.spec.memory_mib or 0),
+            "diskSizeMB": int(row.spec.disk_mib or 0),
             "state": E2B_STATES.get(row.state, "running"), "metadata": row.metadata}
         if not listed:
             out.update(envdAccessToken=e2b.envd_token(row.id), domain=e2b.domain(),
-                       allowInternetAccess=(row.spec.get("network") or {}).get("mode")
+                       allowInternetAccess=(row.spec.network or {}).get("mode")
                        != "off")
         return out
 
@@ -353,7 +353,7 @@ def build(e2b: E2B) -> FastAPI:
         if (start is not None and now < start - 10) or (end is not None and now > end + 10):
             return []
         m = await sandbox_metrics(e2b.mgr, row)
-        vcpus = int(row.spec.get("vcpus") or 0)
+        vcpus = int(row.spec.vcpus or 0)
         return [{"timestamp": _iso(now), "timestampUnix": int(now), "cpuCount": vcpus,
                  "cpuUsedPct": float(m.get("cpu_percent_avg") or 0.0),
                  "memUsed": int(m.get("memory_bytes") or 0),

@@ -105,7 +105,7 @@ class Plain:
     async def envs(self, request: Request) -> Response:
         t = CURRENT.get()
         row = t.row
-        env = {**(row.spec.get("template_env") or {}), **(row.spec.get("env") or {})}
+        env = {**(row.spec.template_env or {}), **(row.spec.env or {})}
         return JSONResponse(env)
 
     async def read(self, request: Request) -> Response:

@@ -20,7 +20,7 @@ import secrets
 import sqlite3
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -266,11 +266,11 @@ class E2B:
         row = self.store.get_sandbox(sid)
         if row is not None:
             facts = {**extra, "alias": alias, "public": public}
-            row.spec["e2b"] = facts
+            row.spec = replace(row.spec, e2b=facts)
             self.store.update_sandbox(sid, spec=row.spec)
             lv = self.mgr.live.get(sid)
             if lv is not None:
-                lv.row.spec["e2b"] = facts
+                lv.row.spec = replace(lv.row.spec, e2b=facts)
 
     def facts(self, sid: str, row: SandboxRow | None = None) -> dict[str, Any] | None:
         if self._db is None:
@@ -281,7 +281,7 @@ class E2B:
         if r is None:  # (made on another node: its row says)
             if row is None and self._store is not None:
                 row = self.store.get_sandbox(sid)
-            shared = row.spec.get("e2b") if row is not None else None
+            shared = row.spec.e2b if row is not None else None
             if not isinstance(shared, dict) or not isinstance(shared.get("alias"), str):
                 return None
             return {**shared, "public": bool(shared.get("public", True))}

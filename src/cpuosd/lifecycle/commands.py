@@ -142,7 +142,7 @@ async def start(lv: Live, cmd: str | list[str], env: dict[str, str], cwd: str | 
         if pty is not None:
             base["TERM"] = "xterm-256color"
         msg: M.Exec = {**M.command(cmd), "env": {**base, **env},
-                       "cwd": cwd or lv.row.spec.get("workdir") or "/work",
+                       "cwd": cwd or lv.row.spec.workdir or "/work",
                        "timeout": timeout, "stdin": stdin, "background": True,
                        "buffer": buffer, "pty": pty}
         await st.send(msg)

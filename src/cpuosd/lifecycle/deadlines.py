@@ -39,7 +39,7 @@ class Deadlines:
                 if row is not None:
                     try:
                         await self.pause(row.workspace_id, sid, reason="timeout")
-                        self.store.update_sandbox(sid, remaining=row.spec.get("timeout"))
+                        self.store.update_sandbox(sid, remaining=row.spec.timeout)
                         return
                     except (ApiError, TransportError) as e:
                         log.warning("auto-pause of %s failed (%s); killing", sid, e)

@@ -19,6 +19,7 @@ import os
 import secrets
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 from collections.abc import Iterator
 from typing import Any
@@ -35,7 +36,7 @@ from ..config import Config
 from ..errors import ApiError, not_found
 from ..events import EventBus, SandboxEvent
 from ..paths import check_id
-from ..store import LIVE_STATES, SandboxRow, Store
+from ..store import LIVE_STATES, RowSpec, SandboxRow, Store
 from ..accounting.quotas import Admission, HostMeter, Measure
 from ..network.policy import Policy
 from ..templates.builder import template_info
@@ -184,7 +185,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         async with self._lock(sid):
             row = self.get(workspace_id, sid)
             states.check("network", sid, row.state, row.reason)
-            old = row.spec.get("network") or {}
+            old = row.spec.network or {}
             if old.get("secrets"):  # a request changes mode and allowlist, not secrets
                 network = {**network, "secrets": old["secrets"], "ca": old.get("ca")}
             lv = self.live.get(sid)
@@ -195,8 +196,8 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
                 except BaseException:
                     lv.spec.network = old or None
                     raise
-                lv.row.spec["network"] = network
-            row.spec["network"] = network
+                lv.row.spec = replace(lv.row.spec, network=network)
+            row.spec = replace(row.spec, network=network)
             self.store.update_sandbox(sid, spec=row.spec)
             self.events.emit(SandboxEvent("network", sid, row.workspace_id, row.state,
                                           fields={"network": network}))
@@ -204,11 +205,11 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
 
     def _spec(self, row: SandboxRow) -> SandboxSpec:
         s = row.spec
-        return SandboxSpec(id=row.id, rootfs=Path(s["rootfs"]), dir=self.cfg.sandboxes_dir / row.id,
-                           agent_dir=self.agent_dir, vcpus=s["vcpus"], memory_mib=s["memory_mib"],
-                           pids=s.get("pids"), disk_mib=s.get("disk_mib"),
-                           network=s.get("network"),
-                           hostname=s.get("hostname", "sandbox"), env=s.get("env", {}))
+        return SandboxSpec(id=row.id, rootfs=Path(s.rootfs), dir=self.cfg.sandboxes_dir / row.id,
+                           agent_dir=self.agent_dir, vcpus=s.vcpus, memory_mib=s.memory_mib,
+                           pids=s.pids, disk_mib=s.disk_mib,
+                           network=s.network,
+                           hostname=s.hostname, env=s.env)
 
     async def startup(self) -> None:
         self.cfg.snapshots_dir.mkdir(parents=True, exist_ok=True)
@@ -261,13 +262,13 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
             id=sid, workspace_id=workspace_id, template=template,
             backend=self.backend.capabilities.name, state=state, reason=None,
             created_at=now, started_at=None, ended_at=None, deadline=now + timeout,
-            spec={"rootfs": info["rootfs"], "template_digest": info["digest"], "vcpus": vcpus,
-                  "memory_mib": memory_mib, "pids": pids or self.cfg.sandbox.default_pids,
-                  "disk_mib": disk_mib or self.cfg.sandbox.default_disk_mib,
-                  "hostname": "sandbox", "env": env,
-                  "timeout": timeout, "machine_id": secrets.token_hex(16),
-                  "template_env": info.get("env") or {}, "workdir": info.get("workdir"),
-                  "network": network or self.default_network, "idle_timeout": idle_timeout},
+            spec=RowSpec(rootfs=info["rootfs"], template_digest=info["digest"], vcpus=vcpus,
+                         memory_mib=memory_mib, pids=pids or self.cfg.sandbox.default_pids,
+                         disk_mib=disk_mib or self.cfg.sandbox.default_disk_mib,
+                         hostname="sandbox", env=env,
+                         timeout=timeout, machine_id=secrets.token_hex(16),
+                         template_env=info.get("env") or {}, workdir=info.get("workdir"),
+                         network=network or self.default_network, idle_timeout=idle_timeout),
             metadata=metadata, on_timeout=on_timeout, node_id=self.node_id,
         )
         self.store.insert_sandbox(row)
@@ -293,7 +294,9 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
             # unprivileged uid) to reach agent.sock: 0755 whatever the daemon's umask
             spec.sock_dir.chmod(0o755)
             # Per sandbox, also after a restore: templates link /etc/machine-id here.
-            mid = row.spec.setdefault("machine_id", secrets.token_hex(16))
+            if not row.spec.machine_id:
+                row.spec = replace(row.spec, machine_id=secrets.token_hex(16))
+            mid = row.spec.machine_id
             (spec.sock_dir / "machine-id").write_text(mid + "\n")
             (spec.sock_dir / "machine-id").chmod(0o444)
             key_file = spec.sock_dir / P.KEY_PATH.rsplit("/", 1)[1]
@@ -335,13 +338,13 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         if image is not None:
             with contextlib.suppress(OSError):
                 key = (image / "agent.key").read_text().strip()
-        key = key or row.spec.get("agent_key") or secrets.token_hex(32)
-        row.spec["agent_key"] = key
+        key = key or row.spec.agent_key or secrets.token_hex(32)
+        row.spec = replace(row.spec, agent_key=key)
         return key
 
     @staticmethod
     def _save_agent_key(lv: Live, image_dir: Path) -> None:
-        key = lv.row.spec.get("agent_key")
+        key = lv.row.spec.agent_key
         if key:
             fd = os.open(image_dir / "agent.key", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as f:
@@ -353,9 +356,9 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         (cpuos_agent.agent.apply_identity), and the memory limit the agent's OOM killer
         holds the sandbox to (gVisor: cpuos_agent.memguard)."""
         msg = M.Identity(t=Kind.IDENTITY, hostname=lv.row.id,
-                         machine_id=lv.row.spec["machine_id"],
+                         machine_id=lv.row.spec.machine_id,
                          seed=secrets.token_hex(64), time=time.time(),
-                         memory_limit=int(lv.row.spec["memory_mib"]) << 20,
+                         memory_limit=int(lv.row.spec.memory_mib) << 20,
                          spawner_idle_exit=self.cfg.sandbox.spawner_idle_exit)
         if self.backend.capabilities.guest_net and lv.spec.address and lv.spec.gateway:
             # a VM's interface: every restore and clone has an address of its own
@@ -415,8 +418,8 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         if lv is not None:
             row = lv.row
             row.workspace_id, row.metadata, row.on_timeout = workspace_id, metadata, on_timeout
-            row.spec = {**row.spec, "env": env, "timeout": timeout, "network": network,
-                        "idle_timeout": idle_timeout}
+            row.spec = replace(row.spec, env=env, timeout=timeout, network=network,
+                               idle_timeout=idle_timeout)
             lv.spec.env = env
             if lv.spec.network != network:  # pooled with the default policy
                 self.store.update_sandbox(row.id, spec=row.spec)  # (its secrets: on record)
@@ -461,7 +464,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
                     log.warning("restore of %s from %s failed (attempt %d): %s", row.id,
                                 image.name, attempt, e.message)
             log.warning("sandbox %s: restores failed; booting it instead", row.id)
-            row.spec.pop("agent_key", None)  # a cold boot's agent gets a key of its own
+            row.spec = replace(row.spec, agent_key=None)  # a cold boot's agent: a key of its own
         lv = await self._boot(row, None)
         await self._start_command(lv, info)
         return lv
@@ -503,11 +506,11 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         """A new idle timeout (0: never), counted from now for a running sandbox."""
         row = self.get(workspace_id, sid)
         states.check("set_timeout", sid, row.state, row.reason)
-        row.spec["idle_timeout"] = idle_timeout
+        row.spec = replace(row.spec, idle_timeout=idle_timeout)
         self.store.update_sandbox(sid, spec=row.spec)
         lv = self.live.get(sid)
         if lv is not None:
-            lv.row.spec["idle_timeout"] = idle_timeout
+            lv.row.spec = replace(lv.row.spec, idle_timeout=idle_timeout)
             if lv.row.state == State.RUNNING:
                 self.idle.arm(sid, idle_timeout)
         return self.get(workspace_id, sid)
@@ -592,7 +595,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         still live by then."""
         if self.live.get(lv.row.id) is not lv or lv.mem is not None:
             return
-        lv.mem = memwatch.start(lv.chan, lv.row.id, int(lv.row.spec["memory_mib"]),
+        lv.mem = memwatch.start(lv.chan, lv.row.id, int(lv.row.spec.memory_mib),
                                 self.backend)
 
     def _teardown_later(self, sid: str) -> None:

@@ -21,7 +21,7 @@ from cpuos_agent.protocol import Kind
 
 from ..agentconn import raise_for_agent_error
 from ..errors import ApiError
-from ..store import SandboxRow
+from ..store import RowSpec, SandboxRow
 from ..templates.builder import template_info
 from .common import (Live, _base_env, _now)
 from .states import State
@@ -78,15 +78,16 @@ class Templates:
         row = SandboxRow(id="tpl-" + secrets.token_hex(6), workspace_id="", template=template,
                          backend=self.backend.capabilities.name, state=State.CREATING, reason=None,
                          created_at=_now(), started_at=None, ended_at=None, deadline=None,
-                         spec={"rootfs": info["rootfs"], "vcpus": self.cfg.sandbox.default_vcpus,
-                               "memory_mib": self.cfg.sandbox.default_memory_mib,
-                               "pids": self.cfg.sandbox.default_pids,
-                               "disk_mib": self.cfg.sandbox.default_disk_mib,
-                               "network": {"mode": "off", "allow": []},
-                               "hostname": "sandbox", "env": {},
-                               "machine_id": secrets.token_hex(16),
-                               "template_env": info.get("env") or {},
-                               "workdir": info.get("workdir")},
+                         spec=RowSpec(rootfs=info["rootfs"],
+                                      vcpus=self.cfg.sandbox.default_vcpus,
+                                      memory_mib=self.cfg.sandbox.default_memory_mib,
+                                      pids=self.cfg.sandbox.default_pids,
+                                      disk_mib=self.cfg.sandbox.default_disk_mib,
+                                      network={"mode": "off", "allow": []},
+                                      hostname="sandbox", env={},
+                                      machine_id=secrets.token_hex(16),
+                                      template_env=info.get("env") or {},
+                                      workdir=info.get("workdir")),
                          metadata={})
         tmp = d.with_name(d.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -302,7 +303,7 @@ class Templates:
         if not start:
             return
         await self._run_simple(
-            lv, f"cd {shlex.quote(lv.row.spec.get('workdir') or '/')} && "
+            lv, f"cd {shlex.quote(lv.row.spec.workdir or '/')} && "
             f"{'CPUOS_TEMPLATE_SNAPSHOT=1 ' if snapshot else ''}"
             f"nohup sh -c {shlex.quote(start)} >/tmp/cpuos-start.log 2>&1 &", 30)
         ready = info.get("ready") or {}

@@ -37,7 +37,7 @@ class Reconcile:
                 if row.state != State.RUNNING:
                     # a paused row has no deadline: it gets back the time it had left
                     deadline = row.deadline or _now() + float(
-                        row.remaining or row.spec.get("timeout")
+                        row.remaining or row.spec.timeout
                         or self.cfg.sandbox.default_timeout)
                     was = row.state
                     self._set_state(row.id, State.RUNNING, deadline=deadline)
@@ -89,7 +89,7 @@ class Reconcile:
 
     async def _reattach(self: Manager, row: SandboxRow) -> None:
         lv = Live(row, self._spec(row), AgentChannel(self._spec(row).sock_path,
-                                                     row.spec.get("agent_key"),
+                                                     row.spec.agent_key,
                                                      self.cfg.sandbox.agent_liveness))
         self.live[row.id] = lv
         await lv.chan.listen()

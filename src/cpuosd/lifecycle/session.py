@@ -146,7 +146,7 @@ class Session:
         eid = "exe-" + secrets.token_hex(6)
         st = lv.chan.open()
         try:
-            cwd = cwd or lv.row.spec.get("workdir") or "/work"
+            cwd = cwd or lv.row.spec.workdir or "/work"
             msg: M.Exec = {**M.command(cmd), "env": {**_base_env(lv.row), **env},
                            "cwd": cwd, "timeout": timeout,
                            "stdin": stdin is not None or stdin_stream}

@@ -11,6 +11,7 @@ import secrets
 import shutil
 import time
 from collections.abc import Coroutine
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -246,7 +247,7 @@ class Snapshots:
         snap = self._snap(sid)
         claimed = row.state == State.RESUMING  # (fetched from the shared store: _claim)
         try:
-            self.admission.admit(row.workspace_id, row.spec["vcpus"], row.spec["memory_mib"],
+            self.admission.admit(row.workspace_id, row.spec.vcpus, row.spec.memory_mib,
                                  new_sandboxes=False)
             if not claimed:
                 self._set_state(sid, State.RESUMING)
@@ -259,7 +260,7 @@ class Snapshots:
             else:
                 self._set_state(sid, State.PAUSED)  # the snapshot is still good
             raise
-        self._mark_running(row, row.remaining or row.spec.get("timeout") or 300.0)
+        self._mark_running(row, row.remaining or row.spec.timeout or 300.0)
         self.store.update_sandbox(sid, paused_at=None, remaining=None, snapshot_bytes=None)
         shutil.rmtree(snap, ignore_errors=True)
         if claimed and self.snapstore is not None:
@@ -298,10 +299,10 @@ class Snapshots:
             lv = self.running(workspace_id, sid, "fork")
             row = lv.row
             if publish:  # the workspace's count for every child, wherever it lands
-                self.admission.admit(workspace_id, row.spec["vcpus"], row.spec["memory_mib"],
+                self.admission.admit(workspace_id, row.spec.vcpus, row.spec.memory_mib,
                                      n=n + publish, reserve_host=False)
             if n:
-                self.admission.admit(workspace_id, row.spec["vcpus"], row.spec["memory_mib"],
+                self.admission.admit(workspace_id, row.spec.vcpus, row.spec.memory_mib,
                                      n=n)
             image = self.cfg.snapshots_dir / f"fork-{sid}-{secrets.token_hex(4)}"
             remaining = max(1.0, (row.deadline or _now()) - _now())
@@ -371,10 +372,10 @@ class Snapshots:
         check_fork_key(sid, key)
         parent = self.get(workspace_id, sid)  # (404 unless the caller's)
         info = template_info(self.cfg.templates_dir, parent.template)
-        if info is None or info.get("digest") != parent.spec.get("template_digest"):
+        if info is None or info.get("digest") != parent.spec.template_digest:
             raise ApiError("conflict", f"node {self.node_id} does not have the build of "
                            f"template {parent.template!r} that sandbox {sid} runs")
-        self.admission.admit(workspace_id, parent.spec["vcpus"], parent.spec["memory_mib"],
+        self.admission.admit(workspace_id, parent.spec.vcpus, parent.spec.memory_mib,
                              n=n)
         image = self.cfg.snapshots_dir / f"fork-{sid}-{secrets.token_hex(4)}"
         shutil.rmtree(image, ignore_errors=True)
@@ -404,18 +405,18 @@ class Snapshots:
                       rootfs: str | None = None) -> list[SandboxRow]:
         """n children of row restored from image, each a new row of this node; on a failure
         (or a cancellation) the ones made are killed and the error raised."""
-        info = {"rootfs": rootfs or row.spec["rootfs"],
-                "digest": row.spec.get("template_digest")}
+        info = {"rootfs": rootfs or row.spec.rootfs,
+                "digest": row.spec.template_digest}
         clones: list[SandboxRow] = []
         try:
             for _ in range(n):
                 c = self._new_row(row.workspace_id, row.template, info, remaining,
-                                  row.metadata, row.spec.get("env", {}), row.spec["vcpus"],
-                                  row.spec["memory_mib"], on_timeout=row.on_timeout)
-                c.spec["pids"] = row.spec.get("pids")  # rlimits must match at restore
-                c.spec["disk_mib"] = row.spec.get("disk_mib")  # and the overlay's medium
-                c.spec["network"] = row.spec.get("network")
-                c.spec["idle_timeout"] = row.spec.get("idle_timeout") or 0.0
+                                  row.metadata, row.spec.env, row.spec.vcpus,
+                                  row.spec.memory_mib, on_timeout=row.on_timeout)
+                c.spec = replace(c.spec, pids=row.spec.pids,  # rlimits must match at restore
+                                 disk_mib=row.spec.disk_mib,  # and the overlay's medium
+                                 network=row.spec.network,
+                                 idle_timeout=row.spec.idle_timeout or 0.0)
                 self.store.update_sandbox(c.id, spec=c.spec)
                 try:
                     await self._boot(c, image)

@@ -25,7 +25,7 @@ class Idle:
     """The Manager's side: the tick, the auto-pause, and waking a sandbox for a call."""
 
     def _idle_timeout_of(self: Manager, row: SandboxRow) -> float:
-        v = row.spec.get("idle_timeout")
+        v = row.spec.idle_timeout
         return float(v) if isinstance(v, (int, float)) else 0.0
 
     def _idle_in_use(self: Manager, sid: str) -> bool:

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .base import (ACTIVE_STATES, LIVE_STATES, MAX_CONNECTIONS, SandboxRow, Store,
+from .base import (ACTIVE_STATES, LIVE_STATES, MAX_CONNECTIONS, RowSpec, SandboxRow, Store,
                    UsageInterval, hash_key, new_key)
 from .sqlite import SqliteStore
 
-__all__ = ["ACTIVE_STATES", "LIVE_STATES", "MAX_CONNECTIONS", "SandboxRow",
+__all__ = ["ACTIVE_STATES", "LIVE_STATES", "MAX_CONNECTIONS", "RowSpec", "SandboxRow",
            "SqliteStore", "Store", "UsageInterval", "hash_key", "new_key", "open_store"]
 
 

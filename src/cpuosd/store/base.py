@@ -16,7 +16,7 @@ import hashlib
 import json
 import secrets
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
 from ..lifecycle.states import State
@@ -38,6 +38,61 @@ def new_key() -> str:
     return "cpk_" + secrets.token_urlsafe(32)
 
 
+# keys of a stored spec written only once they have a value (added after the first
+# version: a row without them means None)
+_LATE_KEYS = frozenset({"agent_key", "ports", "e2b", "wake_on_request"})
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """A sandbox's ``spec`` as the store holds it (the JSON column ``sandboxes.spec``):
+    what it was made with and what was set on it since. Immutable: a change is a new one
+    (``dataclasses.replace``), written with ``Store.update_sandbox(sid, spec=...)``.
+
+    ``to_json`` gives the dict the store writes: the keys in the order the daemon always
+    wrote them, a late key only once it is set, and any key this version does not know
+    kept as it was (``extra``); ``from_json`` reads any row, also one written before a key
+    existed (its default)."""
+
+    rootfs: str = ""
+    template_digest: str | None = None
+    vcpus: int = 0
+    memory_mib: int = 0
+    pids: int | None = None
+    disk_mib: int | None = None
+    hostname: str = "sandbox"
+    env: dict[str, str] = field(default_factory=dict)
+    timeout: float | None = None  # s the sandbox was created with (a resume's default)
+    machine_id: str = ""
+    template_env: dict[str, str] = field(default_factory=dict)
+    workdir: str | None = None  # the template's (None: /work)
+    network: dict[str, Any] | None = None  # the egress policy (network.policy.Policy JSON)
+    idle_timeout: float = 0.0  # s without activity before an auto-pause (0: never)
+    # late keys
+    agent_key: str | None = None  # the agent's key (lifecycle.manager._agent_key)
+    ports: dict[str, dict[str, Any]] | None = None  # exposed ports (proxy.preview)
+    e2b: dict[str, Any] | None = None  # E2B facts shared with other nodes (e2b.state)
+    wake_on_request: bool | None = None  # False: a preview request does not wake it
+    # keys this version does not know, kept as they were
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> RowSpec:
+        known = {f.name for f in fields(cls)} - {"extra"}
+        return cls(**{k: v for k, v in d.items() if k in known},
+                   extra={k: v for k, v in d.items() if k not in known})
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "extra" or (f.name in _LATE_KEYS and v is None):
+                continue
+            out[f.name] = v
+        out.update(self.extra)
+        return out
+
+
 @dataclass
 class SandboxRow:
     id: str
@@ -50,7 +105,7 @@ class SandboxRow:
     started_at: float | None
     ended_at: float | None
     deadline: float | None
-    spec: dict[str, Any]
+    spec: RowSpec
     metadata: dict[str, str]
     on_timeout: str = "kill"
     paused_at: float | None = None
@@ -65,7 +120,7 @@ class SandboxRow:
     def from_row(cls, r: Mapping[str, Any]) -> SandboxRow:
         d = dict(r)
         d["state"] = State(d["state"])
-        d["spec"] = json.loads(d["spec"])
+        d["spec"] = RowSpec.from_json(json.loads(d["spec"]))
         d["metadata"] = json.loads(d["metadata"])
         return cls(**d)
 

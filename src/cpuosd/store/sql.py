@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 from ..lifecycle.states import State
-from .base import MAX_CONNECTIONS, SandboxRow, UsageInterval, hash_key, new_key
+from .base import MAX_CONNECTIONS, RowSpec, SandboxRow, UsageInterval, hash_key, new_key
 
 
 class Conn(Protocol):
@@ -41,6 +41,10 @@ def _interval(r: dict[str, Any]) -> UsageInterval:
     return UsageInterval(r["sandbox_id"], r["kind"], float(r["start"]),
                          None if r["end"] is None else float(r["end"]), r["vcpus"],
                          r["memory_mib"], r["snapshot_bytes"], r["reason"])
+
+
+def _dump_spec(spec: RowSpec | dict[str, Any]) -> str:
+    return json.dumps(spec.to_json() if isinstance(spec, RowSpec) else spec)
 
 
 def _in(values: Sequence[str]) -> str:
@@ -208,7 +212,7 @@ class SqlStore:
     # ---- sandboxes ------------------------------------------------------------------
     def insert_sandbox(self, row: SandboxRow) -> None:
         d = dict(row.__dict__)
-        d["spec"], d["metadata"] = json.dumps(row.spec), json.dumps(row.metadata)
+        d["spec"], d["metadata"] = _dump_spec(row.spec), json.dumps(row.metadata)
         self._run(f"INSERT INTO sandboxes ({', '.join(d)}) VALUES ({_in(list(d))})",
                   tuple(d.values()))
 
@@ -217,7 +221,8 @@ class SqlStore:
         cols, args = [], []
         for k, v in fields.items():
             cols.append(f"{k}=?")
-            args.append(json.dumps(v) if k in ("spec", "metadata") else v)
+            args.append(_dump_spec(v) if k == "spec" else json.dumps(v) if k == "metadata"
+                        else v)
         return cols, args
 
     def update_sandbox(self, sid: str, **fields: Any) -> None:
