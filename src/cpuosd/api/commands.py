@@ -188,4 +188,4 @@ async def exec_stdin(sid: str, eid: str, request: Request, mgr: ManagerDep, ws: 
     (``POST /sandboxes/{id}/exec``; its ``started`` frame names the exec id), no faster than
     the command reads it; one such request at a time."""
     mgr.get(ws, sid)
-    return await C.exec_stdin(sid, eid, request.stream(), close)
+    return await mgr.exec_stdin.write(sid, eid, request.stream(), close)

@@ -30,6 +30,7 @@ from cpuos_agent import protocol as P
 from cpuos_agent.protocol import Kind
 
 from .. import procs
+from ..browser import Targets
 from ..agentconn import AgentChannel, TransportError, raise_for_agent_error
 from ..backends.base import Backend, SandboxSpec
 from ..config import Config
@@ -44,6 +45,7 @@ from ..snapstore import SnapshotStore
 from . import memwatch, states
 from .common import (KILL_LOCK_WAIT, KILL_RETRY_INTERVAL, KILL_TIMEOUT, RECONNECT_GRACE, Live,
                      _now)
+from .commands import ExecStdin
 from .deadlines import Deadlines
 from .idle import IdleWatch
 from .wake import Idle
@@ -105,6 +107,10 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         self._idle_pauses = asyncio.Semaphore(cfg.idle.pause_parallel)
         self._waking: dict[str, asyncio.Task[Any]] = {}
         self.connections: collections.Counter[str] = collections.Counter()
+        # the stdin streams of foreground execs (lifecycle.commands), and the page each
+        # sandbox's browser helpers drove last (cpuosd.browser)
+        self.exec_stdin = ExecStdin()
+        self.browser_targets = Targets()
         self.events.subscribe(self._idle_on_event)
         self.agent_dir = self._install_agent()
         cfg.sandboxes_dir.mkdir(parents=True, exist_ok=True)
