@@ -3,9 +3,9 @@
 
 The Manager is assembled from one module per concern:
 ``reconcile`` (restart), ``pool`` (template snapshots, warm pool), ``snapshots`` (pause,
-resume, fork), ``deadlines``, ``wake`` (auto-pause on idle, wake on a call), ``session``
-(exec, files); this module holds what they share
-and the lifecycle itself.
+resume, fork), ``wake`` (auto-pause on idle, wake on a call), ``session`` (exec, files),
+mixins; ``deadlines``, a collaborator it holds (``Manager.deadlines``); this module holds
+what they share and the lifecycle itself.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ log = logging.getLogger("cpuosd.lifecycle")
 __all__ = ["Live", "Manager"]
 
 
-class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
+class Manager(Reconcile, Templates, Snapshots, Idle, Session):
     def __init__(self, cfg: Config, store: Store, backend: Backend,
                  events: EventBus | None = None, measure: Measure | None = None,
                  snapstore: SnapshotStore | None = None) -> None:
@@ -111,6 +111,9 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         # sandbox's browser helpers drove last (cpuosd.browser)
         self.exec_stdin = ExecStdin()
         self.browser_targets = Targets()
+        # wall-clock deadlines (lifecycle.deadlines): a collaborator, not a mixin
+        self.deadlines = Deadlines(store, cfg.sandbox.reaper_interval, self.node_id,
+                                   self._spawn, self.pause, self.kill)
         self.events.subscribe(self._idle_on_event)
         self.agent_dir = self._install_agent()
         cfg.sandboxes_dir.mkdir(parents=True, exist_ok=True)
@@ -221,7 +224,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         self.cfg.snapshots_dir.mkdir(parents=True, exist_ok=True)
         self.cfg.snapshots_dir.chmod(0o700)
         await self.reconcile()
-        self._spawn(self._reaper())
+        self._spawn(self.deadlines.run())
         self._spawn(self._idle_loop())
         self._spawn(procs.reap_loop())  # the runsc/QEMU processes we adopted
         for template in self.cfg.pool.templates if self.cfg.pool.size > 0 else []:
