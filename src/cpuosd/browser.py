@@ -180,12 +180,27 @@ class Page:
         return (r.get("result") or {}).get("value")
 
 
-# the page target each sandbox's helpers drove last (by sandbox and address: a restored
-# sandbox has a new address), and the one last driven in any sandbox of the same template
-# and workspace (clones of one template snapshot have the same target ids): a call tries
-# them before asking for /json/list, a round trip through the sandbox's relay
-_TARGETS: dict[str, str] = {}
 MAX_TARGETS = 4096
+
+
+class Targets:
+    """The page target each sandbox's helpers drove last (by sandbox and address: a restored
+    sandbox has a new address), and the one last driven in any sandbox of the same template
+    and workspace (clones of one template snapshot have the same target ids): a call tries
+    them before asking for /json/list, a round trip through the sandbox's relay. The
+    Manager's (``Manager.browser_targets``); at most MAX_TARGETS, the oldest go first."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, str] = {}
+
+    def get(self, key: str) -> str | None:
+        return self._last.get(key)
+
+    def remember(self, key: str, target: str) -> None:
+        self._last.pop(key, None)
+        self._last[key] = target
+        while len(self._last) > MAX_TARGETS:
+            del self._last[next(iter(self._last))]
 
 
 async def _connect(addr: str, target: str) -> ClientConnection:
@@ -195,23 +210,18 @@ async def _connect(addr: str, target: str) -> ClientConnection:
                              open_timeout=CONNECT_TIMEOUT, ping_interval=None)
 
 
-def _remember(key: str, target: str) -> None:
-    _TARGETS.pop(key, None)
-    _TARGETS[key] = target
-    while len(_TARGETS) > MAX_TARGETS:
-        del _TARGETS[next(iter(_TARGETS))]
-
-
 @contextlib.asynccontextmanager
-async def open_page(addr: str, sid: str, timeout: float, family: str = ""
-                    ) -> AsyncIterator[Page]:
+async def open_page(addr: str, sid: str, timeout: float, family: str = "",
+                    targets: Targets | None = None) -> AsyncIterator[Page]:
     """A connection to the page to drive. ``family``: the sandbox's workspace and template
-    (whose clones share target ids), or empty."""
+    (whose clones share target ids), or empty; ``targets``: the pages driven last (None:
+    none remembered)."""
+    targets = targets if targets is not None else Targets()
     deadline = time.monotonic() + timeout
     key = f"{sid}@{addr}"
     ws: ClientConnection | None = None
     target = ""
-    tried = [t for t in dict.fromkeys((_TARGETS.get(key), _TARGETS.get("family:" + family)
+    tried = [t for t in dict.fromkeys((targets.get(key), targets.get("family:" + family)
                                        if family else None)) if t]
     for cached in tried:
         try:
@@ -226,9 +236,9 @@ async def open_page(addr: str, sid: str, timeout: float, family: str = ""
         except (OSError, TimeoutError, WebSocketException) as e:
             raise no_browser(sid, f"page {target}: {type(e).__name__}: {str(e)[:200]}"
                              ) from None
-    _remember(key, target)
+    targets.remember(key, target)
     if family:
-        _remember("family:" + family, target)
+        targets.remember("family:" + family, target)
     try:
         yield Page(ws, deadline)
     finally:
@@ -244,13 +254,13 @@ def check_url(url: str) -> None:
                       f"{MAX_URL} characters)", field="url")
 
 
-async def goto(addr: str, sid: str, url: str, timeout: float, family: str = ""
-               ) -> dict[str, Any]:
+async def goto(addr: str, sid: str, url: str, timeout: float, family: str = "",
+               targets: Targets | None = None) -> dict[str, Any]:
     """Navigate and wait for the page's load event: {url, status, title}. A navigation the
     browser cannot make (a name that does not resolve, a connection refused by the egress
     policy...) is ``unavailable`` with chromium's error (``net::ERR_...``)."""
     check_url(url)
-    async with open_page(addr, sid, timeout, family) as p:
+    async with open_page(addr, sid, timeout, family, targets) as p:
         await p.call("Page.enable")
         await p.call("Network.enable", maxTotalBufferSize=0, maxResourceBufferSize=0)
         r = await p.call("Page.navigate", url=url)
@@ -269,8 +279,8 @@ async def goto(addr: str, sid: str, url: str, timeout: float, family: str = ""
 
 
 async def screenshot(addr: str, sid: str, timeout: float, full_page: bool = False,
-                     family: str = "") -> bytes:
-    async with open_page(addr, sid, timeout, family) as p:
+                     family: str = "", targets: Targets | None = None) -> bytes:
+    async with open_page(addr, sid, timeout, family, targets) as p:
         params: dict[str, Any] = {"format": "png"}
         if full_page:
             m = await p.call("Page.getLayoutMetrics")
@@ -291,8 +301,9 @@ async def screenshot(addr: str, sid: str, timeout: float, full_page: bool = Fals
     return png
 
 
-async def content(addr: str, sid: str, timeout: float, family: str = "") -> str:
-    async with open_page(addr, sid, timeout, family) as p:
+async def content(addr: str, sid: str, timeout: float, family: str = "",
+                  targets: Targets | None = None) -> str:
+    async with open_page(addr, sid, timeout, family, targets) as p:
         html = await p.evaluate(
             "(document.doctype ? new XMLSerializer().serializeToString(document.doctype) : '')"
             " + document.documentElement.outerHTML")
@@ -332,12 +343,12 @@ def _sel(selector: str) -> str:
     return json.dumps(selector)
 
 
-async def click(addr: str, sid: str, selector: str, timeout: float, family: str = ""
-                ) -> None:
+async def click(addr: str, sid: str, selector: str, timeout: float, family: str = "",
+                targets: Targets | None = None) -> None:
     """A real mouse click (pressed and released) at the centre of the first element the CSS
     selector matches, scrolled into view."""
     sel = _sel(selector)
-    async with open_page(addr, sid, timeout, family) as p:
+    async with open_page(addr, sid, timeout, family, targets) as p:
         at = await p.evaluate(_LOCATE % sel)
         if not isinstance(at, dict) or "error" in at:
             why = at.get("error") if isinstance(at, dict) else "not_found"
@@ -354,11 +365,11 @@ async def click(addr: str, sid: str, selector: str, timeout: float, family: str 
 
 
 async def fill(addr: str, sid: str, selector: str, text: str, timeout: float,
-               family: str = "") -> None:
+               family: str = "", targets: Targets | None = None) -> None:
     """Replace the value of an input, textarea or contenteditable element with ``text``,
     typed as one insertion (``input`` events fire), then a ``change`` event."""
     sel = _sel(selector)
-    async with open_page(addr, sid, timeout, family) as p:
+    async with open_page(addr, sid, timeout, family, targets) as p:
         r = await p.evaluate(_FILL % sel)
         if r != "ok":
             raise ApiError("not_found" if r == "not_found" else "conflict",

@@ -50,6 +50,7 @@ from .procs import become_subreaper
 from .network.preview import Preview
 from .snapstore import SnapshotStore, open_snapshot_store
 from .store import LIVE_STATES, Store, open_store
+from .lifecycle.states import ENDED, State
 
 if TYPE_CHECKING:
     from .cluster.api import Forwarder
@@ -158,14 +159,14 @@ async def start_network(cfg: Config, backend: Backend, store: Store, events: Eve
 
     def forget_secrets(ev: SandboxEvent) -> None:
         # a sandbox's secrets and CA go when it ends, unless a fork of it still uses them
-        if ev.kind not in ("killed", "error"):
+        if ev.kind not in ENDED:
             return
         row = store.get_sandbox(ev.sandbox)
-        mine = stored_names(row.spec.get("network") if row else None)
+        mine = stored_names(row.spec.network if row else None)
         if not mine:
             return
         for other in store.list_sandboxes(None, LIVE_STATES):
-            mine -= stored_names(other.spec.get("network"))
+            mine -= stored_names(other.spec.network)
         net.secrets.forget(sorted(mine))
 
     events.subscribe(forget_secrets)
@@ -178,9 +179,9 @@ async def stop_for_cap(mgr: Manager, workspace_id: str, sid: str) -> str:
     can checkpoint (it costs only its snapshot's storage), else killed."""
     if mgr.backend.capabilities.checkpoint:
         await mgr.pause(workspace_id, sid, reason="spending_cap")
-        return "paused"
+        return State.PAUSED
     await mgr.kill(sid, reason="spending_cap")
-    return "killed"
+    return State.KILLED
 
 
 def preview_port(cfg: Config) -> int:

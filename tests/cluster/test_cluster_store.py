@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from cpuosd.lifecycle.states import State
 from cpuosd.accounting.usage import Meter
 from cpuosd.config import PricingConfig
 from cpuosd.events import SandboxEvent
-from cpuosd.store import SandboxRow, SqliteStore, Store
+from cpuosd.store import RowSpec, SandboxRow, SqliteStore, Store
 from cpuosd.store import sql as store_sql
 from cpuosd.store.migrations import MIGRATIONS, render
 from support.testbed import open_test_store
@@ -29,9 +30,9 @@ TESTS = Path(__file__).resolve().parents[1]  # tests/, where `support` is
 def _row(ws: str, sid: str, state: str = "running", vcpus: int = 2, memory_mib: int = 1024,
          **kw: object) -> SandboxRow:
     return SandboxRow(id=sid, workspace_id=ws, template="python", backend="gvisor",
-                      state=state, reason=None, created_at=time.time(), started_at=None,
+                      state=State(state), reason=None, created_at=time.time(), started_at=None,
                       ended_at=None, deadline=None,
-                      spec={"vcpus": vcpus, "memory_mib": memory_mib, "rootfs": "/x"},
+                      spec=RowSpec(vcpus=vcpus, memory_mib=memory_mib, rootfs="/x"),
                       metadata={"k": "v"}, **kw)  # type: ignore[arg-type]
 
 
@@ -85,64 +86,67 @@ def test_sandboxes(store: Store) -> None:
     store.insert_sandbox(_row(ws, "sbx-b", "paused", vcpus=4, memory_mib=512))
     store.insert_sandbox(_row(ws, "sbx-c", "killed", vcpus=8))
     a = store.get_sandbox("sbx-a")
-    assert a is not None and a.spec["vcpus"] == 2 and a.metadata == {"k": "v"}
+    assert a is not None and a.spec.vcpus == 2 and a.metadata == {"k": "v"}
     assert a.node_id is None and a.epoch == 0 and a.on_timeout == "kill"
     assert store.get_sandbox("nope") is None
-    store.update_sandbox("sbx-a", deadline=time.time() - 1, spec={**a.spec, "x": 1},
+    # a key this version does not know (a newer daemon's) is kept through a read and write
+    store.update_sandbox("sbx-a", deadline=time.time() - 1,
+                         spec=RowSpec.from_json({**a.spec.to_json(), "x": 1}),
                          snapshot_bytes=5 << 30)
     a = store.get_sandbox("sbx-a")
-    assert a is not None and a.spec["x"] == 1 and a.snapshot_bytes == 5 << 30
+    assert a is not None and a.spec.extra == {"x": 1} and a.snapshot_bytes == 5 << 30
     assert store.expired(time.time()) == [("sbx-a", "kill")]
     assert [r.id for r in store.list_sandboxes(ws)] == ["sbx-a", "sbx-b", "sbx-c"]
-    assert [r.id for r in store.list_sandboxes(None, ("paused", "running"))] == ["sbx-a",
+    assert [r.id for r in store.list_sandboxes(None, (State.PAUSED, State.RUNNING))] == ["sbx-a",
                                                                                   "sbx-b"]
-    assert store.sandbox_totals(ws, ("running", "paused")) == (2, 6, 1536)
-    assert store.sandbox_totals(None, ("creating",)) == (0, 0, 0)
+    assert store.sandbox_totals(ws, (State.RUNNING, State.PAUSED)) == (2, 6, 1536)
+    assert store.sandbox_totals(None, (State.CREATING,)) == (0, 0, 0)
 
 
 def test_transition_is_a_compare_and_set(store: Store) -> None:
     ws = store.create_workspace("w")
     store.insert_sandbox(_row(ws, "sbx-t", "paused"))
     # the wrong state: nothing written
-    assert not store.transition("sbx-t", ("running",), "pausing", reason="x")
+    assert not store.transition("sbx-t", (State.RUNNING,), State.PAUSING, reason="x")
     r = store.get_sandbox("sbx-t")
     assert r is not None and r.state == "paused" and r.reason is None
     # the wrong epoch: nothing written
-    assert not store.transition("sbx-t", ("paused",), "resuming", expect_epoch=3)
+    assert not store.transition("sbx-t", (State.PAUSED,), State.RESUMING, expect_epoch=3)
     # a new owner: epoch 0 -> 1, node set
-    assert store.transition("sbx-t", ("paused",), "resuming", expect_epoch=0, new_epoch=True,
-                            node_id="node-a", reason=None)
+    assert store.transition("sbx-t", (State.PAUSED,), State.RESUMING, expect_epoch=0,
+                            new_epoch=True, node_id="node-a", reason=None)
     r = store.get_sandbox("sbx-t")
     assert r is not None and (r.state, r.node_id, r.epoch) == ("resuming", "node-a", 1)
     # the loser of that race comes second: refused
-    assert not store.transition("sbx-t", ("paused",), "resuming", expect_epoch=0,
+    assert not store.transition("sbx-t", (State.PAUSED,), State.RESUMING, expect_epoch=0,
                                 new_epoch=True, node_id="node-b")
-    assert store.transition("sbx-t", ("resuming",), "running", expect_epoch=1,
+    assert store.transition("sbx-t", (State.RESUMING,), State.RUNNING, expect_epoch=1,
                             started_at=123.5, metadata={"m": "n"})
     r = store.get_sandbox("sbx-t")
     assert r is not None and (r.state, r.epoch, r.started_at, r.metadata) == (
         "running", 1, 123.5, {"m": "n"})
     # any of several states
-    assert store.transition("sbx-t", ("creating", "running"), "killing")
+    assert store.transition("sbx-t", (State.CREATING, State.RUNNING), State.KILLING)
     with pytest.raises(ValueError):
-        store.transition("sbx-t", (), "killed")
+        store.transition("sbx-t", (), State.KILLED)
 
 
 def test_a_fenced_node_changes_nothing(store: Store) -> None:
     ws = store.create_workspace("w")
-    for sid, state in (("sbx-1", "running"), ("sbx-2", "paused"), ("sbx-3", "running")):
+    for sid, state in (("sbx-1", State.RUNNING), ("sbx-2", State.PAUSED),
+                       ("sbx-3", State.RUNNING)):
         store.insert_sandbox(_row(ws, sid, state))
         store.transition(sid, (state,), state, new_epoch=True,
                          node_id="node-b" if sid == "sbx-3" else "node-a")
-    assert store.fence_node("node-a", ("running", "pausing", "resuming"), "error",
+    assert store.fence_node("node-a", (State.RUNNING, State.PAUSING, State.RESUMING), State.ERROR,
                             "lost: node node-a died") == ["sbx-1"]
     r1 = store.get_sandbox("sbx-1")
     assert r1 is not None and (r1.state, r1.epoch, r1.reason) == ("error", 2,
                                                                   "lost: node node-a died")
     assert r1.ended_at is not None
     # node A comes back and writes with the epoch it held: refused
-    assert not store.transition("sbx-1", ("running",), "pausing", expect_epoch=1)
-    assert not store.transition("sbx-1", ("error",), "killing", expect_epoch=1)
+    assert not store.transition("sbx-1", (State.RUNNING,), State.PAUSING, expect_epoch=1)
+    assert not store.transition("sbx-1", (State.ERROR,), State.KILLING, expect_epoch=1)
     r2, r3 = store.get_sandbox("sbx-2"), store.get_sandbox("sbx-3")
     assert r2 is not None and r2.state == "paused" and r2.epoch == 1
     assert r3 is not None and r3.state == "running"
@@ -226,7 +230,7 @@ def test_an_old_sqlite_database_gains_node_and_epoch(tmp_path: Path) -> None:
     s = SqliteStore(db)
     r = s.get_sandbox("sbx-o")
     assert r is not None and (r.node_id, r.epoch, r.state) == (None, 0, "paused")
-    assert s.transition("sbx-o", ("paused",), "resuming", expect_epoch=0, new_epoch=True,
+    assert s.transition("sbx-o", (State.PAUSED,), State.RESUMING, expect_epoch=0, new_epoch=True,
                         node_id="n1")
     s.close()
     v = sqlite3.connect(db).execute("PRAGMA user_version").fetchone()[0]

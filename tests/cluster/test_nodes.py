@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import time
 
+from cpuosd.lifecycle.states import State
 from cpuosd.cluster.nodes import NodeInfo, NodeView, place
-from cpuosd.store import SandboxRow, Store
+from cpuosd.store import RowSpec, SandboxRow, Store
 
 
 def test_register_heartbeat_cordon(store: Store) -> None:
@@ -48,9 +49,9 @@ def test_sandboxes_scoped_to_their_node(store: Store) -> None:
     ws = store.create_workspace("w")
     for sid, node in (("sbx-a", "node-a"), ("sbx-b", "node-b"), ("sbx-1", None)):
         store.insert_sandbox(SandboxRow(
-            id=sid, workspace_id=ws, template="python", backend="gvisor", state="running",
+            id=sid, workspace_id=ws, template="python", backend="gvisor", state=State.RUNNING,
             reason=None, created_at=time.time(), started_at=None, ended_at=None,
-            deadline=time.time() - 1, spec={}, metadata={}, node_id=node))
+            deadline=time.time() - 1, spec=RowSpec(), metadata={}, node_id=node))
     assert [r.id for r in store.list_sandboxes(node_id="node-a")] == ["sbx-a"]
     assert len(store.list_sandboxes()) == 3
     assert [s for s, _ in store.expired(time.time(), node_id="node-b")] == ["sbx-b"]
@@ -83,9 +84,9 @@ def test_fence_dead(store: Store) -> None:
     store.register_node("node-a", "a:1", "i", {})
     for sid, state in (("sbx-run", "running"), ("sbx-paused", "paused")):
         store.insert_sandbox(SandboxRow(
-            id=sid, workspace_id=ws, template="python", backend="gvisor", state=state,
+            id=sid, workspace_id=ws, template="python", backend="gvisor", state=State(state),
             reason=None, created_at=time.time(), started_at=None, ended_at=None,
-            deadline=None, spec={}, metadata={}, node_id="node-a"))
+            deadline=None, spec=RowSpec(), metadata={}, node_id="node-a"))
     view.refresh()
     assert fence_dead(store, view, after=10) == {}
     now[0] += 3 + 9  # dead for 9 s: not yet

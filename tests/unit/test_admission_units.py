@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from cpuosd.lifecycle.states import State
 from cpuosd.accounting import quotas
 from cpuosd.accounting.quotas import Admission, HostMeter, Measure
 from cpuosd.config import Config
 from cpuosd.errors import ApiError
-from cpuosd.store import SandboxRow, SqliteStore, Store
+from cpuosd.store import RowSpec, SandboxRow, SqliteStore, Store
 from support.fakes import FakeHost
 
 
@@ -53,9 +54,9 @@ def limit_of(e: pytest.ExceptionInfo[ApiError]) -> str:
 def add_row(store: Store, ws: str, state: str, vcpus: int = 2, memory_mib: int = 2048) -> None:
     sid = f"sbx-{len(store.list_sandboxes()):012d}"
     store.insert_sandbox(SandboxRow(
-        id=sid, workspace_id=ws, template="python", backend="fake", state=state, reason=None,
+        id=sid, workspace_id=ws, template="python", backend="fake", state=State(state), reason=None,
         created_at=time.time(), started_at=None, ended_at=None, deadline=None,
-        spec={"vcpus": vcpus, "memory_mib": memory_mib}, metadata={}))
+        spec=RowSpec(vcpus=vcpus, memory_mib=memory_mib), metadata={}))
 
 
 def test_memory_admits_what_is_available_and_counts_starting_ones(store: Store) -> None:

@@ -10,7 +10,7 @@ from cpuosd.api.sandboxes import sandbox_json
 from cpuosd.api.schemas import ANSWERS, Sandbox
 from cpuosd.lifecycle.exec_files import _clean_stat, _exit_frame
 from cpuosd.api.schemas import ExecExitFrame, FileEntry
-from cpuosd.store import SandboxRow
+from cpuosd.store import RowSpec, SandboxRow
 
 
 def _row(**kw: object) -> SandboxRow:
@@ -18,14 +18,14 @@ def _row(**kw: object) -> SandboxRow:
     d: dict[str, object] = dict(
         id="sbx-1", workspace_id="w", template="python", backend="gvisor", state="running",
         reason=None, created_at=now, started_at=now, ended_at=None, deadline=now + 60,
-        spec={"vcpus": 2, "memory_mib": 512, "pids": 512, "network": {"mode": "off"}},
+        spec=RowSpec(vcpus=2, memory_mib=512, pids=512, network={"mode": "off"}),
         metadata={"a": "b"})
     d.update(kw)
     return SandboxRow(**d)  # type: ignore[arg-type]
 
 
 def test_sandbox_answer_has_exactly_the_documented_fields() -> None:
-    for row in (_row(), _row(state="paused", paused_at=1.0, snapshot_bytes=5, spec={})):
+    for row in (_row(), _row(state="paused", paused_at=1.0, snapshot_bytes=5, spec=RowSpec())):
         j = sandbox_json(row)
         assert set(j) == set(Sandbox.model_fields)
         Sandbox.model_validate(j, strict=True)

@@ -148,16 +148,20 @@ def test_the_page_is_remembered_until_it_is_gone(addr: str) -> None:
     fake = Fake(h)
 
     async def three() -> None:
-        assert await cdp.content(addr, "sbx-x", 5, "w/browser") == "<html></html>"
-        assert await cdp.content(addr, "sbx-x", 5) == "<html></html>"
+        t = cdp.Targets()  # (the Manager's: Manager.browser_targets)
+        assert await cdp.content(addr, "sbx-x", 5, "w/browser", t) == "<html></html>"
+        assert await cdp.content(addr, "sbx-x", 5, targets=t) == "<html></html>"
         assert fake.lists == 1  # the second call went straight to the page
         # another clone of the same template (and workspace) tries the same page first
-        assert await cdp.content(addr, "sbx-y", 5, "w/browser") == "<html></html>"
+        assert await cdp.content(addr, "sbx-y", 5, "w/browser", t) == "<html></html>"
         assert fake.lists == 1
+        # without the cache (another owner's, or none): it asks for the list again
+        assert await cdp.content(addr, "sbx-x", 5, targets=cdp.Targets()) == "<html></html>"
+        assert fake.lists == 2
         fake.gone.add("0123456789ABCDEF0123456789ABCDEF")
         fake.json_list = json.dumps([{"type": "page", "id": "1" * 32}]).encode()
-        assert await cdp.content(addr, "sbx-x", 5) == "<html></html>"
-        assert fake.lists == 2
+        assert await cdp.content(addr, "sbx-x", 5, targets=t) == "<html></html>"
+        assert fake.lists == 3
 
     run(addr, fake, three)
 

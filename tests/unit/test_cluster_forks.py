@@ -17,8 +17,9 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
+from cpuosd.lifecycle.states import State
 from cpuosd.config import Config
-from cpuosd.store import SandboxRow, SqliteStore
+from cpuosd.store import RowSpec, SandboxRow, SqliteStore
 from support.api_tier import api_client
 
 TOKEN = "t" * 32
@@ -46,9 +47,9 @@ class Env:
         now = time.time()
         self.store.insert_sandbox(SandboxRow(
             id=PARENT, workspace_id=self.ws, template="python", backend="gvisor",
-            state="running", reason=None, created_at=now, started_at=now, ended_at=None,
-            deadline=now + 300, spec={"memory_mib": 512, "template_digest": "d1",
-                                      "network": network or {"mode": "on"}},
+            state=State.RUNNING, reason=None, created_at=now, started_at=now, ended_at=None,
+            deadline=now + 300, spec=RowSpec(memory_mib=512, template_digest="d1",
+                                      network=network or {"mode": "on"}),
             metadata={}, node_id="node-a"))
 
     def client(self, handler: Handler) -> Iterator[TestClient]:

@@ -18,6 +18,7 @@ from typing import Any, cast
 import httpx
 import pytest
 
+from cpuosd.store import RowSpec
 from cpuosd.config import PreviewConfig
 from cpuosd.network import preview
 
@@ -29,7 +30,7 @@ class _Store:
     def __init__(self, port: int, public: bool) -> None:
         self.row = types.SimpleNamespace(
             id=SID, workspace_id="ws", state="running",
-            spec={"ports": {str(port): {"public": public, "token": TOKEN}}})
+            spec=RowSpec(ports={str(port): {"public": public, "token": TOKEN}}))
 
     def get_sandbox(self, sid: str) -> Any:
         return self.row if sid == SID else None

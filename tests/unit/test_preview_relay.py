@@ -19,10 +19,11 @@ from pathlib import Path
 
 import httpx
 
+from cpuosd.lifecycle.states import State
 from cpuosd.cluster.api import Forwarder
 from cpuosd.cluster.preview import PreviewRelay
 from cpuosd.config import Config
-from cpuosd.store import SandboxRow
+from cpuosd.store import RowSpec, SandboxRow
 from cpuosd.store.sqlite import SqliteStore
 
 TOKEN = "t" * 24
@@ -64,8 +65,9 @@ async def relay(tmp_path: Path) -> AsyncIterator[tuple[PreviewRelay, Forwarder]]
     for key, node in (("a", "node-a"), ("b", "node-b"), ("store", None), ("gone", "node-z")):
         store.insert_sandbox(SandboxRow(
             id=SIDS[key], workspace_id=ws, template="python", backend="gvisor",
-            state="paused" if node is None else "running", reason=None,
-            created_at=time.time(), started_at=None, ended_at=None, deadline=None, spec={},
+            state=State.PAUSED if node is None else State.RUNNING, reason=None,
+            created_at=time.time(), started_at=None, ended_at=None, deadline=None,
+            spec=RowSpec(),
             metadata={}, node_id=node))
     cfg = Config()
     cfg = cfg.replace(cluster=dataclasses.replace(cfg.cluster, role="api", node_token=TOKEN))

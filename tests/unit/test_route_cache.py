@@ -23,9 +23,10 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
+from cpuosd.lifecycle.states import State
 from cpuosd.cluster.nodes import NodeTokenGuard
 from cpuosd.config import Config
-from cpuosd.store import SandboxRow, SqliteStore
+from cpuosd.store import RowSpec, SandboxRow, SqliteStore
 from support.api_tier import api_client
 
 TOKEN = "t" * 32
@@ -44,9 +45,9 @@ class Env:
                 "capacity": {"memory_available_mib": 8000}})
         now = time.time()
         self.store.insert_sandbox(SandboxRow(
-            id=SID, workspace_id=ws, template="python", backend="gvisor", state="running",
+            id=SID, workspace_id=ws, template="python", backend="gvisor", state=State.RUNNING,
             reason=None, created_at=now, started_at=now, ended_at=None, deadline=now + 300,
-            spec={"memory_mib": 512}, metadata={}, node_id="node-a"))
+            spec=RowSpec(memory_mib=512), metadata={}, node_id="node-a"))
         self.cfg = Config.from_env({"CPUOS_HOME": str(tmp), "CPUOS_ROLE": "api",
                                     "CPUOS_NODE_TOKEN": TOKEN})
         self.calls: list[httpx.Request] = []
@@ -106,7 +107,7 @@ def test_the_second_request_skips_the_store_and_a_move_is_followed(env: Env) -> 
 
         # paused on node A, resumed on node B (by another API process): A refuses the
         # guess, the same request goes where the row says
-        assert env.store.transition(SID, ("running",), "running", new_epoch=True,
+        assert env.store.transition(SID, (State.RUNNING,), State.RUNNING, new_epoch=True,
                                     node_id="node-b")
         r = c.post(f"/sandboxes/{SID}/exec", json={"cmd": "three"})
         assert r.status_code == 200 and r.json() == {"node": "node-b",

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from cpuosd.lifecycle.states import State
 from cpuosd.config import Config
 from cpuosd.errors import ApiError
 from cpuosd.lifecycle.manager import Live, Manager
@@ -27,7 +28,7 @@ def test_no_checkpoint_capability(tmp_path: Path) -> None:
         ws = store.create_workspace("w")
         row = mgr._new_row(ws, "python", info, 60, {}, {}, 2, 2048)
         store.update_sandbox(row.id, state="running")
-        row.state = "running"
+        row.state = State.RUNNING
 
         class Chan:
             def __init__(self) -> None:

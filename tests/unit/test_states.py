@@ -6,10 +6,13 @@ API-layer logic only; the transitions themselves run for real in tests/e2e.)"""
 from __future__ import annotations
 
 import asyncio
+import json
+import sqlite3
 from pathlib import Path
 from typing import Any
 
 import pytest
+from psycopg.adapt import PyFormat, Transformer
 
 from cpuosd.backends.base import Backend
 from cpuosd.config import Config, SandboxConfig
@@ -17,7 +20,8 @@ from cpuosd.errors import ApiError
 from cpuosd.events import EventBus, SandboxEvent
 from cpuosd.lifecycle import states
 from cpuosd.lifecycle.manager import Manager
-from cpuosd.store import LIVE_STATES, SqliteStore
+from cpuosd.lifecycle.states import State
+from cpuosd.store import LIVE_STATES, RowSpec, SandboxRow, SqliteStore
 from support.fakes import FakeBackend
 
 
@@ -26,7 +30,7 @@ def test_the_table_is_closed_and_every_live_state_can_end() -> None:
     for frm, tos in states.TRANSITIONS.items():
         assert tos <= set(states.STATES), frm
         assert frm not in tos, f"{frm} -> itself is no transition"
-    assert states.TRANSITIONS["killed"] == frozenset()
+    assert states.TRANSITIONS[State.KILLED] == frozenset()
     for s in states.LIVE:  # DELETE works everywhere: each live state reaches the end
         seen, todo = {s}, [s]
         while todo:
@@ -39,6 +43,35 @@ def test_the_table_is_closed_and_every_live_state_can_end() -> None:
     assert set(states.OPS["delete"]) == set(states.STATES)
     with pytest.raises(states.InvalidTransition):
         states.check_transition("killed", "running")
+
+
+def test_a_state_is_its_string_on_the_wire_and_in_the_store(tmp_path: Path) -> None:
+    """State is a StrEnum: equal to (and hashed as) the strings the API, the events and the
+    database always carried, so nothing outside the daemon sees a difference."""
+    assert list(State) == ["creating", "pooled", "running", "pausing", "paused", "resuming",
+                           "killing", "killed", "error"]
+    wire: str = "running"
+    assert State.RUNNING == wire and wire in {State.RUNNING} and State(wire) is State.RUNNING
+    assert json.dumps({"state": State.PAUSED}) == '{"state": "paused"}'
+    assert f"{State.KILLED}" == "killed"
+    store = SqliteStore(tmp_path / "cpuos.db")
+    try:
+        row0 = SandboxRow(id="sbx-000000000001", workspace_id=store.create_workspace("w"),
+                          template="python", backend="fake", state=State.PAUSED, reason=None,
+                          created_at=1.0, started_at=None, ended_at=None, deadline=None,
+                          spec=RowSpec(), metadata={})
+        store.insert_sandbox(row0)
+        assert store.transition(row0.id, (State.PAUSED,), State.RESUMING)
+        with sqlite3.connect(tmp_path / "cpuos.db") as db:  # the text it always was
+            assert db.execute("SELECT state, typeof(state) FROM sandboxes").fetchall() == [
+                ("resuming", "text")]
+        row = store.get_sandbox(row0.id)
+        assert row is not None and type(row.state) is State and row.state is State.RESUMING
+    finally:
+        store.close()
+    # psycopg dumps an Enum by its name, but a StrEnum as the string it is
+    dumper = Transformer().get_dumper(State.RUNNING, PyFormat.AUTO)
+    assert bytes(dumper.dump(State.RUNNING) or b"") == b"running"
 
 
 @pytest.mark.parametrize("state", states.STATES)

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from cpuosd.lifecycle.states import State
 from cpuosd.accounting.usage import Meter, month_start
 from cpuosd.events import SandboxEvent
-from cpuosd.store import SandboxRow, SqliteStore
+from cpuosd.store import RowSpec, SandboxRow, SqliteStore
 
 
 def test_month_cost_agrees_with_the_summary(tmp_path: Path) -> None:
@@ -25,8 +26,9 @@ def test_month_cost_agrees_with_the_summary(tmp_path: Path) -> None:
     for i in range(3):
         store.insert_sandbox(SandboxRow(
             id=f"sbx-{i:012d}", workspace_id=ws, template="python", backend="fake",
-            state="running", reason=None, created_at=t, started_at=t, ended_at=None,
-            deadline=None, spec={"vcpus": 2, "memory_mib": 2048}, metadata={}))
+            state=State.RUNNING, reason=None, created_at=t, started_at=t, ended_at=None,
+            deadline=None, spec=RowSpec(vcpus=2, memory_mib=2048),
+            metadata={}))
     # an interval from last month still open: only this month's part counts
     ev("running", "sbx-000000000000", t - 7200)
     steps = [("running", "sbx-000000000001", 10.0), ("paused", "sbx-000000000000", 20.0),

@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING, Any
 from .. import homedir
 from ..config import AuditConfig
 from ..events import NOT_TRANSITIONS, SandboxEvent
+from ..lifecycle.states import ENDED, State
 
 if TYPE_CHECKING:
     from ..store.audit_chain import PgAuditChain
@@ -456,11 +457,11 @@ class AuditLog:
             self.record(ev.sandbox, "lifecycle", {"event": "network", "network": pol},
                         ev.workspace, ev.time)
         elif ev.kind not in NOT_TRANSITIONS:
-            if ev.kind == "pooled" or (ev.previous == "pooled" and ev.kind == "killed"):
+            if ev.kind == State.POOLED or (ev.previous == State.POOLED and ev.kind == State.KILLED):
                 return  # the warm pool's own sandboxes: no one's yet
             self.record(ev.sandbox, "lifecycle", {"from": ev.previous, "to": ev.kind,
                                                   **ev.fields}, ev.workspace, ev.time)
-        if ev.kind in ("killed", "error"):
+        if ev.kind in ENDED:
             self._ws.pop(ev.sandbox, None)
 
     # ---- the writer ---------------------------------------------------------------------

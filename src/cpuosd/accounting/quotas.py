@@ -37,12 +37,13 @@ from typing import Any
 from ..config import LimitsConfig
 from ..errors import ApiError, invalid
 from ..store import ACTIVE_STATES, Store
+from ..lifecycle.states import State
 
 log = logging.getLogger("cpuosd.admission")
 
 # states whose sandbox holds host memory and CPU (paused and killing ones do not, or not
 # for long)
-RESERVING = ("creating", "running", "pausing", "resuming", "pooled")
+RESERVING = (State.CREATING, State.RUNNING, State.PAUSING, State.RESUMING, State.POOLED)
 DEFAULT_MAX_DISK_MIB = 64 << 10
 DEFAULT_MAX_PIDS = 32768
 # s a newly admitted sandbox counts as about to take memory (its restore maps its pages in
@@ -268,7 +269,7 @@ class Admission:
         """The vCPUs and memory (sizes) of running sandboxes: the workspace's (pooled ones
         belong to no one yet), or all of them."""
         states = RESERVING if workspace_id is None else tuple(
-            s for s in RESERVING if s != "pooled")
+            s for s in RESERVING if s != State.POOLED)
         _, vcpus, mem = self.store.sandbox_totals(workspace_id, states)
         return vcpus, mem
 

@@ -35,11 +35,12 @@ from ..config import PricingConfig
 from ..errors import ApiError
 from ..events import EventBus, SandboxEvent
 from ..store import Store
+from ..lifecycle.states import State
 
 log = logging.getLogger("cpuosd.usage")
 
 GIB = float(1 << 30)
-CLOSES = frozenset({"paused", "resuming", "killing", "killed", "error"})
+CLOSES = frozenset({State.PAUSED, State.RESUMING, State.KILLING, State.KILLED, State.ERROR})
 
 
 def month_start(now: float) -> float:
@@ -58,17 +59,17 @@ class Meter:
 
     # ---- recording ----------------------------------------------------------------------
     def on_event(self, ev: SandboxEvent) -> None:
-        if ev.kind == "running":
+        if ev.kind == State.RUNNING:
             self._close(ev.sandbox, ev.time)
             row = self.store.get_sandbox(ev.sandbox)
             if row is None:
                 return
             self.store.usage_open(ev.workspace, ev.sandbox, "running", ev.time,
-                                  vcpus=int(row.spec.get("vcpus") or 0),
-                                  memory_mib=int(row.spec.get("memory_mib") or 0))
+                                  vcpus=int(row.spec.vcpus or 0),
+                                  memory_mib=int(row.spec.memory_mib or 0))
         elif ev.kind in CLOSES:
             self._close(ev.sandbox, ev.time)
-            if ev.kind == "paused":
+            if ev.kind == State.PAUSED:
                 size = ev.fields.get("snapshot_bytes")
                 if size is None:
                     row = self.store.get_sandbox(ev.sandbox)
@@ -88,7 +89,7 @@ class Meter:
         for uid, kind, state, ended_at, paused_at in self.store.usage_dangling():
             if state == kind:
                 continue
-            at = ended_at or (paused_at if kind == "running" and state == "paused" else None)
+            at = ended_at or (paused_at if kind == "running" and state == State.PAUSED else None)
             self.store.usage_close_interval(uid, at or now)
 
     # ---- reading ------------------------------------------------------------------------
@@ -214,7 +215,7 @@ class Enforcer:
             spent = self.meter.month_cost(wid)
             if spent < cap:
                 continue
-            for row in self.store.list_sandboxes(wid, ("running",)):
+            for row in self.store.list_sandboxes(wid, (State.RUNNING,)):
                 if row.id not in self._stopping:
                     self._stopping[row.id] = asyncio.ensure_future(
                         self._stop(wid, row.id, cap, spent))

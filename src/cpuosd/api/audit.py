@@ -20,6 +20,7 @@ from ..errors import invalid
 from ..events import EventBus
 from ..store import Store
 from .deps import AuditDep, ManagerDep, StoreDep, Ws, is_admin
+from ..lifecycle.states import SHOWN, State
 
 router = APIRouter()
 MAX_WAIT = 30.0
@@ -33,7 +34,7 @@ def start_audit(cfg: Config, events: EventBus, store: Store) -> AuditLog:
 
     def workspace(sid: str) -> str | None:
         row = store.get_sandbox(sid)
-        return row.workspace_id if row is not None and row.state != "pooled" else None
+        return row.workspace_id if row is not None and row.state != State.POOLED else None
 
     # the chain's key: every node of many must hold the same one (a Secret's file)
     key_path = cfg.audit_key_path
@@ -142,9 +143,7 @@ async def verify(request: Request, audit: AuditDep, store: StoreDep, ws: Ws) -> 
     # another workspace learns nothing of the chain but what concerns it: no row count, no
     # head, no problem in another workspace's rows; the chain's own breaks (rows missing,
     # the anchor or the newest row altered: whose rows they were cannot be told) are shown
-    mine = {r.id for r in store.list_sandboxes(ws, (
-        "creating", "running", "pausing", "paused", "resuming", "killing", "killed",
-        "error"))}
+    mine = {r.id for r in store.list_sandboxes(ws, SHOWN)}
     shown = [p for p in out["problems"] if p.get("sandbox") in mine or p.get("sandbox") is None]
     return {"ok": not shown, "scope": "workspace", "problems": shown,
             "problem_count": len(shown)}

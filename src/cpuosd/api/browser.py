@@ -71,7 +71,8 @@ async def browser_goto(sid: str, body: Goto, mgr: ManagerDep, pv: PreviewDep, ne
                        ws: Ws) -> dict[str, Any]:
     """Load ``url`` in the page and wait for its load event: {url, status, title}."""
     async with _address(mgr, pv, net, ws, sid) as (addr, family):
-        return await cdp.goto(addr, sid, body.url, body.timeout, family)
+        return await cdp.goto(addr, sid, body.url, body.timeout, family,
+                              mgr.browser_targets)
 
 
 @router.get("/sandboxes/{sid}/browser/screenshot")
@@ -80,7 +81,8 @@ async def browser_screenshot(sid: str, mgr: ManagerDep, pv: PreviewDep, net: Net
                              full_page: bool = False,
                              timeout: float = Query(30.0, gt=0, le=MAX_TIMEOUT)) -> Response:
     async with _address(mgr, pv, net, ws, sid) as (addr, family):
-        png = await cdp.screenshot(addr, sid, timeout, full_page, family)
+        png = await cdp.screenshot(addr, sid, timeout, full_page, family,
+                                   mgr.browser_targets)
         return Response(png, media_type="image/png")
 
 
@@ -90,14 +92,16 @@ async def browser_content(sid: str, mgr: ManagerDep, pv: PreviewDep, net: Networ
                           timeout: float = Query(30.0, gt=0, le=MAX_TIMEOUT)
                           ) -> dict[str, Any]:
     async with _address(mgr, pv, net, ws, sid) as (addr, family):
-        return {"html": await cdp.content(addr, sid, timeout, family)}
+        return {"html": await cdp.content(addr, sid, timeout, family,
+                                           mgr.browser_targets)}
 
 
 @router.post("/sandboxes/{sid}/browser/click")
 async def browser_click(sid: str, body: Click, mgr: ManagerDep, pv: PreviewDep,
                         net: NetworkDep, ws: Ws) -> dict[str, Any]:
     async with _address(mgr, pv, net, ws, sid) as (addr, family):
-        await cdp.click(addr, sid, body.selector, body.timeout, family)
+        await cdp.click(addr, sid, body.selector, body.timeout, family,
+                        mgr.browser_targets)
         return {"clicked": body.selector}
 
 
@@ -105,5 +109,6 @@ async def browser_click(sid: str, body: Click, mgr: ManagerDep, pv: PreviewDep,
 async def browser_fill(sid: str, body: Fill, mgr: ManagerDep, pv: PreviewDep,
                        net: NetworkDep, ws: Ws) -> dict[str, Any]:
     async with _address(mgr, pv, net, ws, sid) as (addr, family):
-        await cdp.fill(addr, sid, body.selector, body.text, body.timeout, family)
+        await cdp.fill(addr, sid, body.selector, body.text, body.timeout, family,
+                       mgr.browser_targets)
         return {"filled": body.selector}

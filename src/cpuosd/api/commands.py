@@ -114,7 +114,7 @@ async def start_command(sid: str, body: StartCommand, mgr: ManagerDep, ws: Ws
     what: dict[str, Any] = {"source": "api", "background": True,
                             **({"shell": body.cmd} if isinstance(body.cmd, str)
                                else {"argv": body.cmd}),
-                            "cwd": cwd or lv.row.spec.get("workdir") or "/work",
+                            "cwd": cwd or lv.row.spec.workdir or "/work",
                             "env": sorted(body.env)}
     try:
         out = await C.start(lv, body.cmd, body.env, cwd, timeout, body.buffer, body.stdin)
@@ -188,4 +188,4 @@ async def exec_stdin(sid: str, eid: str, request: Request, mgr: ManagerDep, ws: 
     (``POST /sandboxes/{id}/exec``; its ``started`` frame names the exec id), no faster than
     the command reads it; one such request at a time."""
     mgr.get(ws, sid)
-    return await C.exec_stdin(sid, eid, request.stream(), close)
+    return await mgr.exec_stdin.write(sid, eid, request.stream(), close)

@@ -29,12 +29,12 @@ from ..events import NOT_TRANSITIONS, SandboxEvent
 from ..paths import ID_RE
 from .auth import all_workspaces
 from .deps import ManagerDep, Ws
+from ..lifecycle.states import GONE, SHOWN, State
 
 router = APIRouter(tags=["events"])
 QUEUE = 2000
 HEARTBEAT = 15.0
-KINDS = ("creating", "running", "pausing", "paused", "resuming", "killing", "killed",
-         "error", *sorted(NOT_TRANSITIONS))
+KINDS = (*SHOWN, *sorted(NOT_TRANSITIONS))
 
 
 def event_json(ev: SandboxEvent) -> dict[str, Any]:
@@ -51,9 +51,9 @@ def event_json(ev: SandboxEvent) -> dict[str, Any]:
 def _shown(ev: SandboxEvent) -> bool:
     """Not the daemon's own machinery: template images and the warm pool's sandboxes until
     one is handed out (it then shows up as ``pooled -> running`` in its new workspace)."""
-    if not ev.workspace or ev.kind == "pooled":
+    if not ev.workspace or ev.kind == State.POOLED:
         return False
-    return not (ev.previous == "pooled" and ev.kind in ("killing", "killed", "error"))
+    return not (ev.previous == State.POOLED and ev.kind in GONE)
 
 
 @router.get("/events", responses={200: {"content": {"text/event-stream": {}},

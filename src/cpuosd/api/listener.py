@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
 
 from ..config import ApiConfig
 from ..fdbudget import BUDGET
@@ -39,15 +38,20 @@ MAX_HEAD = 64 * 1024
 HEAD_SLICE = 8 * 1024
 LOG_INTERVAL = 10.0
 
-_state: dict[str, Any] = {"logged": -LOG_INTERVAL, "refused": 0}
+class Refusals:
+    """Connections a listener refused or cut, logged at most once per LOG_INTERVAL (one per
+    listener: ``guarded_http``)."""
 
+    def __init__(self) -> None:
+        self.count = 0
+        self._logged = -LOG_INTERVAL
 
-def _note_refusal(why: str) -> None:
-    _state["refused"] += 1
-    now = time.monotonic()
-    if now - _state["logged"] >= LOG_INTERVAL:
-        _state["logged"] = now
-        log.warning("API connection closed: %s (%d so far)", why, _state["refused"])
+    def note(self, why: str) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now - self._logged >= LOG_INTERVAL:
+            self._logged = now
+            log.warning("API connection closed: %s (%d so far)", why, self.count)
 
 
 class GuardedHTTP(_Base):
@@ -56,6 +60,7 @@ class GuardedHTTP(_Base):
 
     max_connections: int = ApiConfig.max_connections
     head_timeout: float = ApiConfig.head_timeout
+    refusals: Refusals  # (set by guarded_http)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         # every API connection: HTTP, and WebSockets once upgraded (uvicorn keeps both in
@@ -68,7 +73,7 @@ class GuardedHTTP(_Base):
             idle = next((c for c in conns if isinstance(c, GuardedHTTP) and c._kept_alive()),
                         None)
             if idle is None:
-                _note_refusal(f"{len(conns)} connections open (at most {cap})")
+                self.refusals.note(f"{len(conns)} connections open (at most {cap})")
                 transport.abort()
                 return
             idle.transport.close()  # an idle kept-alive one makes way (between requests)
@@ -94,7 +99,7 @@ class GuardedHTTP(_Base):
 
     def _head_timeout(self) -> None:
         self._head_timer = None
-        _note_refusal(f"no whole request head within {self.head_timeout:.0f}s")
+        self.refusals.note(f"no whole request head within {self.head_timeout:.0f}s")
         self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
@@ -121,7 +126,7 @@ class GuardedHTTP(_Base):
             self._head_bytes += min(HEAD_SLICE, len(data) - i)
             if self._head_bytes > MAX_HEAD:
                 self._end_head()
-                _note_refusal(f"request head over {MAX_HEAD} bytes")
+                self.refusals.note(f"request head over {MAX_HEAD} bytes")
                 self.transport.abort()
                 return
 
@@ -145,4 +150,5 @@ class GuardedHTTP(_Base):
 def guarded_http(cfg: ApiConfig) -> type[GuardedHTTP]:
     """The protocol class for uvicorn (``http=``), with ``cfg``'s cap and head deadline."""
     return type("GuardedHTTP", (GuardedHTTP,), {"max_connections": cfg.max_connections,
-                                               "head_timeout": cfg.head_timeout})
+                                               "head_timeout": cfg.head_timeout,
+                                               "refusals": Refusals()})

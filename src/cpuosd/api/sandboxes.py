@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import binascii
 import time
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
@@ -25,6 +26,7 @@ from .auth import all_workspaces
 from .deps import ManagerDep, NetworkDep, StoreDep, Ws
 from .models import CreateSandbox, ExecRequest, ForkRequest, SetNetwork, SetTimeout
 from .usage import sandbox_metrics
+from ..lifecycle.states import SHOWN, State
 
 router = APIRouter()
 
@@ -56,13 +58,13 @@ def sandbox_json(row: SandboxRow) -> dict[str, Any]:
         "backend": row.backend, "created_at": row.created_at, "started_at": row.started_at,
         "ended_at": row.ended_at, "deadline": row.deadline,
         "timeout_remaining": max(0.0, row.deadline - now)
-        if row.deadline and row.state == "running" else None,
-        "vcpus": row.spec.get("vcpus"), "memory_mib": row.spec.get("memory_mib"),
-        "pids": row.spec.get("pids"), "disk_mib": row.spec.get("disk_mib"),
-        "network": row.spec.get("network"), "metadata": row.metadata,
+        if row.deadline and row.state == State.RUNNING else None,
+        "vcpus": row.spec.vcpus, "memory_mib": row.spec.memory_mib,
+        "pids": row.spec.pids, "disk_mib": row.spec.disk_mib,
+        "network": row.spec.network, "metadata": row.metadata,
         "on_timeout": row.on_timeout, "paused_at": row.paused_at,
         "snapshot_bytes": row.snapshot_bytes,
-        "idle_timeout": float(row.spec.get("idle_timeout") or 0.0),
+        "idle_timeout": float(row.spec.idle_timeout or 0.0),
         "node_id": row.node_id,
     }
 
@@ -111,7 +113,7 @@ async def create(body: CreateSandbox, mgr: ManagerDep, store: StoreDep, net: Net
             net.secrets.forget(sorted(stored_names(network)))
         raise
     if not body.wake_on_request:
-        row.spec["wake_on_request"] = False
+        row.spec = replace(row.spec, wake_on_request=False)
         store.update_sandbox(row.id, spec=row.spec)
     return sandbox_json(row)
 
@@ -167,8 +169,7 @@ async def list_(request: Request, store: StoreDep, ws: Ws, all: bool = False
                 ) -> dict[str, Any]:
     """The caller's sandboxes (``all``: ended ones too); the admin's ``workspace=*``:
     every workspace's."""
-    states: tuple[str, ...] = ("creating", "running", "pausing", "paused", "resuming",
-                               "killing", "killed", "error") if all else ACTIVE_STATES
+    states: tuple[State, ...] = SHOWN if all else ACTIVE_STATES
     every = all_workspaces(request)
     rows = [r for r in store.list_sandboxes(None if every else ws, states)
             if r.workspace_id]  # (not a template's boot: the daemon's own)

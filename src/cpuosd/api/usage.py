@@ -16,6 +16,7 @@ from ..store import SandboxRow
 from ..lifecycle.manager import Manager
 from .auth import all_workspaces
 from .deps import ManagerDep, MeterDep, StoreDep, Ws
+from ..lifecycle.states import State
 
 router = APIRouter()
 
@@ -92,16 +93,16 @@ async def sandbox_metrics(m: Manager, row: SandboxRow) -> dict[str, Any]:
     it started), memory used and its limit, tasks and their limit, its disk's use and
     limit, bytes on its network link. A paused sandbox has only its snapshot's size."""
     out: dict[str, Any] = {"id": row.id, "state": row.state, "time": time.time(),
-                           "vcpus": row.spec.get("vcpus"),
-                           "memory_limit_bytes": (row.spec.get("memory_mib") or 0) << 20,
-                           "pids_limit": row.spec.get("pids"),
-                           "disk_limit_bytes": (row.spec.get("disk_mib") or 0) << 20}
-    if row.state == "paused":
+                           "vcpus": row.spec.vcpus,
+                           "memory_limit_bytes": (row.spec.memory_mib or 0) << 20,
+                           "pids_limit": row.spec.pids,
+                           "disk_limit_bytes": (row.spec.disk_mib or 0) << 20}
+    if row.state == State.PAUSED:
         out["snapshot_bytes"] = row.snapshot_bytes
-    elif row.state == "running":
+    elif row.state == State.RUNNING:
         out.update(await asyncio.to_thread(m.backend.stats, row.id))
         # the sandbox's own limit (its host cgroup's is a little higher: a backstop)
-        out["memory_limit_bytes"] = (row.spec.get("memory_mib") or 0) << 20
+        out["memory_limit_bytes"] = (row.spec.memory_mib or 0) << 20
         if "cpu_seconds" in out and row.started_at:
             up = max(1e-3, time.time() - row.started_at)
             out["cpu_percent_avg"] = round(100 * out["cpu_seconds"] / up, 2)
@@ -113,7 +114,7 @@ async def all_metrics(request: Request, m: ManagerDep, ws: Ws) -> dict[str, Any]
     """sandbox_metrics of each of the caller's running and paused sandboxes (cpuos top);
     the admin's ``workspace=*``: every workspace's."""
     every = all_workspaces(request)
-    rows = [r for r in m.store.list_sandboxes(None if every else ws, ("running", "paused"))
+    rows = [r for r in m.store.list_sandboxes(None if every else ws, (State.RUNNING, State.PAUSED))
             if r.workspace_id][:1000]
     return {"time": time.time(),
             "sandboxes": [await sandbox_metrics(m, r) for r in rows]}

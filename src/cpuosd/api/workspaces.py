@@ -35,6 +35,7 @@ from .auth import live_requests
 from .deps import ManagerDep, StoreDep, Ws, is_admin, require_admin
 from .models import NewKey, NewWorkspace, SetLimits, WorkspaceSettings
 from .sandboxes import SIZE_DEFAULTS
+from ..lifecycle.states import State
 
 log = logging.getLogger("cpuosd.api")
 router = APIRouter(tags=["workspaces"])
@@ -209,7 +210,7 @@ async def list_workspaces(request: Request, store: StoreDep, ws: Ws,
     out = []
     for w in store.list_workspaces(deleted=deleted):
         live_keys = [k for k in store.list_keys(w["id"]) if k["revoked_at"] is None]
-        alive = store.list_sandboxes(w["id"], tuple(s for s in LIVE_STATES if s != "pooled"))
+        alive = store.list_sandboxes(w["id"], tuple(s for s in LIVE_STATES if s != State.POOLED))
         out.append({**w, "keys": len(live_keys), "sandboxes": len(alive)})
     return {"workspaces": out}
 
@@ -243,7 +244,7 @@ async def _kill_all(mgr: Manager, store: Store, wid: str) -> list[str]:
     pass or two finds all; a kill returns in every state within its bound."""
     killed: list[str] = []
     for _ in range(KILL_PASSES):
-        rows = [r for r in store.list_sandboxes(wid, LIVE_STATES) if r.state != "pooled"]
+        rows = [r for r in store.list_sandboxes(wid, LIVE_STATES) if r.state != State.POOLED]
         if not rows:
             break
         await asyncio.gather(*(mgr.kill(r.id, reason="workspace_deleted") for r in rows),

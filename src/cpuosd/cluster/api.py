@@ -47,6 +47,7 @@ from ..errors import ApiError
 from ..store import Store
 from .nodes import (ROUTE_HEADER, SANDBOX_PATH, TOKEN_HEADER, KubeNodeView, NodeInfo, NodeView,
                     check_token, fence_dead, place)
+from ..lifecycle.states import State
 
 if TYPE_CHECKING:
     from ..wiring import ApiServices
@@ -261,7 +262,7 @@ class Forwarder:
     # ---- the nodes (admin) ------------------------------------------------------------
     def _node_json(self, n: NodeInfo) -> dict[str, Any]:
         f = n.facts
-        running = len(self.store.list_sandboxes(states=("running",), node_id=n.node_id))
+        running = len(self.store.list_sandboxes(states=(State.RUNNING,), node_id=n.node_id))
         return {"id": n.node_id, "address": n.address, "alive": n.alive,
                 "cordoned": n.cordoned, "incarnation": n.incarnation,
                 "capacity": f.get("capacity") or {},

@@ -39,6 +39,7 @@ from starlette.responses import JSONResponse, Response
 from ..errors import ApiError
 from ..network.secrets import stored_names
 from .nodes import TOKEN_HEADER, NodeInfo, place_children
+from ..lifecycle.states import State
 
 if TYPE_CHECKING:
     from .api import Forwarder
@@ -89,13 +90,13 @@ async def fork(fwd: Forwarder, request: Request) -> Response:
             "snapshot_store"):
         return await fwd.http_forward(request)  # one node's fork (or its error)
     row = await asyncio.to_thread(fwd.store.get_sandbox, sid)
-    if row is None or row.state != "running":
+    if row is None or row.state != State.RUNNING:
         return await fwd.http_forward(request)  # (the node says 404/409, or wakes it)
-    if stored_names(row.spec.get("network")):
+    if stored_names(row.spec.network):
         # its secrets' values (and its CA) are on its node's disk only: children stay there
         return await fwd.http_forward(request)
-    plan = place_children(fwd.view.nodes, parent, n, int(row.spec.get("memory_mib") or 0),
-                          row.spec.get("template_digest"))
+    plan = place_children(fwd.view.nodes, parent, n, int(row.spec.memory_mib or 0),
+                          row.spec.template_digest)
     if plan is None:
         return _error(ApiError("unavailable", f"no room for {n} children of {sid} on the "
                                "nodes that can restore them"))

@@ -40,6 +40,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ..errors import ApiError
 from ..store import Store
 from .membership import NODE_ID_RE
+from ..lifecycle.states import State
 
 if TYPE_CHECKING:
     from ..backends.base import Backend
@@ -153,7 +154,7 @@ async def drain(mgr: Manager, rt: NodeRuntime | None = None) -> dict[str, Any]:
         await rt.cordon()
     elif mgr.node_id is not None:
         await asyncio.to_thread(mgr.store.set_node_cordoned, mgr.node_id, True)
-    rows = await asyncio.to_thread(mgr.store.list_sandboxes, None, ("running",),
+    rows = await asyncio.to_thread(mgr.store.list_sandboxes, None, (State.RUNNING,),
                                    node_id=mgr.node_id)
     paused, failed = [], []
     for row in rows:
@@ -205,7 +206,8 @@ def node_facts(cfg: Config, backend: Backend, address: str, mgr: Manager | None 
     return facts
 
 
-FENCED_STATES = ("creating", "running", "pausing", "resuming", "killing", "pooled")
+FENCED_STATES = (State.CREATING, State.RUNNING, State.PAUSING, State.RESUMING, State.KILLING,
+                 State.POOLED)
 FENCED_REASON = "node_lost"
 
 
@@ -221,7 +223,7 @@ def fence_dead(store: Store, view: NodeView | KubeNodeView, after: float
     for n in view.nodes:
         if n.alive or view.dead_for(n.node_id) < after:
             continue
-        ids = store.fence_node(n.node_id, FENCED_STATES, "error", FENCED_REASON)
+        ids = store.fence_node(n.node_id, FENCED_STATES, State.ERROR, FENCED_REASON)
         if ids:
             now = time.time()
             for sid in ids:
@@ -242,7 +244,7 @@ async def stop_fenced(mgr: Manager) -> list[str]:
         mgr.store.list_sandboxes, None, FENCED_STATES, node_id=mgr.node_id)}
     for sid in [s for s in mgr.live if s not in mine]:  # (one query while none is fenced)
         row = await asyncio.to_thread(mgr.store.get_sandbox, sid)
-        if row is not None and row.state == "error" and row.reason == FENCED_REASON:
+        if row is not None and row.state == State.ERROR and row.reason == FENCED_REASON:
             log.error("sandbox %s was fenced while this node was away: stopping it", sid)
             with contextlib.suppress(Exception):
                 await mgr._teardown(sid)

@@ -27,11 +27,13 @@ from ..errors import STATUS, ApiError, api_error
 from ..network.policy import Policy
 from ..store import SandboxRow
 from .state import E2B, ENVD_VERSION, E2BError, new_e2b_key
+from ..lifecycle.states import GONE, State
 
 log = logging.getLogger("cpuosd.e2b")
 
-E2B_STATES = {"creating": "running", "running": "running", "resuming": "running",
-              "pausing": "paused", "paused": "paused"}
+# our state -> E2B's
+E2B_STATES = {State.CREATING: "running", State.RUNNING: "running", State.RESUMING: "running",
+              State.PAUSING: "paused", State.PAUSED: "paused"}
 DEFAULT_TIMEOUT = 300
 MAX_LIST = 1000
 
@@ -131,7 +133,7 @@ def build(e2b: E2B) -> FastAPI:
             row = e2b.mgr.get(ws_of(request), sid)
         except ApiError:
             raise E2BError(404, f"sandbox {sid!r} not found") from None
-        if row.state in ("killing", "killed", "error"):
+        if row.state in GONE:
             raise E2BError(404, f"sandbox {sid!r} not found")
         return row
 
@@ -149,20 +151,20 @@ def build(e2b: E2B) -> FastAPI:
     def detail(row: SandboxRow, listed: bool = False) -> dict[str, Any]:
         facts = e2b.facts(row.id) or {}
         started = row.started_at or row.created_at
-        if row.state == "paused":
+        if row.state == State.PAUSED:
             end = time.time() + float(row.remaining or 0)
         else:
             end = row.deadline or started
         out: dict[str, Any] = {
             "templateID": facts.get("alias") or row.template, "sandboxID": row.id,
             "clientID": "cpuos", "startedAt": _iso(started), "endAt": _iso(end),
-            "envdVersion": ENVD_VERSION, "cpuCount": int(row.spec.get("vcpus") or 0),
-            "memoryMB": int(row.spec.get("memory_mib") or 0),
-            "diskSizeMB": int(row.spec.get("disk_mib") or 0),
+            "envdVersion": ENVD_VERSION, "cpuCount": int(row.spec.vcpus or 0),
+            "memoryMB": int(row.spec.memory_mib or 0),
+            "diskSizeMB": int(row.spec.disk_mib or 0),
             "state": E2B_STATES.get(row.state, "running"), "metadata": row.metadata}
         if not listed:
             out.update(envdAccessToken=e2b.envd_token(row.id), domain=e2b.domain(),
-                       allowInternetAccess=(row.spec.get("network") or {}).get("mode")
+                       allowInternetAccess=(row.spec.network or {}).get("mode")
                        != "off")
         return out
 
@@ -284,7 +286,7 @@ def build(e2b: E2B) -> FastAPI:
     @app.post("/sandboxes/{sid}/pause", status_code=204)
     async def pause(sid: str, request: Request) -> Response:
         row = get(request, sid)
-        if row.state in ("paused", "pausing"):
+        if row.state in (State.PAUSED, State.PAUSING):
             raise E2BError(409, f"sandbox {sid} is already paused")
         await e2b.mgr.pause(ws_of(request), sid)
         return Response(status_code=204)
@@ -293,12 +295,12 @@ def build(e2b: E2B) -> FastAPI:
         ws = ws_of(request)
         row = get(request, sid)
         status = 200
-        if row.state in ("paused", "pausing"):
+        if row.state in (State.PAUSED, State.PAUSING):
             row = await e2b.mgr.resume(ws, sid)
             status = 201
         if timeout is not None:  # only ever later (E2B: connect never shortens it)
             row = e2b.mgr.get(ws, sid)
-            if row.state == "running" and (row.deadline or 0) < time.time() + timeout:
+            if row.state == State.RUNNING and (row.deadline or 0) < time.time() + timeout:
                 row = e2b.mgr.set_timeout(ws, sid, float(timeout))
         return JSONResponse(sandbox(row), status_code=status)
 
@@ -316,7 +318,7 @@ def build(e2b: E2B) -> FastAPI:
     async def resume(sid: str, request: Request, body: ConnectBody | None = None
                      ) -> JSONResponse:
         row = get(request, sid)
-        if row.state not in ("paused", "pausing"):
+        if row.state not in (State.PAUSED, State.PAUSING):
             raise E2BError(409, f"sandbox {sid} is not paused")
         resp = await connect(request, sid, body.timeout if body else None)
         resp.status_code = 201
@@ -351,7 +353,7 @@ def build(e2b: E2B) -> FastAPI:
         if (start is not None and now < start - 10) or (end is not None and now > end + 10):
             return []
         m = await sandbox_metrics(e2b.mgr, row)
-        vcpus = int(row.spec.get("vcpus") or 0)
+        vcpus = int(row.spec.vcpus or 0)
         return [{"timestamp": _iso(now), "timestampUnix": int(now), "cpuCount": vcpus,
                  "cpuUsedPct": float(m.get("cpu_percent_avg") or 0.0),
                  "memUsed": int(m.get("memory_bytes") or 0),

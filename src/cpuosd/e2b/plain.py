@@ -31,6 +31,7 @@ from ..lifecycle.interpreter import LANGUAGE_RE, restart_kernel, run_code
 from ..lifecycle.exec_files import StreamCut
 from .envd import CURRENT
 from .state import E2B, HOME, E2BError, Target
+from ..lifecycle.states import GONE, State
 
 log = logging.getLogger("cpuosd.e2b")
 MAX_PARTS = 1000  # files of one multipart upload
@@ -94,17 +95,17 @@ class Plain:
     async def health(self, request: Request) -> Response:
         t = CURRENT.get()
         row = self.e2b.store.get_sandbox(t.sid)
-        if row is None or row.state not in ("running", "creating", "resuming"):
+        if row is None or row.state not in (State.RUNNING, State.CREATING, State.RESUMING):
             return JSONResponse({"sandboxId": t.sid, "code": 502,
                                  "message": "The sandbox was not found"
-                                 if row is None or row.state in ("killing", "killed", "error")
+                                 if row is None or row.state in GONE
                                  else f"The sandbox is {row.state}"}, status_code=502)
         return Response(status_code=204)
 
     async def envs(self, request: Request) -> Response:
         t = CURRENT.get()
         row = t.row
-        env = {**(row.spec.get("template_env") or {}), **(row.spec.get("env") or {})}
+        env = {**(row.spec.template_env or {}), **(row.spec.env or {})}
         return JSONResponse(env)
 
     async def read(self, request: Request) -> Response:
@@ -258,7 +259,7 @@ class Plain:
             return _error(e)
         def gone() -> bool:
             row = self.e2b.store.get_sandbox(t.sid)
-            return row is None or row.state in ("killing", "killed", "error")
+            return row is None or row.state in GONE
 
         # a sandbox that ends mid-cell cuts the response (as E2B's does: the SDK then asks
         # /health and says the sandbox was killed)

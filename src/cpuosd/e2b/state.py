@@ -20,7 +20,7 @@ import secrets
 import sqlite3
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +30,7 @@ from ..events import SandboxEvent
 from ..paths import check_path
 from ..store import SandboxRow, Store
 from ..templates.builder import template_info
+from ..lifecycle.states import ENDED, GONE, State
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -51,7 +52,6 @@ HOME = "/home/user"
 USER = "user"
 KEY_RE = re.compile(r"^e2b_[0-9a-f]{40}$")
 SID_RE = re.compile(r"^sbx-[a-z0-9]{12}$")
-GONE = ("killing", "killed", "error")
 
 
 def new_e2b_key() -> str:
@@ -184,7 +184,7 @@ class E2B:
         return self._store
 
     def _on_event(self, ev: SandboxEvent) -> None:
-        if ev.kind not in ("killed", "error"):
+        if ev.kind not in ENDED:
             return
         self.processes.pop(ev.sandbox, None)
         self.touched.pop(ev.sandbox, None)
@@ -247,8 +247,8 @@ class E2B:
                     expiration: str | None) -> str | None:
         """The sandbox a signed URL without routing headers is for (the SDK's signed URLs
         drop E2B_SANDBOX_URL's path and headers): each live sandbox's token is tried."""
-        for row in self.store.list_sandboxes(None, ("running", "paused", "resuming",
-                                                    "pausing", "creating")):
+        for row in self.store.list_sandboxes(None, (State.RUNNING, State.PAUSED, State.RESUMING,
+                                                    State.PAUSING, State.CREATING)):
             if self.signed(row.id, path, op, user, signature, expiration):
                 return row.id
         return None
@@ -266,11 +266,11 @@ class E2B:
         row = self.store.get_sandbox(sid)
         if row is not None:
             facts = {**extra, "alias": alias, "public": public}
-            row.spec["e2b"] = facts
+            row.spec = replace(row.spec, e2b=facts)
             self.store.update_sandbox(sid, spec=row.spec)
             lv = self.mgr.live.get(sid)
             if lv is not None:
-                lv.row.spec["e2b"] = facts
+                lv.row.spec = replace(lv.row.spec, e2b=facts)
 
     def facts(self, sid: str, row: SandboxRow | None = None) -> dict[str, Any] | None:
         if self._db is None:
@@ -281,7 +281,7 @@ class E2B:
         if r is None:  # (made on another node: its row says)
             if row is None and self._store is not None:
                 row = self.store.get_sandbox(sid)
-            shared = row.spec.get("e2b") if row is not None else None
+            shared = row.spec.e2b if row is not None else None
             if not isinstance(shared, dict) or not isinstance(shared.get("alias"), str):
                 return None
             return {**shared, "public": bool(shared.get("public", True))}
@@ -334,6 +334,6 @@ class E2B:
         if not ok:
             raise E2BError(401, "missing or wrong access token (X-Access-Token)")
         row = self.store.get_sandbox(sid)
-        if row is None or row.state in GONE or row.state == "pooled":
+        if row is None or row.state in GONE or row.state == State.POOLED:
             raise not_running(sid)
         return Target(self, sid, row, port)

@@ -21,6 +21,7 @@ from ..agentconn import AgentGone, Stream, TransportError, open_stream, raise_fo
 from ..errors import ApiError, api_error
 from ..store import Store
 from .common import Live, _base_env
+from .states import State
 
 log = logging.getLogger("cpuosd.commands")
 
@@ -34,7 +35,7 @@ MAX_COMMANDS = 256  # entries of a listing believed
 
 def gone_message(store: Store, lv: Live, e: AgentGone) -> str:
     row = store.get_sandbox(lv.row.id)
-    if row is not None and row.state != "running":
+    if row is not None and row.state != State.RUNNING:
         return f"sandbox is {row.state}" + (f" ({row.reason})" if row.reason else "")
     return e.message
 
@@ -86,42 +87,46 @@ def exit_fields(h: P.Header) -> dict[str, Any]:
             "duration": round(dur, 6) if dur is not None and dur >= 0 else None}
 
 
-# the streams of foreground execs started with ``stdin_stream``, by (sandbox, exec id),
-# while they run; one stdin request at a time each
-FG_STDIN: dict[tuple[str, str], Stream] = {}
-_FG_BUSY: set[tuple[str, str]] = set()
+class ExecStdin:
+    """The streams of foreground execs started with ``stdin_stream``, by (sandbox, exec id),
+    while they run; one stdin request at a time each (the Manager's: ``Manager.exec_stdin``)."""
 
+    def __init__(self) -> None:
+        self.streams: dict[tuple[str, str], Stream] = {}
+        self._busy: set[tuple[str, str]] = set()
 
-def end_exec_stdin(sandbox_id: str, eid: str, st: Stream) -> None:
-    """The exec ended: a stdin request still sending to it stops at once."""
-    FG_STDIN.pop((sandbox_id, eid), None)
-    st.stdin_closed = st.stdin_closed or "the command ended"
-    st._stdin_ev.set()
+    def add(self, sandbox_id: str, eid: str, st: Stream) -> None:
+        self.streams[(sandbox_id, eid)] = st
 
+    def end(self, sandbox_id: str, eid: str, st: Stream) -> None:
+        """The exec ended: a stdin request still sending to it stops at once."""
+        self.streams.pop((sandbox_id, eid), None)
+        st.stdin_closed = st.stdin_closed or "the command ended"
+        st._stdin_ev.set()
 
-async def exec_stdin(sandbox_id: str, eid: str, body: AsyncIterator[bytes], close: bool
-                     ) -> dict[str, Any]:
-    """Stream body into the stdin of a running foreground exec, as fast as the command
-    reads it (at most P.STDIN_WINDOW bytes in flight); then close it if asked."""
-    key = (sandbox_id, eid)
-    st = FG_STDIN.get(key)
-    if st is None:
-        raise ApiError("not_found", f"no running exec {eid!r} with a stdin stream here",
-                       {"exec_id": eid})
-    if key in _FG_BUSY:
-        raise ApiError("conflict", f"another request is writing to the stdin of {eid}")
-    _FG_BUSY.add(key)
-    n0 = st.stdin_sent
-    try:
-        async for chunk in body:
-            await st.send_stdin(chunk)
-        if close:
-            await st.send_stdin(b"", close=True)
-    except AgentGone as e:
-        raise ApiError("unavailable", e.message) from None
-    finally:
-        _FG_BUSY.discard(key)
-    return {"exec_id": eid, "sent": st.stdin_sent - n0, "closed": close}
+    async def write(self, sandbox_id: str, eid: str, body: AsyncIterator[bytes], close: bool
+                    ) -> dict[str, Any]:
+        """Stream body into the stdin of a running foreground exec, as fast as the command
+        reads it (at most P.STDIN_WINDOW bytes in flight); then close it if asked."""
+        key = (sandbox_id, eid)
+        st = self.streams.get(key)
+        if st is None:
+            raise ApiError("not_found", f"no running exec {eid!r} with a stdin stream here",
+                           {"exec_id": eid})
+        if key in self._busy:
+            raise ApiError("conflict", f"another request is writing to the stdin of {eid}")
+        self._busy.add(key)
+        n0 = st.stdin_sent
+        try:
+            async for chunk in body:
+                await st.send_stdin(chunk)
+            if close:
+                await st.send_stdin(b"", close=True)
+        except AgentGone as e:
+            raise ApiError("unavailable", e.message) from None
+        finally:
+            self._busy.discard(key)
+        return {"exec_id": eid, "sent": st.stdin_sent - n0, "closed": close}
 
 
 def _close_quietly(st: Stream, lv: Live, spawn: Any) -> None:
@@ -141,7 +146,7 @@ async def start(lv: Live, cmd: str | list[str], env: dict[str, str], cwd: str | 
         if pty is not None:
             base["TERM"] = "xterm-256color"
         msg: M.Exec = {**M.command(cmd), "env": {**base, **env},
-                       "cwd": cwd or lv.row.spec.get("workdir") or "/work",
+                       "cwd": cwd or lv.row.spec.workdir or "/work",
                        "timeout": timeout, "stdin": stdin, "background": True,
                        "buffer": buffer, "pty": pty}
         await st.send(msg)

@@ -39,8 +39,8 @@ def _base_env(row: SandboxRow) -> dict[str, str]:
     env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
            "HOME": "/home/user", "USER": "user", "LANG": "C.UTF-8", "TERM": "xterm",
            "HOSTNAME": row.id}
-    env.update(row.spec.get("template_env") or {})
-    env.update(row.spec.get("env") or {})
+    env.update(row.spec.template_env or {})
+    env.update(row.spec.env or {})
     return env
 
 

@@ -5,45 +5,63 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Protocol
 
 
 from ..agentconn import TransportError
 from ..errors import ApiError
+from ..store import SandboxRow, Store
 from .common import (_now)
-
-if TYPE_CHECKING:
-    from .manager import Manager
 
 log = logging.getLogger("cpuosd.lifecycle")
 
 
+class Pause(Protocol):  # Manager.pause
+    def __call__(self, workspace_id: str, sid: str, reason: str = ...
+                 ) -> Awaitable[SandboxRow]: ...
+
+
+class Kill(Protocol):  # Manager.kill
+    def __call__(self, sid: str, reason: str = ...) -> Awaitable[None]: ...
+
+
 class Deadlines:
-    async def _reaper(self: Manager) -> None:
+    """The Manager's deadline watch, given what it uses: the store (which sandboxes of
+    ``node_id`` are past their deadline), how to start a task the Manager owns (``spawn``),
+    and the Manager's ``pause`` and ``kill``."""
+
+    def __init__(self, store: Store, interval: float, node_id: str | None,
+                 spawn: Callable[[Coroutine[Any, Any, None]], None], pause: Pause,
+                 kill: Kill) -> None:
+        self.store, self.interval, self.node_id = store, interval, node_id
+        self._spawn, self._pause, self._kill = spawn, pause, kill
+
+    async def run(self) -> None:
         """Deadlines: each expired sandbox is handled in a task of its own, so one slow or
         stuck kill never holds up another workspace's deadlines."""
         expiring: set[str] = set()
         while True:
-            await asyncio.sleep(self.cfg.sandbox.reaper_interval)
+            await asyncio.sleep(self.interval)
             for sid, on_timeout in self.store.expired(_now(), node_id=self.node_id):
                 if sid in expiring:
                     continue
                 expiring.add(sid)
                 self._spawn(self._expire(sid, on_timeout, expiring))
 
-    async def _expire(self: Manager, sid: str, on_timeout: str, expiring: set[str]) -> None:
+    async def _expire(self, sid: str, on_timeout: str, expiring: set[str]) -> None:
         log.info("sandbox %s reached its deadline (%s)", sid, on_timeout)
         try:
             if on_timeout == "pause":
                 row = self.store.get_sandbox(sid)
                 if row is not None:
                     try:
-                        await self.pause(row.workspace_id, sid, reason="timeout")
-                        self.store.update_sandbox(sid, remaining=row.spec.get("timeout"))
+                        await self._pause(row.workspace_id, sid, reason="timeout")
+                        self.store.update_sandbox(sid, remaining=row.spec.timeout)
                         return
                     except (ApiError, TransportError) as e:
                         log.warning("auto-pause of %s failed (%s); killing", sid, e)
-            await self.kill(sid, reason="timeout")
+            await self._kill(sid, reason="timeout")
         except Exception:
             log.exception("deadline handling failed on %s", sid)
         finally:

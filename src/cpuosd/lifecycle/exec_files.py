@@ -20,8 +20,8 @@ from cpuos_agent.protocol import Kind
 from ..agentconn import AgentGone, TransportError, open_stream, raise_for_agent_error
 from ..errors import ApiError, api_error
 from ..events import SandboxEvent
-from . import commands
 from .common import (Live, _base_env)
+from .states import State
 
 if TYPE_CHECKING:
     from .manager import Manager
@@ -92,7 +92,7 @@ class FileStream:
                            f"{READ_IDLE:.0f}s") from None
         except AgentGone:
             row = self.mgr.store.get_sandbox(self.lv.row.id)
-            why = f"sandbox is {row.state} ({row.reason})" if row and row.state != "running" \
+            why = f"sandbox is {row.state} ({row.reason})" if row and row.state != State.RUNNING \
                 else "sandbox agent disconnected"
             raise ApiError("unavailable", f"reading {self.path}: {why}") from None
         finally:
@@ -137,7 +137,7 @@ class Session:
         """Start a command; returns the frame stream for the HTTP response.
 
         ``stdin_stream``: its stdin stays open for ``POST .../execs/{exec_id}/stdin``
-        (lifecycle.commands.exec_stdin), flow-controlled end to end.
+        (lifecycle.commands.ExecStdin), flow-controlled end to end.
 
         Errors that happen before the command runs raise ApiError (a proper HTTP
         status); everything after is reported inside the stream.
@@ -145,7 +145,7 @@ class Session:
         eid = "exe-" + secrets.token_hex(6)
         st = lv.chan.open()
         try:
-            cwd = cwd or lv.row.spec.get("workdir") or "/work"
+            cwd = cwd or lv.row.spec.workdir or "/work"
             msg: M.Exec = {**M.command(cmd), "env": {**_base_env(lv.row), **env},
                            "cwd": cwd, "timeout": timeout,
                            "stdin": stdin is not None or stdin_stream}
@@ -167,7 +167,7 @@ class Session:
         self.store.insert_exec(eid, lv.row.id, ["/bin/bash", "-c", cmd] if isinstance(cmd, str)
                                else cmd)
         if stdin_stream:
-            commands.FG_STDIN[(lv.row.id, eid)] = st
+            self.exec_stdin.add(lv.row.id, eid, st)
         # for the audit trail: what ran, where, with which variables (names, never values)
         what = {"exec_id": eid, **({"shell": cmd} if isinstance(cmd, str) else {"argv": cmd}),
                 "cwd": cwd, "env": sorted(env), "source": "api"}
@@ -212,7 +212,7 @@ class Session:
                     raise_for_agent_error(h)
         except AgentGone as e:
             row = self.store.get_sandbox(lv.row.id)
-            why = f"sandbox is {row.state} ({row.reason})" if row and row.state != "running" \
+            why = f"sandbox is {row.state} ({row.reason})" if row and row.state != State.RUNNING \
                 else e.message
             result = {"t": Frame.ERROR, "code": "unavailable", "message": why}
             yield P.encode(result)
@@ -225,7 +225,7 @@ class Session:
                 # client went away or we gave up: kill the command's whole tree
                 with contextlib.suppress(Exception):
                     self._spawn(lv.chan.send({"t": Kind.KILL, "id": st.id, "reason": "cancelled"}))
-            commands.end_exec_stdin(lv.row.id, eid, st)
+            self.exec_stdin.end(lv.row.id, eid, st)
             st.close()
             self.store.finish_exec(
                 eid, exit_code=result.get("exit_code"), signal=result.get("signal"),

@@ -42,6 +42,7 @@ from ..agentconn import AgentGone, TransportError, raise_for_agent_error
 from ..errors import ApiError, api_error, invalid
 from ..events import SandboxEvent
 from .common import Live
+from .states import State
 
 if TYPE_CHECKING:
     from .manager import Manager
@@ -254,7 +255,7 @@ async def _cell_frames(mgr: Manager, lv: Live, st: Any, eid: str, timeout: float
                    "message": done["message"] or "the kernel was busy"}
     except AgentGone:
         row = mgr.store.get_sandbox(lv.row.id)
-        why = f"sandbox is {row.state} ({row.reason})" if row and row.state != "running" \
+        why = f"sandbox is {row.state} ({row.reason})" if row and row.state != State.RUNNING \
             else "sandbox agent disconnected"
         err = {"t": Frame.ERROR, "code": "unavailable", "message": why}
     except (ApiError, TransportError) as e:

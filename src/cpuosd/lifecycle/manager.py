@@ -3,9 +3,9 @@
 
 The Manager is assembled from one module per concern:
 ``reconcile`` (restart), ``template_images`` (template snapshots, warm pool), ``snapshots``
-(pause, resume, fork), ``deadlines``, ``wake`` (auto-pause on idle, wake on a call),
-``exec_files`` (exec, files); this module holds what they share
-and the lifecycle itself.
+(pause, resume, fork), ``wake`` (auto-pause on idle, wake on a call), ``exec_files`` (exec,
+files), mixins; ``deadlines``, a collaborator it holds (``Manager.deadlines``); this module
+holds what they share and the lifecycle itself.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import os
 import secrets
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 from collections.abc import Iterator
 from typing import Any
@@ -29,13 +30,14 @@ from cpuos_agent import protocol as P
 from cpuos_agent.protocol import Kind
 
 from .. import procs
+from ..browser import Targets
 from ..agentconn import AgentChannel, TransportError, raise_for_agent_error
 from ..backends.base import Backend, SandboxSpec
 from ..config import Config
 from ..errors import ApiError, not_found
 from ..events import EventBus, SandboxEvent
 from ..paths import check_id
-from ..store import LIVE_STATES, SandboxRow, Store
+from ..store import LIVE_STATES, RowSpec, SandboxRow, Store
 from ..accounting.quotas import Admission, HostMeter, Measure
 from ..network.policy import Policy
 from ..templates.builder import template_info
@@ -43,6 +45,7 @@ from ..snapstore import SnapshotStore
 from . import memwatch, states
 from .common import (KILL_LOCK_WAIT, KILL_RETRY_INTERVAL, KILL_TIMEOUT, RECONNECT_GRACE, Live,
                      _now)
+from .commands import ExecStdin
 from .deadlines import Deadlines
 from .idle import IdleWatch
 from .wake import Idle
@@ -50,13 +53,14 @@ from .template_images import Templates
 from .reconcile import Reconcile
 from .exec_files import Session
 from .snapshots import Snapshots
+from .states import State
 
 log = logging.getLogger("cpuosd.lifecycle")
 
 __all__ = ["Live", "Manager"]
 
 
-class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
+class Manager(Reconcile, Templates, Snapshots, Idle, Session):
     def __init__(self, cfg: Config, store: Store, backend: Backend,
                  events: EventBus | None = None, measure: Measure | None = None,
                  snapstore: SnapshotStore | None = None) -> None:
@@ -103,6 +107,13 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         self._idle_pauses = asyncio.Semaphore(cfg.idle.pause_parallel)
         self._waking: dict[str, asyncio.Task[Any]] = {}
         self.connections: collections.Counter[str] = collections.Counter()
+        # the stdin streams of foreground execs (lifecycle.commands), and the page each
+        # sandbox's browser helpers drove last (cpuosd.browser)
+        self.exec_stdin = ExecStdin()
+        self.browser_targets = Targets()
+        # wall-clock deadlines (lifecycle.deadlines): a collaborator, not a mixin
+        self.deadlines = Deadlines(store, cfg.sandbox.reaper_interval, self.node_id,
+                                   self._spawn, self.pause, self.kill)
         self.events.subscribe(self._idle_on_event)
         self.agent_dir = self._install_agent()
         cfg.sandboxes_dir.mkdir(parents=True, exist_ok=True)
@@ -183,7 +194,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         async with self._lock(sid):
             row = self.get(workspace_id, sid)
             states.check("network", sid, row.state, row.reason)
-            old = row.spec.get("network") or {}
+            old = row.spec.network or {}
             if old.get("secrets"):  # a request changes mode and allowlist, not secrets
                 network = {**network, "secrets": old["secrets"], "ca": old.get("ca")}
             lv = self.live.get(sid)
@@ -194,8 +205,8 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
                 except BaseException:
                     lv.spec.network = old or None
                     raise
-                lv.row.spec["network"] = network
-            row.spec["network"] = network
+                lv.row.spec = replace(lv.row.spec, network=network)
+            row.spec = replace(row.spec, network=network)
             self.store.update_sandbox(sid, spec=row.spec)
             self.events.emit(SandboxEvent("network", sid, row.workspace_id, row.state,
                                           fields={"network": network}))
@@ -203,17 +214,17 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
 
     def _spec(self, row: SandboxRow) -> SandboxSpec:
         s = row.spec
-        return SandboxSpec(id=row.id, rootfs=Path(s["rootfs"]), dir=self.cfg.sandboxes_dir / row.id,
-                           agent_dir=self.agent_dir, vcpus=s["vcpus"], memory_mib=s["memory_mib"],
-                           pids=s.get("pids"), disk_mib=s.get("disk_mib"),
-                           network=s.get("network"),
-                           hostname=s.get("hostname", "sandbox"), env=s.get("env", {}))
+        return SandboxSpec(id=row.id, rootfs=Path(s.rootfs), dir=self.cfg.sandboxes_dir / row.id,
+                           agent_dir=self.agent_dir, vcpus=s.vcpus, memory_mib=s.memory_mib,
+                           pids=s.pids, disk_mib=s.disk_mib,
+                           network=s.network,
+                           hostname=s.hostname, env=s.env)
 
     async def startup(self) -> None:
         self.cfg.snapshots_dir.mkdir(parents=True, exist_ok=True)
         self.cfg.snapshots_dir.chmod(0o700)
         await self.reconcile()
-        self._spawn(self._reaper())
+        self._spawn(self.deadlines.run())
         self._spawn(self._idle_loop())
         self._spawn(procs.reap_loop())  # the runsc/QEMU processes we adopted
         for template in self.cfg.pool.templates if self.cfg.pool.size > 0 else []:
@@ -250,7 +261,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
 
     def _new_row(self, workspace_id: str, template: str, info: dict[str, Any], timeout: float,
                  metadata: dict[str, str], env: dict[str, str], vcpus: int, memory_mib: int,
-                 state: str = "creating", on_timeout: str = "kill",
+                 state: State = State.CREATING, on_timeout: str = "kill",
                  network: dict[str, Any] | None = None, pids: int | None = None,
                  disk_mib: int | None = None, idle_timeout: float = 0.0) -> SandboxRow:
         sid = "sbx-" + "".join(secrets.choice("abcdefghijklmnopqrstuvwxyz0123456789")
@@ -260,13 +271,13 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
             id=sid, workspace_id=workspace_id, template=template,
             backend=self.backend.capabilities.name, state=state, reason=None,
             created_at=now, started_at=None, ended_at=None, deadline=now + timeout,
-            spec={"rootfs": info["rootfs"], "template_digest": info["digest"], "vcpus": vcpus,
-                  "memory_mib": memory_mib, "pids": pids or self.cfg.sandbox.default_pids,
-                  "disk_mib": disk_mib or self.cfg.sandbox.default_disk_mib,
-                  "hostname": "sandbox", "env": env,
-                  "timeout": timeout, "machine_id": secrets.token_hex(16),
-                  "template_env": info.get("env") or {}, "workdir": info.get("workdir"),
-                  "network": network or self.default_network, "idle_timeout": idle_timeout},
+            spec=RowSpec(rootfs=info["rootfs"], template_digest=info["digest"], vcpus=vcpus,
+                         memory_mib=memory_mib, pids=pids or self.cfg.sandbox.default_pids,
+                         disk_mib=disk_mib or self.cfg.sandbox.default_disk_mib,
+                         hostname="sandbox", env=env,
+                         timeout=timeout, machine_id=secrets.token_hex(16),
+                         template_env=info.get("env") or {}, workdir=info.get("workdir"),
+                         network=network or self.default_network, idle_timeout=idle_timeout),
             metadata=metadata, on_timeout=on_timeout, node_id=self.node_id,
         )
         self.store.insert_sandbox(row)
@@ -292,7 +303,9 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
             # unprivileged uid) to reach agent.sock: 0755 whatever the daemon's umask
             spec.sock_dir.chmod(0o755)
             # Per sandbox, also after a restore: templates link /etc/machine-id here.
-            mid = row.spec.setdefault("machine_id", secrets.token_hex(16))
+            if not row.spec.machine_id:
+                row.spec = replace(row.spec, machine_id=secrets.token_hex(16))
+            mid = row.spec.machine_id
             (spec.sock_dir / "machine-id").write_text(mid + "\n")
             (spec.sock_dir / "machine-id").chmod(0o444)
             key_file = spec.sock_dir / P.KEY_PATH.rsplit("/", 1)[1]
@@ -334,13 +347,13 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         if image is not None:
             with contextlib.suppress(OSError):
                 key = (image / "agent.key").read_text().strip()
-        key = key or row.spec.get("agent_key") or secrets.token_hex(32)
-        row.spec["agent_key"] = key
+        key = key or row.spec.agent_key or secrets.token_hex(32)
+        row.spec = replace(row.spec, agent_key=key)
         return key
 
     @staticmethod
     def _save_agent_key(lv: Live, image_dir: Path) -> None:
-        key = lv.row.spec.get("agent_key")
+        key = lv.row.spec.agent_key
         if key:
             fd = os.open(image_dir / "agent.key", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as f:
@@ -352,9 +365,9 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         (cpuos_agent.agent.apply_identity), and the memory limit the agent's OOM killer
         holds the sandbox to (gVisor: cpuos_agent.memguard)."""
         msg = M.Identity(t=Kind.IDENTITY, hostname=lv.row.id,
-                         machine_id=lv.row.spec["machine_id"],
+                         machine_id=lv.row.spec.machine_id,
                          seed=secrets.token_hex(64), time=time.time(),
-                         memory_limit=int(lv.row.spec["memory_mib"]) << 20,
+                         memory_limit=int(lv.row.spec.memory_mib) << 20,
                          spawner_idle_exit=self.cfg.sandbox.spawner_idle_exit)
         if self.backend.capabilities.guest_net and lv.spec.address and lv.spec.gateway:
             # a VM's interface: every restore and clone has an address of its own
@@ -370,11 +383,11 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         started = _now()
         row.deadline = started + timeout
         row.started_at = row.started_at or started
-        self._set_state(row.id, "running", started_at=row.started_at,
+        self._set_state(row.id, State.RUNNING, started_at=row.started_at,
                         deadline=row.deadline, workspace_id=row.workspace_id,
                         spec=row.spec, metadata=row.metadata, on_timeout=row.on_timeout,
                         reason=None)
-        row.state, row.reason = "running", None
+        row.state, row.reason = State.RUNNING, None
 
     async def create(self, workspace_id: str, template: str, timeout: float,
                      metadata: dict[str, str], env: dict[str, str], vcpus: int,
@@ -414,8 +427,8 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         if lv is not None:
             row = lv.row
             row.workspace_id, row.metadata, row.on_timeout = workspace_id, metadata, on_timeout
-            row.spec = {**row.spec, "env": env, "timeout": timeout, "network": network,
-                        "idle_timeout": idle_timeout}
+            row.spec = replace(row.spec, env=env, timeout=timeout, network=network,
+                               idle_timeout=idle_timeout)
             lv.spec.env = env
             if lv.spec.network != network:  # pooled with the default policy
                 self.store.update_sandbox(row.id, spec=row.spec)  # (its secrets: on record)
@@ -441,7 +454,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
                 await self._teardown(row.id)
                 why = "cancelled (deleted while creating)" if isinstance(
                     e, asyncio.CancelledError) else str(e)
-                self._finish(row.id, "error", f"create failed: {why}"[:500])
+                self._finish(row.id, State.ERROR, f"create failed: {why}"[:500])
                 raise
             finally:
                 self._inflight.pop(row.id, None)
@@ -460,7 +473,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
                     log.warning("restore of %s from %s failed (attempt %d): %s", row.id,
                                 image.name, attempt, e.message)
             log.warning("sandbox %s: restores failed; booting it instead", row.id)
-            row.spec.pop("agent_key", None)  # a cold boot's agent gets a key of its own
+            row.spec = replace(row.spec, agent_key=None)  # a cold boot's agent: a key of its own
         lv = await self._boot(row, None)
         await self._start_command(lv, info)
         return lv
@@ -468,7 +481,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
     def get(self, workspace_id: str, sid: str) -> SandboxRow:
         check_id(sid)
         row = self.store.get_sandbox(sid)
-        if row is None or row.workspace_id != workspace_id or row.state == "pooled":
+        if row is None or row.workspace_id != workspace_id or row.state == State.POOLED:
             raise not_found("sandbox", sid)
         return row
 
@@ -502,19 +515,19 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         """A new idle timeout (0: never), counted from now for a running sandbox."""
         row = self.get(workspace_id, sid)
         states.check("set_timeout", sid, row.state, row.reason)
-        row.spec["idle_timeout"] = idle_timeout
+        row.spec = replace(row.spec, idle_timeout=idle_timeout)
         self.store.update_sandbox(sid, spec=row.spec)
         lv = self.live.get(sid)
         if lv is not None:
-            lv.row.spec["idle_timeout"] = idle_timeout
-            if lv.row.state == "running":
+            lv.row.spec = replace(lv.row.spec, idle_timeout=idle_timeout)
+            if lv.row.state == State.RUNNING:
                 self.idle.arm(sid, idle_timeout)
         return self.get(workspace_id, sid)
 
     def set_timeout(self, workspace_id: str, sid: str, timeout: float) -> SandboxRow:
         row = self.get(workspace_id, sid)
         states.check("set_timeout", sid, row.state, row.reason)
-        if row.state == "paused":
+        if row.state == State.PAUSED:
             self.store.update_sandbox(sid, remaining=timeout)
             return self.get(workspace_id, sid)
         lv = self.running(workspace_id, sid, "set_timeout")
@@ -523,7 +536,8 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         lv.row.deadline = deadline
         return self.get(workspace_id, sid)
 
-    async def kill(self, sid: str, reason: str = "killed", final_state: str = "killed") -> None:
+    async def kill(self, sid: str, reason: str = "killed",
+                   final_state: State = State.KILLED) -> None:
         """Returns within about KILL_LOCK_WAIT + KILL_TIMEOUT in every state: a create in
         progress is cancelled; an operation that holds the sandbox longer is not waited
         for; a teardown that overruns leaves the row in error with that reason."""
@@ -544,16 +558,16 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
             row = self.store.get_sandbox(sid)
             if row is None or row.state not in LIVE_STATES:
                 return
-            self._set_state(sid, "killing", reason=reason)
+            self._set_state(sid, State.KILLING, reason=reason)
             try:
                 await asyncio.wait_for(self._teardown(sid), KILL_TIMEOUT)
             except TimeoutError:
                 log.error("kill of %s: teardown did not finish in %.0fs", sid, KILL_TIMEOUT)
-                self._finish(sid, "error", f"kill timed out after {KILL_TIMEOUT:.0f}s")
+                self._finish(sid, State.ERROR, f"kill timed out after {KILL_TIMEOUT:.0f}s")
                 self._spawn(self._retry_teardown(sid))
                 return
             shutil.rmtree(self._snap(sid), ignore_errors=True)
-            if self.snapstore is not None and row.state == "paused" and row.node_id is None:
+            if self.snapstore is not None and row.state == State.PAUSED and row.node_id is None:
                 try:  # (paused into the shared store: its image goes too)
                     await asyncio.wait_for(self.snapstore.delete(sid), KILL_TIMEOUT)
                 except Exception as e:
@@ -590,7 +604,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         still live by then."""
         if self.live.get(lv.row.id) is not lv or lv.mem is not None:
             return
-        lv.mem = memwatch.start(lv.chan, lv.row.id, int(lv.row.spec["memory_mib"]),
+        lv.mem = memwatch.start(lv.chan, lv.row.id, int(lv.row.spec.memory_mib),
                                 self.backend)
 
     def _teardown_later(self, sid: str) -> None:
@@ -624,7 +638,7 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
         if t is not None:
             await asyncio.wait([t])
 
-    def _set_state(self, sid: str, to: str, **fields: Any) -> None:
+    def _set_state(self, sid: str, to: State, **fields: Any) -> None:
         """The one way a sandbox changes state: checked against the table
         (lifecycle.states), written to SQLite before anything acts on it, published as an
         event."""
@@ -650,6 +664,6 @@ class Manager(Reconcile, Templates, Snapshots, Deadlines, Idle, Session):
                 fields={k: v for k, v in fields.items()
                         if k in ("reason", "deadline", "remaining", "snapshot_bytes")}))
 
-    def _finish(self, sid: str, state: str, reason: str) -> None:
+    def _finish(self, sid: str, state: State, reason: str) -> None:
         self._set_state(sid, state, reason=reason, ended_at=_now())
         self._locks.pop(sid, None)

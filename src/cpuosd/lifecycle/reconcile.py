@@ -14,6 +14,7 @@ from ..agentconn import AgentChannel, TransportError
 from ..store import LIVE_STATES, SandboxRow
 from ..templates.builder import list_templates
 from .common import (Live, _du, _now)
+from .states import State
 
 if TYPE_CHECKING:
     from .manager import Manager
@@ -29,41 +30,42 @@ class Reconcile:
         for row in self.store.list_sandboxes(states=LIVE_STATES, node_id=self.node_id):
             alive = actual.get(row.id) == "running"
             snap = self._snap(row.id)
-            if alive and row.state in ("running", "pausing", "resuming"):
+            if alive and row.state in (State.RUNNING, State.PAUSING, State.RESUMING):
                 # a pause that did not get to checkpoint, or a resume that did: running
                 await self._reattach(row)
                 keep.add(row.id)
-                if row.state != "running":
+                if row.state != State.RUNNING:
                     # a paused row has no deadline: it gets back the time it had left
                     deadline = row.deadline or _now() + float(
-                        row.remaining or row.spec.get("timeout")
+                        row.remaining or row.spec.timeout
                         or self.cfg.sandbox.default_timeout)
                     was = row.state
-                    self._set_state(row.id, "running", deadline=deadline)
+                    self._set_state(row.id, State.RUNNING, deadline=deadline)
                     log.info("sandbox %s was %s at restart: running", row.id, was)
-                    row.state, row.deadline = "running", deadline
+                    row.state, row.deadline = State.RUNNING, deadline
                 self.idle.arm(row.id, self._idle_timeout_of(row))
                 continue
             if alive:
                 await self.backend.kill(row.id)
             has_snap = (snap / "checkpoint.img").exists()
             tmp = snap.with_name("." + snap.name + ".tmp")
-            if row.state == "pausing" and not has_snap and (tmp / "checkpoint.img").exists() \
+            if row.state == State.PAUSING and not has_snap and (tmp / "checkpoint.img").exists() \
                     and (tmp / "checkpoint.img").stat().st_size > 0:
                 # the daemon died after runsc wrote the image but before it was renamed
                 os.rename(tmp, snap)
                 has_snap = True
-            if row.state in ("paused", "pausing", "resuming") and has_snap:
-                if row.state != "paused":
+            if row.state in (State.PAUSED, State.PAUSING, State.RESUMING) and has_snap:
+                if row.state != State.PAUSED:
                     left = row.remaining or max(1.0, (row.deadline or _now()) - _now())
-                    self._set_state(row.id, "paused", paused_at=_now(),
-                                              remaining=left, deadline=None,
-                                              snapshot_bytes=_du(snap))
+                    self._set_state(row.id, State.PAUSED, paused_at=_now(),
+                                    remaining=left, deadline=None,
+                                    snapshot_bytes=_du(snap))
                 continue
-            reason = {"running": "lost", "paused": "snapshot_lost", "pooled": "pool_discarded",
-                      "killing": row.reason or "killed"}.get(row.state, "interrupted")
-            self._finish(row.id, "killed" if row.state in ("killing", "pooled") else "error",
-                         reason)
+            reason = {State.RUNNING: "lost", State.PAUSED: "snapshot_lost",
+                      State.POOLED: "pool_discarded",
+                      State.KILLING: row.reason or "killed"}.get(row.state, "interrupted")
+            self._finish(row.id, State.KILLED if row.state in (State.KILLING, State.POOLED)
+                         else State.ERROR, reason)
         for cid in actual:
             if cid not in keep:
                 log.warning("killing runsc sandbox %s that has no live record", cid)
@@ -71,7 +73,7 @@ class Reconcile:
         for d in self.cfg.sandboxes_dir.iterdir():
             if d.name not in keep:
                 shutil.rmtree(d, ignore_errors=True)
-        paused = {r.id for r in self.store.list_sandboxes(states=("paused",),
+        paused = {r.id for r in self.store.list_sandboxes(states=(State.PAUSED,),
                                                           node_id=self.node_id)}
         for d in self.cfg.snapshots_dir.iterdir():
             if d.name != "templates" and d.name not in paused:
@@ -87,7 +89,7 @@ class Reconcile:
 
     async def _reattach(self: Manager, row: SandboxRow) -> None:
         lv = Live(row, self._spec(row), AgentChannel(self._spec(row).sock_path,
-                                                     row.spec.get("agent_key"),
+                                                     row.spec.agent_key,
                                                      self.cfg.sandbox.agent_liveness))
         self.live[row.id] = lv
         await lv.chan.listen()
@@ -103,7 +105,7 @@ class Reconcile:
             await lv.chan.wait_connected(self.cfg.sandbox.agent_connect_timeout)
         except TransportError:
             log.warning("sandbox %s: agent did not reconnect; killing it", sid)
-            await self.kill(sid, reason="lost", final_state="error")
+            await self.kill(sid, reason="lost", final_state=State.ERROR)
             return
         await self._watch_memory(lv)
 
@@ -114,11 +116,11 @@ class Reconcile:
         """The agent dropped its connection: it reconnects unless the sandbox died."""
         await asyncio.sleep(2.0)
         lv = self.live.get(sid)
-        if lv is None or lv.chan.connected or lv.row.state != "running":
+        if lv is None or lv.chan.connected or lv.row.state != State.RUNNING:
             return
         row = self.store.get_sandbox(sid)
-        if row is None or row.state != "running":
+        if row is None or row.state != State.RUNNING:
             return
-        state = (await self.backend.running()).get(sid)
+        state = (await self.backend.running()).get(sid)  # (the backend's status)
         if state != "running":
-            await self.kill(sid, reason="exited", final_state="error")
+            await self.kill(sid, reason="exited", final_state=State.ERROR)

@@ -11,6 +11,7 @@ import secrets
 import shutil
 import time
 from collections.abc import Coroutine
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -27,6 +28,7 @@ from ..store import SandboxRow
 from ..templates.builder import template_info
 from . import states
 from .common import (Live, _du, _now)
+from .states import State
 
 if TYPE_CHECKING:
     from .manager import Manager
@@ -86,11 +88,11 @@ class Snapshots:
                            "snapshot sandboxes yet (pause and fork need it)")
         t0 = time.monotonic()
         self._check_space(sid, image.parent)
-        self._set_state(sid, "pausing")
+        self._set_state(sid, State.PAUSING)
         try:
             await self._quiesce(lv)
         except BaseException:
-            self._set_state(sid, "running")
+            self._set_state(sid, State.RUNNING)
             raise
         tmp = image.with_name("." + image.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -112,7 +114,7 @@ class Snapshots:
             shutil.rmtree(tmp, ignore_errors=True)
             await self._teardown(sid)
             msg = e.message if isinstance(e, ApiError | TransportError) else str(e)
-            self._finish(sid, "error", f"checkpoint failed: {msg}"[:500])
+            self._finish(sid, State.ERROR, f"checkpoint failed: {msg}"[:500])
             raise
         t2 = time.monotonic()
         self._teardown_later(sid)  # the container stopped at its checkpoint
@@ -135,11 +137,11 @@ class Snapshots:
         size = _du(self._snap(sid))
         if self.snapstore is not None and await self._upload(sid):
             # in the shared store: the row is on no node (a new epoch), any node resumes it
-            self._set_state(sid, "paused", paused_at=_now(), remaining=remaining,
+            self._set_state(sid, State.PAUSED, paused_at=_now(), remaining=remaining,
                             snapshot_bytes=size, deadline=None, reason=reason,
                             node_id=None, new_epoch=True)
             return
-        self._set_state(sid, "paused", paused_at=_now(), remaining=remaining,
+        self._set_state(sid, State.PAUSED, paused_at=_now(), remaining=remaining,
                         snapshot_bytes=size, deadline=None, reason=reason)
 
     async def _upload(self: Manager, sid: str) -> bool:
@@ -195,13 +197,13 @@ class Snapshots:
         paused on no node again."""
         assert self.snapstore is not None
         sid = row.id
-        if not self.store.transition(sid, ("paused",), "resuming", expect_epoch=row.epoch,
+        if not self.store.transition(sid, (State.PAUSED,), State.RESUMING, expect_epoch=row.epoch,
                                      new_epoch=True, node_id=self.node_id):
             now = self.store.get_sandbox(sid)
             raise ApiError("conflict", f"sandbox {sid} is being resumed elsewhere (now "
                            f"{now.state if now else 'gone'})",
                            {"state": now.state if now else None})
-        self.events.emit(SandboxEvent("resuming", sid, row.workspace_id, "paused"))
+        self.events.emit(SandboxEvent(State.RESUMING, sid, row.workspace_id, State.PAUSED))
         snap = self._snap(sid)
         shutil.rmtree(snap, ignore_errors=True)
         try:
@@ -217,7 +219,8 @@ class Snapshots:
                      self.snapstore.kind, (time.monotonic() - t0) * 1e3)
         except BaseException:
             shutil.rmtree(snap, ignore_errors=True)
-            self.store.transition(sid, ("resuming",), "paused", new_epoch=True, node_id=None)
+            self.store.transition(sid, (State.RESUMING,), State.PAUSED, new_epoch=True,
+                                  node_id=None)
             raise
         got = self.store.get_sandbox(sid)
         assert got is not None
@@ -227,7 +230,7 @@ class Snapshots:
         async with self._lock(sid):
             row = self.get(workspace_id, sid)
             states.check("resume", sid, row.state, row.reason)
-            if row.state == "running":
+            if row.state == State.RUNNING:
                 return row
             if row.node_id != self.node_id:
                 if self.snapstore is None or row.node_id is not None:
@@ -242,22 +245,22 @@ class Snapshots:
         it is paused as it was (the snapshot is kept until the restore succeeded)."""
         sid = row.id
         snap = self._snap(sid)
-        claimed = row.state == "resuming"  # (fetched from the shared store: _claim)
+        claimed = row.state == State.RESUMING  # (fetched from the shared store: _claim)
         try:
-            self.admission.admit(row.workspace_id, row.spec["vcpus"], row.spec["memory_mib"],
+            self.admission.admit(row.workspace_id, row.spec.vcpus, row.spec.memory_mib,
                                  new_sandboxes=False)
             if not claimed:
-                self._set_state(sid, "resuming")
+                self._set_state(sid, State.RESUMING)
             await self._boot(row, snap, resume=True)
         except BaseException:
             if claimed:  # the store's copy is still good: paused on no node again
                 shutil.rmtree(snap, ignore_errors=True)
-                self.store.transition(sid, ("resuming",), "paused", new_epoch=True,
+                self.store.transition(sid, (State.RESUMING,), State.PAUSED, new_epoch=True,
                                       node_id=None)
             else:
-                self._set_state(sid, "paused")  # the snapshot is still good
+                self._set_state(sid, State.PAUSED)  # the snapshot is still good
             raise
-        self._mark_running(row, row.remaining or row.spec.get("timeout") or 300.0)
+        self._mark_running(row, row.remaining or row.spec.timeout or 300.0)
         self.store.update_sandbox(sid, paused_at=None, remaining=None, snapshot_bytes=None)
         shutil.rmtree(snap, ignore_errors=True)
         if claimed and self.snapstore is not None:
@@ -296,10 +299,10 @@ class Snapshots:
             lv = self.running(workspace_id, sid, "fork")
             row = lv.row
             if publish:  # the workspace's count for every child, wherever it lands
-                self.admission.admit(workspace_id, row.spec["vcpus"], row.spec["memory_mib"],
+                self.admission.admit(workspace_id, row.spec.vcpus, row.spec.memory_mib,
                                      n=n + publish, reserve_host=False)
             if n:
-                self.admission.admit(workspace_id, row.spec["vcpus"], row.spec["memory_mib"],
+                self.admission.admit(workspace_id, row.spec.vcpus, row.spec.memory_mib,
                                      n=n)
             image = self.cfg.snapshots_dir / f"fork-{sid}-{secrets.token_hex(4)}"
             remaining = max(1.0, (row.deadline or _now()) - _now())
@@ -307,11 +310,11 @@ class Snapshots:
             size = 0
             try:
                 await self._checkpoint(lv, image)
-                self._set_state(sid, "resuming")
+                self._set_state(sid, State.RESUMING)
                 try:
                     await self._boot(row, image)
                 except BaseException as e:
-                    self._finish(sid, "error", f"restore after fork failed: {e}"[:500])
+                    self._finish(sid, State.ERROR, f"restore after fork failed: {e}"[:500])
                     raise
                 self._mark_running(row, remaining)
                 if publish:
@@ -369,10 +372,10 @@ class Snapshots:
         check_fork_key(sid, key)
         parent = self.get(workspace_id, sid)  # (404 unless the caller's)
         info = template_info(self.cfg.templates_dir, parent.template)
-        if info is None or info.get("digest") != parent.spec.get("template_digest"):
+        if info is None or info.get("digest") != parent.spec.template_digest:
             raise ApiError("conflict", f"node {self.node_id} does not have the build of "
                            f"template {parent.template!r} that sandbox {sid} runs")
-        self.admission.admit(workspace_id, parent.spec["vcpus"], parent.spec["memory_mib"],
+        self.admission.admit(workspace_id, parent.spec.vcpus, parent.spec.memory_mib,
                              n=n)
         image = self.cfg.snapshots_dir / f"fork-{sid}-{secrets.token_hex(4)}"
         shutil.rmtree(image, ignore_errors=True)
@@ -402,23 +405,23 @@ class Snapshots:
                       rootfs: str | None = None) -> list[SandboxRow]:
         """n children of row restored from image, each a new row of this node; on a failure
         (or a cancellation) the ones made are killed and the error raised."""
-        info = {"rootfs": rootfs or row.spec["rootfs"],
-                "digest": row.spec.get("template_digest")}
+        info = {"rootfs": rootfs or row.spec.rootfs,
+                "digest": row.spec.template_digest}
         clones: list[SandboxRow] = []
         try:
             for _ in range(n):
                 c = self._new_row(row.workspace_id, row.template, info, remaining,
-                                  row.metadata, row.spec.get("env", {}), row.spec["vcpus"],
-                                  row.spec["memory_mib"], on_timeout=row.on_timeout)
-                c.spec["pids"] = row.spec.get("pids")  # rlimits must match at restore
-                c.spec["disk_mib"] = row.spec.get("disk_mib")  # and the overlay's medium
-                c.spec["network"] = row.spec.get("network")
-                c.spec["idle_timeout"] = row.spec.get("idle_timeout") or 0.0
+                                  row.metadata, row.spec.env, row.spec.vcpus,
+                                  row.spec.memory_mib, on_timeout=row.on_timeout)
+                c.spec = replace(c.spec, pids=row.spec.pids,  # rlimits must match at restore
+                                 disk_mib=row.spec.disk_mib,  # and the overlay's medium
+                                 network=row.spec.network,
+                                 idle_timeout=row.spec.idle_timeout or 0.0)
                 self.store.update_sandbox(c.id, spec=c.spec)
                 try:
                     await self._boot(c, image)
                 except BaseException as e:
-                    self._finish(c.id, "error", f"fork restore failed: {e}"[:500])
+                    self._finish(c.id, State.ERROR, f"fork restore failed: {e}"[:500])
                     raise
                 self._mark_running(c, remaining)
                 clones.append(c)

@@ -10,38 +10,63 @@ the current state (``check``); DELETE is accepted in every state.
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 from ..errors import ApiError
 
-STATES = ("creating", "pooled", "running", "pausing", "paused", "resuming", "killing",
-          "killed", "error")
 
-_ENDING = {"killing", "error"}
-TRANSITIONS: dict[str, frozenset[str]] = {
-    "creating": frozenset({"running", *_ENDING}),
-    "pooled": frozenset({"running", "killed", *_ENDING}),  # (killed: discarded unused)
-    "running": frozenset({"pausing", *_ENDING}),
+class State(StrEnum):
+    """A sandbox's state. A ``StrEnum``: each member is equal to its string, which is what
+    the API answers, the events carry and the store holds."""
+
+    CREATING = "creating"
+    POOLED = "pooled"
+    RUNNING = "running"
+    PAUSING = "pausing"
+    PAUSED = "paused"
+    RESUMING = "resuming"
+    KILLING = "killing"
+    KILLED = "killed"
+    ERROR = "error"
+
+
+S = State
+STATES = tuple(State)
+
+_ENDING = {S.KILLING, S.ERROR}
+TRANSITIONS: dict[State, frozenset[State]] = {
+    S.CREATING: frozenset({S.RUNNING, *_ENDING}),
+    S.POOLED: frozenset({S.RUNNING, S.KILLED, *_ENDING}),  # (killed: discarded unused)
+    S.RUNNING: frozenset({S.PAUSING, *_ENDING}),
     # (resuming: a fork restores its source from the checkpoint it just made)
-    "pausing": frozenset({"paused", "running", "resuming", *_ENDING}),
-    "paused": frozenset({"resuming", *_ENDING}),
+    S.PAUSING: frozenset({S.PAUSED, S.RUNNING, S.RESUMING, *_ENDING}),
+    S.PAUSED: frozenset({S.RESUMING, *_ENDING}),
     # (paused: a failed resume leaves the snapshot as it was)
-    "resuming": frozenset({"running", "paused", *_ENDING}),
-    "killing": frozenset({"killed", "error"}),
-    "killed": frozenset(),
-    "error": frozenset({"killing"}),  # a sandbox in error still has things to tear down
+    S.RESUMING: frozenset({S.RUNNING, S.PAUSED, *_ENDING}),
+    S.KILLING: frozenset({S.KILLED, S.ERROR}),
+    S.KILLED: frozenset(),
+    S.ERROR: frozenset({S.KILLING}),  # a sandbox in error still has things to tear down
 }
 
-LIVE = ("creating", "running", "pausing", "paused", "resuming", "killing", "pooled")
-ENDED = ("killed", "error")
+# States with something on the host (a runsc sandbox, a snapshot, or both in flux);
+# ACTIVE: the same but pooled (a workspace's sandboxes); ENDED: nothing is left
+LIVE = (S.CREATING, S.RUNNING, S.PAUSING, S.PAUSED, S.RESUMING, S.KILLING, S.POOLED)
+ACTIVE = (S.CREATING, S.RUNNING, S.PAUSING, S.PAUSED, S.RESUMING, S.KILLING)
+ENDED = (S.KILLED, S.ERROR)
+# states in which a sandbox is over or being ended
+GONE = (S.KILLING, S.KILLED, S.ERROR)
+# the states a workspace sees (a pooled sandbox belongs to none yet)
+SHOWN = tuple(s for s in State if s is not S.POOLED)
 
 # operation -> states that accept it (anything else: 409 with the current state)
-OPS: dict[str, frozenset[str]] = {
-    "exec": frozenset({"running"}),
-    "files": frozenset({"running"}),
-    "pause": frozenset({"running"}),
-    "resume": frozenset({"paused", "running"}),  # resuming a running sandbox: a no-op
-    "fork": frozenset({"running"}),
-    "set_timeout": frozenset({"running", "paused"}),
-    "network": frozenset({"running", "paused"}),
+OPS: dict[str, frozenset[State]] = {
+    "exec": frozenset({S.RUNNING}),
+    "files": frozenset({S.RUNNING}),
+    "pause": frozenset({S.RUNNING}),
+    "resume": frozenset({S.PAUSED, S.RUNNING}),  # resuming a running sandbox: a no-op
+    "fork": frozenset({S.RUNNING}),
+    "set_timeout": frozenset({S.RUNNING, S.PAUSED}),
+    "network": frozenset({S.RUNNING, S.PAUSED}),
     "info": frozenset(STATES),
     "delete": frozenset(STATES),
 }
@@ -52,7 +77,7 @@ class InvalidTransition(RuntimeError):
 
 
 def can(frm: str, to: str) -> bool:
-    return to in TRANSITIONS.get(frm, frozenset())
+    return frm in TRANSITIONS and to in TRANSITIONS[State(frm)]
 
 
 def check_transition(frm: str, to: str) -> None:

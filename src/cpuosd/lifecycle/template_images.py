@@ -21,9 +21,10 @@ from cpuos_agent.protocol import Kind
 
 from ..agentconn import raise_for_agent_error
 from ..errors import ApiError
-from ..store import SandboxRow
+from ..store import RowSpec, SandboxRow
 from ..templates.builder import template_info
 from .common import (Live, _base_env, _now)
+from .states import State
 
 if TYPE_CHECKING:
     from .manager import Manager
@@ -75,17 +76,18 @@ class Templates:
                                    d: Path) -> None:
         t0 = time.monotonic()
         row = SandboxRow(id="tpl-" + secrets.token_hex(6), workspace_id="", template=template,
-                         backend=self.backend.capabilities.name, state="creating", reason=None,
+                         backend=self.backend.capabilities.name, state=State.CREATING, reason=None,
                          created_at=_now(), started_at=None, ended_at=None, deadline=None,
-                         spec={"rootfs": info["rootfs"], "vcpus": self.cfg.sandbox.default_vcpus,
-                               "memory_mib": self.cfg.sandbox.default_memory_mib,
-                               "pids": self.cfg.sandbox.default_pids,
-                               "disk_mib": self.cfg.sandbox.default_disk_mib,
-                               "network": {"mode": "off", "allow": []},
-                               "hostname": "sandbox", "env": {},
-                               "machine_id": secrets.token_hex(16),
-                               "template_env": info.get("env") or {},
-                               "workdir": info.get("workdir")},
+                         spec=RowSpec(rootfs=info["rootfs"],
+                                      vcpus=self.cfg.sandbox.default_vcpus,
+                                      memory_mib=self.cfg.sandbox.default_memory_mib,
+                                      pids=self.cfg.sandbox.default_pids,
+                                      disk_mib=self.cfg.sandbox.default_disk_mib,
+                                      network={"mode": "off", "allow": []},
+                                      hostname="sandbox", env={},
+                                      machine_id=secrets.token_hex(16),
+                                      template_env=info.get("env") or {},
+                                      workdir=info.get("workdir")),
                          metadata={})
         tmp = d.with_name(d.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -134,7 +136,7 @@ class Templates:
                 if name and digest and (tdir / self._template_image_name(
                         str(name), str(digest)) / "checkpoint.img").exists():
                     images.append(str(name))
-        snaps = sorted(r.id for r in self.store.list_sandboxes(None, ("paused",),
+        snaps = sorted(r.id for r in self.store.list_sandboxes(None, (State.PAUSED,),
                                                                node_id=self.node_id)
                        if r.node_id is not None)[:MAX_SNAPSHOTS_LISTED]
         return {"pools": pools, "template_images": sorted(images), "snapshots": snaps}
@@ -186,12 +188,12 @@ class Templates:
                 return
             row = self._new_row(ws, template, info, self.cfg.sandbox.default_timeout, {}, {},
                                 self.cfg.sandbox.default_vcpus, self.cfg.sandbox.default_memory_mib,
-                                state="pooled")
+                                state=State.POOLED)
             try:
                 lv = await self._boot(row, image)
             except Exception:
                 log.exception("warm pool: restoring %s failed", template)
-                self._finish(row.id, "error", "pool restore failed")
+                self._finish(row.id, State.ERROR, "pool restore failed")
                 return
             ok = True
             if gen != self._pool_gen.get(template, 0):  # the template was removed meanwhile
@@ -301,7 +303,7 @@ class Templates:
         if not start:
             return
         await self._run_simple(
-            lv, f"cd {shlex.quote(lv.row.spec.get('workdir') or '/')} && "
+            lv, f"cd {shlex.quote(lv.row.spec.workdir or '/')} && "
             f"{'CPUOS_TEMPLATE_SNAPSHOT=1 ' if snapshot else ''}"
             f"nohup sh -c {shlex.quote(start)} >/tmp/cpuos-start.log 2>&1 &", 30)
         ready = info.get("ready") or {}

@@ -13,6 +13,7 @@ from ..errors import ApiError
 from ..events import NOT_TRANSITIONS, SandboxEvent
 from ..store import SandboxRow
 from .idle import TICK
+from .states import State
 
 if TYPE_CHECKING:
     from .manager import Manager
@@ -24,7 +25,7 @@ class Idle:
     """The Manager's side: the tick, the auto-pause, and waking a sandbox for a call."""
 
     def _idle_timeout_of(self: Manager, row: SandboxRow) -> float:
-        v = row.spec.get("idle_timeout")
+        v = row.spec.idle_timeout
         return float(v) if isinstance(v, (int, float)) else 0.0
 
     def _idle_in_use(self: Manager, sid: str) -> bool:
@@ -36,7 +37,7 @@ class Idle:
 
     def _idle_on_event(self: Manager, ev: SandboxEvent) -> None:
         """Subscribed to the lifecycle's events: a sandbox is watched while it runs."""
-        if ev.kind == "running":
+        if ev.kind == State.RUNNING:
             lv = self.live.get(ev.sandbox)
             if lv is not None:
                 self.idle.arm(ev.sandbox, self._idle_timeout_of(lv.row))
@@ -72,7 +73,7 @@ class Idle:
                 lv = self.live.get(sid)
                 idle = self.idle.idle_for(sid)
                 timeout = self.idle.timeout(sid)
-                if (lv is None or lv.row.state != "running" or idle is None or timeout is None
+                if (lv is None or lv.row.state != State.RUNNING or idle is None or timeout is None
                         or idle < timeout or self._idle_in_use(sid) or not lv.chan.connected):
                     return  # touched, in use or changed meanwhile: watched again below
                 self.events.emit(SandboxEvent(
@@ -91,17 +92,17 @@ class Idle:
                 del self._idle_pausing[sid]
             if not paused:
                 lv = self.live.get(sid)
-                if lv is not None and lv.row.state == "running":
+                if lv is not None and lv.row.state == State.RUNNING:
                     self.idle.rewatch(sid)
 
     def wakes(self: Manager, row: SandboxRow, any_pause: bool = False) -> bool:
         """Would a call find row's sandbox running after waking it: paused for idleness
         (``any_pause``: paused for any reason), or on its way there or back."""
-        if row.state == "paused":
+        if row.state == State.PAUSED:
             return any_pause or row.reason == "idle"
-        if row.state == "pausing":
+        if row.state == State.PAUSING:
             return any_pause or row.id in self._idle_pausing
-        return row.state == "resuming"
+        return row.state == State.RESUMING
 
     async def wake(self: Manager, workspace_id: str, sid: str, any_pause: bool = False
                    ) -> None:
@@ -131,13 +132,13 @@ class Idle:
                                    {"state": row.state if row else None}) from None
                 raise
             row = self.get(workspace_id, sid)
-            if not (row.state == "paused" and any_pause):
+            if not (row.state == State.PAUSED and any_pause):
                 return  # (else another caller's wake left it paused: ours goes on)
 
     async def _wake(self: Manager, workspace_id: str, sid: str, any_pause: bool) -> None:
         async with self._lock(sid):
             row = self.get(workspace_id, sid)
-            if row.state == "paused" and (any_pause or row.reason == "idle"):
+            if row.state == State.PAUSED and (any_pause or row.reason == "idle"):
                 log.info("sandbox %s: woken by a call (%s)", sid, row.reason)
                 if row.node_id != self.node_id:  # (many hosts: as resume decides)
                     if self.snapstore is None or row.node_id is not None:

@@ -56,6 +56,7 @@ import re
 import secrets
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import parse_qsl, urlencode
 
@@ -64,9 +65,11 @@ import h11
 from ..config import PreviewConfig
 from ..errors import ApiError, invalid, not_found
 from ..fdbudget import BUDGET
+from ..lifecycle.states import GONE, State
 from .relay import PlainStream, quickack, relay
 
 if TYPE_CHECKING:
+    from ..store import RowSpec
     from ..lifecycle.manager import Manager
     from .service import Network
 
@@ -288,40 +291,40 @@ class Preview:
             raise invalid("port must be 1..65535", field="port")
         async with self.mgr._lock(sid):
             row = self.mgr.get(ws, sid)
-            if row.state in ("killing", "killed", "error"):
+            if row.state in GONE:
                 raise ApiError("conflict", f"sandbox {sid} is {row.state}",
                                {"state": row.state})
-            ports = dict(row.spec.get("ports") or {})
+            ports = dict(row.spec.ports or {})
             p = ports.get(str(port)) or {"token": secrets.token_urlsafe(24),
                                          "created_at": time.time()}
             if public is not None or "public" not in p:
                 p["public"] = bool(public)
             ports[str(port)] = p
-            row.spec["ports"] = ports
+            row.spec = replace(row.spec, ports=ports)
             self.mgr.store.update_sandbox(sid, spec=row.spec)
             lv = self.mgr.live.get(sid)
             if lv is not None:
-                lv.row.spec["ports"] = ports
+                lv.row.spec = replace(lv.row.spec, ports=ports)
         self._event(sid, ws, port, "expose", public=p["public"])
         return self._view(sid, port, p)
 
     async def unexpose(self, ws: str, sid: str, port: int) -> None:
         async with self.mgr._lock(sid):
             row = self.mgr.get(ws, sid)
-            ports = dict(row.spec.get("ports") or {})
+            ports = dict(row.spec.ports or {})
             if ports.pop(str(port), None) is None:
                 raise not_found("port", str(port))
-            row.spec["ports"] = ports
+            row.spec = replace(row.spec, ports=ports)
             self.mgr.store.update_sandbox(sid, spec=row.spec)
             lv = self.mgr.live.get(sid)
             if lv is not None:
-                lv.row.spec["ports"] = ports
+                lv.row.spec = replace(lv.row.spec, ports=ports)
         self._event(sid, ws, port, "unexpose")
 
     def list(self, ws: str, sid: str) -> list[dict[str, Any]]:
         row = self.mgr.get(ws, sid)
         return [self._view(sid, int(k), v) for k, v in sorted(
-            (row.spec.get("ports") or {}).items(), key=lambda kv: int(kv[0]))]
+            (row.spec.ports or {}).items(), key=lambda kv: int(kv[0]))]
 
     # -- client connections -------------------------------------------------------------
     def _note_refusal(self, why: str) -> None:
@@ -452,7 +455,7 @@ class Preview:
         for k, v in lower:
             hdr.setdefault(k, v)
         row = self.mgr.store.get_sandbox(sid)
-        exposed = ((row.spec.get("ports") or {}).get(str(port)) if row else None)
+        exposed = ((row.spec.ports or {}).get(str(port)) if row else None)
         routed = self.route(row, port, hdr) if self.route is not None and row else None
         if routed is not None and not isinstance(routed, Route):  # refused: (status, why)
             return await _reply(c.writer, *routed)
@@ -786,12 +789,12 @@ class Preview:
             up.in_use.close()
             self._release(up.sid)
 
-    async def _running_address(self, sid: str, ws: str, state: str, spec: dict[str, Any]
+    async def _running_address(self, sid: str, ws: str, state: str, spec: RowSpec
                                ) -> str | tuple[int, str]:
         """The sandbox's address, resuming it first if it is paused (or pausing, resuming)
         and may be woken: one resume for any number of requests (Manager.wake)."""
-        if state in ("paused", "pausing", "resuming"):
-            if spec.get("wake_on_request") is False and state != "resuming":
+        if state in (State.PAUSED, State.PAUSING, State.RESUMING):
+            if spec.wake_on_request is False and state != State.RESUMING:
                 return 503, f"{sid} is {state}"
             try:
                 async with asyncio.timeout(WAKE_TIMEOUT):
@@ -800,7 +803,7 @@ class Preview:
                 return 503, f"{sid} could not be resumed: {getattr(e, 'message', e)}"
             row = self.mgr.store.get_sandbox(sid)
             state = row.state if row else "gone"
-        if state != "running":
+        if state != State.RUNNING:
             return 503, f"{sid} is {state}"
         self.mgr.idle.touch(sid)
         a = self.network.by_sid.get(sid) if self.network else None

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..backends.base import Backend
+from ..store.base import RowSpec
 
 META = "cpuos-snapshot.json"
 FORMAT = 1
@@ -54,11 +55,11 @@ def host_facts(backend: Backend) -> dict[str, Any]:
             **cpu_info()}
 
 
-def snapshot_meta(backend: Backend, sandbox: str, template: str, spec: dict[str, Any]
+def snapshot_meta(backend: Backend, sandbox: str, template: str, spec: RowSpec
                   ) -> dict[str, Any]:
     return {"format": FORMAT, **host_facts(backend), "sandbox": sandbox, "template": template,
-            "template_digest": spec.get("template_digest"), "vcpus": spec.get("vcpus"),
-            "memory_mib": spec.get("memory_mib"), "disk_mib": spec.get("disk_mib"),
+            "template_digest": spec.template_digest, "vcpus": spec.vcpus,
+            "memory_mib": spec.memory_mib, "disk_mib": spec.disk_mib,
             "created_at": time.time()}
 
 

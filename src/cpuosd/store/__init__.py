@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .base import (ACTIVE_STATES, LIVE_STATES, MAX_CONNECTIONS, SandboxRow, Store,
+from .base import (ACTIVE_STATES, LIVE_STATES, MAX_CONNECTIONS, RowSpec, SandboxRow, Store,
                    UsageInterval, hash_key, new_key)
 from .sqlite import SqliteStore
 
-__all__ = ["ACTIVE_STATES", "LIVE_STATES", "MAX_CONNECTIONS", "SandboxRow", "SqliteStore",
-           "Store", "UsageInterval", "hash_key", "new_key", "open_store"]
+__all__ = ["ACTIVE_STATES", "LIVE_STATES", "MAX_CONNECTIONS", "RowSpec", "SandboxRow",
+           "SqliteStore", "Store", "UsageInterval", "hash_key", "new_key", "open_store"]
 
 
 def open_store(sqlite_path: Path, url: str | None = None, pool_size: int | None = None

@@ -16,15 +16,18 @@ import hashlib
 import json
 import secrets
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
+
+from ..lifecycle.states import State
+from ..lifecycle import states
 
 # what is kept of one sandbox's connection record (the oldest go first)
 MAX_CONNECTIONS = 10_000
 
 # States with something on the host (a runsc sandbox, a snapshot, or both in flux).
-LIVE_STATES = ("creating", "running", "pausing", "paused", "resuming", "killing", "pooled")
-ACTIVE_STATES = ("creating", "running", "pausing", "paused", "resuming", "killing")
+LIVE_STATES = states.LIVE
+ACTIVE_STATES = states.ACTIVE
 
 
 def hash_key(key: str) -> str:
@@ -35,19 +38,74 @@ def new_key() -> str:
     return "cpk_" + secrets.token_urlsafe(32)
 
 
+# keys of a stored spec written only once they have a value (added after the first
+# version: a row without them means None)
+_LATE_KEYS = frozenset({"agent_key", "ports", "e2b", "wake_on_request"})
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """A sandbox's ``spec`` as the store holds it (the JSON column ``sandboxes.spec``):
+    what it was made with and what was set on it since. Immutable: a change is a new one
+    (``dataclasses.replace``), written with ``Store.update_sandbox(sid, spec=...)``.
+
+    ``to_json`` gives the dict the store writes: the keys in the order the daemon always
+    wrote them, a late key only once it is set, and any key this version does not know
+    kept as it was (``extra``); ``from_json`` reads any row, also one written before a key
+    existed (its default)."""
+
+    rootfs: str = ""
+    template_digest: str | None = None
+    vcpus: int = 0
+    memory_mib: int = 0
+    pids: int | None = None
+    disk_mib: int | None = None
+    hostname: str = "sandbox"
+    env: dict[str, str] = field(default_factory=dict)
+    timeout: float | None = None  # s the sandbox was created with (a resume's default)
+    machine_id: str = ""
+    template_env: dict[str, str] = field(default_factory=dict)
+    workdir: str | None = None  # the template's (None: /work)
+    network: dict[str, Any] | None = None  # the egress policy (network.policy.Policy JSON)
+    idle_timeout: float = 0.0  # s without activity before an auto-pause (0: never)
+    # late keys
+    agent_key: str | None = None  # the agent's key (lifecycle.manager._agent_key)
+    ports: dict[str, dict[str, Any]] | None = None  # exposed ports (proxy.preview)
+    e2b: dict[str, Any] | None = None  # E2B facts shared with other nodes (e2b.state)
+    wake_on_request: bool | None = None  # False: a preview request does not wake it
+    # keys this version does not know, kept as they were
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> RowSpec:
+        known = {f.name for f in fields(cls)} - {"extra"}
+        return cls(**{k: v for k, v in d.items() if k in known},
+                   extra={k: v for k, v in d.items() if k not in known})
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "extra" or (f.name in _LATE_KEYS and v is None):
+                continue
+            out[f.name] = v
+        out.update(self.extra)
+        return out
+
+
 @dataclass
 class SandboxRow:
     id: str
     workspace_id: str
     template: str
     backend: str
-    state: str
+    state: State
     reason: str | None
     created_at: float
     started_at: float | None
     ended_at: float | None
     deadline: float | None
-    spec: dict[str, Any]
+    spec: RowSpec
     metadata: dict[str, str]
     on_timeout: str = "kill"
     paused_at: float | None = None
@@ -61,7 +119,8 @@ class SandboxRow:
     @classmethod
     def from_row(cls, r: Mapping[str, Any]) -> SandboxRow:
         d = dict(r)
-        d["spec"] = json.loads(d["spec"])
+        d["state"] = State(d["state"])
+        d["spec"] = RowSpec.from_json(json.loads(d["spec"]))
         d["metadata"] = json.loads(d["metadata"])
         return cls(**d)
 
@@ -110,15 +169,15 @@ class Store(Protocol):
     # ---- sandboxes
     def insert_sandbox(self, row: SandboxRow) -> None: ...
     def update_sandbox(self, sid: str, **fields: Any) -> None: ...
-    def transition(self, sid: str, from_states: Iterable[str], to_state: str, *,
+    def transition(self, sid: str, from_states: Iterable[State], to_state: State, *,
                    expect_epoch: int | None = None, new_epoch: bool = False,
                    **fields: Any) -> bool: ...
-    def fence_node(self, node_id: str, states: Iterable[str], to_state: str,
+    def fence_node(self, node_id: str, states: Iterable[State], to_state: State,
                    reason: str) -> list[str]: ...
     def get_sandbox(self, sid: str) -> SandboxRow | None: ...
-    def list_sandboxes(self, workspace_id: str | None = None, states: tuple[str, ...] = (),
+    def list_sandboxes(self, workspace_id: str | None = None, states: tuple[State, ...] = (),
                        *, node_id: str | None = None) -> list[SandboxRow]: ...
-    def sandbox_totals(self, workspace_id: str | None, states: tuple[str, ...]
+    def sandbox_totals(self, workspace_id: str | None, states: tuple[State, ...]
                        ) -> tuple[int, int, int]: ...
     def expired(self, now: float, *, node_id: str | None = None) -> list[tuple[str, str]]: ...
 

@@ -15,7 +15,8 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
-from .base import MAX_CONNECTIONS, SandboxRow, UsageInterval, hash_key, new_key
+from ..lifecycle.states import State
+from .base import MAX_CONNECTIONS, RowSpec, SandboxRow, UsageInterval, hash_key, new_key
 
 
 class Conn(Protocol):
@@ -40,6 +41,10 @@ def _interval(r: dict[str, Any]) -> UsageInterval:
     return UsageInterval(r["sandbox_id"], r["kind"], float(r["start"]),
                          None if r["end"] is None else float(r["end"]), r["vcpus"],
                          r["memory_mib"], r["snapshot_bytes"], r["reason"])
+
+
+def _dump_spec(spec: RowSpec | dict[str, Any]) -> str:
+    return json.dumps(spec.to_json() if isinstance(spec, RowSpec) else spec)
 
 
 def _in(values: Sequence[str]) -> str:
@@ -207,7 +212,7 @@ class SqlStore:
     # ---- sandboxes ------------------------------------------------------------------
     def insert_sandbox(self, row: SandboxRow) -> None:
         d = dict(row.__dict__)
-        d["spec"], d["metadata"] = json.dumps(row.spec), json.dumps(row.metadata)
+        d["spec"], d["metadata"] = _dump_spec(row.spec), json.dumps(row.metadata)
         self._run(f"INSERT INTO sandboxes ({', '.join(d)}) VALUES ({_in(list(d))})",
                   tuple(d.values()))
 
@@ -216,14 +221,15 @@ class SqlStore:
         cols, args = [], []
         for k, v in fields.items():
             cols.append(f"{k}=?")
-            args.append(json.dumps(v) if k in ("spec", "metadata") else v)
+            args.append(_dump_spec(v) if k == "spec" else json.dumps(v) if k == "metadata"
+                        else v)
         return cols, args
 
     def update_sandbox(self, sid: str, **fields: Any) -> None:
         cols, args = self._set(fields)
         self._run(f"UPDATE sandboxes SET {', '.join(cols)} WHERE id=?", (*args, sid))
 
-    def transition(self, sid: str, from_states: Iterable[str], to_state: str, *,
+    def transition(self, sid: str, from_states: Iterable[State], to_state: State, *,
                    expect_epoch: int | None = None, new_epoch: bool = False,
                    **fields: Any) -> bool:
         """Compare-and-set: move the sandbox to ``to_state`` (and write ``fields``) only if
@@ -244,7 +250,7 @@ class SqlStore:
             args.append(expect_epoch)
         return self._run(sql, args) == 1
 
-    def fence_node(self, node_id: str, states: Iterable[str], to_state: str,
+    def fence_node(self, node_id: str, states: Iterable[State], to_state: State,
                    reason: str) -> list[str]:
         """A node declared dead: its sandboxes in ``states`` move to ``to_state`` with
         ``reason`` and a new epoch, in one statement, so that whatever that node still
@@ -260,7 +266,7 @@ class SqlStore:
         r = self._one("SELECT * FROM sandboxes WHERE id=?", (sid,))
         return SandboxRow.from_row(r) if r else None
 
-    def list_sandboxes(self, workspace_id: str | None = None, states: tuple[str, ...] = (),
+    def list_sandboxes(self, workspace_id: str | None = None, states: tuple[State, ...] = (),
                        *, node_id: str | None = None) -> list[SandboxRow]:
         sql, args = "SELECT * FROM sandboxes WHERE 1=1", []
         if workspace_id is not None:
@@ -275,7 +281,7 @@ class SqlStore:
         sql += " ORDER BY created_at"
         return [SandboxRow.from_row(r) for r in self._rows(sql, args)]
 
-    def sandbox_totals(self, workspace_id: str | None, states: tuple[str, ...]
+    def sandbox_totals(self, workspace_id: str | None, states: tuple[State, ...]
                        ) -> tuple[int, int, int]:
         """(how many, their vCPUs, their memory MiB) of the sandboxes in these states (of
         one workspace, or all): summed by the database from the (workspace, state) index."""
@@ -290,8 +296,8 @@ class SqlStore:
         return int(r["n"]), int(r["v"]), int(r["m"])
 
     def expired(self, now: float, *, node_id: str | None = None) -> list[tuple[str, str]]:
-        sql = "SELECT id, on_timeout FROM sandboxes WHERE state='running' AND deadline<=?"
-        args: list[Any] = [now]
+        sql = "SELECT id, on_timeout FROM sandboxes WHERE state=? AND deadline<=?"
+        args: list[Any] = [State.RUNNING, now]
         if node_id is not None:
             sql += " AND node_id=?"
             args.append(node_id)
