@@ -44,13 +44,13 @@ from .config import Config
 from .events import EventBus, SandboxEvent, log_event
 from .lifecycle.manager import Manager
 from .network.backend import Networked
-from .network.secrets import (SealedBackend, Sealer, SecretKeyError, SecretStore, load_keys,
-                              stored_names)
+from .network.secrets import SealedBackend, Sealer, SecretKeyError, SecretStore, load_keys
+from .network.secrets import unused as unused_secrets
 from .network.service import Network, RecordWriter
 from .procs import become_subreaper
 from .network.preview import Preview
 from .snapstore import SnapshotStore, open_snapshot_store
-from .store import LIVE_STATES, Store, open_store
+from .store import Store, open_store
 
 if TYPE_CHECKING:
     from .cluster.api import Forwarder
@@ -188,15 +188,12 @@ async def start_network(cfg: Config, backend: Backend, store: Store, events: Eve
 
     def forget_secrets(ev: SandboxEvent) -> None:
         # a sandbox's secrets and CA go when it ends, unless a fork of it still uses them
+        # (many hosts: the shared database's rows, any node's sandboxes counted)
         if ev.kind not in ("killed", "error"):
             return
-        row = store.get_sandbox(ev.sandbox)
-        mine = stored_names(row.spec.get("network") if row else None)
-        if not mine:
-            return
-        for other in store.list_sandboxes(None, LIVE_STATES):
-            mine -= stored_names(other.spec.get("network"))
-        net.secrets.forget(sorted(mine))
+        gone = unused_secrets(store, [ev.sandbox])
+        if gone:
+            net.secrets.forget(gone)
 
     events.subscribe(forget_secrets)
     await net.start()

@@ -221,7 +221,8 @@ def fence_dead(store: Store, view: NodeView | KubeNodeView, after: float
     """Fence the nodes dead for longer than ``after`` s (by ``view``'s clock): their
     sandboxes in FENCED_STATES become error/node_lost with a new epoch, in one
     compare-and-set per node (safe if several API processes do it at once); their usage
-    intervals end. Those paused on such a node stay (its disk holds them)."""
+    intervals end, and (Postgres) their sealed secrets unless a live sandbox shares them.
+    Those paused on such a node stay (its disk holds them)."""
     out: dict[str, list[str]] = {}
     if after <= 0:
         return out
@@ -236,6 +237,13 @@ def fence_dead(store: Store, view: NodeView | KubeNodeView, after: float
             log.error("node %s dead for %.0f s: %d sandbox(es) marked lost: %s", n.node_id,
                       view.dead_for(n.node_id), len(ids), ", ".join(ids[:20]))
             out[n.node_id] = ids
+            if store.dialect == "postgres":  # (their sealed secrets, unless still used)
+                from ..network.secrets import unused
+
+                try:
+                    store.delete_secrets(unused(store, ids))
+                except Exception as e:  # (the fencing stands; the rows stay sealed)
+                    log.warning("the secrets of fenced sandboxes were not removed: %s", e)
     return out
 
 

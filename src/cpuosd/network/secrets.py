@@ -240,6 +240,22 @@ class SealedBackend:
         return n
 
 
+def unused(store: Any, sids: list[str]) -> list[str]:
+    """The stored names (placeholders, CAs) of the sandboxes ``sids`` that no live sandbox
+    uses any more (a fork shares its parent's; on many hosts: any node's)."""
+    from ..store.base import LIVE_STATES
+
+    mine: set[str] = set()
+    for sid in sids:
+        row = store.get_sandbox(sid)
+        mine |= stored_names(row.spec.get("network") if row else None)
+    if not mine:
+        return []
+    for other in store.list_sandboxes(None, LIVE_STATES):
+        mine -= stored_names(other.spec.get("network"))
+    return sorted(mine)
+
+
 class SecretStore:
     def __init__(self, root: Path, backend: Backend | None = None) -> None:
         self.root = root  # (also where the leaf certificates are written to load them)
