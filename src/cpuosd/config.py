@@ -503,6 +503,12 @@ class ClusterConfig:
     node_token: str | None = var("CPUOS_NODE_TOKEN", None,
                                  "the secret API processes and nodes share (16 characters or "
                                  "more; X-Cpuos-Node-Token)", _str, secret=True)
+    secrets_key_file: Path | None = var("CPUOS_SECRETS_KEY_FILE", None,
+                                        "with CPUOS_DATABASE_URL: the file of the key that "
+                                        "seals sandboxes' secrets in the database (the same "
+                                        "on every node, a Secret's file; 64 hex digits a "
+                                        "line, the first seals; without it a node refuses "
+                                        "secrets)", _path)
     admin_key: str | None = var("CPUOS_ADMIN_KEY", None,
                                 "the admin workspace's API key, put into an empty database "
                                 "by the first node (32 characters or more; default: a node "

@@ -44,12 +44,13 @@ from .config import Config
 from .events import EventBus, SandboxEvent, log_event
 from .lifecycle.manager import Manager
 from .network.backend import Networked
-from .network.secrets import stored_names
+from .network.secrets import SealedBackend, Sealer, SecretKeyError, SecretStore, load_keys
+from .network.secrets import unused as unused_secrets
 from .network.service import Network, RecordWriter
 from .procs import become_subreaper
 from .network.preview import Preview
 from .snapstore import SnapshotStore, open_snapshot_store
-from .store import LIVE_STATES, Store, open_store
+from .store import Store, open_store
 from .lifecycle.states import ENDED, State
 
 if TYPE_CHECKING:
@@ -137,6 +138,35 @@ def snapshot_store(cfg: Config) -> SnapshotStore | None:
     return open_snapshot_store(cfg.snapshots_dir, cfg.cluster.snapshot_store, cfg.cluster)
 
 
+def secret_store(cfg: Config, store: Store) -> SecretStore:
+    """Where sandboxes' secret values and CA keys are kept (cpuosd.network.secrets): files
+    under $CPUOS_HOME/secrets on one host (SQLite); with Postgres the shared database's
+    ``secrets`` table, sealed under CPUOS_SECRETS_KEY_FILE, so that they follow a sandbox
+    to any node. Postgres without that key: the node starts but refuses creates with
+    secrets (503, naming the variable); a key file that is not one: the start fails."""
+    root = cfg.home / "secrets"
+    if store.dialect != "postgres":
+        return SecretStore(root)
+    sealer = None
+    path = cfg.cluster.secrets_key_file
+    if path is None:
+        log.warning("CPUOS_DATABASE_URL without CPUOS_SECRETS_KEY_FILE: this node refuses "
+                    "sandboxes with secrets, and puts no secret into requests of those "
+                    "resumed here")
+    else:
+        try:
+            sealer = Sealer(load_keys(path))
+        except SecretKeyError as e:
+            log.error("%s", e)
+            raise
+    backend = SealedBackend(store, sealer)
+    if sealer is not None:
+        n = backend.rewrap()
+        if n:
+            log.info("sealed %d secret(s) again under the current key %s", n, sealer.current)
+    return SecretStore(root, backend)
+
+
 async def start_network(cfg: Config, backend: Backend, store: Store, events: EventBus
                         ) -> Network | None:
     """The daemon's network (per-sandbox namespaces, nftables, resolver, egress proxy) where
@@ -154,20 +184,17 @@ async def start_network(cfg: Config, backend: Backend, store: Store, events: Eve
         return None
 
     records = RecordWriter(store, events)
-    net = Network(records.put, cfg.home / "secrets", cfg.network)
+    net = Network(records.put, cfg.home / "secrets", cfg.network, secret_store(cfg, store))
     net.records = records
 
     def forget_secrets(ev: SandboxEvent) -> None:
         # a sandbox's secrets and CA go when it ends, unless a fork of it still uses them
+        # (many hosts: the shared database's rows, any node's sandboxes counted)
         if ev.kind not in ENDED:
             return
-        row = store.get_sandbox(ev.sandbox)
-        mine = stored_names(row.spec.network if row else None)
-        if not mine:
-            return
-        for other in store.list_sandboxes(None, LIVE_STATES):
-            mine -= stored_names(other.spec.network)
-        net.secrets.forget(sorted(mine))
+        gone = unused_secrets(store, [ev.sandbox])
+        if gone:
+            net.secrets.forget(gone)
 
     events.subscribe(forget_secrets)
     await net.start()

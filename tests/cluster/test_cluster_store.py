@@ -287,6 +287,30 @@ def test_two_processes_resume_one_sandbox_exactly_one_wins(store: Store, store_u
         assert r.node_id == ("node-a" if r.id in a else "node-b")
 
 
+def test_sealed_secrets(store: Store) -> None:
+    """The secrets table (cpuosd.network.secrets.SealedBackend): rows are what the sealer
+    gave (never plaintext), replaced, listed by the key that did not seal them, deleted."""
+    from cpuosd.network.secrets import SealedBackend, Sealer, key_id
+
+    k1, k2 = b"\x01" * 32, b"\x02" * 32
+    b = SealedBackend(store, Sealer([k1]))
+    b.write("cpuos-secret-" + "a" * 24, {"value": "sk-plain-text-value"})
+    b.write("ca-" + "b" * 24, {"key": "PEM", "cert": "CERT"})
+    raw = store.get_secret("cpuos-secret-" + "a" * 24)
+    assert raw is not None and raw[0] == key_id(k1) and "sk-plain" not in raw[1]
+    assert b.read("cpuos-secret-" + "a" * 24) == {"value": "sk-plain-text-value"}
+    assert b.names() == ["ca-" + "b" * 24, "cpuos-secret-" + "a" * 24]
+    # rotation: a new first key; the node's start seals every row again under it
+    b2 = SealedBackend(store, Sealer([k2, k1]))
+    assert store.secret_names(not_key=key_id(k2)) == b.names()
+    assert b2.rewrap() == 2 and store.secret_names(not_key=key_id(k2)) == []
+    assert b2.read("ca-" + "b" * 24) == {"key": "PEM", "cert": "CERT"}
+    assert b.read("ca-" + "b" * 24) is None  # (the old key alone opens nothing now)
+    b2.delete("ca-" + "b" * 24)
+    store.delete_secrets(["cpuos-secret-" + "a" * 24, "nope"])
+    assert b2.names() == [] and store.get_secret("ca-" + "b" * 24) is None
+
+
 def test_take_lease(store: Store) -> None:
     """A named lease (the snapshot store's sweep): one holder until it expires; the holder
     renews it."""

@@ -115,6 +115,29 @@ def test_kustomization_lists_every_manifest() -> None:
     assert images == {i["name"] for i in k["images"]}
 
 
+def test_key_files_come_from_the_secret() -> None:
+    """Every CPUOS_*_KEY_FILE a workload sets is a file of the Secret it mounts (an item of
+    the example Secret): the audit and E2B keys on both roles, the secrets key (which seals
+    sandboxes' secrets in the database) on the nodes, which alone open them."""
+    secret = yaml.safe_load((DEPLOY / "secret.example.yaml").read_text())
+    seen = {}
+    for _, doc in manifests():
+        if doc["kind"] not in ("DaemonSet", "Deployment"):
+            continue
+        pod = doc["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        mounts = {m["name"]: m["mountPath"] for m in c.get("volumeMounts", [])}
+        files = {f"{mounts[v['name']]}/{i['path']}": i["key"] for v in pod["volumes"]
+                 if "secret" in v and v["name"] in mounts for i in v["secret"]["items"]}
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        keys = {n: files.get(str(v)) for n, v in env.items() if n.endswith("_KEY_FILE")}
+        assert all(keys.values()), (doc["metadata"]["name"], keys, files)
+        assert set(keys.values()) <= set(secret["stringData"]), keys
+        seen[doc["kind"]] = set(keys)
+    assert "CPUOS_SECRETS_KEY_FILE" in seen["DaemonSet"]
+    assert "CPUOS_SECRETS_KEY_FILE" not in seen["Deployment"]  # (API processes never open one)
+
+
 def test_manifests_apply(kube: testbed.KubeApiserver, tmp_path: Path) -> None:
     docs = manifests()
     kinds = {d["kind"] for _, d in docs}

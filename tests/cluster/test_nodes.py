@@ -82,11 +82,17 @@ def test_fence_dead(store: Store) -> None:
     view = NodeView(store, lease=3, clock=lambda: now[0])
     ws = store.create_workspace("w")
     store.register_node("node-a", "a:1", "i", {})
-    for sid, state in (("sbx-run", "running"), ("sbx-paused", "paused")):
+    # secrets: the running one's own placeholder, and a CA it shares with the paused one (a
+    # fork's parent and child share them)
+    ca, own, kept = "ca-" + "c" * 24, "cpuos-secret-" + "1" * 24, "cpuos-secret-" + "2" * 24
+    for sid, state, ph in (("sbx-run", "running", own), ("sbx-paused", "paused", kept)):
+        net = {"mode": "on", "ca": ca, "secrets": {"K": {"placeholder": ph, "hosts": ["x"]}}}
         store.insert_sandbox(SandboxRow(
             id=sid, workspace_id=ws, template="python", backend="gvisor", state=State(state),
             reason=None, created_at=time.time(), started_at=None, ended_at=None,
-            deadline=None, spec=RowSpec(), metadata={}, node_id="node-a"))
+            deadline=None, spec=RowSpec(network=net), metadata={}, node_id="node-a"))
+    for name in (ca, own, kept):
+        store.put_secret(name, "k", "sealed")
     view.refresh()
     assert fence_dead(store, view, after=10) == {}
     now[0] += 3 + 9  # dead for 9 s: not yet
@@ -99,5 +105,8 @@ def test_fence_dead(store: Store) -> None:
     assert run is not None and (run.state, run.reason, run.epoch) == ("error", "node_lost", 1)
     paused = store.get_sandbox("sbx-paused")
     assert paused is not None and paused.state == "paused"
+    # Postgres (many hosts: sealed secrets): the fenced one's secrets go, the shared CA stays
+    assert store.secret_names() == sorted([ca, kept] + ([own] if store.dialect == "sqlite"
+                                                         else []))
     assert fence_dead(store, view, after=10) == {}  # (done once)
     assert fence_dead(store, view, after=0) == {}  # (0: never)

@@ -391,6 +391,125 @@ def test_egress_policy_follows_the_sandbox(cluster_s3_inet: tuple[Cluster, FakeI
     nodes[0].start()  # (its network is set up again and torn down cleanly at the end)
 
 
+SECRET = "sk-cluster-" + secrets.token_hex(16)
+AUTH = 'Authorization: Bearer $API_KEY'
+
+
+def _sent(s: Sandbox, inet: FakeInternet, url: str) -> list[str]:
+    """What the fake internet's server got of a request from inside ``s`` carrying the
+    secret's placeholder in its Authorization header (the answer is not kept)."""
+    n = len(inet.seen())
+    r = s.exec(f'curl -sS -m 10 -o /dev/null -H "{AUTH}" {url}', timeout="1m")
+    assert r.exit_code == 0, r.stderr
+    return [e["data"] for e in inet.seen()[n:] if "Authorization" in e.get("data", "")]
+
+
+def _inside(s: Sandbox) -> str:
+    """Every string inside that starts like the secret: environments of all processes, and
+    the files under /run /tmp /etc /home /work (the prefix only is handed in)."""
+    r = s.exec("grep -rhaoE 'sk-cluster-[0-9a-f]*' /proc/[0-9]*/environ /run /tmp /etc "
+               "/home /work 2>/dev/null; true", timeout="1m")
+    return r.stdout
+
+
+def _tables(pg_url: str) -> str:
+    """The raw rows of the tables that could hold a secret, as text."""
+    import psycopg
+
+    out = []
+    with psycopg.connect(pg_url) as c:
+        for t in ("secrets", "sandboxes", "connections", "audit", "nodes", "execs"):
+            out.append(repr(c.execute(f"SELECT * FROM {t}").fetchall()))
+    return "\n".join(out)
+
+
+def test_secrets_follow_the_sandbox(cluster_s3_inet: tuple[Cluster, FakeInternet],
+                                    pg_url: str) -> None:
+    """A sandbox with a secret for allowed.test (HTTPS: the proxy ends TLS with the
+    sandbox's own CA) on node A, paused into the store, A SIGKILLed, resumed on node B: the
+    server still gets the real value, with the same CA (the sandbox's trust bundle unchanged),
+    while inside there is only the placeholder; the database holds the value and the CA's
+    key sealed only; A back, a fork fans out to both nodes and each child's request carries
+    the value; deleting them all removes the rows; no value in any answer or log."""
+    import psycopg
+
+    (nodes, (api1, api2), key), inet = cluster_s3_inet
+    _cordon_all_but(pg_url, api1, "node-a")
+    r = httpx.post(api1.url + "/sandboxes", headers={"Authorization": f"Bearer {key}"},
+                   json={"template": "python", "timeout": "10m",
+                         "network": {"mode": "allowlist", "allow": ["other.test"]},
+                         "secrets": {"API_KEY": {"value": SECRET, "hosts": ["allowed.test"]}}})
+    assert r.status_code == 201, r.text
+    assert SECRET not in r.text
+    s = Sandbox.connect(r.json()["id"], api_url=api1.url, api_key=key)
+    assert node_of(pg_url, s.id) == "node-a"
+    placeholder = s.exec('printf %s "$API_KEY"').stdout
+    assert placeholder.startswith("cpuos-secret-")
+    ca_pem = s.files.read("/run/cpuos/ca.pem")
+    got = _sent(s, inet, "https://allowed.test:8443/bytes/10")
+    assert got and SECRET in got[0] and "Host: allowed.test" in got[0]
+    assert SECRET not in _inside(s)
+    # sealed in the database, nothing on the node's disk
+    with psycopg.connect(pg_url) as c:
+        rows = c.execute("SELECT name, key_id, data FROM secrets").fetchall()
+    names = {n for n, _, _ in rows}
+    assert placeholder in names and any(n.startswith("ca-") for n in names)
+    raw = _tables(pg_url)
+    assert SECRET not in raw and "PRIVATE KEY" not in raw
+    assert not list((nodes[0].home / "secrets").glob("*.json"))
+
+    s.pause()
+    nodes[0].kill9()
+    _cordon_all_but(pg_url, api1, "node-b")
+    wait_until(lambda: api2.health().get("nodes_alive") == 1, "node-a dead", timeout=30)
+    moved = Sandbox.connect(s.id, api_url=api2.url, api_key=key)
+    assert node_of(pg_url, s.id) == "node-b"
+    assert moved.exec('printf %s "$API_KEY"').stdout == placeholder
+    assert moved.files.read("/run/cpuos/ca.pem") == ca_pem  # (the same CA: the bundle holds)
+    got = _sent(moved, inet, "https://allowed.test:8443/bytes/10")
+    assert got and SECRET in got[0]
+    # plain HTTP (the sandbox picks where it goes) and other hosts: the placeholder
+    got = _sent(moved, inet, "http://allowed.test/bytes/10")
+    assert got and SECRET not in got[0] and placeholder in got[0]
+    assert SECRET not in _inside(moved)
+    assert SECRET not in moved.exec("env").stdout
+
+    # node A back; a fork fans out to both nodes, each child substitutes
+    nodes[0].start()
+    store = open_test_store(pg_url)
+    try:
+        store.set_node_cordoned("node-a", False)
+    finally:
+        store.close()
+    wait_until(lambda: api2.health().get("nodes_placeable") == 2, "both placeable",
+               timeout=30)
+    children = moved.fork(n=2)
+    where = sorted(str(node_of(pg_url, x.id)) for x in children)
+    assert where == ["node-a", "node-b"], where
+    for child in children:
+        assert child.exec('printf %s "$API_KEY"').stdout == placeholder
+        got = _sent(child, inet, "https://allowed.test:8443/bytes/10")
+        assert got and SECRET in got[0], (node_of(pg_url, child.id), got)
+    r = httpx.get(api1.url + f"/sandboxes/{children[0].id}",
+                  headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 200 and SECRET not in r.text
+
+    # deleted everywhere: the rows go with the last sandbox that uses them
+    for x in (*children, moved):
+        x.kill()
+
+    def gone() -> bool:
+        with psycopg.connect(pg_url) as c:
+            left = {n for (n,) in c.execute("SELECT name FROM secrets").fetchall()}
+        return not (left & names)
+    wait_until(gone, "the secrets' rows removed", timeout=30)
+    for d in nodes:
+        assert SECRET not in d.log.read_text()
+    for a in (api1, api2):
+        assert SECRET not in a.log.read_text()
+    assert SECRET not in _tables(pg_url)
+
+
 class StallingServer:
     """A TCP server on 127.0.0.1 that accepts connections and never answers (an S3
     endpoint that hangs): an upload to it stays under way until the node dies."""

@@ -513,16 +513,17 @@ def node_cluster(database_url: str, node_env: dict[str, str] | None = None,
                  lease: str = "3") -> Iterator[Cluster]:
     """``n_nodes`` real node processes (``node-a``, ``node-b``...: own homes, network slots,
     ports; runsc) and ``n_apis`` API processes over one database, sharing a node token, an
-    audit key and an E2B key; every sandbox deleted and every process stopped at the end (a leftover
-    runsc container or mount raises). The nodes' preview URLs name the first API process's
-    preview listener (CPUOS_PREVIEW_PUBLIC_ADDRESS)."""
+    audit key, an E2B key and a secrets key; every sandbox deleted and every process
+    stopped at the end (a leftover runsc container or mount raises). The nodes' preview
+    URLs name the first API process's preview listener (CPUOS_PREVIEW_PUBLIC_ADDRESS)."""
     import httpx
 
     from .daemon import new_daemon, wait_until
 
     token = secrets.token_hex(16)
     key_dir = Path(tempfile.mkdtemp(prefix="cpuos-auditkey-", dir="/tmp"))
-    for name in ("audit.key", "e2b.key"):  # (the same on every node, as a Secret's file)
+    # (the same on every node, as a Secret's file; secrets.key: CPUOS_SECRETS_KEY_FILE)
+    for name in ("audit.key", "e2b.key", "secrets.key"):
         (key_dir / name).write_text(secrets.token_hex(32) + "\n")
         (key_dir / name).chmod(0o600)
     api_ports = [(free_port(), free_port()) for _ in range(n_apis)]
@@ -531,6 +532,7 @@ def node_cluster(database_url: str, node_env: dict[str, str] | None = None,
            "CPUOS_NODE_TOKEN": token, "CPUOS_NODE_LEASE": lease, "CPUOS_POOL_SIZE": "0",
            "CPUOS_HOST": "127.0.0.1", "CPUOS_AUDIT_KEY_FILE": str(key_dir / "audit.key"),
            "CPUOS_E2B_KEY_FILE": str(key_dir / "e2b.key"),
+           "CPUOS_SECRETS_KEY_FILE": str(key_dir / "secrets.key"),
            **(node_env or {})}
     nodes = [new_daemon(CPUOS_NODE_ID=f"node-{chr(ord('a') + i)}", **env)
              for i in range(n_nodes)]

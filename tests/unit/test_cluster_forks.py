@@ -2,8 +2,8 @@
 answer as httpx.MockTransport says (their half runs real runsc in
 tests/cluster/test_two_nodes.py::test_fork_fans_out_across_nodes): the calls in order with
 the caller's key and the node token; a target that fails: the children made are killed
-and the image released, the node's JSON error answered; a parent with secrets forks on its
-own node; the nodes' internal routes are not the public's."""
+and the image released, the node's JSON error answered; a parent with secrets fans out to
+nodes holding the same secrets key only; the nodes' internal routes are not the public's."""
 
 from __future__ import annotations
 
@@ -30,14 +30,15 @@ Handler = Callable[[httpx.Request], httpx.Response]
 
 
 class Env:
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, secrets_keys: tuple[str | None, str | None] = (None, None)
+                 ) -> None:
         self.store = SqliteStore(tmp / "cpuos.db")
         ws = self.store.create_workspace("default")
         self.key = self.store.add_key(ws, "admin")
-        for nid in ("node-a", "node-b"):
+        for nid, sk in zip(("node-a", "node-b"), secrets_keys, strict=True):
             self.store.register_node(nid, f"{nid}:7780", "i", {
                 **CPU, "capacity": {"memory_available_mib": 8000}, "templates": ["d1"],
-                "snapshot_store": "s3://b/p"})
+                "snapshot_store": "s3://b/p", **({"secrets_key": sk} if sk else {})})
         self.ws = ws
         self.calls: list[httpx.Request] = []
         self.cfg = Config.from_env({"CPUOS_HOME": str(tmp), "CPUOS_ROLE": "api",
@@ -134,10 +135,34 @@ def test_a_target_that_does_not_answer(env: Env) -> None:
     assert ("DELETE", "node-a/sandboxes/sbx-child-a") in env.seen()
 
 
+SECRET_POLICY = {"mode": "on", "ca": "ca-" + "c" * 24, "secrets": {
+    "K": {"placeholder": "cpuos-secret-" + "a" * 24, "hosts": ["x.test"]}}}
+
+
+@pytest.mark.parametrize("keys", [("k1", "k1"), ("k1", "k2"), ("k1", None), (None, None)])
+def test_a_parent_with_secrets_goes_where_the_secrets_key_is(tmp_path: Path,
+                                                              keys: tuple[str, str]) -> None:
+    """Its values and CA are sealed in the shared database: children go to a node holding
+    the same secrets key (by the id in its facts), else they stay on the parent's node."""
+    env = Env(tmp_path, keys)
+    try:
+        env.parent(SECRET_POLICY)
+        for c in env.client(nodes(httpx.Response(201, json={"sandboxes": [
+                _child("sbx-child-b")]}))):
+            r = c.post(f"/sandboxes/{PARENT}/fork", json={"n": 2})
+            assert r.status_code in (200, 201), r.text
+        if keys[0] is not None and keys[0] == keys[1]:
+            assert env.seen()[1] == ("POST", f"node-b/sandboxes/{PARENT}/fork/restore")
+        else:
+            assert env.seen() == [("POST", f"node-a/sandboxes/{PARENT}/fork")]
+    finally:
+        env.store.close()
+
+
 def test_local_forks_are_forwarded(env: Env) -> None:
-    """n=1 (the parent's node has room), or a parent with secrets: the node's own fork."""
-    env.parent({"mode": "on", "secrets": {"K": {"placeholder": "cpuos-secret-" + "a" * 24,
-                                                "hosts": ["x.test"]}}})
+    """n=1 (the parent's node has room), or a parent with secrets and no node but its own
+    holding the secrets key: the node's own fork."""
+    env.parent(SECRET_POLICY)
     for c in env.client(nodes(httpx.Response(500))):
         for n in (1, 2):
             r = c.post(f"/sandboxes/{PARENT}/fork", json={"n": n})

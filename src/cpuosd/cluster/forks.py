@@ -4,9 +4,9 @@ process's half.
 ``POST /sandboxes/<id>/fork {n}`` through an API process, when the parent's node has a
 shared snapshot store (its heartbeat's ``snapshot_store`` fact): placement
 (``nodes.place_children``) gives each child a node with room, the parent's node first, then
-the others in turn. If every child lands on the parent's node, or the parent has secrets
-(their values are on its node's disk only), the request is forwarded as any other (the
-node-local fork, as on one host). Else:
+the others in turn (a parent with secrets: only nodes holding the secrets key its values
+and CA are sealed under in the shared database). If every child lands on the parent's node,
+the request is forwarded as any other (the node-local fork, as on one host). Else:
 
 1. the parent's node checkpoints the parent once, restores it, puts the image into the
    shared store under ``fork-<id>-<hex>`` and restores its own share of the children
@@ -92,11 +92,11 @@ async def fork(fwd: Forwarder, request: Request) -> Response:
     row = await asyncio.to_thread(fwd.store.get_sandbox, sid)
     if row is None or row.state != State.RUNNING:
         return await fwd.http_forward(request)  # (the node says 404/409, or wakes it)
-    if stored_names(row.spec.network):
-        # its secrets' values (and its CA) are on its node's disk only: children stay there
-        return await fwd.http_forward(request)
+    # (a parent with secrets: its children go to nodes holding the secrets key, which
+    # opens its values and CA in the shared database)
     plan = place_children(fwd.view.nodes, parent, n, int(row.spec.memory_mib or 0),
-                          row.spec.template_digest)
+                          row.spec.template_digest,
+                          secrets=bool(stored_names(row.spec.network)))
     if plan is None:
         return _error(ApiError("unavailable", f"no room for {n} children of {sid} on the "
                                "nodes that can restore them"))

@@ -195,6 +195,13 @@ def node_facts(cfg: Config, backend: Backend, address: str, mgr: Manager | None 
     with contextlib.suppress(OSError):
         facts["templates"] = sorted({str(t.get("digest")) for t in
                                      list_templates(cfg.templates_dir) if t.get("digest")})
+    if cfg.cluster.database_url and cfg.cluster.secrets_key_file:
+        # the id (a hash) of the key sealing secrets: a fork of a sandbox with secrets goes
+        # to nodes that hold it
+        from ..network.secrets import SecretKeyError, key_id, load_keys
+
+        with contextlib.suppress(SecretKeyError):
+            facts["secrets_key"] = key_id(load_keys(cfg.cluster.secrets_key_file)[0])
     if cfg.cluster.snapshot_store:  # (its URL: bucket and prefix, or a path; no secret)
         # nodes naming the same store restore each other's images (a fork across nodes)
         facts["snapshot_store"] = cfg.cluster.snapshot_store
@@ -216,7 +223,8 @@ def fence_dead(store: Store, view: NodeView | KubeNodeView, after: float
     """Fence the nodes dead for longer than ``after`` s (by ``view``'s clock): their
     sandboxes in FENCED_STATES become error/node_lost with a new epoch, in one
     compare-and-set per node (safe if several API processes do it at once); their usage
-    intervals end. Those paused on such a node stay (its disk holds them)."""
+    intervals end, and (Postgres) their sealed secrets unless a live sandbox shares them.
+    Those paused on such a node stay (its disk holds them)."""
     out: dict[str, list[str]] = {}
     if after <= 0:
         return out
@@ -231,6 +239,13 @@ def fence_dead(store: Store, view: NodeView | KubeNodeView, after: float
             log.error("node %s dead for %.0f s: %d sandbox(es) marked lost: %s", n.node_id,
                       view.dead_for(n.node_id), len(ids), ", ".join(ids[:20]))
             out[n.node_id] = ids
+            if store.dialect == "postgres":  # (their sealed secrets, unless still used)
+                from ..network.secrets import unused
+
+                try:
+                    store.delete_secrets(unused(store, ids))
+                except Exception as e:  # (the fencing stands; the rows stay sealed)
+                    log.warning("the secrets of fenced sandboxes were not removed: %s", e)
     return out
 
 
@@ -369,11 +384,13 @@ def place(nodes: list[NodeInfo], memory_mib: int = 0, template_digest: str | Non
 
 
 def place_children(nodes: list[NodeInfo], parent: NodeInfo, n: int, memory_mib: int = 0,
-                   template_digest: str | None = None) -> list[NodeInfo] | None:
+                   template_digest: str | None = None, *, secrets: bool = False
+                   ) -> list[NodeInfo] | None:
     """The node of each of a fork's ``n`` children (None: not all fit). Candidates: the
     parent's node and every node that can restore its image (placeable, the same shared
     snapshot store, the parent's template build, a host the parent's node's snapshots
-    restore on: ``snapstore.facts.incompatibilities``). The children take turns over them,
+    restore on: ``snapstore.facts.incompatibilities``; a parent with ``secrets``: the
+    secrets key of the parent's node, by its id). The children take turns over them,
     the parent's node first (no transfer), then the others by memory available, each
     child's memory counted against the node it is given: a fork fans out."""
     from ..snapstore.facts import incompatibilities
@@ -387,7 +404,10 @@ def place_children(nodes: list[NodeInfo], parent: NodeInfo, n: int, memory_mib: 
                 and x.facts.get("snapshot_store") == parent.facts.get("snapshot_store")
                 and (not template_digest or template_digest in (x.facts.get("templates")
                                                                 or ()))
-                and not incompatibilities(parent.facts, x.facts))
+                and not incompatibilities(parent.facts, x.facts)
+                and (not secrets or (bool(x.facts.get("secrets_key"))
+                                     and x.facts.get("secrets_key")
+                                     == parent.facts.get("secrets_key"))))
 
     free = {x.node_id: float(x.facts.get("capacity", {}).get("memory_available_mib", 0))
             for x in nodes}

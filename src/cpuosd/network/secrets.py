@@ -10,26 +10,45 @@ those hosts with a certificate from a CA of the sandbox's own (EC P-256, made wi
 /run/cpuos/ca-bundle.pem (the template's bundle plus that CA) and the usual variables
 (SSL_CERT_FILE, REQUESTS_CA_BUNDLE, CURL_CA_BUNDLE, NODE_EXTRA_CA_CERTS, GIT_SSL_CAINFO,
 PIP_CERT). The value is in no API answer, no record, no log line, no snapshot.
+
+Where they are kept (``SecretStore``'s backend): on one host (SQLite) files under
+``$CPUOS_HOME/secrets`` (``FileBackend``); with a shared database (Postgres, many hosts) its
+``secrets`` table, every value and every CA's private key sealed with AES-256-GCM under the
+cluster's secrets key (``CPUOS_SECRETS_KEY_FILE``, the same file on every node:
+``SealedBackend``, ``Sealer``), so that a sandbox resumed or forked on another node has
+them there. Each row carries the id of the key that sealed it (rotation: the file's first
+key seals, the others still open; ``Sealer.rewrap``); the row's name is the cipher's
+associated data, so a row copied under another name does not open.
 """
 
 from __future__ import annotations
 
+import base64
 import datetime
+import hashlib
 import json
+import logging
 import os
 import re
 import secrets
 import ssl
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from cryptography import x509
+from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.x509.oid import NameOID
 
-from ..errors import invalid
+from ..errors import ApiError, invalid
+
+if TYPE_CHECKING:
+    from ..store import Store
+
+log = logging.getLogger("cpuosd.network.secrets")
 
 TOKEN_RE = re.compile(r"^cpuos-secret-[0-9a-f]{24}$")
 CA_RE = re.compile(r"^ca-[0-9a-f]{24}$")
@@ -50,26 +69,209 @@ def stored_names(policy: dict[str, Any] | None) -> set[str]:
     return out
 
 
-class SecretStore:
+class SecretKeyError(Exception):
+    """A sealed secret that cannot be opened (a key this node does not hold, a tampered or
+    misplaced row), or a secrets key file that is not one. The message names the row and
+    the key id, never a value."""
+
+
+KEY_BYTES = 32  # AES-256
+NONCE_BYTES = 12
+
+
+def key_id(key: bytes) -> str:
+    """A key's public name (stored with each row it sealed): a hash of it, not the key."""
+    return hashlib.sha256(b"cpuos secrets key id\0" + key).hexdigest()[:16]
+
+
+def load_keys(path: Path) -> list[bytes]:
+    """The secrets keys of ``path``: one key a line, 64 hex digits (32 random bytes:
+    ``openssl rand -hex 32``), ``#`` comments and blank lines skipped; the first seals,
+    every one opens (rotation)."""
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise SecretKeyError(f"the secrets key file {path} cannot be read: "
+                             f"{e.strerror or e}") from None
+    keys = []
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        try:
+            k = bytes.fromhex(line)
+        except ValueError:
+            k = b""
+        if len(k) != KEY_BYTES:
+            raise SecretKeyError(f"the secrets key file {path}, line {n}: not a key "
+                                 f"({2 * KEY_BYTES} hex digits)")
+        keys.append(k)
+    if not keys:
+        raise SecretKeyError(f"the secrets key file {path} holds no key")
+    return keys
+
+
+class Sealer:
+    """AES-256-GCM under the cluster's secrets keys: ``seal`` with the first, ``open`` with
+    the one a row names; the row's name is the associated data."""
+
+    def __init__(self, keys: list[bytes]) -> None:
+        if not keys or any(len(k) != KEY_BYTES for k in keys):
+            raise SecretKeyError(f"a secrets key is {KEY_BYTES} bytes")
+        self.keys = {key_id(k): AESGCM(k) for k in keys}
+        self.current = key_id(keys[0])
+
+    def seal(self, name: str, plain: bytes) -> tuple[str, str]:
+        """(key id, base64 of nonce + ciphertext with its tag)."""
+        nonce = os.urandom(NONCE_BYTES)
+        ct = self.keys[self.current].encrypt(nonce, plain, name.encode())
+        return self.current, base64.b64encode(nonce + ct).decode()
+
+    def open(self, name: str, kid: str, data: str) -> bytes:
+        aead = self.keys.get(kid)
+        if aead is None:
+            raise SecretKeyError(f"secret {name} is sealed under key {kid}, which this node "
+                                 f"does not hold (CPUOS_SECRETS_KEY_FILE: {sorted(self.keys)})")
+        try:
+            raw = base64.b64decode(data, validate=True)
+            if len(raw) < NONCE_BYTES + 16:
+                raise ValueError("short")
+            return self.keys[kid].decrypt(raw[:NONCE_BYTES], raw[NONCE_BYTES:], name.encode())
+        except (InvalidTag, ValueError):
+            raise SecretKeyError(f"secret {name} does not open under key {kid}: the row "
+                                 "was altered (or sealed under another key of that id)") \
+                from None
+
+
+class SealedRows(Protocol):
+    """Where a ``SealedBackend`` keeps its rows (cpuosd.store.base.Store's secrets)."""
+
+    def put_secret(self, name: str, key_id: str, data: str) -> None: ...
+    def get_secret(self, name: str) -> tuple[str, str] | None: ...
+    def delete_secrets(self, names: list[str]) -> None: ...
+    def secret_names(self, *, not_key: str | None = None) -> list[str]: ...
+
+
+class Backend(Protocol):
+    def write(self, name: str, data: dict[str, Any]) -> None: ...
+    def read(self, name: str) -> dict[str, Any] | None: ...
+    def delete(self, name: str) -> None: ...
+    def names(self) -> list[str]: ...
+
+
+class FileBackend:
+    """One host: a file each under the secrets directory (0600, root only)."""
+
     def __init__(self, root: Path) -> None:
         self.root = root
-        root.mkdir(parents=True, exist_ok=True)
-        root.chmod(0o700)
-        self._leaf: dict[tuple[str, str], ssl.SSLContext] = {}
 
-    def _write(self, name: str, data: dict[str, Any]) -> None:
+    def write(self, name: str, data: dict[str, Any]) -> None:
         fd, tmp = tempfile.mkstemp(dir=self.root)
         with os.fdopen(fd, "w") as f:
             json.dump(data, f)
         os.chmod(tmp, 0o600)
         os.replace(tmp, self.root / f"{name}.json")
 
-    def _read(self, name: str) -> dict[str, Any] | None:
+    def read(self, name: str) -> dict[str, Any] | None:
         try:
             d: dict[str, Any] = json.loads((self.root / f"{name}.json").read_text())
             return d
         except (OSError, ValueError):
             return None
+
+    def delete(self, name: str) -> None:
+        (self.root / f"{name}.json").unlink(missing_ok=True)
+
+    def names(self) -> list[str]:
+        return [p.stem for p in self.root.glob("*.json")]
+
+
+class SealedBackend:
+    """Many hosts: rows of the shared database, sealed (``Sealer``). Without a key
+    (``sealer`` None) nothing can be written (a create with secrets is refused, naming
+    CPUOS_SECRETS_KEY_FILE) and nothing read (logged: the placeholder goes out as it is)."""
+
+    def __init__(self, rows: SealedRows, sealer: Sealer | None) -> None:
+        self.rows, self.sealer = rows, sealer
+
+    def write(self, name: str, data: dict[str, Any]) -> None:
+        if self.sealer is None:
+            raise ApiError("unavailable", "secrets need the cluster's secrets key on this "
+                           "node (CPUOS_SECRETS_KEY_FILE), which it does not have",
+                           {"field": "secrets"})
+        kid, sealed = self.sealer.seal(name, json.dumps(data).encode())
+        self.rows.put_secret(name, kid, sealed)
+
+    def read(self, name: str) -> dict[str, Any] | None:
+        row = self.rows.get_secret(name)
+        if row is None:
+            return None
+        if self.sealer is None:
+            log.error("secret %s: this node has no secrets key (CPUOS_SECRETS_KEY_FILE)", name)
+            return None
+        try:
+            d: dict[str, Any] = json.loads(self.sealer.open(name, *row))
+            return d
+        except (SecretKeyError, ValueError) as e:
+            log.error("%s", e)
+            return None
+
+    def delete(self, name: str) -> None:
+        self.rows.delete_secrets([name])
+
+    def names(self) -> list[str]:
+        return self.rows.secret_names()
+
+    def rewrap(self) -> int:
+        """Seal again under the current key every row sealed under another key this node
+        holds (after a rotation: a new first key in the file); rows under keys it does not
+        hold are left (logged). Returns how many were sealed again."""
+        if self.sealer is None:
+            return 0
+        n = 0
+        for name in self.rows.secret_names(not_key=self.sealer.current):
+            row = self.rows.get_secret(name)
+            if row is None or row[0] == self.sealer.current:
+                continue
+            try:
+                plain = self.sealer.open(name, *row)
+            except SecretKeyError as e:
+                log.warning("%s", e)
+                continue
+            self.rows.put_secret(name, *self.sealer.seal(name, plain))
+            n += 1
+        return n
+
+
+def unused(store: Store, sids: list[str]) -> list[str]:
+    """The stored names (placeholders, CAs) of the sandboxes ``sids`` that no live sandbox
+    uses any more (a fork shares its parent's; on many hosts: any node's)."""
+    from ..store.base import LIVE_STATES
+
+    mine: set[str] = set()
+    for sid in sids:
+        row = store.get_sandbox(sid)
+        mine |= stored_names(row.spec.network if row else None)
+    if not mine:
+        return []
+    for other in store.list_sandboxes(None, LIVE_STATES):
+        mine -= stored_names(other.spec.network)
+    return sorted(mine)
+
+
+class SecretStore:
+    def __init__(self, root: Path, backend: Backend | None = None) -> None:
+        self.root = root  # (also where the leaf certificates are written to load them)
+        root.mkdir(parents=True, exist_ok=True)
+        root.chmod(0o700)
+        self.backend: Backend = backend or FileBackend(root)
+        self._leaf: dict[tuple[str, str], ssl.SSLContext] = {}
+
+    def _write(self, name: str, data: dict[str, Any]) -> None:
+        self.backend.write(name, data)
+
+    def _read(self, name: str) -> dict[str, Any] | None:
+        return self.backend.read(name)
 
     # -- values ------------------------------------------------------------------------
     def add(self, request: Any) -> tuple[dict[str, str], dict[str, dict[str, Any]], str]:
@@ -80,6 +282,17 @@ class SecretStore:
                           field="secrets")
         env: dict[str, str] = {}
         view: dict[str, dict[str, Any]] = {}
+        try:
+            self._add(request, env, view)
+            ca = self.new_ca()
+        except BaseException:  # (what was written before a refusal goes again)
+            self.forget([v["placeholder"] for v in view.values()])
+            raise
+        env.update(self.ca_env())
+        return env, view, ca
+
+    def _add(self, request: dict[Any, Any], env: dict[str, str],
+             view: dict[str, dict[str, Any]]) -> None:
         for name, spec in request.items():
             if not isinstance(name, str) or not ENV_NAME.fullmatch(name):
                 raise invalid(f"secret name {str(name)[:60]!r} is not an environment "
@@ -99,12 +312,9 @@ class SecretStore:
                 raise invalid(f"secrets.{name}.hosts must be a list of host names",
                               field="secrets")
             token = f"cpuos-secret-{secrets.token_hex(12)}"
+            view[name] = {"placeholder": token, "hosts": [h.lower() for h in hosts]}
             self._write(token, {"value": value})
             env[name] = token
-            view[name] = {"placeholder": token, "hosts": [h.lower() for h in hosts]}
-        ca = self.new_ca()
-        env.update(self.ca_env())
-        return env, view, ca
 
     def value(self, token: str) -> str | None:
         if not TOKEN_RE.fullmatch(token):
@@ -116,11 +326,11 @@ class SecretStore:
     def forget(self, names: list[str]) -> None:
         for n in names:
             if TOKEN_RE.fullmatch(n) or CA_RE.fullmatch(n):
-                (self.root / f"{n}.json").unlink(missing_ok=True)
+                self.backend.delete(n)
                 self._leaf = {k: v for k, v in self._leaf.items() if k[0] != n}
 
     def known(self) -> list[str]:
-        return [p.stem for p in self.root.glob("*.json")]
+        return self.backend.names()
 
     # -- the sandbox's CA ---------------------------------------------------------------
     @staticmethod

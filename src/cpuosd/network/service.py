@@ -93,7 +93,8 @@ class Attached:
 
 class Network:
     def __init__(self, sink: RecordSink, secrets_dir: Path,
-                 cfg: NetworkConfig | None = None) -> None:
+                 cfg: NetworkConfig | None = None, secrets: SecretStore | None = None
+                 ) -> None:
         self.cfg = cfg = cfg or NetworkConfig()
         self.tag = cfg.net_id  # this daemon's tag in the names it gives (CPUOS_NET_ID)
         self.names = firewall.Names(self.tag, cfg.nflog_group)
@@ -109,7 +110,7 @@ class Network:
         # where the records of an attachment that is not a sandbox go (a template build's)
         self.taps: dict[str, RecordSink] = {}
         self.records: RecordWriter | None = None  # (set by the daemon: flushed on reads)
-        self.secrets = SecretStore(secrets_dir)
+        self.secrets = secrets or SecretStore(secrets_dir)
         self.by_sid: dict[str, Attached] = {}
         self._detaching: set[asyncio.Task[None]] = set()
         self.by_addr: dict[str, Attached] = {}

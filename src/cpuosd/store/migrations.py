@@ -129,6 +129,16 @@ MIGRATIONS: list[Migration] = [
         name TEXT PRIMARY KEY, holder TEXT NOT NULL, expires_at REAL NOT NULL
     );
     """),
+    # (cluster-secrets) sandboxes' secret values and CA keys shared by the nodes, sealed
+    # under the cluster's secrets key (cpuosd.network.secrets.SealedBackend; one host keeps
+    # files instead): a row's placeholder or CA id, the id of the key that sealed it, and
+    # base64 of nonce + AES-GCM ciphertext
+    Migration("""
+    CREATE TABLE secrets (
+        name TEXT PRIMARY KEY, key_id TEXT NOT NULL, data TEXT NOT NULL,
+        created_at REAL NOT NULL
+    );
+    """),
 ]
 
 _PG_TYPES = {"REAL": "DOUBLE PRECISION", "INTEGER": "BIGINT"}

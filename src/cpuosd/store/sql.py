@@ -355,6 +355,28 @@ class SqlStore:
                          "expires_at=excluded.expires_at WHERE leases.holder=excluded.holder "
                          "OR leases.expires_at < ?", (name, holder, now + ttl, now)) == 1
 
+    # ---- sealed secrets (cpuosd.network.secrets.SealedBackend) ------------------------
+    def put_secret(self, name: str, key_id: str, data: str) -> None:
+        self._run("INSERT INTO secrets (name, key_id, data, created_at) VALUES (?,?,?,?) "
+                  "ON CONFLICT (name) DO UPDATE SET key_id=excluded.key_id, "
+                  "data=excluded.data", (name, key_id, data, time.time()))
+
+    def get_secret(self, name: str) -> tuple[str, str] | None:
+        r = self._one("SELECT key_id, data FROM secrets WHERE name=?", (name,))
+        return (str(r["key_id"]), str(r["data"])) if r else None
+
+    def delete_secrets(self, names: list[str]) -> None:
+        if names:
+            self._run(f"DELETE FROM secrets WHERE name IN ({_in(names)})", names)
+
+    def secret_names(self, *, not_key: str | None = None) -> list[str]:
+        if not_key is None:
+            rows = self._rows("SELECT name FROM secrets ORDER BY name")
+        else:
+            rows = self._rows("SELECT name FROM secrets WHERE key_id<>? ORDER BY name",
+                              (not_key,))
+        return [str(r["name"]) for r in rows]
+
     # ---- execs ----------------------------------------------------------------------
     def insert_exec(self, eid: str, sandbox_id: str, argv: list[str]) -> None:
         self._run("INSERT INTO execs (id, sandbox_id, argv, started_at) VALUES (?,?,?,?)",
