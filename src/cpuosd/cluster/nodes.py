@@ -87,6 +87,9 @@ class NodeTokenGuard:
             return
         given = next((v for k, v in scope["headers"] if k == TOKEN_HEADER.encode()), b"")
         if hmac.compare_digest(given, self.token):
+            # (an API process sent it: the console's origin check reads its Host there,
+            # cpuosd.console.sessions.same_origin)
+            scope.setdefault("state", {})["via_api_tier"] = True
             if scope["type"] == "http" and not self._holds(scope):
                 await _reply(send, 421, ApiError(
                     "conflict", "this node does not hold that sandbox live (an API "

@@ -129,6 +129,17 @@ MIGRATIONS: list[Migration] = [
         name TEXT PRIMARY KEY, holder TEXT NOT NULL, expires_at REAL NOT NULL
     );
     """),
+    # the web console's sessions (cpuosd.console.sessions): only the SHA-256 of a session's
+    # token, the key it was made with and that key's workspace, and its expiry; shared by
+    # every API process and node of many hosts, kept across a restart
+    Migration("""
+    CREATE TABLE console_sessions (
+        token_hash TEXT PRIMARY KEY, key_id TEXT NOT NULL, workspace_id TEXT NOT NULL,
+        created_at REAL NOT NULL, expires_at REAL NOT NULL
+    );
+    CREATE INDEX console_sessions_key ON console_sessions(key_id);
+    CREATE INDEX console_sessions_expiry ON console_sessions(expires_at);
+    """),
 ]
 
 _PG_TYPES = {"REAL": "DOUBLE PRECISION", "INTEGER": "BIGINT"}
