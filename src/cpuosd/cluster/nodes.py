@@ -112,6 +112,17 @@ class NodeTokenGuard:
                     return
                 await _reply(send, 200, await drain(svc.manager, svc.node))
                 return
+            if scope["type"] == "http" and scope["path"] == "/node/events" \
+                    and scope["method"] == "GET" and not any(
+                        k == b"e2b-sandbox-id" for k, _ in scope["headers"]):
+                # (every workspace's events, for an API process's GET /events: cluster.events)
+                from .events import serve_node
+
+                try:
+                    await serve_node(scope["app"], scope, receive, send)
+                except ApiError as e:
+                    await _reply(send, e.status, e)
+                return
             await self.app(scope, receive, send)
             return
         if scope["type"] == "websocket":
