@@ -2,9 +2,10 @@
 node processes (real runsc) and two API processes over one Postgres. A session made by
 signing in through one API process works through the other (list, create, exec, a
 WebSocket from the console's own origin), a request that changes something without the
-CSRF header is refused, one ``GET /events`` through one API process carries the events of
-sandboxes on both nodes (a node killed does not end it; the node back is read again), and
-signing out through one API process ends the session on the other, and its event stream."""
+CSRF header is refused, ``GET /metrics`` measures each sandbox on its own node, one
+``GET /events`` through one API process carries the events of sandboxes on both nodes (a
+node killed does not end it; the node back is read again), and signing out through one API
+process ends the session on the other, and its event stream."""
 
 from __future__ import annotations
 
@@ -151,6 +152,12 @@ def test_the_console_through_the_api_tier(cluster: tuple[Cluster, str]) -> None:
             assert set(made.values()) <= listed
             assert s.post(f"/sandboxes/{made['node-a']}/exec",
                           json={"cmd": "true"}).status_code == 403  # (no CSRF header)
+            # the list's figures (GET /metrics): each sandbox measured by its own node
+            m = s.get("/metrics")
+            assert m.status_code == 200, m.text
+            got = {x["id"]: x for x in m.json()["sandboxes"]}
+            for sid in made.values():
+                assert "cpu_seconds" in got[sid], got.get(sid)
 
         # events from both nodes on the one stream
         for node, sid in made.items():

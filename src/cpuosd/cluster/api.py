@@ -515,24 +515,6 @@ def _create_args(path: str, body: Any) -> tuple[int, str | None]:
             t if isinstance(t, str) and len(t) <= 64 else None)
 
 
-def console_app(cfg: Config) -> Any:
-    """The web console's routes (cpuosd.console.routes: the bundle and the sign-in) as an
-    app of their own, on an API process; its lifespan attaches the services (the store)."""
-    from fastapi import FastAPI
-
-    from ..console.routes import router
-
-    ui = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
-    ui.state.console_session_ttl = cfg.api.console_session_ttl
-    ui.include_router(router)
-
-    @ui.exception_handler(ApiError)
-    async def _api_error(_: Request, e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
-
-    return ui
-
-
 class _Streamed(StreamingResponse):
     """A node's answer streamed back as it comes (raw: encodings untouched)."""
 
@@ -555,6 +537,8 @@ def create_api_app(cfg: Config, services: ApiServices | None = None) -> Starlett
                          "with the nodes)")
     check_token(cfg.cluster.node_token, "api")
     state: dict[str, Any] = {}
+    from .console import console_app
+
     ui = console_app(cfg)
 
     @contextlib.asynccontextmanager
@@ -594,6 +578,11 @@ def create_api_app(cfg: Config, services: ApiServices | None = None) -> Starlett
 
         return await ev.events(state["fwd"], state["fan"], request)
 
+    async def metrics(request: Request) -> Response:  # (every node's: cluster.console)
+        from . import console
+
+        return await console.metrics(state["fwd"], request)
+
     async def fork(request: Request) -> Response:  # (across nodes: cluster.forks)
         from . import forks
 
@@ -608,6 +597,7 @@ def create_api_app(cfg: Config, services: ApiServices | None = None) -> Starlett
                              Route("/sandboxes/{sid}/fork/{rest:path}", refuse_internal,
                                    methods=methods),
                              Route("/events", events, methods=["GET"]),
+                             Route("/metrics", metrics, methods=["GET"]),
                              # the web console, served here (cpuosd.console: its page and
                              # sessions; the rest it calls is forwarded like the SDKs')
                              Route("/ui", ui), Route("/ui/{rest:path}", ui),
