@@ -146,10 +146,14 @@ class FanIn:
                     idle_since = now
                 elif now - idle_since > LINGER:
                     return
-                for n in self.fwd.view.nodes:
-                    t = self.streams.get(n.node_id)
-                    if n.alive and (t is None or t.done()):
-                        self.streams[n.node_id] = asyncio.ensure_future(self._node(n.node_id))
+                try:
+                    for n in self.fwd.view.nodes:
+                        t = self.streams.get(n.node_id)
+                        if n.alive and (t is None or t.done()):
+                            self.streams[n.node_id] = asyncio.ensure_future(
+                                self._node(n.node_id))
+                except Exception as e:  # (never leaves the readers without streams)
+                    log.warning("the event fan-in: %s", e)
                 await asyncio.sleep(0.5)
         finally:
             for t in self.streams.values():
