@@ -244,3 +244,59 @@ def test_the_api_tier_refuses_the_nodes_internal_routes(cluster: tuple[Cluster, 
         assert r.status_code == 404, r.text
     nodes = httpx.get(c.apis[0].url + "/nodes", headers=auth).json()["nodes"]
     assert not any(n["cordoned"] for n in nodes)  # (the drain never ran)
+
+
+def test_the_console_in_a_browser_through_the_api_tier(cluster: tuple[Cluster, str]) -> None:
+    """Debian's chromium signed in at API 2: the list shows a sandbox of each node with its
+    sparklines (``/metrics`` of both nodes), and a pause and a resume from the list show up
+    live (``/events`` fanned in) on the sandbox of the node API 2's page did not ask."""
+    from cpuosd.console.testing import COUNT_PIXELS, chromium_unavailable, launch, shot
+    from cpuosd.console.testing import sign_in as ui_sign_in
+
+    why = chromium_unavailable()
+    if why:
+        pytest.skip(why)
+    from playwright.sync_api import expect, sync_playwright
+
+    from cpuos import Sandbox
+
+    c, url = cluster
+    api1, api2 = c.apis
+    made: dict[str, Sandbox] = {}
+    try:
+        for node in ("node-a", "node-b"):
+            only(url, c.key, c.apis, node)
+            made[node] = Sandbox.create(template="python", timeout="10m", api_url=api1.url,
+                                        api_key=c.key)
+            assert node_of(url, made[node].id) == node
+        only(url, c.key, c.apis, None)
+        with sync_playwright() as pw:
+            browser = launch(pw)
+            try:
+                page = browser.new_page(viewport={"width": 1280, "height": 800})
+                ui_sign_in(page, api2.url, c.key)
+                page.goto(api2.url + "/ui/#/sandboxes")
+                for s in made.values():
+                    expect(page.locator(f"tr[data-sid='{s.id}']")).to_have_attribute(
+                        "data-state", "running", timeout=90_000)
+                page.wait_for_function(f"() => ({COUNT_PIXELS})(['canvas.spark', null, 0])"
+                                       ".filter((n) => n > 0).length >= 2", timeout=90_000)
+                shot(page, "cluster-sandboxes")
+                sid = made["node-b"].id
+                row = page.locator(f"tr[data-sid='{sid}']")
+                page.evaluate("() => { window.__noReload = 1 }")
+                row.get_by_role("button", name=f"Pause {sid}").click()
+                expect(row).to_have_attribute("data-state", "paused", timeout=90_000)
+                row.get_by_role("button", name=f"Resume {sid}").click()
+                expect(row).to_have_attribute("data-state", "running", timeout=90_000)
+                # a change made elsewhere (the SDK, through API 1) shows live too
+                made["node-a"].pause()
+                expect(page.locator(f"tr[data-sid='{made['node-a'].id}']")).to_have_attribute(
+                    "data-state", "paused", timeout=90_000)
+                assert page.evaluate("() => window.__noReload") == 1  # the same page
+            finally:
+                browser.close()
+    finally:
+        for s in made.values():
+            s.kill()
+        only(url, c.key, c.apis, None)
