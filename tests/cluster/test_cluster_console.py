@@ -247,8 +247,8 @@ def test_the_api_tier_refuses_the_nodes_internal_routes(cluster: tuple[Cluster, 
 
 
 def test_the_console_in_a_browser_through_the_api_tier(cluster: tuple[Cluster, str]) -> None:
-    """Debian's chromium signed in at API 2: the list shows a sandbox of each node with its
-    sparklines (``/metrics`` of both nodes), and a pause and a resume from the list show up
+    """Debian's chromium signed in at API 2: the list shows a sandbox of each node, its node
+    and its sparklines (``/metrics`` of both nodes), and a pause and a resume from the list show up
     live (``/events`` fanned in) on the sandbox of the node API 2's page did not ask."""
     from cpuosd.console.testing import COUNT_PIXELS, chromium_unavailable, launch, shot
     from cpuosd.console.testing import sign_in as ui_sign_in
@@ -276,9 +276,12 @@ def test_the_console_in_a_browser_through_the_api_tier(cluster: tuple[Cluster, s
                 page = browser.new_page(viewport={"width": 1280, "height": 800})
                 ui_sign_in(page, api2.url, c.key)
                 page.goto(api2.url + "/ui/#/sandboxes")
-                for s in made.values():
+                for node, s in made.items():
                     expect(page.locator(f"tr[data-sid='{s.id}']")).to_have_attribute(
                         "data-state", "running", timeout=90_000)
+                    # the node column (there are several): where each one runs
+                    expect(page.locator(f"tr[data-sid='{s.id}'] td[data-node]")).to_have_text(
+                        node)
                 page.wait_for_function(f"() => ({COUNT_PIXELS})(['canvas.spark', null, 0])"
                                        ".filter((n) => n > 0).length >= 2", timeout=90_000)
                 shot(page, "cluster-sandboxes")
