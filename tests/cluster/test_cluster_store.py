@@ -321,3 +321,32 @@ def test_take_lease(store: Store) -> None:
     assert store.take_lease("chore", "api-1", -1)  # (renewed as already expired)
     assert store.take_lease("chore", "api-2", 30)  # (taken over)
     assert not store.take_lease("chore", "api-1", 30)
+
+
+def test_console_sessions(store: Store) -> None:
+    """The console's sessions (cpuosd.console.sessions) by their token's hash: found with
+    their key's liveness in one query, bounded (the oldest make way), dropped one by one or
+    by key."""
+    import time
+
+    wid = store.create_workspace("w")
+    k = store.key_lookup(store.add_key(wid, "k"))
+    assert k is not None
+    now = time.time()
+    store.session_create("h1", k[0], wid, now, now + 60, 3)
+    r = store.session_get("h1")
+    assert r is not None and r["key_id"] == k[0] and r["workspace_id"] == wid and r["live"]
+    assert abs(r["expires_at"] - (now + 60)) < 1e-3 and store.session_get("h2") is None
+    for i in range(2, 5):
+        store.session_create(f"h{i}", k[0], wid, now + i, now + 60, 3)
+    assert store.session_count() == 3 and store.session_get("h1") is None
+    store.session_create("old", "key-x", wid, now + 10, now + 5, 3)  # (already expired)
+    store.session_create("h9", "key-x", wid, now + 11, now + 60, 3)
+    assert store.session_get("old") is None  # (expired ones went first)
+    r9 = store.session_get("h9")
+    assert r9 is not None and not r9["live"]  # (no such key)
+    assert store.revoke_key(wid, k[0], keep_one=False) == "revoked"
+    r4 = store.session_get("h4")
+    assert r4 is not None and not r4["live"]
+    assert store.session_drop("h9") and not store.session_drop("h9")
+    assert store.session_drop_key(k[0]) >= 1 and store.session_get("h4") is None

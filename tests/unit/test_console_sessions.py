@@ -1,32 +1,69 @@
 """Console sessions (cpuosd.console.sessions) and what the preview proxy keeps from a sandbox:
-the parts that need no daemon. The cookie flow end to end: tests/e2e/test_console_api.py."""
+the parts that need no daemon (sessions in a real SQLite store). The cookie flow end to end:
+tests/e2e/test_console_api.py; through the API tier: tests/cluster/test_cluster_console.py."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+from unittest.mock import MagicMock
+
+import pytest
 
 from cpuosd.console.sessions import (COOKIE, COOKIE_TLS, Sessions, cookie_token, csrf_ok,
                                      same_origin)
 from cpuosd.network.preview import _drop_cookies
+from cpuosd.store.sqlite import SqliteStore
 
 
-def test_a_session_is_found_by_its_token_only_until_it_expires_or_is_dropped() -> None:
-    s = Sessions(ttl=60)
-    token, sess = s.create("key-1", "ws-1")
-    assert s.get(token) is sess and s.get(token + "x") is None and len(s) == 1
-    assert token not in repr(s._by_hash)  # only its hash is kept
-    sess.expires = time.time() - 1
-    assert s.get(token) is None and len(s) == 0
-    t2, _ = s.create("key-1", "ws-1")
-    t3, _ = s.create("key-2", "ws-1")
-    assert s.drop_key("key-1") == 1 and s.get(t2) is None and s.get(t3) is not None
-    assert s.drop(t3) and not s.drop(t3)
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[SqliteStore]:
+    st = SqliteStore(tmp_path / "cpuos.db")
+    yield st
+    st.close()
 
 
-def test_sessions_are_bounded_the_oldest_make_way() -> None:
-    s = Sessions(ttl=60, max_sessions=3)
-    tokens = [s.create(f"key-{i}", "ws")[0] for i in range(5)]
+def test_a_session_is_found_by_its_token_only_until_it_expires_or_is_dropped(
+        store: SqliteStore, tmp_path: Path) -> None:
+    s = Sessions(store, ttl=60)
+    wid = store.create_workspace("w")
+    k1, k2 = store.add_key(wid, "one"), store.add_key(wid, "two")
+    key1, key2 = store.key_lookup(k1), store.key_lookup(k2)
+    assert key1 is not None and key2 is not None
+    token, sess = s.create(key1[0], wid)
+    got = s.get(token)
+    assert got == sess and s.get(token + "x") is None and len(s) == 1
+    # only its hash is kept, and the CSRF token (an HMAC of the token) not at all
+    raw = (tmp_path / "cpuos.db").read_bytes()
+    assert token.encode() not in raw and sess.csrf.encode() not in raw
+    # another process over the same database (another API process, a restart) finds it
+    other = SqliteStore(tmp_path / "cpuos.db")
+    try:
+        assert Sessions(other, ttl=60).get(token) == sess
+        assert Sessions(other, ttl=60).drop(token) and s.get(token) is None
+    finally:
+        other.close()
+    t1, _ = s.create(key1[0], wid)
+    store._run("UPDATE console_sessions SET expires_at=?", (time.time() - 1,))
+    assert s.get(t1) is None and len(s) == 0
+    t2, _ = s.create(key1[0], wid)
+    t3, _ = s.create(key2[0], wid)
+    assert s.drop_key(key1[0]) == 1 and s.get(t2) is None and s.get(t3) is not None
+    # a session of a key revoked since: gone with it
+    assert store.revoke_key(wid, key2[0], keep_one=False) == "revoked"
+    assert s.get(t3) is not None and s.get(t3, live_key=True) is None and s.get(t3) is None
+    t4, _ = s.create(key1[0], wid)
+    assert s.drop(t4) and not s.drop(t4)
+
+
+def test_sessions_are_bounded_the_oldest_make_way(store: SqliteStore) -> None:
+    s = Sessions(store, ttl=60, max_sessions=3)
+    tokens = []
+    for i in range(5):
+        tokens.append(s.create(f"key-{i}", "ws")[0])
+        time.sleep(0.002)  # (ordered by creation time)
     assert len(s) == 3
     assert s.get(tokens[0]) is None and s.get(tokens[1]) is None
     assert all(s.get(t) is not None for t in tokens[2:])
@@ -37,8 +74,7 @@ def test_cookie_and_csrf_and_origin_parsing() -> None:
     assert cookie_token(h) == "tok"
     assert cookie_token([(b"cookie", f"{COOKIE_TLS}=t2".encode())]) == "t2"
     assert cookie_token([(b"cookie", b"cpuos_sessionx=no")]) is None
-    s = Sessions(ttl=60)
-    _, sess = s.create("k", "w")
+    _, sess = Sessions(MagicMock(), ttl=60).create("k", "w")
     assert csrf_ok(sess, [(b"x-cpuos-csrf", sess.csrf.encode())])
     assert not csrf_ok(sess, [(b"x-cpuos-csrf", b"wrong")]) and not csrf_ok(sess, [])
 

@@ -14,6 +14,7 @@ export interface Sbx {
   timeout_remaining: number | null; vcpus: number | null; memory_mib: number | null
   pids: number | null; disk_mib: number | null; network: { mode: string; allow: string[] } | null
   metadata: Record<string, string>; on_timeout: string; paused_at: number | null
+  node_id?: string | null // (many hosts: the node holding it; null on one host, or in the snapshot store)
   snapshot_bytes: number | null; idle_timeout: number
 }
 
@@ -140,6 +141,7 @@ export function SandboxesPage() {
 
   const all = rows ? [...rows.values()] : []
   const templates = useMemo(() => [...new Set(all.map((s) => s.template))].sort(), [rows])
+  const nodes = all.some((s) => s.node_id) // (several hosts: the node column)
   const shown = all.filter((s) => {
     if (tplF && s.template !== tplF) return false
     if (stateF === "active" && !ACTIVE.includes(s.state)) return false
@@ -147,7 +149,7 @@ export function SandboxesPage() {
     if (stateF === "paused" && s.state !== "paused") return false
     if (stateF === "ended" && ACTIVE.includes(s.state)) return false
     if (q) {
-      const hay = [s.id, s.template, s.state, s.reason ?? "", app.wsName(s.workspace), ...Object.values(s.metadata)].join(" ").toLowerCase()
+      const hay = [s.id, s.template, s.state, s.reason ?? "", s.node_id ?? "", app.wsName(s.workspace), ...Object.values(s.metadata)].join(" ").toLowerCase()
       if (!hay.includes(q.toLowerCase())) return false
     }
     return true
@@ -199,11 +201,12 @@ export function SandboxesPage() {
           <Empty title="No sandbox matches these filters"><button type="button" onClick={() => { setQ(""); setStateF(""); setTplF("") }}>Clear filters</button></Empty>
         ) : (
           <div class="table-wrap">
-            <table class="list sandboxes">
+            <table class="list sandboxes" data-nodes={nodes ? "yes" : undefined}>
               <caption class="sr">{shown.length} sandboxes</caption>
               <thead><tr>
                 <th scope="col">Sandbox</th><th scope="col">State</th><th scope="col">Template</th>
                 {scope === "*" && <th scope="col" class="wide">Workspace</th>}
+                {nodes && <th scope="col" class="wide">Node</th>}
                 <th scope="col">Age</th><th scope="col" class="wide">CPU</th><th scope="col" class="wide">Memory</th>
                 <th scope="col" class="wide">Idle / paused</th><th scope="col">Cost</th><th scope="col"><span class="sr">Actions</span></th>
               </tr></thead>
@@ -218,6 +221,7 @@ export function SandboxesPage() {
                       <td><StateBadge state={s.state} reason={s.reason} /></td>
                       <td>{s.template}</td>
                       {scope === "*" && <td class="wide">{app.wsName(s.workspace)}</td>}
+                      {nodes && <td class="wide mono" data-node={s.node_id ?? undefined}>{s.node_id ?? "—"}</td>}
                       <td class="nowrap" title={new Date(s.created_at * 1000).toLocaleString()}>{ago(s.created_at)}</td>
                       <td class="wide"><Sparkline values={h?.cpu ?? []} max={5} label={`CPU of ${s.id}`} fmt={(v) => `${v < 10 ? v.toFixed(1) : Math.round(v)}%`} /></td>
                       <td class="wide"><Sparkline values={h?.mem ?? []} max={64 << 20} color="#8250df" label={`memory of ${s.id}`} fmt={bytes} /></td>

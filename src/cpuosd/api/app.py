@@ -23,7 +23,6 @@ from ..agentconn import TransportError
 from ..errors import ApiError, api_error, invalid
 from ..wiring import Services, build_services, node_config
 from ..console.routes import router as console_router
-from ..console.sessions import Sessions
 from . import (audit, browser, commands, dirs, eventstream, files, forks, health, interp,
                ports, pty, sandboxes, templates, usage, workspaces)
 from .auth import Guard
@@ -85,7 +84,7 @@ def create_app(cfg: Config | None = None, services: Services | None = None) -> F
                 await svc.close()
 
     app = FastAPI(title="cpuos", version=VERSION, lifespan=lifespan)
-    app.state.console_sessions = Sessions(ttl=cfg.api.console_session_ttl)
+    app.state.console_session_ttl = cfg.api.console_session_ttl  # (console.sessions)
     app.add_middleware(Guard)  # the key is checked before any body is read
     e2b_surface.install(app, cfg)  # /e2b and E2B's sandbox headers, before the Guard
     if cfg.cluster.role == "node":  # outermost: a node answers API processes only

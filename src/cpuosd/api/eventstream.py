@@ -18,14 +18,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
 from ..errors import invalid
-from ..events import NOT_TRANSITIONS, SandboxEvent
+from ..events import NOT_TRANSITIONS, EventBus, SandboxEvent
 from ..paths import ID_RE
 from .auth import all_workspaces
 from .deps import ManagerDep, Ws
@@ -74,7 +74,21 @@ async def events(request: Request, mgr: ManagerDep, ws: Ws,
             raise invalid("bad sandbox id", field="sandbox")
         mgr.get(ws, sandbox)  # 404 unless the caller's
     every = all_workspaces(request)
-    bus = mgr.events
+
+    def accept(ev: SandboxEvent) -> bool:
+        return (every or ev.workspace == ws) and _shown(ev) \
+            and (sandbox is None or ev.sandbox == sandbox) and (not kinds or ev.kind in kinds)
+
+    body = sse(mgr.events, accept, {"workspace": "*" if every else ws})
+    return StreamingResponse(body, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+
+
+def sse(bus: EventBus, accept: Callable[[SandboxEvent], bool], hello: dict[str, Any],
+        heartbeat: float = HEARTBEAT) -> AsyncIterator[bytes]:
+    """The bus's events that ``accept`` takes, as server-sent events: ``hello`` (with the
+    time) first, a comment every ``heartbeat`` s, ``overflow`` past QUEUE undelivered
+    events. Subscribed while the body is iterated (a stream never started holds none)."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[SandboxEvent] = asyncio.Queue(QUEUE)
     dropped = 0
@@ -87,9 +101,7 @@ async def events(request: Request, mgr: ManagerDep, ws: Ws,
             dropped += 1
 
     def on_event(ev: SandboxEvent) -> None:
-        if (not every and ev.workspace != ws) or not _shown(ev) \
-                or (sandbox is not None and ev.sandbox != sandbox) \
-                or (kinds and ev.kind not in kinds):
+        if not accept(ev):
             return
         try:
             running = asyncio.get_running_loop()
@@ -102,17 +114,16 @@ async def events(request: Request, mgr: ManagerDep, ws: Ws,
 
     async def stream() -> AsyncIterator[bytes]:
         nonlocal dropped
-        unsubscribe = bus.subscribe(on_event)  # (here: a stream never started holds none)
+        unsubscribe = bus.subscribe(on_event)
         try:
             yield (f"retry: 2000\nevent: hello\ndata: "
-                   f"{json.dumps({'time': time.time(), 'workspace': '*' if every else ws})}"
-                   "\n\n").encode()
+                   f"{json.dumps({'time': time.time(), **hello})}\n\n").encode()
             while True:
                 if dropped:
                     n, dropped = dropped, 0
                     yield f"event: overflow\ndata: {json.dumps({'dropped': n})}\n\n".encode()
                 try:
-                    ev = await asyncio.wait_for(queue.get(), HEARTBEAT)
+                    ev = await asyncio.wait_for(queue.get(), heartbeat)
                 except TimeoutError:
                     yield b": keep-alive\n\n"
                     continue
@@ -121,5 +132,4 @@ async def events(request: Request, mgr: ManagerDep, ws: Ws,
         finally:
             unsubscribe()
 
-    return StreamingResponse(stream(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+    return stream()

@@ -43,6 +43,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from ..api.auth import bearer_key
 from ..config import Config
+from ..console.sessions import SAFE_METHODS, Sessions, cookie_token, csrf_ok, same_origin
 from ..errors import ApiError
 from ..store import Store
 from .nodes import (ROUTE_HEADER, SANDBOX_PATH, TOKEN_HEADER, KubeNodeView, NodeInfo, NodeView,
@@ -62,8 +63,10 @@ OPEN_PATHS = frozenset({"/health"})
 DROP = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te",
                   "trailer", "upgrade", "host", TOKEN_HEADER, ROUTE_HEADER,
                   "proxy-authorization"})
+# (a WebSocket's Origin goes to the node with the Host it was sent to, X-Forwarded-Host:
+# the node checks a console session's origin as one host does, cpuosd.console.sessions)
 WS_DROP = DROP | {"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
-                  "sec-websocket-protocol", "origin"}
+                  "sec-websocket-protocol", "x-forwarded-host"}
 REFRESH = 1.0  # s between reads of the nodes' rows
 WS_MAX_MESSAGE = 16 << 20
 SMALL_BODY = 64 << 10  # bytes of a request body read whole before it is forwarded
@@ -101,6 +104,8 @@ class Forwarder:
         # sandbox id -> (the node its row named, monotonic time the guess expires)
         self._where: dict[str, tuple[str, float]] = {}
         self._e2b: Any = None  # cpuosd.e2b.state.E2B: signed file URLs (made when needed)
+        # the web console's sessions (in the shared store: cpuosd.console.sessions)
+        self.sessions = Sessions(store, cfg.api.console_session_ttl)
         self.elector: Any = None  # LeaderElector (CPUOS_MEMBERSHIP=kubernetes)
         self._elect: asyncio.Task[None] | None = None
 
@@ -184,7 +189,8 @@ class Forwarder:
         return None if row is None else (row.id, row.node_id)
 
     def _route(self, headers: list[tuple[bytes, bytes]], path: str, query: bytes = b"",
-               method: str = "GET") -> tuple[bool, tuple[str, str | None] | None]:
+               method: str = "GET", websocket: bool = False
+               ) -> tuple[bool, tuple[str, str | None] | None]:
         """The key check and the sandbox's row, in one trip to a thread. The E2B surface
         (cpuosd.e2b) has credentials of its own: its control plane's key (X-API-Key or a
         bearer key: keys of the store, checked here); its sandbox plane (the
@@ -208,7 +214,7 @@ class Forwarder:
         if path == "/e2b" or path.startswith("/e2b/"):
             key = next((v.decode("latin-1").strip() for k, v in headers if k == b"x-api-key"),
                        None)
-        ok = self._authorized(headers, key)
+        ok = self._authorized(headers, key, method, websocket)
         return ok, (self._row_node(path) if ok else None)
 
     def _target(self, method: str, path: str, found: tuple[str, str | None] | None,
@@ -232,13 +238,14 @@ class Forwarder:
             raise ApiError("unavailable", "no node is available (none alive with room)")
         return chosen
 
-    def _authorized(self, headers: list[tuple[bytes, bytes]], key: str | None = None) -> bool:
+    def _authorized(self, headers: list[tuple[bytes, bytes]], key: str | None = None,
+                    method: str = "GET", websocket: bool = False) -> bool:
         """A known, unrevoked key (``key``, else the bearer key; a positive answer is kept
         KEY_CACHE s: the node checks the key again on every request, so a key revoked
-        meanwhile gets no further)."""
+        meanwhile gets no further), else a console session's cookie (``_console``)."""
         key = key or bearer_key(headers)
         if key is None:
-            return False
+            return self._console(headers, method, websocket)
         now = time.monotonic()
         if self._keys.get(key, 0.0) > now:
             return True
@@ -247,6 +254,23 @@ class Forwarder:
         if len(self._keys) >= 10_000:
             self._keys.clear()
         self._keys[key] = now + KEY_CACHE
+        return True
+
+    def _console(self, headers: list[tuple[bytes, bytes]], method: str, websocket: bool
+                 ) -> bool:
+        """A live console session (the shared store; its key live), as on one host
+        (cpuosd.api.auth.Guard): a request that changes something carries the session's
+        CSRF token (else ApiError 403), a WebSocket comes from a page of this origin. The
+        node checks the session again (the cookie and the CSRF header are forwarded)."""
+        token = cookie_token(headers)
+        s = self.sessions.get(token, live_key=True) if token else None
+        if s is None:
+            return False
+        if websocket:
+            return same_origin({"headers": headers})
+        if method not in SAFE_METHODS and not csrf_ok(s, headers):
+            raise ApiError("permission_denied", "a console session's request that changes "
+                           "something needs the session's X-Cpuos-Csrf header")
         return True
 
     def _admin(self, headers: list[tuple[bytes, bytes]]) -> None:
@@ -336,10 +360,13 @@ class Forwarder:
                 return self._answer(resp)
             await resp.aclose()
             self._where.pop(guess[1], None)  # (moved, paused or gone: ask the store)
-        ok, found = await asyncio.to_thread(self._route, request.scope["headers"], path,
-                                            request.scope.get("query_string", b""),
-                                            request.method)
         e2b = _is_e2b(path, request.scope["headers"])
+        try:
+            ok, found = await asyncio.to_thread(self._route, request.scope["headers"], path,
+                                                request.scope.get("query_string", b""),
+                                                request.method)
+        except ApiError as e:  # (a console session's request without its CSRF token)
+            return _error(e, e2b)
         if not ok:
             return _error(ApiError("unauthorized", "missing or invalid API key"), e2b)
         if has_body and content is None:
@@ -410,7 +437,8 @@ class Forwarder:
     # ---- WebSockets -----------------------------------------------------------------------
     async def ws_forward(self, ws: WebSocket) -> None:
         path = ws.url.path
-        ok, found = await asyncio.to_thread(self._route, ws.scope["headers"], path)
+        ok, found = await asyncio.to_thread(self._route, ws.scope["headers"], path, b"", "GET",
+                                            True)
         if not ok:
             await ws.close(4401, "missing or invalid API key")
             return
@@ -422,6 +450,8 @@ class Forwarder:
         headers = [(k.decode(), v.decode("latin-1")) for k, v in ws.headers.raw
                    if k.decode().lower() not in WS_DROP]
         headers.append((TOKEN_HEADER, self.token))
+        if ws.headers.get("host"):
+            headers.append(("X-Forwarded-Host", ws.headers["host"]))
         url = f"ws://{node.address}{path}" + (f"?{ws.url.query}" if ws.url.query else "")
         protocols = [p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",")
                      if p.strip()]
@@ -508,16 +538,23 @@ def create_api_app(cfg: Config, services: ApiServices | None = None) -> Starlett
                          "with the nodes)")
     check_token(cfg.cluster.node_token, "api")
     state: dict[str, Any] = {}
+    from .console import console_app
+
+    ui = console_app(cfg)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         from ..wiring import build_api_services
+        from .events import FanIn
 
         svc = services or await build_api_services(cfg)
         state["fwd"] = svc.forwarder
+        state["fan"] = fan = FanIn(svc.forwarder)
+        ui.state.services = svc  # (its store: sessions, keys, workspaces)
         try:
             yield
         finally:
+            await fan.close()
             if services is None:
                 await svc.close()
 
@@ -537,6 +574,16 @@ def create_api_app(cfg: Config, services: ApiServices | None = None) -> Starlett
         fwd: Forwarder = state["fwd"]
         return await fwd.node_op(request)
 
+    async def events(request: Request) -> Response:  # (every node's: cluster.events)
+        from . import events as ev
+
+        return await ev.events(state["fwd"], state["fan"], request)
+
+    async def metrics(request: Request) -> Response:  # (every node's: cluster.console)
+        from . import console
+
+        return await console.metrics(state["fwd"], request)
+
     async def fork(request: Request) -> Response:  # (across nodes: cluster.forks)
         from . import forks
 
@@ -550,5 +597,12 @@ def create_api_app(cfg: Config, services: ApiServices | None = None) -> Starlett
                              Route("/sandboxes/{sid}/fork", fork, methods=["POST"]),
                              Route("/sandboxes/{sid}/fork/{rest:path}", refuse_internal,
                                    methods=methods),
+                             Route("/events", events, methods=["GET"]),
+                             Route("/metrics", metrics, methods=["GET"]),
+                             # the web console, served here (cpuosd.console: its page and
+                             # sessions; the rest it calls is forwarded like the SDKs')
+                             Route("/ui", ui), Route("/ui/{rest:path}", ui),
+                             # the nodes' internal routes (drain, events) are not the public's
+                             Route("/node/{rest:path}", refuse_internal, methods=methods),
                              Route("/{path:path}", http, methods=methods),
                              WebSocketRoute("/{path:path}", websocket)], lifespan=lifespan)

@@ -88,6 +88,9 @@ class NodeTokenGuard:
             return
         given = next((v for k, v in scope["headers"] if k == TOKEN_HEADER.encode()), b"")
         if hmac.compare_digest(given, self.token):
+            # (an API process sent it: the console's origin check reads its Host there,
+            # cpuosd.console.sessions.same_origin)
+            scope.setdefault("state", {})["via_api_tier"] = True
             if scope["type"] == "http" and not self._holds(scope):
                 await _reply(send, 421, ApiError(
                     "conflict", "this node does not hold that sandbox live (an API "
@@ -109,6 +112,17 @@ class NodeTokenGuard:
                     await _reply(send, e.status, e)
                     return
                 await _reply(send, 200, await drain(svc.manager, svc.node))
+                return
+            if scope["type"] == "http" and scope["path"] == "/node/events" \
+                    and scope["method"] == "GET" and not any(
+                        k == b"e2b-sandbox-id" for k, _ in scope["headers"]):
+                # (every workspace's events, for an API process's GET /events: cluster.events)
+                from .events import serve_node
+
+                try:
+                    await serve_node(scope["app"], scope, receive, send)
+                except ApiError as e:
+                    await _reply(send, e.status, e)
                 return
             await self.app(scope, receive, send)
             return

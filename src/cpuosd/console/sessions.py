@@ -6,8 +6,15 @@ then named ``__Host-cpuos_session``) and a CSRF token in the answer's body, whic
 keeps in memory only and sends as ``X-Cpuos-Csrf`` with every request that changes
 something. A session is the key's: it sees what the key sees, ends when the key is revoked
 or its workspace deleted (checked on every request), when the user signs out, or after
-``CPUOS_CONSOLE_SESSION_TTL`` (default 12 h). Sessions live in the daemon's memory (only the
-SHA-256 of their token): a restarted daemon asks everyone to sign in again.
+``CPUOS_CONSOLE_SESSION_TTL`` (default 12 h).
+
+Sessions live in the state store (``console_sessions``: SQLite on one host, Postgres shared
+by every API process and node of many hosts), by the SHA-256 of their token only, with the
+key, its workspace and the expiry: a session made through one API process works through any
+other and survives a restart; signing out removes it everywhere. The CSRF token is not
+stored at all: it is an HMAC of the session's token (which only the cookie holds), so it is
+the same on every process that sees the cookie and is of no use to a reader of the
+database.
 """
 
 from __future__ import annotations
@@ -38,62 +45,70 @@ class Session:
     expires: float
 
 
-def _digest(token: str) -> bytes:
-    return hashlib.sha256(token.encode("utf-8", "replace")).digest()
+def _digest(token: str) -> str:
+    return hashlib.sha256(token.encode("utf-8", "replace")).hexdigest()
+
+
+def _csrf(token: str) -> str:
+    mac = hmac.new(token.encode("utf-8", "replace"), b"cpuos console csrf", hashlib.sha256)
+    return mac.hexdigest()[:32]
 
 
 class Sessions:
-    """The live sessions, by the SHA-256 of their token."""
+    """The console's sessions in the state store (``store``: cpuosd.store.Store), by the
+    SHA-256 of their token."""
 
-    def __init__(self, ttl: float | None = None, max_sessions: int = MAX_SESSIONS) -> None:
+    def __init__(self, store: Any, ttl: float | None = None,
+                 max_sessions: int = MAX_SESSIONS) -> None:
+        self.store = store
         self.ttl = TTL if ttl is None else ttl
         self.max = max_sessions
-        self._by_hash: dict[bytes, Session] = {}
 
     def create(self, key_id: str, workspace: str) -> tuple[str, Session]:
-        """A new session of this key: (its token, for the cookie; the session)."""
+        """A new session of this key: (its token, for the cookie; the session). Past
+        ``max_sessions`` the oldest make way."""
         now = time.time()
-        if len(self._by_hash) >= self.max:
-            self._expire(now)
-            while len(self._by_hash) >= self.max:  # the oldest make way
-                oldest = min(self._by_hash, key=lambda h: self._by_hash[h].created)
-                del self._by_hash[oldest]
         token = secrets.token_urlsafe(32)
-        s = Session(key_id, workspace, secrets.token_urlsafe(24), now, now + self.ttl)
-        self._by_hash[_digest(token)] = s
-        return token, s
+        self.store.session_create(_digest(token), key_id, workspace, now, now + self.ttl,
+                                  self.max)
+        return token, Session(key_id, workspace, _csrf(token), now, now + self.ttl)
 
-    def get(self, token: str) -> Session | None:
+    def get(self, token: str, *, live_key: bool = False) -> Session | None:
+        """The token's session unless it expired (``live_key``: and its key is still live;
+        a session of a key revoked since is removed)."""
         h = _digest(token)
-        s = self._by_hash.get(h)
-        if s is not None and s.expires <= time.time():
-            del self._by_hash[h]
+        r = self.store.session_get(h)
+        if r is None:
             return None
-        return s
+        if r["expires_at"] <= time.time():
+            self.store.session_drop(h)
+            return None
+        if live_key and not r["live"]:
+            self.store.session_drop_key(r["key_id"])
+            return None
+        return Session(r["key_id"], r["workspace_id"], _csrf(token), float(r["created_at"]),
+                       float(r["expires_at"]))
 
     def drop(self, token: str) -> bool:
-        return self._by_hash.pop(_digest(token), None) is not None
+        return bool(self.store.session_drop(_digest(token)))
 
     def drop_key(self, key_id: str) -> int:
-        gone = [h for h, s in self._by_hash.items() if s.key_id == key_id]
-        for h in gone:
-            del self._by_hash[h]
-        return len(gone)
-
-    def _expire(self, now: float) -> None:
-        for h in [h for h, s in self._by_hash.items() if s.expires <= now]:
-            del self._by_hash[h]
+        return int(self.store.session_drop_key(key_id))
 
     def __len__(self) -> int:
-        return len(self._by_hash)
+        return int(self.store.session_count())
 
 
 def sessions_of(app: Any) -> Sessions:
-    """The app's sessions (made on first use: the daemon's wiring need not know)."""
+    """The app's sessions, over its state store (made on first use: the daemon's wiring
+    need not know; the TTL is ``app.state.console_session_ttl`` when set)."""
     state = app.state
     s: Sessions | None = getattr(state, "console_sessions", None)
     if s is None:
-        s = state.console_sessions = Sessions()
+        from ..api.deps import services_of  # (here: api imports this module)
+
+        s = state.console_sessions = Sessions(services_of(app).store,
+                                              getattr(state, "console_session_ttl", None))
     return s
 
 
@@ -123,10 +138,15 @@ def csrf_ok(s: Session, headers: list[tuple[bytes, bytes]]) -> bool:
 
 def same_origin(scope: Scope) -> bool:
     """The request's Origin (a browser always sends one on a WebSocket and on cross-origin
-    requests) names the host it was sent to: not a page of another site."""
+    requests) names the host it was sent to: not a page of another site. On a node of many
+    hosts that is the API process's (its forwarder sends it as ``X-Forwarded-Host``, a
+    header no page can set on a WebSocket; cpuosd.cluster.nodes.NodeTokenGuard marks
+    requests that carried the node token)."""
     headers = scope["headers"]
     origin = header(headers, b"origin")
     host = header(headers, b"host")
+    if scope.get("state", {}).get("via_api_tier"):
+        host = header(headers, b"x-forwarded-host") or host
     if origin is None or host is None:
         return False
     _, sep, rest = origin.partition("://")
@@ -135,18 +155,8 @@ def same_origin(scope: Scope) -> bool:
 
 def live_session(scope: Scope) -> Session | None:
     """The request's console session, if its cookie names one whose key is still live (not
-    revoked, its workspace not deleted)."""
+    revoked, its workspace not deleted): one query of the store."""
     token = cookie_token(scope["headers"])
     if token is None:
         return None
-    app = scope["app"]
-    sessions = sessions_of(app)
-    s = sessions.get(token)
-    if s is None:
-        return None
-    from ..api.deps import services_of  # (here: api imports this module)
-
-    if not services_of(app).store.key_live(s.key_id):
-        sessions.drop_key(s.key_id)
-        return None
-    return s
+    return sessions_of(scope["app"]).get(token, live_key=True)

@@ -129,7 +129,7 @@ MIGRATIONS: list[Migration] = [
         name TEXT PRIMARY KEY, holder TEXT NOT NULL, expires_at REAL NOT NULL
     );
     """),
-    # (cluster-secrets) sandboxes' secret values and CA keys shared by the nodes, sealed
+    # sandboxes' secret values and CA keys shared by the nodes, sealed
     # under the cluster's secrets key (cpuosd.network.secrets.SealedBackend; one host keeps
     # files instead): a row's placeholder or CA id, the id of the key that sealed it, and
     # base64 of nonce + AES-GCM ciphertext
@@ -138,6 +138,17 @@ MIGRATIONS: list[Migration] = [
         name TEXT PRIMARY KEY, key_id TEXT NOT NULL, data TEXT NOT NULL,
         created_at REAL NOT NULL
     );
+    """),
+    # the web console's sessions (cpuosd.console.sessions): only the SHA-256 of a session's
+    # token, the key it was made with and that key's workspace, and its expiry; shared by
+    # every API process and node of many hosts, kept across a restart
+    Migration("""
+    CREATE TABLE console_sessions (
+        token_hash TEXT PRIMARY KEY, key_id TEXT NOT NULL, workspace_id TEXT NOT NULL,
+        created_at REAL NOT NULL, expires_at REAL NOT NULL
+    );
+    CREATE INDEX console_sessions_key ON console_sessions(key_id);
+    CREATE INDEX console_sessions_expiry ON console_sessions(expires_at);
     """),
 ]
 

@@ -209,6 +209,46 @@ class SqlStore:
         return self._one("SELECT id, workspace_id, label, created_at, revoked_at FROM "
                          "api_keys WHERE id=?", (key_id,))
 
+    # ---- console sessions -----------------------------------------------------------
+    def session_create(self, token_hash: str, key_id: str, workspace_id: str,
+                       created_at: float, expires_at: float, max_sessions: int) -> None:
+        """A new session (its token's hash); expired ones go, and past ``max_sessions``
+        the oldest make way (one transaction)."""
+        with self._tx() as c:
+            c.run("DELETE FROM console_sessions WHERE expires_at <= ?", (created_at,))
+            n = int(c.rows("SELECT COUNT(*) AS n FROM console_sessions")[0]["n"])
+            if n >= max_sessions:
+                c.run("DELETE FROM console_sessions WHERE token_hash IN (SELECT token_hash "
+                      "FROM console_sessions ORDER BY created_at, token_hash LIMIT ?)",
+                      (n - max_sessions + 1,))
+            c.run("INSERT INTO console_sessions (token_hash, key_id, workspace_id, "
+                  "created_at, expires_at) VALUES (?,?,?,?,?)",
+                  (token_hash, key_id, workspace_id, created_at, expires_at))
+
+    def session_get(self, token_hash: str) -> dict[str, Any] | None:
+        """The session (key_id, workspace_id, created_at, expires_at) and whether its key
+        is still live (``live``: not revoked, its workspace not deleted), in one query;
+        None if there is none. Expiry is the caller's to judge."""
+        r = self._one("SELECT s.key_id, s.workspace_id, s.created_at, s.expires_at, "
+                      "k.id AS kid, k.revoked_at, w.deleted_at FROM console_sessions s "
+                      "LEFT JOIN api_keys k ON k.id=s.key_id "
+                      "LEFT JOIN workspaces w ON w.id=k.workspace_id "
+                      "WHERE s.token_hash=?", (token_hash,))
+        if r is None:
+            return None
+        kid, revoked, deleted = r.pop("kid"), r.pop("revoked_at"), r.pop("deleted_at")
+        live = kid is not None and revoked is None and deleted is None
+        return {**r, "live": live}
+
+    def session_drop(self, token_hash: str) -> bool:
+        return self._run("DELETE FROM console_sessions WHERE token_hash=?", (token_hash,)) > 0
+
+    def session_drop_key(self, key_id: str) -> int:
+        return self._run("DELETE FROM console_sessions WHERE key_id=?", (key_id,))
+
+    def session_count(self) -> int:
+        return int(self._rows("SELECT COUNT(*) AS n FROM console_sessions")[0]["n"])
+
     # ---- sandboxes ------------------------------------------------------------------
     def insert_sandbox(self, row: SandboxRow) -> None:
         d = dict(row.__dict__)
