@@ -33,9 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 from starlette.applications import Starlette
-from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 from websockets.asyncio.client import connect as ws_connect
@@ -485,17 +484,53 @@ def _create_args(path: str, body: Any) -> tuple[int, str | None]:
             t if isinstance(t, str) and len(t) <= 64 else None)
 
 
-class _Streamed(StreamingResponse):
-    """A node's answer streamed back as it comes (raw: encodings untouched)."""
+class _Streamed(Response):
+    """A node's answer streamed back as it comes (raw: encodings untouched), as plain ASGI:
+    Starlette's StreamingResponse runs an anyio task group per answer (under uvicorn's ASGI
+    2.3) for its disconnect listener; here one asyncio task waits for the client's
+    ``http.disconnect`` and cancels the copy, which closes the node's answer (so the node
+    ends what it runs for the request: an exec is killed, a download stops)."""
 
     def __init__(self, resp: httpx.Response, headers: list[tuple[bytes, bytes]]) -> None:
-        async def body() -> AsyncIterator[bytes]:
-            async for chunk in resp.aiter_raw():
-                yield chunk
+        self.resp, self.status_code, self.raw_headers = resp, resp.status_code, headers
+        self.background = None
 
-        super().__init__(body(), status_code=resp.status_code,
-                         background=BackgroundTask(resp.aclose))
-        self.raw_headers = headers
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        resp = self.resp
+        task = asyncio.current_task()
+        assert task is not None
+        left = False
+
+        def gone(t: asyncio.Future[Any]) -> None:
+            nonlocal left
+            if not t.cancelled() and t.exception() is None:
+                left = True
+                task.cancel()
+
+        listener = asyncio.ensure_future(_disconnect(receive))
+        listener.add_done_callback(gone)
+        try:
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})
+            async for chunk in resp.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            listener.remove_done_callback(gone)
+            listener.cancel()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not left:
+                raise
+            task.uncancel()  # (the client went away: nothing more to send)
+        finally:
+            listener.remove_done_callback(gone)
+            listener.cancel()
+            await resp.aclose()
+
+
+async def _disconnect(receive: Any) -> None:
+    """Returns when the client has gone away (the request's body was read before)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def create_api_app(cfg: Config, services: ApiServices | None = None) -> Starlette:
