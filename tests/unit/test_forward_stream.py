@@ -63,7 +63,8 @@ async def api_server(tmp: Path, answers: list[Upstream]) -> AsyncIterator[int]:
 
     fwd = Forwarder(cfg, store)
     fwd.view.refresh()  # type: ignore[union-attr]
-    fwd.http = httpx.AsyncClient(transport=httpx.MockTransport(node))
+    fwd.transport = httpx.MockTransport(node)
+    fwd.http = httpx.AsyncClient(transport=fwd.transport)
     svc = ApiServices(cfg=cfg, store=store, forwarder=fwd,
                       preview=PreviewRelay(fwd, 0, "127.0.0.1", cfg.preview),
                       _stack=contextlib.AsyncExitStack())

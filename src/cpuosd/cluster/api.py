@@ -65,6 +65,10 @@ WS_DROP = DROP | {"sec-websocket-key", "sec-websocket-version", "sec-websocket-e
 REFRESH = 1.0  # s between reads of the nodes' rows
 WS_MAX_MESSAGE = 16 << 20
 SMALL_BODY = 64 << 10  # bytes of a request body read whole before it is forwarded
+# no read timeout: a stream (exec output, watch, a long download) may be quiet for long; the
+# node bounds every operation itself
+TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=60.0, pool=10.0)
+TIMEOUTS = TIMEOUT.as_dict()
 KEY_CACHE = 5.0  # s a key found valid is not looked up again (the node re-checks it)
 ROUTE_CACHE = 60.0  # s a sandbox's node is remembered (the node refuses a stale guess: 421)
 
@@ -89,10 +93,12 @@ class Forwarder:
         self.token = check_token(cfg.cluster.node_token, "api")
         self.view: NodeView | KubeNodeView = NodeView(store, cfg.cluster.node_lease)
         self.kube: Any = None  # the Kubernetes API client (CPUOS_MEMBERSHIP=kubernetes)
-        # no read timeout: a stream (exec output, watch, a long download) may be quiet for
-        # long; the node bounds every operation itself
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(connect=5.0, read=None,
-                                                            write=60.0, pool=10.0),
+        # forwarded requests go to the transport (its connection pool: kept-alive HTTP/1.1
+        # connections to the nodes) without the client's layers (cookie jar, redirects,
+        # auth, an INFO log line per request); the client (same pool) is for the
+        # forwarder's own calls (drain, forks)
+        self.transport: httpx.AsyncBaseTransport = httpx.AsyncHTTPTransport()
+        self.http = httpx.AsyncClient(transport=self.transport, timeout=TIMEOUT,
                                       follow_redirects=False)
         self._task: asyncio.Task[None] | None = None
         self._keys: dict[str, float] = {}  # key -> monotonic time its check expires
@@ -390,11 +396,15 @@ class Forwarder:
             headers.append((ROUTE_HEADER.encode(), b"cached"))
         if request.client:
             headers.append((b"x-forwarded-for", request.client.host.encode()))
-        upstream = self.http.build_request(
-            request.method, f"http://{node.address}{path}",
-            params=request.url.query or None, headers=headers, content=content)
+        query = request.scope.get("query_string", b"")
+        upstream = httpx.Request(
+            request.method, f"http://{node.address}{path}" + (
+                "?" + query.decode("latin-1") if query else ""),
+            headers=headers, content=content, extensions={"timeout": TIMEOUTS})
         try:
-            return await self.http.send(upstream, stream=True)
+            resp = await self.transport.handle_async_request(upstream)
+            resp.request = upstream
+            return resp
         except httpx.HTTPError as e:
             # (never sent again: the node may have run it)
             log.warning("forwarding to node %s failed: %s", node.node_id, e)
