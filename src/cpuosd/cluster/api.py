@@ -60,6 +60,8 @@ OPEN_PATHS = frozenset({"/health"})
 DROP = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te",
                   "trailer", "upgrade", "host", TOKEN_HEADER, ROUTE_HEADER,
                   "proxy-authorization"})
+DROP_B = frozenset(k.encode() for k in DROP)
+ROUTED = (ROUTE_HEADER.encode(), b"cached")
 WS_DROP = DROP | {"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
                   "sec-websocket-protocol", "origin"}
 REFRESH = 1.0  # s between reads of the nodes' rows
@@ -91,6 +93,7 @@ class Forwarder:
     def __init__(self, cfg: Config, store: Store) -> None:
         self.cfg, self.store = cfg, store
         self.token = check_token(cfg.cluster.node_token, "api")
+        self._token_header = (TOKEN_HEADER.encode(), self.token.encode())
         self.view: NodeView | KubeNodeView = NodeView(store, cfg.cluster.node_lease)
         self.kube: Any = None  # the Kubernetes API client (CPUOS_MEMBERSHIP=kubernetes)
         # forwarded requests go to the transport (its connection pool: kept-alive HTTP/1.1
@@ -317,17 +320,19 @@ class Forwarder:
 
     # ---- HTTP ---------------------------------------------------------------------------
     async def http_forward(self, request: Request) -> Response:
-        path = request.url.path
+        scope = request.scope
+        path: str = scope["path"]  # (the app has no root_path: request.url.path, unbuilt)
         if path == "/health":
             alive = sum(1 for n in self.view.nodes if n.alive)
             placeable = sum(1 for n in self.view.nodes if n.placeable)
             return JSONResponse({"ok": True, "role": "api", "nodes_alive": alive,
                                  "nodes_placeable": placeable, "leader": self.leading})
-        guess = self._cached_route(request.scope["headers"], path)
-        has_body = request.method not in ("GET", "HEAD", "DELETE", "OPTIONS") or any(
-            k == b"content-length" or k == b"transfer-encoding"
-            for k, _ in request.headers.raw)
-        size = request.headers.get("content-length", "") if has_body else "0"
+        raw: list[tuple[bytes, bytes]] = scope["headers"]  # (names in lower case: ASGI)
+        guess = self._cached_route(raw, path)
+        length = next((v for k, v in raw if k == b"content-length"), None)
+        has_body = request.method not in ("GET", "HEAD", "DELETE", "OPTIONS") or (
+            length is not None or any(k == b"transfer-encoding" for k, _ in raw))
+        size = (length or b"").decode("latin-1") if has_body else "0"
         small = size.isdigit() and int(size) <= SMALL_BODY
         content: Any = None
         if guess is not None and small:  # (a body sent twice must be whole in hand)
@@ -390,12 +395,14 @@ class Forwarder:
                     ) -> httpx.Response | Response:
         """The request sent to the node (its answer's head read), or the error to answer."""
         node = target[0]
-        headers = [(k, v) for k, v in request.headers.raw if k.decode().lower() not in DROP]
-        headers.append((TOKEN_HEADER.encode(), self.token.encode()))
+        scope = request.scope
+        headers = [(k, v) for k, v in scope["headers"] if k not in DROP_B]
+        headers.append(self._token_header)
         if cached:
-            headers.append((ROUTE_HEADER.encode(), b"cached"))
-        if request.client:
-            headers.append((b"x-forwarded-for", request.client.host.encode()))
+            headers.append(ROUTED)
+        client = scope.get("client")
+        if client:
+            headers.append((b"x-forwarded-for", client[0].encode()))
         query = request.scope.get("query_string", b"")
         upstream = httpx.Request(
             request.method, f"http://{node.address}{path}" + (
@@ -412,7 +419,7 @@ class Forwarder:
 
     @staticmethod
     def _answer(resp: httpx.Response) -> Response:
-        out = [(k, v) for k, v in resp.headers.raw if k.decode().lower() not in DROP]
+        out = [(k, v) for k, v in resp.headers.raw if k.lower() not in DROP_B]
         return _Streamed(resp, out)
 
     # ---- WebSockets -----------------------------------------------------------------------
