@@ -44,7 +44,7 @@ class Upstream(httpx.AsyncByteStream):
 
 
 @contextlib.asynccontextmanager
-async def api_server(tmp: Path, answers: list[Upstream]) -> AsyncIterator[int]:
+async def api_server(tmp: Path, answers: list[Upstream]) -> AsyncIterator[tuple[int, str]]:
     store = SqliteStore(tmp / "cpuos.db")
     ws = store.create_workspace("default")
     _, rec = store.new_key(ws, "admin")
@@ -76,7 +76,7 @@ async def api_server(tmp: Path, answers: list[Upstream]) -> AsyncIterator[int]:
     while not server.started:
         await asyncio.sleep(0.01)
     try:
-        yield sock.getsockname()[1], str(rec["key"])  # type: ignore[misc]
+        yield sock.getsockname()[1], str(rec["key"])
     finally:
         server.should_exit = True
         await task
@@ -91,7 +91,7 @@ def _request(key: str) -> bytes:
 def test_a_streamed_answer_arrives_whole_and_is_closed(tmp_path: Path) -> None:
     async def main() -> None:
         up = Upstream([b"one", b"two" * 1000, b"three"], hang=False)
-        async with api_server(tmp_path, [up]) as (port, key):  # type: ignore[misc]
+        async with api_server(tmp_path, [up]) as (port, key):
             async with httpx.AsyncClient() as c:
                 r = await c.get(f"http://127.0.0.1:{port}/sandboxes/{SID}/files",
                                 headers={"Authorization": f"Bearer {key}"})
@@ -108,7 +108,7 @@ def test_a_client_that_goes_away_mid_stream_closes_the_nodes_answer(tmp_path: Pa
         # the node sends a first chunk, then nothing (a quiet exec): the client leaving must
         # still close the node's answer, not only at its next chunk
         ups = [Upstream([b"started"], hang=True), Upstream([b"x"], hang=True)]
-        async with api_server(tmp_path, list(ups)) as (port, key):  # type: ignore[misc]
+        async with api_server(tmp_path, list(ups)) as (port, key):
             for up in ups:
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
                 writer.write(_request(key))
