@@ -516,11 +516,12 @@ class _Streamed(Response):
         resp = self.resp
         task = asyncio.current_task()
         assert task is not None
-        left = False
+        copying, left = True, False
 
         def gone(t: asyncio.Future[Any]) -> None:
             nonlocal left
-            if not t.cancelled() and t.exception() is None:
+            # (a callback already scheduled when the copy ended must not cancel what follows)
+            if copying and not t.cancelled() and t.exception() is None:
                 left = True
                 task.cancel()
 
@@ -531,7 +532,7 @@ class _Streamed(Response):
                         "headers": self.raw_headers})
             async for chunk in resp.aiter_raw():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            listener.remove_done_callback(gone)
+            copying = False
             listener.cancel()
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
@@ -539,7 +540,7 @@ class _Streamed(Response):
                 raise
             task.uncancel()  # (the client went away: nothing more to send)
         finally:
-            listener.remove_done_callback(gone)
+            copying = False
             listener.cancel()
             await resp.aclose()
 
