@@ -30,7 +30,8 @@ def api_client(cfg: Config, store: Store, key: str,
 
     fwd = Forwarder(cfg, store)
     fwd.view.refresh()  # type: ignore[union-attr]
-    fwd.http = httpx.AsyncClient(transport=httpx.MockTransport(record))
+    fwd.transport = httpx.MockTransport(record)
+    fwd.http = httpx.AsyncClient(transport=fwd.transport)
     svc = ApiServices(cfg=cfg, store=store, forwarder=fwd,
                       preview=PreviewRelay(fwd, 0, "127.0.0.1", cfg.preview),
                       _stack=contextlib.AsyncExitStack())

@@ -33,9 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 from starlette.applications import Starlette
-from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 from websockets.asyncio.client import connect as ws_connect
@@ -59,17 +58,24 @@ log = logging.getLogger("cpuosd.cluster")
 E2B_SANDBOX_PATH = re.compile(r"^/e2b(?:/v2)?/sandboxes/([A-Za-z0-9_-]{1,64})(?:/|$)")
 E2B_CREATES = frozenset({"/e2b/sandboxes", "/e2b/v2/sandboxes"})
 OPEN_PATHS = frozenset({"/health"})
-# hop-by-hop headers (RFC 9110 7.6.1) and those the forwarder sets itself
+# hop-by-hop headers (RFC 9110 7.6.1) and those the forwarder sets itself (a node trusts
+# X-Forwarded-Host on a request that carried the node token: only the forwarder sets it)
 DROP = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te",
                   "trailer", "upgrade", "host", TOKEN_HEADER, ROUTE_HEADER,
-                  "proxy-authorization"})
+                  "proxy-authorization", "x-forwarded-host"})
+DROP_B = frozenset(k.encode() for k in DROP)
+ROUTED = (ROUTE_HEADER.encode(), b"cached")
 # (a WebSocket's Origin goes to the node with the Host it was sent to, X-Forwarded-Host:
 # the node checks a console session's origin as one host does, cpuosd.console.sessions)
 WS_DROP = DROP | {"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
-                  "sec-websocket-protocol", "x-forwarded-host"}
+                  "sec-websocket-protocol"}
 REFRESH = 1.0  # s between reads of the nodes' rows
 WS_MAX_MESSAGE = 16 << 20
 SMALL_BODY = 64 << 10  # bytes of a request body read whole before it is forwarded
+# no read timeout: a stream (exec output, watch, a long download) may be quiet for long; the
+# node bounds every operation itself
+TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=60.0, pool=10.0)
+TIMEOUTS = TIMEOUT.as_dict()
 KEY_CACHE = 5.0  # s a key found valid is not looked up again (the node re-checks it)
 ROUTE_CACHE = 60.0  # s a sandbox's node is remembered (the node refuses a stale guess: 421)
 
@@ -92,12 +98,15 @@ class Forwarder:
     def __init__(self, cfg: Config, store: Store) -> None:
         self.cfg, self.store = cfg, store
         self.token = check_token(cfg.cluster.node_token, "api")
+        self._token_header = (TOKEN_HEADER.encode(), self.token.encode())
         self.view: NodeView | KubeNodeView = NodeView(store, cfg.cluster.node_lease)
         self.kube: Any = None  # the Kubernetes API client (CPUOS_MEMBERSHIP=kubernetes)
-        # no read timeout: a stream (exec output, watch, a long download) may be quiet for
-        # long; the node bounds every operation itself
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(connect=5.0, read=None,
-                                                            write=60.0, pool=10.0),
+        # forwarded requests go to the transport (its connection pool: kept-alive HTTP/1.1
+        # connections to the nodes) without the client's layers (cookie jar, redirects,
+        # auth, an INFO log line per request); the client (same pool) is for the
+        # forwarder's own calls (drain, forks)
+        self.transport: httpx.AsyncBaseTransport = httpx.AsyncHTTPTransport()
+        self.http = httpx.AsyncClient(transport=self.transport, timeout=TIMEOUT,
                                       follow_redirects=False)
         self._task: asyncio.Task[None] | None = None
         self._keys: dict[str, float] = {}  # key -> monotonic time its check expires
@@ -337,17 +346,19 @@ class Forwarder:
 
     # ---- HTTP ---------------------------------------------------------------------------
     async def http_forward(self, request: Request) -> Response:
-        path = request.url.path
+        scope = request.scope
+        path: str = scope["path"]  # (the app has no root_path: request.url.path, unbuilt)
         if path == "/health":
             alive = sum(1 for n in self.view.nodes if n.alive)
             placeable = sum(1 for n in self.view.nodes if n.placeable)
             return JSONResponse({"ok": True, "role": "api", "nodes_alive": alive,
                                  "nodes_placeable": placeable, "leader": self.leading})
-        guess = self._cached_route(request.scope["headers"], path)
-        has_body = request.method not in ("GET", "HEAD", "DELETE", "OPTIONS") or any(
-            k == b"content-length" or k == b"transfer-encoding"
-            for k, _ in request.headers.raw)
-        size = request.headers.get("content-length", "") if has_body else "0"
+        raw: list[tuple[bytes, bytes]] = scope["headers"]  # (names in lower case: ASGI)
+        guess = self._cached_route(raw, path)
+        length = next((v for k, v in raw if k == b"content-length"), None)
+        has_body = request.method not in ("GET", "HEAD", "DELETE", "OPTIONS") or (
+            length is not None or any(k == b"transfer-encoding" for k, _ in raw))
+        size = (length or b"").decode("latin-1") if has_body else "0"
         small = size.isdigit() and int(size) <= SMALL_BODY
         content: Any = None
         if guess is not None and small:  # (a body sent twice must be whole in hand)
@@ -413,17 +424,23 @@ class Forwarder:
                     ) -> httpx.Response | Response:
         """The request sent to the node (its answer's head read), or the error to answer."""
         node = target[0]
-        headers = [(k, v) for k, v in request.headers.raw if k.decode().lower() not in DROP]
-        headers.append((TOKEN_HEADER.encode(), self.token.encode()))
+        scope = request.scope
+        headers = [(k, v) for k, v in scope["headers"] if k not in DROP_B]
+        headers.append(self._token_header)
         if cached:
-            headers.append((ROUTE_HEADER.encode(), b"cached"))
-        if request.client:
-            headers.append((b"x-forwarded-for", request.client.host.encode()))
-        upstream = self.http.build_request(
-            request.method, f"http://{node.address}{path}",
-            params=request.url.query or None, headers=headers, content=content)
+            headers.append(ROUTED)
+        client = scope.get("client")
+        if client:
+            headers.append((b"x-forwarded-for", client[0].encode()))
+        query = request.scope.get("query_string", b"")
+        upstream = httpx.Request(
+            request.method, f"http://{node.address}{path}" + (
+                "?" + query.decode("latin-1") if query else ""),
+            headers=headers, content=content, extensions={"timeout": TIMEOUTS})
         try:
-            return await self.http.send(upstream, stream=True)
+            resp = await self.transport.handle_async_request(upstream)
+            resp.request = upstream
+            return resp
         except httpx.HTTPError as e:
             # (never sent again: the node may have run it)
             log.warning("forwarding to node %s failed: %s", node.node_id, e)
@@ -431,7 +448,7 @@ class Forwarder:
 
     @staticmethod
     def _answer(resp: httpx.Response) -> Response:
-        out = [(k, v) for k, v in resp.headers.raw if k.decode().lower() not in DROP]
+        out = [(k, v) for k, v in resp.headers.raw if k.lower() not in DROP_B]
         return _Streamed(resp, out)
 
     # ---- WebSockets -----------------------------------------------------------------------
@@ -516,17 +533,54 @@ def _create_args(path: str, body: Any) -> tuple[int, str | None]:
             t if isinstance(t, str) and len(t) <= 64 else None)
 
 
-class _Streamed(StreamingResponse):
-    """A node's answer streamed back as it comes (raw: encodings untouched)."""
+class _Streamed(Response):
+    """A node's answer streamed back as it comes (raw: encodings untouched), as plain ASGI:
+    Starlette's StreamingResponse runs an anyio task group per answer (under uvicorn's ASGI
+    2.3) for its disconnect listener; here one asyncio task waits for the client's
+    ``http.disconnect`` and cancels the copy, which closes the node's answer (so the node
+    ends what it runs for the request: an exec is killed, a download stops)."""
 
     def __init__(self, resp: httpx.Response, headers: list[tuple[bytes, bytes]]) -> None:
-        async def body() -> AsyncIterator[bytes]:
-            async for chunk in resp.aiter_raw():
-                yield chunk
+        self.resp, self.status_code, self.raw_headers = resp, resp.status_code, headers
+        self.background = None
 
-        super().__init__(body(), status_code=resp.status_code,
-                         background=BackgroundTask(resp.aclose))
-        self.raw_headers = headers
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        resp = self.resp
+        task = asyncio.current_task()
+        assert task is not None
+        copying, left = True, False
+
+        def gone(t: asyncio.Future[Any]) -> None:
+            nonlocal left
+            # (a callback already scheduled when the copy ended must not cancel what follows)
+            if copying and not t.cancelled() and t.exception() is None:
+                left = True
+                task.cancel()
+
+        listener = asyncio.ensure_future(_disconnect(receive))
+        listener.add_done_callback(gone)
+        try:
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})
+            async for chunk in resp.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            copying = False
+            listener.cancel()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not left:
+                raise
+            task.uncancel()  # (the client went away: nothing more to send)
+        finally:
+            copying = False
+            listener.cancel()
+            await resp.aclose()
+
+
+async def _disconnect(receive: Any) -> None:
+    """Returns when the client has gone away (the request's body was read before)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def create_api_app(cfg: Config, services: ApiServices | None = None) -> Starlette:
