@@ -56,7 +56,7 @@ args=("$@")
 # module-scoped daemons and testbeds are made once): each worker has its own daemons, homes
 # and network slots, and the template cache is shared. Most tests wait on sandboxes more
 # than they compute: more workers than cores. CPUOS_TEST_WORKERS=0 runs them in this process.
-workers=${CPUOS_TEST_WORKERS:-3}
+workers=${CPUOS_TEST_WORKERS:-2}
 set +e
 .venv/bin/python -m pytest tests -n "$workers" --dist loadfile --durations=25 "${args[@]}"
 rc=$?

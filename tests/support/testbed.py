@@ -546,7 +546,7 @@ def node_cluster(database_url: str, node_env: dict[str, str] | None = None,
             for ports in api_ports]
         for a in apis:
             wait_until(lambda a=a: a.health().get("nodes_alive") == n_nodes,  # type: ignore[misc]
-                       "the API process to see every node", timeout=60)
+                       "the API process to see every node", timeout=120)
         yield Cluster(nodes, apis, nodes[0].key, token)
         failed = False
     finally:
