@@ -22,7 +22,7 @@ import websockets
 
 from support import testbed
 from support.daemon import e2e_unavailable, wait_until
-from support.testbed import ApiProcess, Cluster, node_of, open_test_store
+from support.testbed import ApiProcess, Cluster, node_of, place_only_on
 
 pytestmark = pytest.mark.cluster
 
@@ -39,27 +39,6 @@ def cluster(pg_server: testbed.PostgresServer) -> Iterator[tuple[Cluster, str]]:
             yield c, url
     finally:
         pg_server.drop_database(name)
-
-
-def only(url: str, key: str, apis: list[ApiProcess], here: str | None) -> None:
-    """Every node cordoned but ``here`` (None: none), as every API process sees it."""
-    want = {n: here is not None and n != here for n in ("node-a", "node-b")}
-    store = open_test_store(url)
-    try:
-        for n, cordoned in want.items():
-            store.set_node_cordoned(n, cordoned)
-    finally:
-        store.close()
-
-    def seen(api: ApiProcess) -> bool:
-        r = httpx.get(api.url + "/nodes", headers={"Authorization": f"Bearer {key}"})
-        nodes = r.json()["nodes"]
-        return {n["id"]: n["cordoned"] for n in nodes} == want and all(
-            n["alive"] for n in nodes if not n["cordoned"])
-
-    for api in apis:
-        wait_until(lambda api=api: seen(api),  # type: ignore[misc]
-                   f"placement on {here or 'both'}", timeout=30)
 
 
 def sign_in(api: ApiProcess, key: str) -> tuple[str, str]:
@@ -138,7 +117,7 @@ def test_the_console_through_the_api_tier(cluster: tuple[Cluster, str]) -> None:
                 assert r.status_code == 403 and "X-Cpuos-Csrf" in r.text, r.text
             # a sandbox on each node, created and run through API 2 on API 1's session
             for node in ("node-a", "node-b"):
-                only(url, key, c.apis, node)
+                place_only_on(url, key, c.apis, node)
                 r = s.post("/sandboxes", json={"template": "python", "timeout": 300},
                            headers={"X-Cpuos-Csrf": csrf})
                 assert r.status_code in (200, 201), r.text
@@ -147,7 +126,7 @@ def test_the_console_through_the_api_tier(cluster: tuple[Cluster, str]) -> None:
                 x = s.post(f"/sandboxes/{made[node]}/exec",
                            json={"cmd": f"echo hi-from-{node}"}, headers={"X-Cpuos-Csrf": csrf})
                 assert x.status_code == 200 and f"hi-from-{node}".encode() in x.content
-            only(url, key, c.apis, None)
+            place_only_on(url, key, c.apis, None)
             listed = {x["id"] for x in s.get("/sandboxes").json()["sandboxes"]}
             assert set(made.values()) <= listed
             assert s.post(f"/sandboxes/{made['node-a']}/exec",
@@ -231,7 +210,7 @@ def test_the_console_through_the_api_tier(cluster: tuple[Cluster, str]) -> None:
                           headers={"Authorization": f"Bearer {key}"}) as k:
             for sid in made.values():
                 k.delete(f"/sandboxes/{sid}")
-        only(url, key, c.apis, None)
+        place_only_on(url, key, c.apis, None)
 
 
 def test_the_api_tier_refuses_the_nodes_internal_routes(cluster: tuple[Cluster, str]) -> None:
@@ -265,11 +244,11 @@ def test_the_console_in_a_browser_through_the_api_tier(cluster: tuple[Cluster, s
     made: dict[str, Sandbox] = {}
     try:
         for node in ("node-a", "node-b"):
-            only(url, c.key, c.apis, node)
+            place_only_on(url, c.key, c.apis, node)
             made[node] = Sandbox.create(template="python", timeout="10m", api_url=api1.url,
                                         api_key=c.key)
             assert node_of(url, made[node].id) == node
-        only(url, c.key, c.apis, None)
+        place_only_on(url, c.key, c.apis, None)
         with sync_playwright() as pw:
             browser = launch(pw)
             try:
@@ -302,4 +281,4 @@ def test_the_console_in_a_browser_through_the_api_tier(cluster: tuple[Cluster, s
     finally:
         for s in made.values():
             s.kill()
-        only(url, c.key, c.apis, None)
+        place_only_on(url, c.key, c.apis, None)

@@ -24,7 +24,7 @@ import pytest
 from cpuos import Sandbox
 from support import testbed
 from support.daemon import e2e_unavailable, wait_until
-from support.testbed import ApiProcess, Cluster, node_of, open_test_store
+from support.testbed import ApiProcess, Cluster, node_of, open_test_store, place_only_on
 
 pytestmark = pytest.mark.cluster
 
@@ -66,27 +66,6 @@ def cluster(pg_server: testbed.PostgresServer, s3_server: testbed.S3Server
         pg_server.drop_database(name)
 
 
-def only(url: str, key: str, apis: list[ApiProcess], here: str | None) -> None:
-    """Every node cordoned but ``here`` (None: none cordoned), as every API process sees."""
-    want = {n: here is not None and n != here for n in ("node-a", "node-b")}
-    store = open_test_store(url)
-    try:
-        for n, cordoned in want.items():
-            store.set_node_cordoned(n, cordoned)
-    finally:
-        store.close()
-
-    def seen(api: ApiProcess) -> bool:  # (and the node to place on alive)
-        r = httpx.get(api.url + "/nodes", headers={"Authorization": f"Bearer {key}"})
-        nodes = r.json()["nodes"]
-        return {n["id"]: n["cordoned"] for n in nodes} == want and all(
-            n["alive"] for n in nodes if n["id"] == here)
-
-    for api in apis:
-        wait_until(lambda api=api: seen(api),  # type: ignore[misc]
-                   f"placement on {here or 'both'}", timeout=15)
-
-
 def preview(api: ApiProcess, sid: str, port: int, path: str = "/",
             headers: dict[str, str] | None = None) -> httpx.Response:
     """A host-form preview request to ``api``'s preview listener (on loopback)."""
@@ -103,7 +82,7 @@ def test_previews_through_the_api_tier(cluster: tuple[Cluster, str]) -> None:
     c, url = cluster
     api1, api2 = c.apis
     key = c.key
-    only(url, key, c.apis, "node-b")
+    place_only_on(url, key, c.apis, "node-b")
     s = Sandbox.create(template="python", timeout="10m", api_url=api1.url, api_key=key)
     try:
         assert node_of(url, s.id) == "node-b"
@@ -178,7 +157,7 @@ def test_previews_through_the_api_tier(cluster: tuple[Cluster, str]) -> None:
 
     # paused into the store on node-a; node-a SIGKILLed; the preview URL through the API
     # tier wakes it on node-b. A sandbox still running on node-a answers 503 meanwhile.
-    only(url, key, c.apis, "node-a")
+    place_only_on(url, key, c.apis, "node-a")
     moved = Sandbox.create(template="python", timeout="10m", api_url=api1.url, api_key=key)
     stuck = Sandbox.create(template="python", timeout="10m", api_url=api1.url, api_key=key)
     try:
@@ -192,7 +171,7 @@ def test_previews_through_the_api_tier(cluster: tuple[Cluster, str]) -> None:
         moved.pause()
         assert node_of(url, moved.id) is None  # (in the store, on no node)
         c.nodes[0].kill9()
-        only(url, key, c.apis, "node-b")
+        place_only_on(url, key, c.apis, "node-b")
         wait_until(lambda: api1.health().get("nodes_alive") == 1, "node-a dead", timeout=30)
         got = preview(api1, moved.id, 3000, "/index.html", {"X-Cpuos-Token": pm["token"]})
         assert got.status_code == 200 and got.text == "moved\n", got.text
@@ -206,7 +185,7 @@ def test_previews_through_the_api_tier(cluster: tuple[Cluster, str]) -> None:
             c.nodes[0].start()  # (its sandbox reattached, then killed)
         wait_until(lambda: api1.health().get("nodes_alive") == 2, "node-a back", timeout=60)
         Sandbox.connect(stuck.id, api_url=api1.url, api_key=key).kill()
-        only(url, key, c.apis, None)
+        place_only_on(url, key, c.apis, None)
 
 
 def signed(path: str, token: str) -> dict[str, str]:
@@ -224,13 +203,13 @@ def test_e2b_requests_reach_the_sandboxs_node(cluster: tuple[Cluster, str]) -> N
     made: dict[str, dict[str, str]] = {}
     try:
         for here in ("node-a", "node-b"):
-            only(url, key, c.apis, here)
+            place_only_on(url, key, c.apis, here)
             r = httpx.post(f"{api1.url}/e2b/sandboxes", headers=control, timeout=120,
                            json={"templateID": "base", "timeout": 300})
             assert r.status_code == 201, r.text
             made[here] = r.json()
             assert node_of(url, r.json()["sandboxID"]) == here
-        only(url, key, c.apis, None)
+        place_only_on(url, key, c.apis, None)
         # a bad key is refused by the API process (E2B's X-API-Key)
         r = httpx.get(f"{api2.url}/e2b/v2/sandboxes", headers={"X-API-Key": "e2b_" + "0" * 40})
         assert r.status_code == 401
@@ -281,7 +260,7 @@ def test_e2b_requests_reach_the_sandboxs_node(cluster: tuple[Cluster, str]) -> N
             store.close()
         # resumed on node-b (node-a cordoned): its access token still holds (one E2B key
         # on every node), and node-b answers with the facts node-a kept (its template name)
-        only(url, key, c.apis, "node-b")
+        place_only_on(url, key, c.apis, "node-b")
         r = httpx.post(f"{api1.url}/e2b/sandboxes/{sid_a}/connect", headers=control,
                        json={"timeout": 300}, timeout=120)
         assert r.status_code == 201 and r.json()["templateID"] == "base", r.text
@@ -301,7 +280,7 @@ def test_e2b_requests_reach_the_sandboxs_node(cluster: tuple[Cluster, str]) -> N
         wait_until(lambda: preview(api1, sid_a, 3000, "/index.html").text == "e2b-site\n",
                    "the E2B sandbox's public port through the API tier", timeout=60)
     finally:
-        only(url, key, c.apis, None)
+        place_only_on(url, key, c.apis, None)
         for sb in made.values():
             httpx.delete(f"{api1.url}/e2b/sandboxes/{sb['sandboxID']}", headers=control,
                          timeout=120)

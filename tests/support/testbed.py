@@ -576,3 +576,30 @@ def node_of(database_url: str, sid: str) -> str | None:
         return row.node_id if row else None
     finally:
         s.close()
+
+
+def place_only_on(database_url: str, key: str, apis: list[ApiProcess],
+                  here: str | None) -> None:
+    """Every node of a two-node cluster cordoned but ``here`` (None: none cordoned), until
+    every API process sees it so, with the nodes left to place on alive."""
+    import httpx
+
+    from .daemon import wait_until
+
+    want = {n: here is not None and n != here for n in ("node-a", "node-b")}
+    store = open_test_store(database_url)
+    try:
+        for n, cordoned in want.items():
+            store.set_node_cordoned(n, cordoned)
+    finally:
+        store.close()
+
+    def seen(api: ApiProcess) -> bool:
+        r = httpx.get(api.url + "/nodes", headers={"Authorization": f"Bearer {key}"})
+        nodes = r.json()["nodes"]
+        return {n["id"]: n["cordoned"] for n in nodes} == want and all(
+            n["alive"] for n in nodes if not n["cordoned"])
+
+    for api in apis:
+        wait_until(lambda api=api: seen(api),  # type: ignore[misc]
+                   f"placement on {here or 'both'}", timeout=30)

@@ -15,12 +15,11 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from cpuosd.cluster.api import Forwarder, create_api_app
-from cpuosd.cluster.preview import PreviewRelay
+from cpuosd.cluster.api import create_api_app
 from cpuosd.config import Config
 from cpuosd.lifecycle.states import State
 from cpuosd.store import RowSpec, SandboxRow, SqliteStore
-from cpuosd.wiring import ApiServices
+from support.api_tier import api_services
 
 TOKEN = "t" * 32
 SID = "sbx-streamed00001"
@@ -62,13 +61,7 @@ async def api_server(tmp: Path, answers: list[Upstream]) -> AsyncIterator[tuple[
         return httpx.Response(200, headers={"content-type": "application/x-cpuos-frames"},
                               stream=answers.pop(0))
 
-    fwd = Forwarder(cfg, store)
-    fwd.view.refresh()  # type: ignore[union-attr]
-    fwd.transport = httpx.MockTransport(node)
-    fwd.http = httpx.AsyncClient(transport=fwd.transport)
-    svc = ApiServices(cfg=cfg, store=store, forwarder=fwd,
-                      preview=PreviewRelay(fwd, 0, "127.0.0.1", cfg.preview),
-                      _stack=contextlib.AsyncExitStack())
+    svc = api_services(cfg, store, node)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(create_api_app(cfg, svc), log_level="warning",
