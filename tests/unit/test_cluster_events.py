@@ -96,6 +96,15 @@ async def tier(tmp_path: Path) -> AsyncIterator[tuple[Forwarder, cev.FanIn, dict
         store.close()
 
 
+async def until_open(fan: cev.FanIn, node: str) -> None:
+    """Until the fan-in holds ``node``'s stream open (at most 10 s)."""
+    for _ in range(100):
+        if node in fan.open:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{node}'s event stream not open")
+
+
 def request(key: str, query: str = "") -> Request:
     return Request({"type": "http", "method": "GET", "path": "/events",
                     "query_string": query.encode(), "headers": [
@@ -142,17 +151,14 @@ async def _every_node(tmp_path: Path) -> None:
         nodes["b"].queue.put_nowait(None)
         kind, gap = await next_event(body)
         assert kind == "overflow" and gap == {"dropped": None, "nodes": ["node-b"]}
-        await asyncio.sleep(0.3)
+        await until_open(fan, "node-b")  # (its stream open again)
         nodes["a"].push("paused", "sbx-1", w1)
         nodes["b"].push("running", "sbx-4", w1)
         got = [await next_event(body), await next_event(body)]
         assert sorted(d["sandbox"] for _, d in got) == ["sbx-1", "sbx-4"]
         # a node that joins later is read too
         t["store"].register_node("node-c", await nodes["c"].start(), "inc", {})
-        for _ in range(100):
-            if "node-c" in fan.open:
-                break
-            await asyncio.sleep(0.1)
+        await until_open(fan, "node-c")
         nodes["c"].push("creating", "sbx-5", w1)
         kind, ev = await next_event(body)
         assert (kind, ev["sandbox"], ev["fields"]["node"]) == ("creating", "sbx-5", "node-c")
