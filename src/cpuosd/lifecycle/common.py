@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..agentconn import AgentChannel
 from ..backends.base import SandboxSpec
 from ..store import SandboxRow
+from .states import State
 
 if TYPE_CHECKING:
     from .memwatch import MemoryWatch
@@ -28,6 +30,23 @@ class Live:
     spec: SandboxSpec
     chan: AgentChannel
     mem: MemoryWatch | None = None  # the host's half of the agent's OOM guard
+
+
+# What the Manager gives the collaborators it holds (lifecycle.reconcile, ...): its
+# operations as callables, never the Manager itself.
+Spawn = Callable[[Coroutine[Any, Any, Any]], None]  # Manager._spawn: a task it owns
+
+
+class Kill(Protocol):  # Manager.kill
+    def __call__(self, sid: str, reason: str = ..., final_state: State = ...
+                 ) -> Awaitable[None]: ...
+
+
+class SetState(Protocol):  # Manager._set_state: the one writer of states
+    def __call__(self, sid: str, to: State, **fields: Any) -> None: ...
+
+
+Finish = Callable[[str, State, str], None]  # Manager._finish(sid, state, reason)
 
 
 def _now() -> float:

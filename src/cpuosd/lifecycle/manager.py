@@ -60,7 +60,7 @@ log = logging.getLogger("cpuosd.lifecycle")
 __all__ = ["Live", "Manager"]
 
 
-class Manager(Reconcile, Templates, Snapshots, Idle, Session):
+class Manager(Templates, Snapshots, Idle, Session):
     def __init__(self, cfg: Config, store: Store, backend: Backend,
                  events: EventBus | None = None, measure: Measure | None = None,
                  snapstore: SnapshotStore | None = None) -> None:
@@ -116,6 +116,13 @@ class Manager(Reconcile, Templates, Snapshots, Idle, Session):
                                    self._spawn, self.pause, self.kill)
         self.events.subscribe(self._idle_on_event)
         self.agent_dir = self._install_agent()
+        # after a restart, SQLite and the host agree (lifecycle.reconcile): a collaborator
+        self.reconcile = Reconcile(
+            cfg, store, backend, self.node_id, self.live, self.agent_dir, spec=self._spec,
+            spawn=self._spawn, kill=self.kill, set_state=self._set_state,
+            finish=self._finish, watch_memory=self._watch_memory,
+            watch_idle=lambda row: self.idle.arm(row.id, self._idle_timeout_of(row)),
+            template_image_name=self._template_image_name)
         cfg.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         # agent sockets live below: no other host user may reach (and impersonate) an agent
         cfg.sandboxes_dir.chmod(0o700)
@@ -142,14 +149,6 @@ class Manager(Reconcile, Templates, Snapshots, Idle, Session):
             shutil.rmtree(dest, ignore_errors=True)
             tmp.rename(dest)
         return dest
-
-    def _prune_agents(self) -> None:
-        """Agent copies other than the current one, once no live sandbox mounts them."""
-        if self.store.list_sandboxes(states=LIVE_STATES, node_id=self.node_id):
-            return  # a reattached or paused sandbox may still use an older copy
-        for d in self.agent_dir.parent.iterdir():
-            if d != self.agent_dir:
-                shutil.rmtree(d, ignore_errors=True)
 
     def _spawn(self, coro: Any) -> None:
         t = asyncio.get_running_loop().create_task(coro)
@@ -223,7 +222,7 @@ class Manager(Reconcile, Templates, Snapshots, Idle, Session):
     async def startup(self) -> None:
         self.cfg.snapshots_dir.mkdir(parents=True, exist_ok=True)
         self.cfg.snapshots_dir.chmod(0o700)
-        await self.reconcile()
+        await self.reconcile.run()
         self._spawn(self.deadlines.run())
         self._spawn(self._idle_loop())
         self._spawn(procs.reap_loop())  # the runsc/QEMU processes we adopted
@@ -335,7 +334,7 @@ class Manager(Reconcile, Templates, Snapshots, Idle, Session):
         except BaseException:
             await self._teardown(row.id)
             raise
-        chan.on_disconnect.append(lambda: self._on_disconnect(row.id))
+        chan.on_disconnect.append(lambda: self.reconcile.on_disconnect(row.id))
         return lv
 
     def _agent_key(self, row: SandboxRow, image: Path | None) -> str | None:

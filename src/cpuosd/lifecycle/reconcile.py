@@ -1,5 +1,6 @@
 """After a (possibly unclean) restart: make SQLite and the host agree; reattach to
-live sandboxes, and notice when one dies."""
+live sandboxes, and notice when one dies (an agent that dropped its connection and whose
+sandbox is no longer running)."""
 
 from __future__ import annotations
 
@@ -7,32 +8,54 @@ import asyncio
 import logging
 import os
 import shutil
-from typing import TYPE_CHECKING
-
+from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 from ..agentconn import AgentChannel, TransportError
-from ..store import LIVE_STATES, SandboxRow
+from ..backends.base import Backend, SandboxSpec
+from ..config import Config
+from ..store import LIVE_STATES, SandboxRow, Store
 from ..templates.builder import list_templates
-from .common import (Live, _du, _now)
+from .common import Finish, Kill, Live, SetState, Spawn, _du, _now
 from .states import State
-
-if TYPE_CHECKING:
-    from .manager import Manager
 
 log = logging.getLogger("cpuosd.lifecycle")
 
 
 class Reconcile:
-    async def reconcile(self: Manager) -> None:
+    """The Manager's agreement with the host (``Manager.reconcile``), given what it uses:
+    the store and the backend (the rows of ``node_id`` and what really runs), the Manager's
+    ``live`` sandboxes (a reattached one is added), its agent copy (``agent_dir``: older
+    copies are pruned), and the Manager's operations: ``spec`` (a row's SandboxSpec),
+    ``spawn`` (a task the Manager owns), ``kill``, ``set_state`` and ``finish`` (the one
+    writer of states), ``watch_memory`` (the host's OOM watch of a reconnected sandbox),
+    ``watch_idle`` (a reattached running sandbox is watched for idleness) and
+    ``template_image_name`` (which template images are current)."""
+
+    def __init__(self, cfg: Config, store: Store, backend: Backend, node_id: str | None,
+                 live: dict[str, Live], agent_dir: Path, *,
+                 spec: Callable[[SandboxRow], SandboxSpec], spawn: Spawn, kill: Kill,
+                 set_state: SetState, finish: Finish,
+                 watch_memory: Callable[[Live], Awaitable[None]],
+                 watch_idle: Callable[[SandboxRow], None],
+                 template_image_name: Callable[[str, str], str]) -> None:
+        self.cfg, self.store, self.backend, self.node_id = cfg, store, backend, node_id
+        self.live, self.agent_dir = live, agent_dir
+        self._spec, self._spawn, self._kill = spec, spawn, kill
+        self._set_state, self._finish = set_state, finish
+        self._watch_memory, self._watch_idle = watch_memory, watch_idle
+        self._template_image_name = template_image_name
+
+    async def run(self) -> None:
         """Make SQLite and the host agree after a (possibly unclean) restart."""
         actual = await self.backend.running()
         keep: set[str] = set()
         for row in self.store.list_sandboxes(states=LIVE_STATES, node_id=self.node_id):
             alive = actual.get(row.id) == "running"
-            snap = self._snap(row.id)
+            snap = self.cfg.snapshots_dir / row.id
             if alive and row.state in (State.RUNNING, State.PAUSING, State.RESUMING):
                 # a pause that did not get to checkpoint, or a resume that did: running
-                await self._reattach(row)
+                await self.reattach(row)
                 keep.add(row.id)
                 if row.state != State.RUNNING:
                     # a paused row has no deadline: it gets back the time it had left
@@ -43,7 +66,7 @@ class Reconcile:
                     self._set_state(row.id, State.RUNNING, deadline=deadline)
                     log.info("sandbox %s was %s at restart: running", row.id, was)
                     row.state, row.deadline = State.RUNNING, deadline
-                self.idle.arm(row.id, self._idle_timeout_of(row))
+                self._watch_idle(row)
                 continue
             if alive:
                 await self.backend.kill(row.id)
@@ -87,17 +110,25 @@ class Reconcile:
                 shutil.rmtree(d, ignore_errors=True)
         self._prune_agents()
 
-    async def _reattach(self: Manager, row: SandboxRow) -> None:
+    def _prune_agents(self) -> None:
+        """Agent copies other than the current one, once no live sandbox mounts them."""
+        if self.store.list_sandboxes(states=LIVE_STATES, node_id=self.node_id):
+            return  # a reattached or paused sandbox may still use an older copy
+        for d in self.agent_dir.parent.iterdir():
+            if d != self.agent_dir:
+                shutil.rmtree(d, ignore_errors=True)
+
+    async def reattach(self, row: SandboxRow) -> None:
         lv = Live(row, self._spec(row), AgentChannel(self._spec(row).sock_path,
                                                      row.spec.agent_key,
                                                      self.cfg.sandbox.agent_liveness))
         self.live[row.id] = lv
         await lv.chan.listen()
-        lv.chan.on_disconnect.append(lambda sid=row.id: self._on_disconnect(sid))
+        lv.chan.on_disconnect.append(lambda sid=row.id: self.on_disconnect(sid))
         self._spawn(self._await_reattach(row.id))
         log.info("reattaching to sandbox %s", row.id)
 
-    async def _await_reattach(self: Manager, sid: str) -> None:
+    async def _await_reattach(self, sid: str) -> None:
         lv = self.live.get(sid)
         if lv is None:
             return
@@ -105,14 +136,15 @@ class Reconcile:
             await lv.chan.wait_connected(self.cfg.sandbox.agent_connect_timeout)
         except TransportError:
             log.warning("sandbox %s: agent did not reconnect; killing it", sid)
-            await self.kill(sid, reason="lost", final_state=State.ERROR)
+            await self._kill(sid, reason="lost", final_state=State.ERROR)
             return
         await self._watch_memory(lv)
 
-    def _on_disconnect(self: Manager, sid: str) -> None:
+    def on_disconnect(self, sid: str) -> None:
+        """An agent channel's ``on_disconnect`` (a boot's or a reattach's)."""
         self._spawn(self._check_alive(sid))
 
-    async def _check_alive(self: Manager, sid: str) -> None:
+    async def _check_alive(self, sid: str) -> None:
         """The agent dropped its connection: it reconnects unless the sandbox died."""
         await asyncio.sleep(2.0)
         lv = self.live.get(sid)
@@ -123,4 +155,4 @@ class Reconcile:
             return
         state = (await self.backend.running()).get(sid)  # (the backend's status)
         if state != "running":
-            await self.kill(sid, reason="exited", final_state=State.ERROR)
+            await self._kill(sid, reason="exited", final_state=State.ERROR)
