@@ -34,7 +34,7 @@ class Live:
 
 # What the Manager gives the collaborators it holds (lifecycle.reconcile, ...): its
 # operations as callables, never the Manager itself.
-Spawn = Callable[[Coroutine[Any, Any, Any]], None]  # Manager._spawn: a task it owns
+Spawn = Callable[[Coroutine[Any, Any, Any]], object]  # Manager._spawn: a task it owns
 
 
 class Kill(Protocol):  # Manager.kill

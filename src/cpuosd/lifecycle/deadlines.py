@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, Protocol
+from collections.abc import Awaitable
+from typing import Protocol
 
 
 from ..agentconn import TransportError
 from ..errors import ApiError
 from ..store import SandboxRow, Store
-from .common import (_now)
+from .common import Spawn, _now
 
 log = logging.getLogger("cpuosd.lifecycle")
 
@@ -32,7 +32,7 @@ class Deadlines:
     and the Manager's ``pause`` and ``kill``."""
 
     def __init__(self, store: Store, interval: float, node_id: str | None,
-                 spawn: Callable[[Coroutine[Any, Any, None]], None], pause: Pause,
+                 spawn: Spawn, pause: Pause,
                  kill: Kill) -> None:
         self.store, self.interval, self.node_id = store, interval, node_id
         self._spawn, self._pause, self._kill = spawn, pause, kill

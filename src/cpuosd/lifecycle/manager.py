@@ -48,7 +48,7 @@ from .common import (KILL_LOCK_WAIT, KILL_RETRY_INTERVAL, KILL_TIMEOUT, RECONNEC
 from .commands import ExecStdin
 from .deadlines import Deadlines
 from .idle import IdleWatch
-from .wake import Idle
+from .wake import AutoPause, idle_timeout_of
 from .template_images import Templates
 from .reconcile import Reconcile
 from .exec_files import Session
@@ -60,7 +60,7 @@ log = logging.getLogger("cpuosd.lifecycle")
 __all__ = ["Live", "Manager"]
 
 
-class Manager(Templates, Snapshots, Idle, Session):
+class Manager(Templates, Snapshots, Session):
     def __init__(self, cfg: Config, store: Store, backend: Backend,
                  events: EventBus | None = None, measure: Measure | None = None,
                  snapstore: SnapshotStore | None = None) -> None:
@@ -100,13 +100,14 @@ class Manager(Templates, Snapshots, Idle, Session):
         self._pool_demand: dict[str, collections.deque[float]] = {}
         self._pool_gen: dict[str, int] = {}
         self._pool_retry: dict[str, float] = {}
-        # idleness (lifecycle.idle): the watch, the auto-pauses and wakes under way, and
-        # what holds a sandbox in use besides its agent streams (preview connections)
-        self.idle = IdleWatch(self._idle_cpu, self._idle_in_use, cfg.idle.cpu)
-        self._idle_pausing: dict[str, asyncio.Task[Any]] = {}
-        self._idle_pauses = asyncio.Semaphore(cfg.idle.pause_parallel)
-        self._waking: dict[str, asyncio.Task[Any]] = {}
+        # idleness (lifecycle.idle): the watch, and what holds a sandbox in use besides its
+        # agent streams (preview connections); the auto-pause and the wake (lifecycle.wake)
+        self.idle = IdleWatch(backend.cpu_seconds, self._in_use, cfg.idle.cpu)
         self.connections: collections.Counter[str] = collections.Counter()
+        self.autopause = AutoPause(
+            self.idle, self.live, store, self.events, cfg.idle.pause_parallel,
+            in_use=self._in_use, tick=self._tick, spawn=self._spawn, lock=self._lock,
+            get=self.get, pause_locked=self._pause_locked, resume_locked=self._resume_row)
         # the stdin streams of foreground execs (lifecycle.commands), and the page each
         # sandbox's browser helpers drove last (cpuosd.browser)
         self.exec_stdin = ExecStdin()
@@ -114,14 +115,14 @@ class Manager(Templates, Snapshots, Idle, Session):
         # wall-clock deadlines (lifecycle.deadlines): a collaborator, not a mixin
         self.deadlines = Deadlines(store, cfg.sandbox.reaper_interval, self.node_id,
                                    self._spawn, self.pause, self.kill)
-        self.events.subscribe(self._idle_on_event)
+        self.events.subscribe(self.autopause.on_event)
         self.agent_dir = self._install_agent()
         # after a restart, SQLite and the host agree (lifecycle.reconcile): a collaborator
         self.reconcile = Reconcile(
             cfg, store, backend, self.node_id, self.live, self.agent_dir, spec=self._spec,
             spawn=self._spawn, kill=self.kill, set_state=self._set_state,
             finish=self._finish, watch_memory=self._watch_memory,
-            watch_idle=lambda row: self.idle.arm(row.id, self._idle_timeout_of(row)),
+            watch_idle=lambda row: self.idle.arm(row.id, idle_timeout_of(row)),
             template_image_name=self._template_image_name)
         cfg.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         # agent sockets live below: no other host user may reach (and impersonate) an agent
@@ -150,13 +151,26 @@ class Manager(Templates, Snapshots, Idle, Session):
             tmp.rename(dest)
         return dest
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         t = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
+        return t
 
     def _lock(self, sid: str) -> asyncio.Lock:
         return self._locks.setdefault(sid, asyncio.Lock())
+
+    def _in_use(self, sid: str) -> bool:
+        """Is anything open to sid: a preview connection (``using``), an agent stream?"""
+        lv = self.live.get(sid)
+        return bool(self.connections.get(sid)) or (lv is not None and bool(lv.chan.streams))
+
+    def _tick(self) -> None:
+        """What the daemon's one tick (lifecycle.wake) does besides the auto-pause: a
+        sample of the sandboxes' CPU for admission (two cgroup reads), the warm pool's
+        size."""
+        self.host_meter.sample_cpu()
+        self._pool_tick()
 
     @contextlib.contextmanager
     def using(self, sid: str) -> Iterator[None]:
@@ -224,14 +238,14 @@ class Manager(Templates, Snapshots, Idle, Session):
         self.cfg.snapshots_dir.chmod(0o700)
         await self.reconcile.run()
         self._spawn(self.deadlines.run())
-        self._spawn(self._idle_loop())
+        self._spawn(self.autopause.run())
         self._spawn(procs.reap_loop())  # the runsc/QEMU processes we adopted
         for template in self.cfg.pool.templates if self.cfg.pool.size > 0 else []:
             if template_info(self.cfg.templates_dir, template):
                 self._pool_want(template)
 
     async def shutdown(self) -> None:
-        pausing = list(self._idle_pausing.values())
+        pausing = list(self.autopause.pausing.values())
         if pausing:  # auto-pauses under way finish (bounded): a sandbox is not lost to them
             await asyncio.wait(pausing, timeout=KILL_TIMEOUT)
         if self._teardowns:  # what pauses left behind them (stopped containers)
@@ -500,8 +514,8 @@ class Manager(Templates, Snapshots, Idle, Session):
         for it); waits a little for one that is reconnecting (a restarted daemon: a
         microVM's QEMU redials once a second). The call counts as activity."""
         row = self.get(workspace_id, sid)
-        if self.wakes(row):
-            await self.wake(workspace_id, sid)
+        if self.autopause.wakes(row):
+            await self.autopause.wake(workspace_id, sid)
         lv = self.running(workspace_id, sid, op)
         self.idle.touch(sid)
         if not lv.chan.connected:
@@ -542,8 +556,8 @@ class Manager(Templates, Snapshots, Idle, Session):
         for; a teardown that overruns leaves the row in error with that reason."""
         # a create, an auto-pause or a wake under way is cancelled (each cleans up after
         # itself and lets go of the lock)
-        for task in (self._inflight.get(sid), self._idle_pausing.get(sid),
-                     self._waking.get(sid)):
+        for task in (self._inflight.get(sid), self.autopause.pausing.get(sid),
+                     self.autopause.waking.get(sid)):
             if task is not None and task is not asyncio.current_task():
                 task.cancel()
         lock = self._lock(sid)

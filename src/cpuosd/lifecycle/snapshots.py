@@ -232,13 +232,19 @@ class Snapshots:
             states.check("resume", sid, row.state, row.reason)
             if row.state == State.RUNNING:
                 return row
-            if row.node_id != self.node_id:
-                if self.snapstore is None or row.node_id is not None:
-                    raise ApiError("conflict", f"sandbox {sid} is paused on node "
-                                   f"{row.node_id}, not on this one ({self.node_id})")
-                row = await self._claim(row)
-            await self._resume_locked(row)
+            await self._resume_row(row)
         return self.get(workspace_id, sid)
+
+    async def _resume_row(self: Manager, row: SandboxRow) -> None:
+        """Restore paused row, its lock held (``resume``, a wake): one paused into the
+        shared store is claimed first (many hosts); one paused on another node is not
+        ours (409)."""
+        if row.node_id != self.node_id:
+            if self.snapstore is None or row.node_id is not None:
+                raise ApiError("conflict", f"sandbox {row.id} is paused on node "
+                               f"{row.node_id}, not on this one ({self.node_id})")
+            row = await self._claim(row)
+        await self._resume_locked(row)
 
     async def _resume_locked(self: Manager, row: SandboxRow) -> None:
         """Restore a paused sandbox (its lock held); on any failure, cancellation included,

@@ -792,13 +792,13 @@ class Preview:
     async def _running_address(self, sid: str, ws: str, state: str, spec: RowSpec
                                ) -> str | tuple[int, str]:
         """The sandbox's address, resuming it first if it is paused (or pausing, resuming)
-        and may be woken: one resume for any number of requests (Manager.wake)."""
+        and may be woken: one resume for any number of requests (Manager.autopause.wake)."""
         if state in (State.PAUSED, State.PAUSING, State.RESUMING):
             if spec.wake_on_request is False and state != State.RESUMING:
                 return 503, f"{sid} is {state}"
             try:
                 async with asyncio.timeout(WAKE_TIMEOUT):
-                    await self.mgr.wake(ws, sid, any_pause=True)
+                    await self.mgr.autopause.wake(ws, sid, any_pause=True)
             except Exception as e:
                 return 503, f"{sid} could not be resumed: {getattr(e, 'message', e)}"
             row = self.mgr.store.get_sandbox(sid)
