@@ -65,7 +65,7 @@ async def put_tar(sid: str, path: str, request: Request, m: ManagerDep, ws: Ws
     if dest == "/":
         raise ApiError("invalid_argument", "extract into a directory below /")
     archive = f"{dest.rstrip('/')}/.cpuos-upload-{secrets.token_hex(8)}.tar"
-    await m.write_file(lv, archive, request.stream())
+    await m.session.write_file(lv, archive, request.stream())
     # (the agent removes the archive once it has tried it, whatever came of it)
     h = await lv.chan.call({"t": Kind.UNTAR, "archive": archive, "path": dest}, UNTAR_WAIT)
     got = h.get("extracted")
@@ -81,9 +81,9 @@ async def get_tar(sid: str, path: str, request: Request, m: ManagerDep, ws: Ws,
                   max_bytes: MaxBytesQ = None) -> StreamingResponse:
     lv = await m.ready(ws, sid, "files")
     src = check_path(path)
-    limit = m.read_limit(max_bytes)
+    limit = m.session.read_limit(max_bytes)
     st, _ = await open_stream(lv.chan, {"t": Kind.TAR, "path": src}, 30.0, f"open {src}")
-    return file_response(FileStream(m, lv, st, src, None, limit),
+    return file_response(FileStream(m.session, lv, st, src, None, limit),
                          request.headers.get("accept", ""))
 
 

@@ -24,7 +24,7 @@ router = APIRouter()
 async def put_file(sid: str, path: PathQ, request: Request, mgr: ManagerDep, ws: Ws
                    ) -> dict[str, Any]:
     lv = await mgr.ready(ws, sid, "files")
-    return await mgr.write_file(lv, check_path(path), request.stream())
+    return await mgr.session.write_file(lv, check_path(path), request.stream())
 
 
 @router.get("/sandboxes/{sid}/files",
@@ -35,7 +35,7 @@ async def put_file(sid: str, path: PathQ, request: Request, mgr: ManagerDep, ws:
 async def get_file(sid: str, path: PathQ, request: Request, mgr: ManagerDep, ws: Ws,
                    max_bytes: MaxBytesQ = None) -> StreamingResponse:
     lv = await mgr.ready(ws, sid, "files")
-    body = await mgr.read_file(lv, check_path(path), max_bytes)
+    body = await mgr.session.read_file(lv, check_path(path), max_bytes)
     return file_response(body, request.headers.get("accept", ""))
 
 
@@ -45,7 +45,7 @@ async def remove_file(sid: str, path: PathQ, mgr: ManagerDep, ws: Ws) -> dict[st
     p = check_path(path)
     if p == "/":
         raise invalid("refusing to remove /", field="path")
-    await mgr.file_call(lv, "remove", p)
+    await mgr.session.file_call(lv, "remove", p)
     return {"removed": p}
 
 
@@ -53,18 +53,18 @@ async def remove_file(sid: str, path: PathQ, mgr: ManagerDep, ws: Ws) -> dict[st
 async def list_files(sid: str, mgr: ManagerDep, ws: Ws, path: PathQ = "/work"
                      ) -> dict[str, Any]:
     lv = await mgr.ready(ws, sid, "files")
-    return {"entries": await mgr.file_call(lv, "list", check_path(path))}
+    return {"entries": await mgr.session.file_call(lv, "list", check_path(path))}
 
 
 @router.get("/sandboxes/{sid}/files/stat")
 async def stat_file(sid: str, path: PathQ, mgr: ManagerDep, ws: Ws) -> dict[str, Any]:
     lv = await mgr.ready(ws, sid, "files")
-    result: dict[str, Any] = await mgr.file_call(lv, "stat", check_path(path))
+    result: dict[str, Any] = await mgr.session.file_call(lv, "stat", check_path(path))
     return result
 
 
 @router.post("/sandboxes/{sid}/files/mkdir")
 async def mkdir(sid: str, path: PathQ, mgr: ManagerDep, ws: Ws) -> dict[str, Any]:
     lv = await mgr.ready(ws, sid, "files")
-    result: dict[str, Any] = await mgr.file_call(lv, "mkdir", check_path(path))
+    result: dict[str, Any] = await mgr.session.file_call(lv, "mkdir", check_path(path))
     return result

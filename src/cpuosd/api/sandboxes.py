@@ -229,7 +229,7 @@ async def exec_(sid: str, body: ExecRequest, mgr: ManagerDep, ws: Ws) -> Streami
     cwd = None if body.cwd is None else check_path(body.cwd, "cwd")
     if body.stdin_stream and stdin is not None:
         raise invalid("give stdin or stdin_stream, not both", field="stdin_stream")
-    frames = await mgr.exec_start(lv, argv, body.env, cwd, timeout, stdin,
+    frames = await mgr.session.exec_start(lv, argv, body.env, cwd, timeout, stdin,
                                   stdin_stream=body.stdin_stream)
     return StreamingResponse(frames, media_type=P.CONTENT_TYPE,
                              headers={"Cache-Control": "no-store"})

@@ -472,7 +472,7 @@ class FilesystemService:
                 w.stop()
 
     async def _stat(self, lv: Live, path: str) -> dict[str, Any]:
-        d: dict[str, Any] = await self.e2b.mgr.file_call(lv, Kind.STAT, path)
+        d: dict[str, Any] = await self.e2b.mgr.session.file_call(lv, Kind.STAT, path)
         return d
 
     async def _resolved(self, lv: Live, d: dict[str, Any]) -> dict[str, Any]:
@@ -513,7 +513,7 @@ class FilesystemService:
                 await self._stat(lv, path)
                 raise ConnectError(Code.ALREADY_EXISTS, f"{path} already exists")
             self.e2b.touch(t.sid)
-            d: dict[str, Any] = await self.e2b.mgr.file_call(lv, Kind.MKDIR, path)
+            d: dict[str, Any] = await self.e2b.mgr.session.file_call(lv, Kind.MKDIR, path)
             return F.MakeDirResponse(entry=entry(d))
         return await _call(go)
 
@@ -528,7 +528,7 @@ class FilesystemService:
             await self._stat(lv, src)  # (not_found as E2B says it)
             self.e2b.touch(t.sid)
             # a rename is a command of the sandbox's user, through cpuos's exec (audited)
-            frames = await self.e2b.mgr.exec_start(lv, ["mv", "-T", "--", src, dst], {},
+            frames = await self.e2b.mgr.session.exec_start(lv, ["mv", "-T", "--", src, dst], {},
                                                    "/", 60.0, None)
             dec, code, err = P.FrameDecoder(), None, b""
             async for raw in frames:
@@ -563,7 +563,7 @@ class FilesystemService:
             out: list[F.EntryInfo] = []
 
             async def walk(path: str, level: int) -> None:
-                entries = await self.e2b.mgr.file_call(lv, Kind.LIST, path)
+                entries = await self.e2b.mgr.session.file_call(lv, Kind.LIST, path)
                 for d in entries:
                     if len(out) >= MAX_ENTRIES:
                         return
@@ -585,7 +585,7 @@ class FilesystemService:
                 raise ConnectError(Code.INVALID_ARGUMENT, "refusing to remove /")
             self.e2b.touch(t.sid)
             try:
-                await self.e2b.mgr.file_call(lv, Kind.REMOVE, path, recursive=True)
+                await self.e2b.mgr.session.file_call(lv, Kind.REMOVE, path, recursive=True)
             except ApiError as e:
                 if e.code != "not_found":  # (envd: removing what is not there succeeds)
                     raise
@@ -685,7 +685,7 @@ async def watch_events(e2b: E2B, lv: Live, st: Stream, root: str, with_entry: bo
         out = F.FilesystemEvent(name=path[len(prefix):], type=kind)
         if with_entry and kind not in (F.EventType.REMOVE, F.EventType.RENAME):
             with contextlib.suppress(ApiError, TransportError):
-                out.entry = entry(await e2b.mgr.file_call(lv, Kind.STAT, path))
+                out.entry = entry(await e2b.mgr.session.file_call(lv, Kind.STAT, path))
         return out
 
     try:

@@ -114,10 +114,10 @@ class Plain:
             _user(request)
             path = t.path(request.query_params.get("path") or "")
             lv = await t.ready()
-            st = await self.e2b.mgr.file_call(lv, Kind.STAT, path)
+            st = await self.e2b.mgr.session.file_call(lv, Kind.STAT, path)
             if st["type"] == "dir":
                 raise E2BError(400, f"{path} is a directory")
-            body = await self.e2b.mgr.read_file(lv, path)
+            body = await self.e2b.mgr.session.read_file(lv, path)
         except (ApiError, E2BError, TransportError) as e:
             return _error(e)
         return file_response(body, "")
@@ -148,7 +148,7 @@ class Plain:
                     body = _gunzip(body)
                 elif enc not in ("identity", ""):
                     raise E2BError(400, f"unsupported Content-Encoding {enc!r}")
-                await self.e2b.mgr.write_file(lv, path, body)
+                await self.e2b.mgr.session.write_file(lv, path, body)
                 written = [path]
             self.e2b.touch(t.sid)
             if not written:
@@ -216,7 +216,7 @@ class Plain:
                         path = t.path(p)
                         queue = asyncio.Queue(UPLOAD_QUEUE)
                         task = asyncio.ensure_future(
-                            self.e2b.mgr.write_file(lv, path, part_body(queue)))
+                            self.e2b.mgr.session.write_file(lv, path, part_body(queue)))
                         written.append(path)
                     elif kind == "data" and queue is not None and v:
                         await _put(queue, v, task)

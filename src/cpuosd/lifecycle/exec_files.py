@@ -10,7 +10,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from cpuos_agent import messages as M
 from cpuos_agent import protocol as P
@@ -19,12 +19,11 @@ from cpuos_agent.protocol import Kind
 
 from ..agentconn import AgentGone, TransportError, open_stream, raise_for_agent_error
 from ..errors import ApiError, api_error
-from ..events import SandboxEvent
-from .common import (Live, _base_env)
+from ..events import EventBus, SandboxEvent
+from ..store import Store
+from .commands import ExecStdin
+from .common import Live, Spawn, _base_env
 from .states import State
-
-if TYPE_CHECKING:
-    from .manager import Manager
 
 log = logging.getLogger("cpuosd.lifecycle")
 
@@ -58,9 +57,9 @@ class FileStream:
     with less, nor more than ``limit`` bytes in all (``too_large``: the stream is cut and
     the agent told to stop)."""
 
-    def __init__(self, mgr: Manager, lv: Live, st: Any, path: str, length: int | None,
+    def __init__(self, session: Session, lv: Live, st: Any, path: str, length: int | None,
                  limit: int) -> None:
-        self.mgr, self.lv, self.st, self.path, self.length = mgr, lv, st, path, length
+        self.session, self.lv, self.st, self.path, self.length = session, lv, st, path, length
         self.limit = limit
 
     async def _chunks(self) -> AsyncIterator[bytes]:
@@ -91,7 +90,7 @@ class FileStream:
             raise ApiError("timeout", f"sandbox agent sent nothing of {self.path} for "
                            f"{READ_IDLE:.0f}s") from None
         except AgentGone:
-            row = self.mgr.store.get_sandbox(self.lv.row.id)
+            row = self.session.store.get_sandbox(self.lv.row.id)
             why = f"sandbox is {row.state} ({row.reason})" if row and row.state != State.RUNNING \
                 else "sandbox agent disconnected"
             raise ApiError("unavailable", f"reading {self.path}: {why}") from None
@@ -99,8 +98,8 @@ class FileStream:
             self.st.close()
             if not done:  # the agent stops reading (a client that left, a failure)
                 with contextlib.suppress(Exception):
-                    self.mgr._spawn(self.lv.chan.send({"t": Kind.KILL, "id": self.st.id,
-                                                       "reason": "cancelled"}))
+                    self.session.spawn(self.lv.chan.send({"t": Kind.KILL, "id": self.st.id,
+                                                          "reason": "cancelled"}))
 
     async def framed(self) -> AsyncIterator[bytes]:
         n = 0
@@ -130,7 +129,18 @@ class FileStream:
 
 
 class Session:
-    async def exec_start(self: Manager, lv: Live, cmd: str | list[str], env: dict[str, str],
+    """Exec and files on a live sandbox (``Manager.session``), given what it uses: the store
+    (the execs' records), the event bus (the audit trail's commands and file writes), the
+    Manager's ``ExecStdin`` (stdin streamed to execs), the bound of one read
+    (``max_read_bytes``, CPUOS_MAX_READ_BYTES) and how to start a task the Manager owns
+    (``spawn``: a kill sent to the agent after a stream ended early)."""
+
+    def __init__(self, store: Store, events: EventBus, exec_stdin: ExecStdin,
+                 max_read_bytes: int, spawn: Spawn) -> None:
+        self.store, self.events, self.exec_stdin = store, events, exec_stdin
+        self.max_read_bytes, self.spawn = max_read_bytes, spawn
+
+    async def exec_start(self, lv: Live, cmd: str | list[str], env: dict[str, str],
                          cwd: str | None,
                          timeout: float | None, stdin: bytes | None,
                          stdin_stream: bool = False) -> AsyncIterator[bytes]:
@@ -173,7 +183,7 @@ class Session:
                 "cwd": cwd, "env": sorted(env), "source": "api"}
         return self._exec_frames(lv, st, eid, timeout, what)
 
-    async def _exec_frames(self: Manager, lv: Live, st: Any, eid: str, timeout: float | None,
+    async def _exec_frames(self, lv: Live, st: Any, eid: str, timeout: float | None,
                            what: dict[str, Any] | None = None) -> AsyncIterator[bytes]:
         t0 = time.monotonic()
         counts = {1: 0, 2: 0}
@@ -224,7 +234,7 @@ class Session:
             if not done:
                 # client went away or we gave up: kill the command's whole tree
                 with contextlib.suppress(Exception):
-                    self._spawn(lv.chan.send({"t": Kind.KILL, "id": st.id, "reason": "cancelled"}))
+                    self.spawn(lv.chan.send({"t": Kind.KILL, "id": st.id, "reason": "cancelled"}))
             self.exec_stdin.end(lv.row.id, eid, st)
             st.close()
             self.store.finish_exec(
@@ -241,7 +251,7 @@ class Session:
                                                   "stdout_bytes": counts[1],
                                                   "stderr_bytes": counts[2]}))
 
-    async def write_file(self: Manager, lv: Live, path: str, body: AsyncIterator[bytes]
+    async def write_file(self, lv: Live, path: str, body: AsyncIterator[bytes]
                          ) -> dict[str, Any]:
         st = lv.chan.open()
         digest, size, error = hashlib.sha256(), 0, "cancelled"  # (the audit's: on the stream)
@@ -267,7 +277,7 @@ class Session:
             if isinstance(e, ApiError | TransportError):
                 error = e.message
             with contextlib.suppress(Exception):
-                self._spawn(lv.chan.send({"t": Kind.EOF, "id": st.id, "abort": True}))
+                self.spawn(lv.chan.send({"t": Kind.EOF, "id": st.id, "abort": True}))
             raise
         finally:
             st.close()
@@ -277,12 +287,12 @@ class Session:
                                                   "ok": not error, "source": "api",
                                                   **({"error": error} if error else {})}))
 
-    def read_limit(self: Manager, max_bytes: int | None) -> int:
+    def read_limit(self, max_bytes: int | None) -> int:
         """The bound of one read: the client's ``max_bytes``, at most CPUOS_MAX_READ_BYTES."""
-        cap = self.cfg.sandbox.max_read_bytes
+        cap = self.max_read_bytes
         return cap if max_bytes is None else min(max_bytes, cap)
 
-    async def read_file(self: Manager, lv: Live, path: str, max_bytes: int | None = None
+    async def read_file(self, lv: Live, path: str, max_bytes: int | None = None
                         ) -> FileStream:
         """Open a file for reading: errors up to here are proper HTTP errors (a file whose
         declared size is over the read's limit: 413 ``too_large``, before a byte of it);
@@ -294,12 +304,12 @@ class Session:
         if exact and isinstance(size, int) and size > limit:
             st.close()
             with contextlib.suppress(Exception):
-                self._spawn(lv.chan.send({"t": Kind.KILL, "id": st.id, "reason": "cancelled"}))
+                self.spawn(lv.chan.send({"t": Kind.KILL, "id": st.id, "reason": "cancelled"}))
             raise ApiError("too_large", f"{path} is {size} bytes, over the limit of {limit}",
                            {"path": path, "size": size, "limit": limit})
         return FileStream(self, lv, st, path, size if exact else None, limit)
 
-    async def file_call(self: Manager, lv: Live, op: str, path: str, **extra: Any) -> Any:
+    async def file_call(self, lv: Live, op: str, path: str, **extra: Any) -> Any:
         """op: Kind.STAT, LIST, MKDIR or REMOVE (``recursive``, default true)."""
         msg: M.Remove | M.PathRequest
         if op == Kind.REMOVE:

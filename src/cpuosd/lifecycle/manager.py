@@ -60,7 +60,7 @@ log = logging.getLogger("cpuosd.lifecycle")
 __all__ = ["Live", "Manager"]
 
 
-class Manager(Templates, Snapshots, Session):
+class Manager(Templates, Snapshots):
     def __init__(self, cfg: Config, store: Store, backend: Backend,
                  events: EventBus | None = None, measure: Measure | None = None,
                  snapstore: SnapshotStore | None = None) -> None:
@@ -112,6 +112,9 @@ class Manager(Templates, Snapshots, Session):
         # sandbox's browser helpers drove last (cpuosd.browser)
         self.exec_stdin = ExecStdin()
         self.browser_targets = Targets()
+        # exec and files on a live sandbox (lifecycle.exec_files): a collaborator
+        self.session = Session(store, self.events, self.exec_stdin,
+                               cfg.sandbox.max_read_bytes, self._spawn)
         # wall-clock deadlines (lifecycle.deadlines): a collaborator, not a mixin
         self.deadlines = Deadlines(store, cfg.sandbox.reaper_interval, self.node_id,
                                    self._spawn, self.pause, self.kill)
