@@ -29,15 +29,15 @@ class PoolManager(Manager):
 
     RESTORE = 0.05
 
-    def __init__(self, cfg: Config, store: Store, host: FakeHost, image: Path) -> None:
+    def __init__(self, cfg: Config, store: Store, host: FakeHost) -> None:
         super().__init__(cfg, store, FakeBackend(), measure=host)
-        self.image = image
+        # the template's image, made: restores (below) take it as it is
+        image = cfg.snapshots_dir / "templates" / self.images.name("python", "0" * 16)
+        image.mkdir(parents=True)
+        (image / "checkpoint.img").write_bytes(b"")
         self.booting = self.most_booting = 0
         self.own_boots = 0  # restores of a create's own (not the pool's)
         self.fail_next_pooled = False
-
-    async def _template_image(self, template: str, info: dict[str, object]) -> Path | None:
-        return self.image
 
     async def _boot(self, row: SandboxRow, image: Path | None, *,
                     template_boot: bool = False, resume: bool = False) -> Live:
@@ -78,7 +78,7 @@ def run(tmp_path: Path, test: Callable[[PoolManager, str, FakeHost], Awaitable[N
         store.create_workspace("default")
         ws = store.create_workspace("w", {"max_sandboxes": 1000})
         host = FakeHost()
-        mgr = PoolManager(cfg, store, host, tmp_path / "image")
+        mgr = PoolManager(cfg, store, host)
         try:
             await test(mgr, ws, host)
         finally:
@@ -98,8 +98,8 @@ def test_a_burst_is_served_by_refills_within_bounds(tmp_path: Path,
     monkeypatch.setattr(pool_mod, "DEMAND_WINDOW", 1.0)
 
     async def test(mgr: PoolManager, ws: str, host: FakeHost) -> None:
-        pool = mgr.pool.setdefault("python", [])
-        mgr._pool_want("python")
+        pool = mgr.pool.ready.setdefault("python", [])
+        mgr.pool.want("python")
         await until(lambda: len(pool) == 1, "the pool filled to CPUOS_POOL_SIZE")
         most = 0
         for _ in range(12):  # back to back: each from the pool or a refill under way
@@ -111,12 +111,12 @@ def test_a_burst_is_served_by_refills_within_bounds(tmp_path: Path,
         # recent demand: the pool grows to CPUOS_POOL_MAX, not past it
         await until(lambda: len(pool) == 4, "the pool grown to its bound")
         await asyncio.sleep(0.2)
-        assert len(pool) == 4 and mgr._pool_inflight["python"] == 0 and most <= 4
+        assert len(pool) == 4 and mgr.pool.inflight["python"] == 0 and most <= 4
         # demand stops: the pool gives back what it held beyond CPUOS_POOL_SIZE
         await asyncio.sleep(1.1)
 
         def shrunk() -> bool:
-            mgr._pool_tick()
+            mgr.pool.tick()
             return len(pool) == 1
 
         await until(shrunk, "the pool shrunk back")
@@ -129,24 +129,24 @@ def test_a_burst_is_served_by_refills_within_bounds(tmp_path: Path,
 def test_the_pool_yields_to_users_and_a_failed_refill_is_not_waited_for(
         tmp_path: Path) -> None:
     async def test(mgr: PoolManager, ws: str, host: FakeHost) -> None:
-        pool = mgr.pool.setdefault("python", [])
+        pool = mgr.pool.ready.setdefault("python", [])
         # a host with room for one more sandbox only: the pool does not take it
         host.set(memory_available_mib=mgr.admission.memory_reserve + 60)
-        mgr._pool_want("python")
+        mgr.pool.want("python")
         await asyncio.sleep(0.2)
-        assert pool == [] and not mgr._pool_inflight.get("python")
+        assert pool == [] and not mgr.pool.inflight.get("python")
         await create(mgr, ws)  # a user's create is admitted, and restores its own
         assert mgr.own_boots == 1
         # room again: the pool fills; a create waiting for a refill that fails makes its own
         host.set(memory_available_mib=20000)
-        mgr._pool_retry.clear()
+        mgr.pool.retry.clear()
         mgr.fail_next_pooled = True
-        mgr._pool_want("python")
-        assert mgr._pool_can_wait("python")
+        mgr.pool.want("python")
+        assert mgr.pool.can_wait("python")
         row = await create(mgr, ws)
         assert row.state == "running" and mgr.own_boots == 2
         # the failed refill backs off instead of retrying at once
-        assert not mgr._pool_inflight.get("python")
+        assert not mgr.pool.inflight.get("python")
 
     run(tmp_path, test, size=1, max=4, parallel=2)
 
@@ -154,7 +154,7 @@ def test_the_pool_yields_to_users_and_a_failed_refill_is_not_waited_for(
 def test_waiters_count_against_the_workspace_maximum(tmp_path: Path) -> None:
     async def test(mgr: PoolManager, ws: str, host: FakeHost) -> None:
         mgr.store.set_workspace_limits(ws, {"max_sandboxes": 2})
-        mgr._pool_want("python")  # one refill under way, none ready
+        mgr.pool.want("python")  # one refill under way, none ready
         first = asyncio.ensure_future(create(mgr, ws))
         second = asyncio.ensure_future(create(mgr, ws))
         third = asyncio.ensure_future(create(mgr, ws))

@@ -24,7 +24,7 @@ def test_no_checkpoint_capability(tmp_path: Path) -> None:
         backend = FakeBackend(checkpoint=False)
         mgr = Manager(cfg, store, backend)
         info: dict[str, Any] = {"rootfs": "/nonexistent", "digest": "d"}
-        assert await mgr._template_image("python", info) is None
+        assert await mgr.images.ensure("python", info) is None
         ws = store.create_workspace("w")
         row = mgr._new_row(ws, "python", info, 60, {}, {}, 2, 2048)
         store.update_sandbox(row.id, state="running")

@@ -39,7 +39,7 @@ Spawn = Callable[[Coroutine[Any, Any, Any]], object]  # Manager._spawn: a task i
 
 class Kill(Protocol):  # Manager.kill
     def __call__(self, sid: str, reason: str = ..., final_state: State = ...
-                 ) -> Awaitable[None]: ...
+                 ) -> Coroutine[Any, Any, None]: ...
 
 
 class SetState(Protocol):  # Manager._set_state: the one writer of states
@@ -47,6 +47,11 @@ class SetState(Protocol):  # Manager._set_state: the one writer of states
 
 
 Finish = Callable[[str, State, str], None]  # Manager._finish(sid, state, reason)
+
+
+class Boot(Protocol):  # Manager._boot: a sandbox started (image None) or restored
+    def __call__(self, row: SandboxRow, image: Path | None, *, template_boot: bool = ...,
+                 resume: bool = ...) -> Awaitable[Live]: ...
 
 
 def _now() -> float:

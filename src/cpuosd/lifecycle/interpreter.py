@@ -43,6 +43,7 @@ from ..errors import ApiError, api_error, invalid
 from ..events import SandboxEvent
 from .common import Live
 from .states import State
+from .template_images import run_simple
 
 if TYPE_CHECKING:
     from .manager import Manager
@@ -102,7 +103,7 @@ async def _dial(mgr: Manager, lv: Live, req: dict[str, Any]) -> Any:
             raise
         if not started:
             async with mgr._lock("kernel:" + lv.row.id):
-                code, _ = await mgr._run_simple(lv, START_DRIVER, 30)
+                code, _ = await run_simple(lv, START_DRIVER, 30)
             if code == 3:
                 raise invalid(f"template {lv.row.template!r} has no Python kernel: it needs "
                               "ipykernel and jupyter_client (the 'python' template has them)",

@@ -49,7 +49,7 @@ from .commands import ExecStdin
 from .deadlines import Deadlines
 from .idle import IdleWatch
 from .wake import AutoPause, idle_timeout_of
-from .template_images import Templates
+from .template_images import TemplateImages, WarmPool, start_command
 from .reconcile import Reconcile
 from .exec_files import Session
 from .snapshots import Snapshots
@@ -57,10 +57,12 @@ from .states import State
 
 log = logging.getLogger("cpuosd.lifecycle")
 
+MAX_SNAPSHOTS_LISTED = 500  # paused sandboxes a heartbeat names (placement's preference)
+
 __all__ = ["Live", "Manager"]
 
 
-class Manager(Templates, Snapshots):
+class Manager(Snapshots):
     def __init__(self, cfg: Config, store: Store, backend: Backend,
                  events: EventBus | None = None, measure: Measure | None = None,
                  snapstore: SnapshotStore | None = None) -> None:
@@ -91,15 +93,6 @@ class Manager(Templates, Snapshots):
         self._locks: dict[str, asyncio.Lock] = {}
         # creates in progress (cancelled by a DELETE of their sandbox)
         self._inflight: dict[str, asyncio.Task[Any] | None] = {}
-        # the warm pool (lifecycle.template_images): ready sandboxes, refills under way, creates
-        # waiting for one (and per workspace, how many), recent creates, generations
-        self.pool: dict[str, list[Live]] = {}
-        self._pool_inflight: dict[str, int] = {}
-        self._pool_waiters: dict[str, collections.deque[asyncio.Future[Live]]] = {}
-        self._pool_claims: collections.Counter[str] = collections.Counter()
-        self._pool_demand: dict[str, collections.deque[float]] = {}
-        self._pool_gen: dict[str, int] = {}
-        self._pool_retry: dict[str, float] = {}
         # idleness (lifecycle.idle): the watch, and what holds a sandbox in use besides its
         # agent streams (preview connections); the auto-pause and the wake (lifecycle.wake)
         self.idle = IdleWatch(backend.cpu_seconds, self._in_use, cfg.idle.cpu)
@@ -120,13 +113,21 @@ class Manager(Templates, Snapshots):
                                    self._spawn, self.pause, self.kill)
         self.events.subscribe(self.autopause.on_event)
         self.agent_dir = self._install_agent()
+        # template snapshots and the warm pool (lifecycle.template_images): collaborators
+        self.images = TemplateImages(cfg, backend, self.agent_dir, lock=self._lock,
+                                     boot=self._boot, teardown=self._teardown,
+                                     quiesce=self._quiesce,
+                                     save_agent_key=self._save_agent_key)
+        self.pool = WarmPool(cfg, store, self.admission, image=self.images.ensure,
+                             new_row=self._new_row, boot=self._boot, finish=self._finish,
+                             kill=self.kill, spawn=self._spawn)
         # after a restart, SQLite and the host agree (lifecycle.reconcile): a collaborator
         self.reconcile = Reconcile(
             cfg, store, backend, self.node_id, self.live, self.agent_dir, spec=self._spec,
             spawn=self._spawn, kill=self.kill, set_state=self._set_state,
             finish=self._finish, watch_memory=self._watch_memory,
             watch_idle=lambda row: self.idle.arm(row.id, idle_timeout_of(row)),
-            template_image_name=self._template_image_name)
+            template_image_name=self.images.name)
         cfg.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         # agent sockets live below: no other host user may reach (and impersonate) an agent
         cfg.sandboxes_dir.chmod(0o700)
@@ -173,7 +174,7 @@ class Manager(Templates, Snapshots):
         sample of the sandboxes' CPU for admission (two cgroup reads), the warm pool's
         size."""
         self.host_meter.sample_cpu()
-        self._pool_tick()
+        self.pool.tick()
 
     @contextlib.contextmanager
     def using(self, sid: str) -> Iterator[None]:
@@ -228,6 +229,25 @@ class Manager(Templates, Snapshots):
                                           fields={"network": network}))
         return self.get(workspace_id, sid)
 
+    async def forget_template(self, template: str) -> int:
+        """A template is being removed: end its pooled sandboxes and delete its snapshot
+        images (sandboxes users hold are the caller's concern). Returns how many images."""
+        async with self._lock("template:" + template):
+            await self.pool.forget(template)
+            return await self.images.forget(template)
+
+    def placement_facts(self) -> dict[str, Any]:
+        """What a node holds that placement prefers it for (cpuosd.cluster.nodes.place),
+        read by its heartbeat (a thread: only copies of the loop's dicts are walked): the
+        templates with a warm pool sandbox ready (``pools``), those whose template
+        checkpoint is made here for their current build (``template_images``), and the
+        paused sandboxes whose image is on this node's disk (``snapshots``)."""
+        pools = sorted(t for t, ready in list(self.pool.ready.items()) if ready)
+        snaps = sorted(r.id for r in self.store.list_sandboxes(None, (State.PAUSED,),
+                                                               node_id=self.node_id)
+                       if r.node_id is not None)[:MAX_SNAPSHOTS_LISTED]
+        return {"pools": pools, "template_images": self.images.made(), "snapshots": snaps}
+
     def _spec(self, row: SandboxRow) -> SandboxSpec:
         s = row.spec
         return SandboxSpec(id=row.id, rootfs=Path(s.rootfs), dir=self.cfg.sandboxes_dir / row.id,
@@ -245,7 +265,7 @@ class Manager(Templates, Snapshots):
         self._spawn(procs.reap_loop())  # the runsc/QEMU processes we adopted
         for template in self.cfg.pool.templates if self.cfg.pool.size > 0 else []:
             if template_info(self.cfg.templates_dir, template):
-                self._pool_want(template)
+                self.pool.want(template)
 
     async def shutdown(self) -> None:
         pausing = list(self.autopause.pausing.values())
@@ -265,7 +285,7 @@ class Manager(Templates, Snapshots):
             t.cancel()
         if creating:
             await asyncio.wait(creating, timeout=KILL_TIMEOUT)
-        for pool in self.pool.values():  # pooled sandboxes belong to no one: end them
+        for pool in self.pool.ready.values():  # pooled sandboxes belong to no one: end them
             while pool:
                 await self.kill(pool.pop().row.id, reason="pool_discarded")
         for lv in list(self.live.values()):
@@ -426,17 +446,17 @@ class Manager(Templates, Snapshots):
             self.cfg.sandbox.default_vcpus, self.cfg.sandbox.default_memory_mib,
             self.cfg.sandbox.default_pids,
             self.cfg.sandbox.default_disk_mib)
-        pooled = default_size and self._pool_on(template)
+        pooled = default_size and self.pool.on(template)
         # no await from here to the row's insert (or the pop): admission is atomic
-        ready = pooled and bool(self.pool.get(template))
-        wait = pooled and not ready and self._pool_can_wait(template)
+        ready = pooled and bool(self.pool.ready.get(template))
+        wait = pooled and not ready and self.pool.can_wait(template)
         self.admission.admit(workspace_id, vcpus, memory_mib, pids=pids, disk_mib=disk_mib,
                              reserve_host=not (ready or wait),
-                             pending=self._pool_claims.get(workspace_id, 0))
-        lv: Live | None = self._pool_take(template) if pooled else None
+                             pending=self.pool.claims.get(workspace_id, 0))
+        lv: Live | None = self.pool.take(template) if pooled else None
         if lv is None and wait:
             # a refill under way is done sooner than a restore of our own would be
-            lv = await self._pool_wait(template, workspace_id)
+            lv = await self.pool.wait(template, workspace_id)
             if lv is None:  # it failed or took too long: our own, admitted as any
                 self.admission.admit(workspace_id, vcpus, memory_mib, pids=pids,
                                      disk_mib=disk_mib)
@@ -464,7 +484,7 @@ class Manager(Templates, Snapshots):
         async with self._lock(row.id):
             self._inflight[row.id] = asyncio.current_task()
             try:
-                image = await self._template_image(template, info) if default_size else None
+                image = await self.images.ensure(template, info) if default_size else None
                 await self._boot_or_fallback(row, image, info)
             except BaseException as e:
                 await self._teardown(row.id)
@@ -491,7 +511,7 @@ class Manager(Templates, Snapshots):
             log.warning("sandbox %s: restores failed; booting it instead", row.id)
             row.spec = replace(row.spec, agent_key=None)  # a cold boot's agent: a key of its own
         lv = await self._boot(row, None)
-        await self._start_command(lv, info)
+        await start_command(lv, info)
         return lv
 
     def get(self, workspace_id: str, sid: str) -> SandboxRow:

@@ -1,5 +1,6 @@
-"""Template snapshots (each template booted once and checkpointed) and the warm pool
-of sandboxes restored ahead of time; the template's start command and ready check."""
+"""Template snapshots (each template booted once and checkpointed: ``TemplateImages``,
+``Manager.images``) and the warm pool of sandboxes restored ahead of time (``WarmPool``,
+``Manager.pool``); the template's start command and ready check."""
 
 from __future__ import annotations
 
@@ -13,25 +14,24 @@ import secrets
 import shlex
 import shutil
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 
 from cpuos_agent.protocol import Kind
 
+from ..accounting.quotas import Admission
 from ..agentconn import raise_for_agent_error
+from ..backends.base import Backend
+from ..config import Config
 from ..errors import ApiError
-from ..store import RowSpec, SandboxRow
-from ..templates.builder import template_info
-from .common import (Live, _base_env, _now)
+from ..store import RowSpec, SandboxRow, Store
+from ..templates.builder import list_templates, template_info
+from .common import Boot, Finish, Kill, Live, Spawn, _base_env, _now
 from .states import State
 
-if TYPE_CHECKING:
-    from .manager import Manager
-
 log = logging.getLogger("cpuosd.lifecycle")
-
-MAX_SNAPSHOTS_LISTED = 500  # paused sandboxes a heartbeat names (placement's preference)
 
 # s of creates counted as the pool's recent demand
 DEMAND_WINDOW = 10.0
@@ -45,35 +45,59 @@ class PoolMiss(Exception):
     """The refill a create waited for failed."""
 
 
-class Templates:
-    def _template_image_name(self: Manager, template: str, digest: str) -> str:
+class NewRow(Protocol):  # Manager._new_row: a sandbox's row, inserted
+    def __call__(self, workspace_id: str, template: str, info: dict[str, Any],
+                 timeout: float, metadata: dict[str, str], env: dict[str, str], vcpus: int,
+                 memory_mib: int, state: State = ...) -> SandboxRow: ...
+
+
+class TemplateImages:
+    """Template snapshots (``Manager.images``), given what they use: the configuration,
+    the backend (which checkpoints; its kind of image), the agent copy sandboxes mount
+    (``agent_dir``: an image is of one agent), and the Manager's operations: ``lock`` (one
+    snapshot of a template at a time), ``boot`` and ``teardown`` of the sandbox that is
+    checkpointed, ``quiesce`` (its agent hangs up first) and ``save_agent_key`` (beside the
+    image, for the restored agent)."""
+
+    def __init__(self, cfg: Config, backend: Backend, agent_dir: Path, *,
+                 lock: Callable[[str], asyncio.Lock], boot: Boot,
+                 teardown: Callable[[str], Awaitable[None]],
+                 quiesce: Callable[[Live], Awaitable[None]],
+                 save_agent_key: Callable[[Live, Path], None]) -> None:
+        self.cfg, self.backend, self.agent_dir = cfg, backend, agent_dir
+        self._lock, self._boot, self._teardown = lock, boot, teardown
+        self._quiesce, self._save_agent_key = quiesce, save_agent_key
+
+    @property
+    def _dir(self) -> Path:
+        return self.cfg.snapshots_dir / "templates"
+
+    def name(self, template: str, digest: str) -> str:
         """A template image is of one template build, one agent and one kind of machine
         (an image of another backend, accelerator or device set never restores)."""
         return (f"{template}-{digest}-{self.agent_dir.name}-{self.backend.image_kind}"
                 f"-p{self.cfg.sandbox.default_pids}-d{self.cfg.sandbox.default_disk_mib}")
         # (rlimits must match at restore; the disk's size is the checkpoint's)
 
-    async def _template_image(self: Manager, template: str, info: dict[str, Any]) -> Path | None:
+    async def ensure(self, template: str, info: dict[str, Any]) -> Path | None:
         """The template booted once and checkpointed; made on first use. None when
         snapshots are off or could not be made (create then boots)."""
         if not self.cfg.pool.template_snapshots or not self.backend.capabilities.checkpoint:
             return None
-        d = (self.cfg.snapshots_dir / "templates"
-             / self._template_image_name(template, info["digest"]))
+        d = self._dir / self.name(template, info["digest"])
         if (d / "checkpoint.img").exists():
             return d
         async with self._lock("template:" + template):
             if (d / "checkpoint.img").exists():
                 return d
             try:
-                await self._make_template_image(template, info, d)
+                await self._make(template, info, d)
             except Exception:
                 log.exception("snapshot of template %s failed; booting instead", template)
                 return None
         return d
 
-    async def _make_template_image(self: Manager, template: str, info: dict[str, Any],
-                                   d: Path) -> None:
+    async def _make(self, template: str, info: dict[str, Any], d: Path) -> None:
         t0 = time.monotonic()
         row = SandboxRow(id="tpl-" + secrets.token_hex(6), workspace_id="", template=template,
                          backend=self.backend.capabilities.name, state=State.CREATING, reason=None,
@@ -94,7 +118,7 @@ class Templates:
         d.parent.mkdir(parents=True, exist_ok=True)
         try:
             lv = await self._boot(row, None, template_boot=True)
-            await self._start_command(lv, info, snapshot=True)
+            await start_command(lv, info, snapshot=True)
             await self._quiesce(lv)
             await self.backend.checkpoint(row.id, tmp)
             self._save_agent_key(lv, tmp)
@@ -104,86 +128,105 @@ class Templates:
             shutil.rmtree(tmp, ignore_errors=True)
         log.info("template %s snapshotted in %.2fs", template, time.monotonic() - t0)
 
-    async def forget_template(self: Manager, template: str) -> int:
-        """A template is being removed: end its pooled sandboxes and delete its snapshot
-        images (sandboxes users hold are the caller's concern). Returns how many images."""
-        async with self._lock("template:" + template):
-            self._pool_gen[template] = self._pool_gen.get(template, 0) + 1  # fills under way
-            for lv in self.pool.pop(template, []):
-                await self.kill(lv.row.id, reason="template removed")
-            ours = re.compile(rf"{re.escape(template)}-[0-9a-f]{{16}}-.+")
-            tdir = self.cfg.snapshots_dir / "templates"
-            gone = [d for d in (tdir.iterdir() if tdir.is_dir() else ())
-                    if ours.fullmatch(d.name) and d.is_dir() and not d.is_symlink()]
-            for d in gone:
-                await asyncio.to_thread(shutil.rmtree, d, True)
-            return len(gone)
+    async def forget(self, template: str) -> int:
+        """Delete the template's snapshot images (its lock held: ``Manager.forget_template``).
+        Returns how many."""
+        ours = re.compile(rf"{re.escape(template)}-[0-9a-f]{{16}}-.+")
+        tdir = self._dir
+        gone = [d for d in (tdir.iterdir() if tdir.is_dir() else ())
+                if ours.fullmatch(d.name) and d.is_dir() and not d.is_symlink()]
+        for d in gone:
+            await asyncio.to_thread(shutil.rmtree, d, True)
+        return len(gone)
 
-    def placement_facts(self: Manager) -> dict[str, Any]:
-        """What a node holds that placement prefers it for (cpuosd.cluster.nodes.place),
-        read by its heartbeat (a thread: only copies of the loop's dicts are walked): the
-        templates with a warm pool sandbox ready (``pools``), those whose template
-        checkpoint is made here for their current build (``template_images``), and the
-        paused sandboxes whose image is on this node's disk (``snapshots``)."""
-        pools = sorted(t for t, ready in list(self.pool.items()) if ready)
+    def made(self) -> list[str]:
+        """The templates whose checkpoint is made here for their current build (placement
+        prefers the node: ``Manager.placement_facts``)."""
         images = []
         if self.cfg.pool.template_snapshots and self.backend.capabilities.checkpoint:
-            from ..templates.builder import list_templates
-
-            tdir = self.cfg.snapshots_dir / "templates"
             for t in list_templates(self.cfg.templates_dir):
                 name, digest = t.get("name"), t.get("digest")
-                if name and digest and (tdir / self._template_image_name(
+                if name and digest and (self._dir / self.name(
                         str(name), str(digest)) / "checkpoint.img").exists():
                     images.append(str(name))
-        snaps = sorted(r.id for r in self.store.list_sandboxes(None, (State.PAUSED,),
-                                                               node_id=self.node_id)
-                       if r.node_id is not None)[:MAX_SNAPSHOTS_LISTED]
-        return {"pools": pools, "template_images": sorted(images), "snapshots": snaps}
+        return sorted(images)
 
-    # ---- the warm pool ------------------------------------------------------------------
-    def _pool_on(self: Manager, template: str) -> bool:
+
+class WarmPool:
+    """The warm pool (``Manager.pool``): ready sandboxes restored from their template's
+    image ahead of creates, per template (``ready``). Given what it uses: the
+    configuration (CPUOS_POOL_*), the store (the default workspace the pooled rows are of),
+    admission (a pooled sandbox never takes a user's room), and the Manager's operations:
+    ``image`` (the template's image: ``TemplateImages.ensure``), ``new_row``, ``boot``,
+    ``finish`` and ``kill`` of a pooled sandbox, ``spawn`` (a refill is a task the Manager
+    owns)."""
+
+    def __init__(self, cfg: Config, store: Store, admission: Admission, *,
+                 image: Callable[[str, dict[str, Any]], Awaitable[Path | None]],
+                 new_row: NewRow, boot: Boot, finish: Finish, kill: Kill,
+                 spawn: Spawn) -> None:
+        self.cfg, self.store, self.admission = cfg, store, admission
+        self._image, self._new_row, self._boot = image, new_row, boot
+        self._finish, self._kill, self._spawn = finish, kill, spawn
+        # ready sandboxes, refills under way, creates waiting for one (and per workspace,
+        # how many), recent creates, generations (a removed template's), retry times
+        self.ready: dict[str, list[Live]] = {}
+        self.inflight: dict[str, int] = {}
+        self.waiters: dict[str, collections.deque[asyncio.Future[Live]]] = {}
+        self.claims: collections.Counter[str] = collections.Counter()
+        self.demand: dict[str, collections.deque[float]] = {}
+        self.gen: dict[str, int] = {}
+        self.retry: dict[str, float] = {}
+
+    async def forget(self, template: str) -> None:
+        """A template is being removed (its lock held: ``Manager.forget_template``): its
+        fills under way are discarded when done, its pooled sandboxes ended."""
+        self.gen[template] = self.gen.get(template, 0) + 1  # fills under way
+        for lv in self.ready.pop(template, []):
+            await self._kill(lv.row.id, reason="template removed")
+
+    def on(self, template: str) -> bool:
         return self.cfg.pool.size > 0 and template in self.cfg.pool.templates
 
-    def _pool_target(self: Manager, template: str) -> int:
+    def _target(self, template: str) -> int:
         """How many ready sandboxes the pool keeps: CPUOS_POOL_SIZE, or as many as creates
         of the template asked for in the last DEMAND_WINDOW seconds, at most
         CPUOS_POOL_MAX."""
-        demand = self._pool_demand.get(template)
+        demand = self.demand.get(template)
         now = time.monotonic()
         while demand and now - demand[0] > DEMAND_WINDOW:
             demand.popleft()
         return min(max(self.cfg.pool.size, self.cfg.pool.max),
                    max(self.cfg.pool.size, len(demand or ())))
 
-    def _pool_want(self: Manager, template: str) -> None:
+    def want(self, template: str) -> None:
         """Start refills (at most CPUOS_POOL_PARALLEL at once) until the pool, with what is
         under way and not yet claimed, reaches its target; never where the host could not
         then take one more sandbox of a user's (admission)."""
-        if not self._pool_on(template) or time.monotonic() < self._pool_retry.get(template, 0):
+        if not self.on(template) or time.monotonic() < self.retry.get(template, 0):
             return
-        pool = self.pool.setdefault(template, [])
+        pool = self.ready.setdefault(template, [])
         while True:
-            inflight = self._pool_inflight.get(template, 0)
-            claimed = len(self._pool_waiters.get(template, ()))
-            if (len(pool) + inflight - claimed >= self._pool_target(template)
+            inflight = self.inflight.get(template, 0)
+            claimed = len(self.waiters.get(template, ()))
+            if (len(pool) + inflight - claimed >= self._target(template)
                     or inflight >= self.cfg.pool.parallel):
                 return
             if not self.admission.host_has_room(self.cfg.sandbox.default_vcpus,
                                                 self.cfg.sandbox.default_memory_mib, n=2):
                 return  # a pooled sandbox must not take the place of a user's
             self.admission.promise(self.cfg.sandbox.default_memory_mib)
-            self._pool_inflight[template] = inflight + 1
-            self._spawn(self._pool_fill(template, self._pool_gen.get(template, 0)))
+            self.inflight[template] = inflight + 1
+            self._spawn(self._fill(template, self.gen.get(template, 0)))
 
-    async def _pool_fill(self: Manager, template: str, gen: int) -> None:
+    async def _fill(self, template: str, gen: int) -> None:
         """Restore one sandbox for the pool: to a create waiting for it, else into the
         pool."""
         ok = False
         try:
             info = template_info(self.cfg.templates_dir, template)
             ws = self.store.workspace_by_name("default")
-            image = await self._template_image(template, info) if info and ws else None
+            image = await self._image(template, info) if info and ws else None
             if image is None or info is None or ws is None:
                 return
             row = self._new_row(ws, template, info, self.cfg.sandbox.default_timeout, {}, {},
@@ -196,48 +239,48 @@ class Templates:
                 self._finish(row.id, State.ERROR, "pool restore failed")
                 return
             ok = True
-            if gen != self._pool_gen.get(template, 0):  # the template was removed meanwhile
-                await self.kill(row.id, reason="pool_discarded")
+            if gen != self.gen.get(template, 0):  # the template was removed meanwhile
+                await self._kill(row.id, reason="pool_discarded")
                 return
-            waiters = self._pool_waiters.get(template)
+            waiters = self.waiters.get(template)
             while waiters:
                 fut = waiters.popleft()
                 if not fut.done():
                     fut.set_result(lv)  # straight to a create waiting for it
                     return
-            self.pool.setdefault(template, []).append(lv)
+            self.ready.setdefault(template, []).append(lv)
         finally:
-            self._pool_inflight[template] = self._pool_inflight.get(template, 1) - 1
+            self.inflight[template] = self.inflight.get(template, 1) - 1
             if not ok:
-                self._pool_retry[template] = time.monotonic() + POOL_RETRY
-                waiters = self._pool_waiters.get(template)
+                self.retry[template] = time.monotonic() + POOL_RETRY
+                waiters = self.waiters.get(template)
                 while waiters:  # one create waiting for this fill goes on without it
                     fut = waiters.popleft()
                     if not fut.done():
                         fut.set_exception(PoolMiss())
                         break
             else:
-                self._pool_want(template)
+                self.want(template)
 
-    def _pool_take(self: Manager, template: str) -> Live | None:
+    def take(self, template: str) -> Live | None:
         """A ready pooled sandbox (handed out once: no await between this and its use)."""
-        self._pool_demand.setdefault(template, collections.deque()).append(time.monotonic())
-        pool = self.pool.get(template)
+        self.demand.setdefault(template, collections.deque()).append(time.monotonic())
+        pool = self.ready.get(template)
         lv = pool.pop() if pool else None
-        self._pool_want(template)
+        self.want(template)
         return lv
 
-    def _pool_can_wait(self: Manager, template: str) -> bool:
+    def can_wait(self, template: str) -> bool:
         """Is a refill under way that no other create waits for (it is done sooner than a
         restore of our own would be)?"""
-        return self._pool_inflight.get(template, 0) > len(self._pool_waiters.get(template, ()))
+        return self.inflight.get(template, 0) > len(self.waiters.get(template, ()))
 
-    async def _pool_wait(self: Manager, template: str, workspace_id: str) -> Live | None:
+    async def wait(self, template: str, workspace_id: str) -> Live | None:
         """The sandbox of a refill under way, or None (it failed, or took longer than
         POOL_WAIT: the caller restores its own)."""
         fut: asyncio.Future[Live] = asyncio.get_running_loop().create_future()
-        self._pool_waiters.setdefault(template, collections.deque()).append(fut)
-        self._pool_claims[workspace_id] += 1
+        self.waiters.setdefault(template, collections.deque()).append(fut)
+        self.claims[workspace_id] += 1
         got: Live | None = None
         try:
             try:
@@ -249,79 +292,80 @@ class Templates:
                 pass
             return got
         finally:
-            self._pool_claims[workspace_id] -= 1
-            if not self._pool_claims[workspace_id]:
-                del self._pool_claims[workspace_id]
+            self.claims[workspace_id] -= 1
+            if not self.claims[workspace_id]:
+                del self.claims[workspace_id]
             if not fut.done():
                 fut.cancel()
                 with contextlib.suppress(ValueError):
-                    self._pool_waiters[template].remove(fut)
+                    self.waiters[template].remove(fut)
             elif got is None and not fut.cancelled() and fut.exception() is None:
                 # given to us as we were cancelled: back into the pool
-                self.pool.setdefault(template, []).append(fut.result())
+                self.ready.setdefault(template, []).append(fut.result())
 
-    def _pool_tick(self: Manager) -> None:
+    def tick(self) -> None:
         """Each second (the daemon's tick): a pool larger than its target, with no demand
         for a while, gives back one sandbox (its memory); then refills as needed."""
         now = time.monotonic()
         for template in self.cfg.pool.templates if self.cfg.pool.size > 0 else ():
-            pool = self.pool.get(template)
-            demand = self._pool_demand.get(template)
+            pool = self.ready.get(template)
+            demand = self.demand.get(template)
             idle = not demand or now - demand[-1] > DEMAND_WINDOW
-            if pool and idle and len(pool) > self._pool_target(template):
+            if pool and idle and len(pool) > self._target(template):
                 lv = pool.pop(0)
-                self._spawn(self.kill(lv.row.id, reason="pool_discarded"))
-            self._pool_want(template)
+                self._spawn(self._kill(lv.row.id, reason="pool_discarded"))
+            self.want(template)
 
-    async def _run_simple(self: Manager, lv: Live, cmd: str, timeout: float) -> tuple[int, bytes]:
-        """Run a shell line in the sandbox for the daemon itself: (exit code, output tail)."""
-        st = lv.chan.open()
-        try:
-            await st.send({"t": Kind.EXEC, "shell": cmd, "env": _base_env(lv.row), "cwd": "/",
-                           "timeout": timeout, "stdin": False})
-            out = b""
-            while True:
-                h, payload = await st.get(timeout + 10)
-                raise_for_agent_error(h)
-                if h["t"] == Kind.OUT:
-                    out = (out + payload)[-4000:]
-                elif h["t"] == Kind.EXIT:
-                    code = h.get("exit_code")
-                    return (code if isinstance(code, int) else -1), out
-        except TimeoutError:
-            raise ApiError("timeout", f"{cmd!r} did not finish in the sandbox") from None
-        finally:
-            st.close()
 
-    async def _start_command(self: Manager, lv: Live, info: dict[str, Any],
-                             snapshot: bool = False) -> None:
-        """The template's long-running start command, then its ready check (a command that
-        must exit 0, or a port that must accept connections). ``snapshot``: the boot that
-        makes the template snapshot; the command sees CPUOS_TEMPLATE_SNAPSHOT=1 (and may
-        warm up more than a cold boot's create should wait for)."""
-        start = info.get("start")
-        if not start:
-            return
-        await self._run_simple(
-            lv, f"cd {shlex.quote(lv.row.spec.workdir or '/')} && "
-            f"{'CPUOS_TEMPLATE_SNAPSHOT=1 ' if snapshot else ''}"
-            f"nohup sh -c {shlex.quote(start)} >/tmp/cpuos-start.log 2>&1 &", 30)
-        ready = info.get("ready") or {}
-        check = ready.get("cmd")
-        if ready.get("port"):
-            check = (f"python3 -c 'import socket; socket.create_connection("
-                     f"(\"127.0.0.1\", {int(ready['port'])}), 1)'")
-        if not check:
-            return
-        timeout = float(ready.get("timeout") or 30)
-        deadline = time.monotonic() + timeout
+async def run_simple(lv: Live, cmd: str, timeout: float) -> tuple[int, bytes]:
+    """Run a shell line in the sandbox for the daemon itself: (exit code, output tail)."""
+    st = lv.chan.open()
+    try:
+        await st.send({"t": Kind.EXEC, "shell": cmd, "env": _base_env(lv.row), "cwd": "/",
+                       "timeout": timeout, "stdin": False})
+        out = b""
         while True:
-            code, _ = await self._run_simple(lv, check, 10)
-            if code == 0:
-                return
-            if time.monotonic() > deadline:
-                _, log_tail = await self._run_simple(lv, "tail -c 2000 /tmp/cpuos-start.log", 10)
-                raise ApiError("timeout", f"template {info.get('name')}: ready check {check!r} "
-                               f"did not pass within {timeout:.0f}s; start log: "
-                               f"{log_tail.decode(errors='replace')[-500:]}")
-            await asyncio.sleep(0.2)
+            h, payload = await st.get(timeout + 10)
+            raise_for_agent_error(h)
+            if h["t"] == Kind.OUT:
+                out = (out + payload)[-4000:]
+            elif h["t"] == Kind.EXIT:
+                code = h.get("exit_code")
+                return (code if isinstance(code, int) else -1), out
+    except TimeoutError:
+        raise ApiError("timeout", f"{cmd!r} did not finish in the sandbox") from None
+    finally:
+        st.close()
+
+
+async def start_command(lv: Live, info: dict[str, Any], snapshot: bool = False) -> None:
+    """The template's long-running start command, then its ready check (a command that
+    must exit 0, or a port that must accept connections). ``snapshot``: the boot that
+    makes the template snapshot; the command sees CPUOS_TEMPLATE_SNAPSHOT=1 (and may
+    warm up more than a cold boot's create should wait for)."""
+    start = info.get("start")
+    if not start:
+        return
+    await run_simple(
+        lv, f"cd {shlex.quote(lv.row.spec.workdir or '/')} && "
+        f"{'CPUOS_TEMPLATE_SNAPSHOT=1 ' if snapshot else ''}"
+        f"nohup sh -c {shlex.quote(start)} >/tmp/cpuos-start.log 2>&1 &", 30)
+    ready = info.get("ready") or {}
+    check = ready.get("cmd")
+    if ready.get("port"):
+        check = (f"python3 -c 'import socket; socket.create_connection("
+                 f"(\"127.0.0.1\", {int(ready['port'])}), 1)'")
+    if not check:
+        return
+    timeout = float(ready.get("timeout") or 30)
+    deadline = time.monotonic() + timeout
+    while True:
+        code, _ = await run_simple(lv, check, 10)
+        if code == 0:
+            return
+        if time.monotonic() > deadline:
+            _, log_tail = await run_simple(lv, "tail -c 2000 /tmp/cpuos-start.log", 10)
+            raise ApiError("timeout", f"template {info.get('name')}: ready check {check!r} "
+                           f"did not pass within {timeout:.0f}s; start log: "
+                           f"{log_tail.decode(errors='replace')[-500:]}")
+        await asyncio.sleep(0.2)
