@@ -309,7 +309,7 @@ async def mvm_clones(mb: MicroVMBench, rootfs: Path, agent_pkg: Path, n: int
             await b.start(tspec)
             await chan.wait_connected(300)
             out["template_boot_s"] = now() - t0
-            # quiesce, as Manager._quiesce does for a device agent
+            # quiesce, as Manager.snapshots.quiesce does for a device agent
             chan.stop_listening()
             await chan.call({"t": "quiesce"}, timeout=30)
             chan.disconnect()

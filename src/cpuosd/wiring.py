@@ -205,7 +205,7 @@ async def stop_for_cap(mgr: Manager, workspace_id: str, sid: str) -> str:
     """What a sandbox of a workspace at its spending cap gets: paused where the backend
     can checkpoint (it costs only its snapshot's storage), else killed."""
     if mgr.backend.capabilities.checkpoint:
-        await mgr.pause(workspace_id, sid, reason="spending_cap")
+        await mgr.snapshots.pause(workspace_id, sid, reason="spending_cap")
         return State.PAUSED
     await mgr.kill(sid, reason="spending_cap")
     return State.KILLED

@@ -37,7 +37,7 @@ def test_no_checkpoint_capability(tmp_path: Path) -> None:
         lv = Live(row, mgr._spec(row), Chan())  # type: ignore[arg-type]
         mgr.live[row.id] = lv
         with pytest.raises(ApiError) as e:
-            await mgr.pause(ws, row.id)
+            await mgr.snapshots.pause(ws, row.id)
         assert e.value.code == "conflict" and "fake" in e.value.message
         assert store.get_sandbox(row.id).state == "running"  # type: ignore[union-attr]
         assert backend.calls == []

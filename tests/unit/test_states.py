@@ -93,9 +93,9 @@ def test_every_state_and_operation(tmp_path: Path, state: str) -> None:
         ops: dict[str, Any] = {
             "exec": lambda: mgr.running(ws, row.id, "exec"),
             "files": lambda: mgr.running(ws, row.id, "files"),
-            "pause": lambda: mgr.pause(ws, row.id),
-            "resume": lambda: mgr.resume(ws, row.id),
-            "fork": lambda: mgr.fork(ws, row.id, 1),
+            "pause": lambda: mgr.snapshots.pause(ws, row.id),
+            "resume": lambda: mgr.snapshots.resume(ws, row.id),
+            "fork": lambda: mgr.snapshots.fork(ws, row.id, 1),
             "set_timeout": lambda: mgr.set_timeout(ws, row.id, 30),
         }
         for op, call in ops.items():

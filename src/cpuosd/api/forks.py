@@ -50,18 +50,18 @@ async def publish(sid: str, body: ForkPublish, mgr: ManagerDep, ws: Ws) -> dict[
         raise ApiError("not_found", "this node has no shared snapshot store (a fork across "
                        "nodes needs CPUOS_SNAPSHOT_STORE)")
     await mgr.ready(ws, sid, "fork")  # (one paused for idleness: resumed)
-    rows, key, size = await mgr.fork_publish(ws, sid, body.n, body.remote)
+    rows, key, size = await mgr.snapshots.fork_publish(ws, sid, body.n, body.remote)
     return {"image": key, "bytes": size, "sandboxes": [sandbox_json(r) for r in rows]}
 
 
 @router.post("/sandboxes/{sid}/fork/restore", status_code=201)
 async def restore(sid: str, body: ForkRestore, mgr: ManagerDep, ws: Ws) -> dict[str, Any]:
-    rows = await mgr.fork_restore(ws, sid, body.image, body.n, body.bytes)
+    rows = await mgr.snapshots.fork_restore(ws, sid, body.image, body.n, body.bytes)
     return {"sandboxes": [sandbox_json(r) for r in rows]}
 
 
 @router.post("/sandboxes/{sid}/fork/release")
 async def release(sid: str, body: ForkRelease, mgr: ManagerDep, ws: Ws) -> dict[str, Any]:
     mgr.get(ws, sid)
-    await mgr.release_fork(sid, body.image)
+    await mgr.snapshots.release_fork(sid, body.image)
     return {"released": body.image}

@@ -149,18 +149,18 @@ async def connections(sid: str, mgr: ManagerDep, store: StoreDep, net: NetworkDe
 @router.post("/sandboxes/{sid}/pause")
 async def pause(sid: str, mgr: ManagerDep, ws: Ws) -> dict[str, Any]:
     """Checkpoint memory, processes and files to disk and stop the sandbox."""
-    return sandbox_json(await mgr.pause(ws, sid))
+    return sandbox_json(await mgr.snapshots.pause(ws, sid))
 
 
 @router.post("/sandboxes/{sid}/resume")
 async def resume(sid: str, mgr: ManagerDep, ws: Ws) -> dict[str, Any]:
-    return sandbox_json(await mgr.resume(ws, sid))
+    return sandbox_json(await mgr.snapshots.resume(ws, sid))
 
 
 @router.post("/sandboxes/{sid}/fork", status_code=201)
 async def fork(sid: str, body: ForkRequest, mgr: ManagerDep, ws: Ws) -> dict[str, Any]:
     await mgr.ready(ws, sid, "fork")  # (one paused for idleness: resumed)
-    rows = await mgr.fork(ws, sid, body.n)
+    rows = await mgr.snapshots.fork(ws, sid, body.n)
     return {"sandboxes": [sandbox_json(r) for r in rows]}
 
 

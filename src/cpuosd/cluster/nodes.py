@@ -173,7 +173,7 @@ async def drain(mgr: Manager, rt: NodeRuntime | None = None) -> dict[str, Any]:
     paused, failed = [], []
     for row in rows:
         try:
-            await mgr.pause(row.workspace_id, row.id, reason="drain")
+            await mgr.snapshots.pause(row.workspace_id, row.id, reason="drain")
             paused.append(row.id)
         except ApiError as e:
             failed.append({"id": row.id, "error": e.code, "message": e.message})

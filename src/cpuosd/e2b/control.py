@@ -288,7 +288,7 @@ def build(e2b: E2B) -> FastAPI:
         row = get(request, sid)
         if row.state in (State.PAUSED, State.PAUSING):
             raise E2BError(409, f"sandbox {sid} is already paused")
-        await e2b.mgr.pause(ws_of(request), sid)
+        await e2b.mgr.snapshots.pause(ws_of(request), sid)
         return Response(status_code=204)
 
     async def connect(request: Request, sid: str, timeout: int | None) -> JSONResponse:
@@ -296,7 +296,7 @@ def build(e2b: E2B) -> FastAPI:
         row = get(request, sid)
         status = 200
         if row.state in (State.PAUSED, State.PAUSING):
-            row = await e2b.mgr.resume(ws, sid)
+            row = await e2b.mgr.snapshots.resume(ws, sid)
             status = 201
         if timeout is not None:  # only ever later (E2B: connect never shortens it)
             row = e2b.mgr.get(ws, sid)
@@ -332,7 +332,7 @@ def build(e2b: E2B) -> FastAPI:
         body = body or ForkBody.model_validate({})
         ws = ws_of(request)
         parent = get(request, sid)
-        rows = await e2b.mgr.fork(ws, sid, body.count)
+        rows = await e2b.mgr.snapshots.fork(ws, sid, body.count)
         facts = e2b.facts(sid) or {}
         out = []
         for r in rows:

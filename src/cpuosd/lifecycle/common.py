@@ -49,6 +49,13 @@ class SetState(Protocol):  # Manager._set_state: the one writer of states
 Finish = Callable[[str, State, str], None]  # Manager._finish(sid, state, reason)
 
 
+class NewRow(Protocol):  # Manager._new_row: a sandbox's row, inserted
+    def __call__(self, workspace_id: str, template: str, info: dict[str, Any],
+                 timeout: float, metadata: dict[str, str], env: dict[str, str], vcpus: int,
+                 memory_mib: int, state: State = ..., on_timeout: str = ...
+                 ) -> SandboxRow: ...
+
+
 class Boot(Protocol):  # Manager._boot: a sandbox started (image None) or restored
     def __call__(self, row: SandboxRow, image: Path | None, *, template_boot: bool = ...,
                  resume: bool = ...) -> Awaitable[Live]: ...

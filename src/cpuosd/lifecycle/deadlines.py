@@ -17,7 +17,7 @@ from .common import Spawn, _now
 log = logging.getLogger("cpuosd.lifecycle")
 
 
-class Pause(Protocol):  # Manager.pause
+class Pause(Protocol):  # Manager.snapshots.pause
     def __call__(self, workspace_id: str, sid: str, reason: str = ...
                  ) -> Awaitable[SandboxRow]: ...
 

@@ -62,7 +62,7 @@ MAX_SNAPSHOTS_LISTED = 500  # paused sandboxes a heartbeat names (placement's pr
 __all__ = ["Live", "Manager"]
 
 
-class Manager(Snapshots):
+class Manager:
     def __init__(self, cfg: Config, store: Store, backend: Backend,
                  events: EventBus | None = None, measure: Measure | None = None,
                  snapstore: SnapshotStore | None = None) -> None:
@@ -93,6 +93,14 @@ class Manager(Snapshots):
         self._locks: dict[str, asyncio.Lock] = {}
         # creates in progress (cancelled by a DELETE of their sandbox)
         self._inflight: dict[str, asyncio.Task[Any] | None] = {}
+        # pause, resume and fork (lifecycle.snapshots): a collaborator
+        self.snapshots = Snapshots(
+            cfg, store, backend, self.events, self.admission, self.node_id, self.snapstore,
+            self._tasks, lock=self._lock, get=self.get, running=self.running,
+            set_state=self._set_state, finish=self._finish, mark_running=self._mark_running,
+            boot=self._boot, new_row=self._new_row, teardown=self._teardown,
+            teardown_later=self._teardown_later, save_agent_key=self._save_agent_key,
+            kill=self.kill)
         # idleness (lifecycle.idle): the watch, and what holds a sandbox in use besides its
         # agent streams (preview connections); the auto-pause and the wake (lifecycle.wake)
         self.idle = IdleWatch(backend.cpu_seconds, self._in_use, cfg.idle.cpu)
@@ -100,7 +108,8 @@ class Manager(Snapshots):
         self.autopause = AutoPause(
             self.idle, self.live, store, self.events, cfg.idle.pause_parallel,
             in_use=self._in_use, tick=self._tick, spawn=self._spawn, lock=self._lock,
-            get=self.get, pause_locked=self._pause_locked, resume_locked=self._resume_row)
+            get=self.get, pause_locked=self.snapshots.pause_locked,
+            resume_locked=self.snapshots.resume_row)
         # the stdin streams of foreground execs (lifecycle.commands), and the page each
         # sandbox's browser helpers drove last (cpuosd.browser)
         self.exec_stdin = ExecStdin()
@@ -110,13 +119,13 @@ class Manager(Snapshots):
                                cfg.sandbox.max_read_bytes, self._spawn)
         # wall-clock deadlines (lifecycle.deadlines): a collaborator, not a mixin
         self.deadlines = Deadlines(store, cfg.sandbox.reaper_interval, self.node_id,
-                                   self._spawn, self.pause, self.kill)
+                                   self._spawn, self.snapshots.pause, self.kill)
         self.events.subscribe(self.autopause.on_event)
         self.agent_dir = self._install_agent()
         # template snapshots and the warm pool (lifecycle.template_images): collaborators
         self.images = TemplateImages(cfg, backend, self.agent_dir, lock=self._lock,
                                      boot=self._boot, teardown=self._teardown,
-                                     quiesce=self._quiesce,
+                                     quiesce=self.snapshots.quiesce,
                                      save_agent_key=self._save_agent_key)
         self.pool = WarmPool(cfg, store, self.admission, image=self.images.ensure,
                              new_row=self._new_row, boot=self._boot, finish=self._finish,
@@ -291,9 +300,6 @@ class Manager(Snapshots):
         for lv in list(self.live.values()):
             await lv.chan.close()  # sandboxes keep running; a restarted daemon reattaches
         await self.backend.close()
-
-    def _snap(self, sid: str) -> Path:
-        return self.cfg.snapshots_dir / sid
 
     def _new_row(self, workspace_id: str, template: str, info: dict[str, Any], timeout: float,
                  metadata: dict[str, str], env: dict[str, str], vcpus: int, memory_mib: int,
@@ -602,7 +608,7 @@ class Manager(Snapshots):
                 self._finish(sid, State.ERROR, f"kill timed out after {KILL_TIMEOUT:.0f}s")
                 self._spawn(self._retry_teardown(sid))
                 return
-            shutil.rmtree(self._snap(sid), ignore_errors=True)
+            shutil.rmtree(self.cfg.snapshots_dir / sid, ignore_errors=True)
             if self.snapstore is not None and row.state == State.PAUSED and row.node_id is None:
                 try:  # (paused into the shared store: its image goes too)
                     await asyncio.wait_for(self.snapstore.delete(sid), KILL_TIMEOUT)

@@ -1,4 +1,5 @@
-"""Pause, resume and fork: quiesce the agent, checkpoint, restore."""
+"""Pause, resume and fork: quiesce the agent, checkpoint, restore (``Snapshots``,
+``Manager.snapshots``)."""
 
 from __future__ import annotations
 
@@ -10,28 +11,28 @@ import re
 import secrets
 import shutil
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 
 from cpuos_agent.protocol import Kind
 
+from ..accounting.quotas import Admission
 from ..agentconn import DEVICE_SETTLE, TransportError
+from ..backends.base import Backend
+from ..config import Config
 from ..errors import ApiError, invalid
-from ..events import SandboxEvent
-from ..snapstore import SnapshotMissing
+from ..events import EventBus, SandboxEvent
+from ..snapstore import SnapshotMissing, SnapshotStore
 from ..snapstore.facts import (host_facts, incompatibilities, read_meta, snapshot_meta,
                                write_meta)
-from ..store import SandboxRow
+from ..store import SandboxRow, Store
 from ..templates.builder import template_info
 from . import states
-from .common import (Live, _du, _now)
+from .common import Boot, Finish, Kill, Live, NewRow, SetState, _du, _now
 from .states import State
-
-if TYPE_CHECKING:
-    from .manager import Manager
 
 T = TypeVar("T")
 
@@ -39,7 +40,38 @@ log = logging.getLogger("cpuosd.lifecycle")
 
 
 class Snapshots:
-    async def _quiesce(self: Manager, lv: Live) -> None:
+    """Pause, resume and fork (``Manager.snapshots``), given what they use: the
+    configuration, the store, the backend (which checkpoints and restores), the event bus,
+    admission (a resume or a fork's children are admitted as creates are), the node this
+    is (``node_id``) and the snapshot store it shares with other nodes (``snapstore``, None
+    on one host), the Manager's ``tasks`` (a transfer given up on is kept there until it is
+    done), and the Manager's operations: ``lock`` (a sandbox's), ``get`` and ``running``
+    (a workspace's row, its live sandbox for an operation, else 404/409), ``set_state``,
+    ``finish`` and ``mark_running`` (the one writer of states), ``boot`` (a restore),
+    ``new_row`` (a fork's child), ``teardown`` and ``teardown_later`` (a checkpointed
+    sandbox's remains), ``save_agent_key`` (beside an image) and ``kill``."""
+
+    def __init__(self, cfg: Config, store: Store, backend: Backend, events: EventBus,
+                 admission: Admission, node_id: str | None, snapstore: SnapshotStore | None,
+                 tasks: set[asyncio.Task[Any]], *, lock: Callable[[str], asyncio.Lock],
+                 get: Callable[[str, str], SandboxRow],
+                 running: Callable[[str, str, str], Live], set_state: SetState,
+                 finish: Finish, mark_running: Callable[[SandboxRow, float], None],
+                 boot: Boot, new_row: NewRow, teardown: Callable[[str], Awaitable[None]],
+                 teardown_later: Callable[[str], None],
+                 save_agent_key: Callable[[Live, Path], None], kill: Kill) -> None:
+        self.cfg, self.store, self.backend, self.events = cfg, store, backend, events
+        self.admission, self.node_id, self.snapstore = admission, node_id, snapstore
+        self._tasks, self._lock, self._get, self._running = tasks, lock, get, running
+        self._set_state, self._finish, self._mark_running = set_state, finish, mark_running
+        self._boot, self._new_row, self._teardown = boot, new_row, teardown
+        self._teardown_later, self._save_agent_key = teardown_later, save_agent_key
+        self._kill = kill
+
+    def _snap(self, sid: str) -> Path:
+        return self.cfg.snapshots_dir / sid
+
+    async def quiesce(self, lv: Live) -> None:
         """Have the agent drop its connection (a checkpoint cannot carry it); the socket
         is removed first, so it can only come back once we listen again."""
         if lv.chan.streams:
@@ -67,7 +99,7 @@ class Snapshots:
                 raise ApiError("conflict", e.message) from None
             raise
 
-    def _check_space(self: Manager, sid: str, where: Path) -> None:
+    def _check_space(self, sid: str, where: Path) -> None:
         # its memory and what its writable layer holds (a file on the host, not memory)
         need = (int(self.backend.memory_usage(sid) or 0)
                 + int(self.backend.stats(sid).get("disk_used_bytes") or 0)
@@ -79,7 +111,7 @@ class Snapshots:
                            f"{free >> 20} MiB free, up to {need >> 20} MiB needed",
                            {"free_bytes": free, "needed_bytes": need})
 
-    async def _checkpoint(self: Manager, lv: Live, image: Path) -> None:
+    async def _checkpoint(self, lv: Live, image: Path) -> None:
         """Quiesce and checkpoint lv into image (the sandbox stops). A failed checkpoint
         loses the sandbox (runsc stops it either way): it is marked error."""
         sid = lv.row.id
@@ -90,7 +122,7 @@ class Snapshots:
         self._check_space(sid, image.parent)
         self._set_state(sid, State.PAUSING)
         try:
-            await self._quiesce(lv)
+            await self.quiesce(lv)
         except BaseException:
             self._set_state(sid, State.RUNNING)
             raise
@@ -121,16 +153,16 @@ class Snapshots:
         log.info("checkpoint of %s: quiesce %.0f ms, runsc checkpoint %.0f ms, teardown %.0f ms",
                  sid, (t1 - t0) * 1e3, (t2 - t1) * 1e3, (time.monotonic() - t2) * 1e3)
 
-    async def pause(self: Manager, workspace_id: str, sid: str, reason: str = "requested"
+    async def pause(self, workspace_id: str, sid: str, reason: str = "requested"
                     ) -> SandboxRow:
         """``reason`` (kept in the row while it is paused, shown by info): requested,
         idle, timeout, spending_cap."""
         async with self._lock(sid):
-            lv = self.running(workspace_id, sid, "pause")
-            await self._pause_locked(lv, reason)
-        return self.get(workspace_id, sid)
+            lv = self._running(workspace_id, sid, "pause")
+            await self.pause_locked(lv, reason)
+        return self._get(workspace_id, sid)
 
-    async def _pause_locked(self: Manager, lv: Live, reason: str) -> None:
+    async def pause_locked(self, lv: Live, reason: str) -> None:
         sid = lv.row.id
         remaining = max(1.0, (lv.row.deadline or _now()) - _now())
         await self._checkpoint(lv, self._snap(sid))
@@ -144,7 +176,7 @@ class Snapshots:
         self._set_state(sid, State.PAUSED, paused_at=_now(), remaining=remaining,
                         snapshot_bytes=size, deadline=None, reason=reason)
 
-    async def _upload(self: Manager, sid: str) -> bool:
+    async def _upload(self, sid: str) -> bool:
         """A paused image into the shared snapshot store, then off this node's disk (a
         stale local copy must never be restored later). False: the upload failed; the
         image stays here and the sandbox stays this node's (resumable here). Until it is
@@ -166,7 +198,7 @@ class Snapshots:
                  self.snapstore.kind, m.total_bytes >> 20, (time.monotonic() - t0) * 1e3)
         return True
 
-    async def _bounded(self: Manager, aw: Coroutine[Any, Any, T], seconds: float) -> T:
+    async def _bounded(self, aw: Coroutine[Any, Any, T], seconds: float) -> T:
         """``aw``'s result, or TimeoutError after ``seconds``: then it is cancelled and left
         to finish in the background (a transfer's cancellation waits for its thread, which
         a store that hangs holds until botocore's own timeouts: minutes), never awaited
@@ -184,12 +216,12 @@ class Snapshots:
             raise TimeoutError(f"snapshot transfer took longer than {seconds:.0f} s")
         return task.result()
 
-    def _transfer_bound(self: Manager, size: int) -> float:
+    def _transfer_bound(self, size: int) -> float:
         """s one snapshot transfer may take: CPUOS_SNAPSHOT_TRANSFER_TIMEOUT plus 1 s per
         20 MiB (a hanging store must not hold a pause or a resume without end)."""
         return self.cfg.cluster.snapshot_transfer_timeout + size / (20 << 20)
 
-    async def _claim(self: Manager, row: SandboxRow) -> SandboxRow:
+    async def _claim(self, row: SandboxRow) -> SandboxRow:
         """A sandbox paused into the shared store, taken by this node: paused -> resuming
         with this node's id and a new epoch in one compare-and-set (two nodes racing: one
         wins, the other answers 409), then its image fetched (and checked against this
@@ -226,16 +258,16 @@ class Snapshots:
         assert got is not None
         return got
 
-    async def resume(self: Manager, workspace_id: str, sid: str) -> SandboxRow:
+    async def resume(self, workspace_id: str, sid: str) -> SandboxRow:
         async with self._lock(sid):
-            row = self.get(workspace_id, sid)
+            row = self._get(workspace_id, sid)
             states.check("resume", sid, row.state, row.reason)
             if row.state == State.RUNNING:
                 return row
-            await self._resume_row(row)
-        return self.get(workspace_id, sid)
+            await self.resume_row(row)
+        return self._get(workspace_id, sid)
 
-    async def _resume_row(self: Manager, row: SandboxRow) -> None:
+    async def resume_row(self, row: SandboxRow) -> None:
         """Restore paused row, its lock held (``resume``, a wake): one paused into the
         shared store is claimed first (many hosts); one paused on another node is not
         ours (409)."""
@@ -246,7 +278,7 @@ class Snapshots:
             row = await self._claim(row)
         await self._resume_locked(row)
 
-    async def _resume_locked(self: Manager, row: SandboxRow) -> None:
+    async def _resume_locked(self, row: SandboxRow) -> None:
         """Restore a paused sandbox (its lock held); on any failure, cancellation included,
         it is paused as it was (the snapshot is kept until the restore succeeded)."""
         sid = row.id
@@ -275,13 +307,13 @@ class Snapshots:
             except Exception as e:
                 log.warning("resumed %s: its old snapshot in the store stays: %s", sid, e)
 
-    async def fork(self: Manager, workspace_id: str, sid: str, n: int) -> list[SandboxRow]:
+    async def fork(self, workspace_id: str, sid: str, n: int) -> list[SandboxRow]:
         """n new sandboxes with the memory, processes and files of sid (which keeps running):
         checkpoint once, restore n + 1 times."""
         clones, _, _ = await self._fork(workspace_id, sid, n, publish=0)
         return clones
 
-    async def fork_publish(self: Manager, workspace_id: str, sid: str, n_local: int,
+    async def fork_publish(self, workspace_id: str, sid: str, n_local: int,
                            n_remote: int) -> tuple[list[SandboxRow], str, int]:
         """A fork fanned out across nodes (cpuosd.cluster.forks), the parent's node's part:
         checkpoint sid once, restore it, put the image into the shared snapshot store under
@@ -297,12 +329,12 @@ class Snapshots:
         assert key is not None
         return clones, key, size
 
-    async def _fork(self: Manager, workspace_id: str, sid: str, n: int, publish: int
+    async def _fork(self, workspace_id: str, sid: str, n: int, publish: int
                     ) -> tuple[list[SandboxRow], str | None, int]:
         """Checkpoint sid, restore it, (``publish`` > 0: put the image into the shared
         store for that many children elsewhere), restore n children from it here."""
         async with self._lock(sid):
-            lv = self.running(workspace_id, sid, "fork")
+            lv = self._running(workspace_id, sid, "fork")
             row = lv.row
             if publish:  # the workspace's count for every child, wherever it lands
                 self.admission.admit(workspace_id, row.spec.vcpus, row.spec.memory_mib,
@@ -337,7 +369,7 @@ class Snapshots:
                 shutil.rmtree(image, ignore_errors=True)
         return clones, key, size
 
-    async def _publish_fork(self: Manager, sid: str, image: Path, size: int) -> str:
+    async def _publish_fork(self, sid: str, image: Path, size: int) -> str:
         assert self.snapstore is not None
         key = f"fork-{sid}-{secrets.token_hex(4)}"
         t0 = time.monotonic()
@@ -355,7 +387,7 @@ class Snapshots:
                  (time.monotonic() - t0) * 1e3)
         return key
 
-    async def release_fork(self: Manager, sid: str, key: str) -> None:
+    async def release_fork(self, sid: str, key: str) -> None:
         """The fork image ``key`` of sid out of the shared store (all its children are
         restored, or the fork failed)."""
         if self.snapstore is None:
@@ -366,7 +398,7 @@ class Snapshots:
         except Exception as e:  # (the orphan sweep removes it later)
             log.warning("fork image %s stays in the store: %s", key, e or type(e).__name__)
 
-    async def fork_restore(self: Manager, workspace_id: str, sid: str, key: str, n: int,
+    async def fork_restore(self, workspace_id: str, sid: str, key: str, n: int,
                            size: int) -> list[SandboxRow]:
         """A fork fanned out across nodes, a target node's part: n children of sid (whose
         row may be any node's) restored here from the fork image ``key`` in the shared
@@ -376,7 +408,7 @@ class Snapshots:
             raise ApiError("not_found", "this node has no shared snapshot store (a fork "
                            "across nodes needs CPUOS_SNAPSHOT_STORE)")
         check_fork_key(sid, key)
-        parent = self.get(workspace_id, sid)  # (404 unless the caller's)
+        parent = self._get(workspace_id, sid)  # (404 unless the caller's)
         info = template_info(self.cfg.templates_dir, parent.template)
         if info is None or info.get("digest") != parent.spec.template_digest:
             raise ApiError("conflict", f"node {self.node_id} does not have the build of "
@@ -407,7 +439,7 @@ class Snapshots:
         finally:
             shutil.rmtree(image, ignore_errors=True)
 
-    async def _clones(self: Manager, row: SandboxRow, image: Path, n: int, remaining: float,
+    async def _clones(self, row: SandboxRow, image: Path, n: int, remaining: float,
                       rootfs: str | None = None) -> list[SandboxRow]:
         """n children of row restored from image, each a new row of this node; on a failure
         (or a cancellation) the ones made are killed and the error raised."""
@@ -434,7 +466,7 @@ class Snapshots:
         except BaseException:
             for c in clones:  # nothing half-made: a fork gives all its children or none
                 with contextlib.suppress(Exception):
-                    await asyncio.shield(self.kill(c.id, reason="fork failed"))
+                    await asyncio.shield(self._kill(c.id, reason="fork failed"))
             raise
         return clones
 

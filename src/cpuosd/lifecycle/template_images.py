@@ -16,7 +16,7 @@ import shutil
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 
 from cpuos_agent.protocol import Kind
@@ -28,7 +28,7 @@ from ..config import Config
 from ..errors import ApiError
 from ..store import RowSpec, SandboxRow, Store
 from ..templates.builder import list_templates, template_info
-from .common import Boot, Finish, Kill, Live, Spawn, _base_env, _now
+from .common import Boot, Finish, Kill, Live, NewRow, Spawn, _base_env, _now
 from .states import State
 
 log = logging.getLogger("cpuosd.lifecycle")
@@ -43,12 +43,6 @@ POOL_RETRY = 30.0
 
 class PoolMiss(Exception):
     """The refill a create waited for failed."""
-
-
-class NewRow(Protocol):  # Manager._new_row: a sandbox's row, inserted
-    def __call__(self, workspace_id: str, template: str, info: dict[str, Any],
-                 timeout: float, metadata: dict[str, str], env: dict[str, str], vcpus: int,
-                 memory_mib: int, state: State = ...) -> SandboxRow: ...
 
 
 class TemplateImages:
