@@ -1,11 +1,15 @@
 """The sandbox lifecycle's one writer: create, kill and every state change
 (lifecycle.states), each written to SQLite before it is acted on and published as an event.
 
-The Manager is assembled from one module per concern:
-``reconcile`` (restart), ``template_images`` (template snapshots, warm pool), ``snapshots``
-(pause, resume, fork), ``wake`` (auto-pause on idle, wake on a call), ``exec_files`` (exec,
-files), mixins; ``deadlines``, a collaborator it holds (``Manager.deadlines``); this module
-holds what they share and the lifecycle itself.
+This module holds the lifecycle itself (create, boot, kill, the state writer) and what
+its collaborators share; each concern is a collaborator in a module of its own, held as an
+attribute and given its dependencies (the store, config values, the Manager's operations as
+callables; lifecycle.common) rather than the Manager: ``snapshots`` (pause, resume, fork),
+``autopause`` (lifecycle.wake: auto-pause on idle, wake on a call), ``session``
+(lifecycle.exec_files: exec, files), ``images`` and ``pool`` (lifecycle.template_images:
+template snapshots, the warm pool), ``reconcile`` (a restart; an agent that hung up),
+``deadlines``. The API calls them there (``mgr.snapshots.pause``, ``mgr.session.exec_start``);
+what spans two of them (``forget_template``, ``placement_facts``) stays here.
 """
 
 from __future__ import annotations
@@ -117,7 +121,7 @@ class Manager:
         # exec and files on a live sandbox (lifecycle.exec_files): a collaborator
         self.session = Session(store, self.events, self.exec_stdin,
                                cfg.sandbox.max_read_bytes, self._spawn)
-        # wall-clock deadlines (lifecycle.deadlines): a collaborator, not a mixin
+        # wall-clock deadlines (lifecycle.deadlines): a collaborator
         self.deadlines = Deadlines(store, cfg.sandbox.reaper_interval, self.node_id,
                                    self._spawn, self.snapshots.pause, self.kill)
         self.events.subscribe(self.autopause.on_event)
