@@ -19,12 +19,13 @@ import pytest
 
 from cpuosd.accounting.quotas import Admission
 from cpuosd.agentconn import AgentChannel
-from cpuosd.config import Config
+from cpuosd.config import ClusterConfig, Config
 from cpuosd.errors import ApiError
 from cpuosd.lifecycle.common import Live
 from cpuosd.lifecycle.manager import Manager
 from cpuosd.lifecycle.states import ACTIVE, State
 from cpuosd.store import RowSpec, SandboxRow, Store
+from cpuosd.snapstore.directory import DirectorySnapshotStore
 from cpuosd.store.postgres import PostgresStore
 from cpuosd.wiring import bootstrap
 from support.daemon import wait_until
@@ -249,6 +250,42 @@ def test_two_nodes_creating_at_once_never_pass_a_workspaces_maxima(
         check.close()
     assert sorted(refused["a"] + refused["b"]) == sorted(
         ["max_sandboxes"] * 3 * rounds + ["max_total_vcpus"] * 4 * rounds)
+
+
+@pytest.mark.cluster
+def test_a_claim_from_the_snapshot_store_is_admitted_before_it_is_made(
+        pg_url: str, tmp_path: Path) -> None:
+    """A sandbox paused into the snapshot store, resumed on node B: admitted (the
+    workspace's running vCPUs) in one step with the claim, before the row changes: refused,
+    the row is as it was; with room for exactly it, admitted (it is not counted twice, as
+    when the claim came first)."""
+    store = PostgresStore(pg_url, max_size=4)
+    ws = store.create_workspace("w", {"max_total_vcpus": 2})
+    running = _row(ws, "sbx-running", vcpus=2)
+    running.state, running.node_id = State.RUNNING, "node-a"
+    store.insert_sandbox(running)
+    paused = _row(ws, "sbx-paused", vcpus=1)
+    paused.state, paused.epoch = State.PAUSED, 3
+    store.insert_sandbox(paused)
+    cfg = Config(home=tmp_path / "node-b", templates_path=_templates(tmp_path),
+                 cluster=ClusterConfig(role="node", node_id="node-b"))
+    mgr = FastManager(cfg, store, FakeBackend(), measure=FakeHost(),
+                      snapstore=DirectorySnapshotStore(tmp_path / "snapshots", shared=True))
+    try:
+        with pytest.raises(ApiError) as e:
+            asyncio.run(mgr.resume(ws, "sbx-paused"))
+        assert e.value.code == "limit_exceeded" and e.value.details["limit"] == "max_total_vcpus"
+        row = store.get_sandbox("sbx-paused")
+        assert row is not None and (row.state, row.node_id, row.epoch) == ("paused", None, 3)
+        store.set_workspace_limits(ws, {"max_total_vcpus": 3})
+        with pytest.raises(Exception) as e2:  # (admitted and claimed; its image is not there)
+            asyncio.run(mgr.resume(ws, "sbx-paused"))
+        assert not (isinstance(e2.value, ApiError) and e2.value.code == "limit_exceeded"), e2
+        row = store.get_sandbox("sbx-paused")
+        assert row is not None and (row.state, row.node_id) == ("paused", None)
+        assert row.epoch == 5  # (claimed by node B, then given back)
+    finally:
+        store.close()
 
 
 # ---- the bootstrap ------------------------------------------------------------------------
