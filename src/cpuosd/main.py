@@ -140,20 +140,33 @@ def drain_self(argv: list[str]) -> int:
 
 
 def audit_verify(argv: list[str]) -> int:
-    """``cpuosd audit verify [--home DIR] [--json]``: the host-side check of the audit chain,
-    from the database and key on disk (the daemon need not run)."""
+    """``cpuosd audit verify [--home DIR] [--json]``: the host-side check of the audit chain
+    (the daemon need not run): the database and key on disk; with CPUOS_DATABASE_URL the
+    chain every node appends to in Postgres (as ``GET /audit/verify``), with the key
+    (CPUOS_AUDIT_KEY_FILE) and this home's ``audit.head`` (the row its node last wrote)."""
     import argparse
     import json
 
     from . import homedir
-    from .accounting.audit import verify_file
+    from .accounting.audit import read_head, verify_database, verify_file
 
     homedir.private_umask()  # reading WAL databases may create their -shm file
     ap = argparse.ArgumentParser(prog="cpuosd audit verify")
     ap.add_argument("--home", help="state directory (default $CPUOS_HOME or /var/lib/cpuos)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    out = verify_file(load_config(a.home).home)
+    cfg = load_config(a.home)
+    try:  # (the key is only read: a verifier never makes one)
+        key_text = cfg.audit_key_path.read_text().strip()
+    except OSError as e:
+        print(f"cpuosd audit verify: no audit key at {cfg.audit_key_path}: {e.strerror}",
+              file=sys.stderr)
+        return 2
+    if cfg.cluster.database_url:
+        out = verify_database(cfg.cluster.database_url, bytes.fromhex(key_text),
+                              read_head(cfg.home / "audit.head"))
+    else:
+        out = verify_file(cfg.home, cfg.audit_key_path)
     if a.json:
         print(json.dumps(out, indent=2))
     else:

@@ -89,32 +89,41 @@ def bootstrap(cfg: Config, store: Store) -> None:
     """First start: a default workspace and an admin key at $CPUOS_HOME/admin.key (0600).
     With CPUOS_ADMIN_KEY (a deployment's Secret) that key instead, and only into a
     database whose admin workspace has no key yet: nodes starting later add none (nor
-    write admin.key), and a key revoked since is not brought back."""
+    write admin.key), and a key revoked since is not brought back.
+
+    One bootstrap at a time among all processes sharing the store (``Store.serialized``:
+    nodes starting together on an empty database make one ``default`` workspace); again
+    on the same home it adds nothing. Without CPUOS_ADMIN_KEY each node's home gets an
+    admin key of its own, of that one workspace."""
     if cfg.cluster.admin_key:
         _bootstrap_given_key(store, cfg.cluster.admin_key)
         return
-    if cfg.admin_key_path.exists() and store.workspace_by_name("default"):
-        return
-    wid = store.workspace_by_name("default") or store.create_workspace("default")
-    key = store.add_key(wid, "admin")
+    with store.serialized("bootstrap"):
+        if cfg.admin_key_path.exists() and store.workspace_by_name("default"):
+            return
+        key = store.add_key(_admin_workspace(store), "admin")
+    # (written once the key is in: a failed commit leaves no file naming a key that is not)
     fd = os.open(cfg.admin_key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(key + "\n")
     os.chmod(cfg.admin_key_path, 0o600)
 
 
+def _admin_workspace(store: Store) -> str:
+    """The admin workspace (``default``), made if there is none (in a serialized block)."""
+    return store.workspace_by_name("default") or store.create_workspace("default")
+
+
 def _bootstrap_given_key(store: Store, key: str) -> None:
-    wid = store.workspace_by_name("default") or store.create_workspace("default")
-    if store.list_keys(wid):  # (not an empty database: its keys stay as they are)
-        if store.key_lookup(key) is None:
-            log.warning("CPUOS_ADMIN_KEY is not a live key of the admin workspace (revoked, "
-                        "or the database was set up with another key): not added")
-        return
-    try:
+    with store.serialized("bootstrap"):
+        wid = _admin_workspace(store)
+        if store.list_keys(wid):  # (not an empty database: its keys stay as they are)
+            if store.key_lookup(key) is None:
+                log.warning("CPUOS_ADMIN_KEY is not a live key of the admin workspace "
+                            "(revoked, or the database was set up with another key): not "
+                            "added")
+            return
         store.add_key(wid, "admin", key=key)
-    except Exception:  # (another node added it at the same moment: the key is unique)
-        if store.key_lookup(key) is None:
-            raise
     log.info("the admin workspace's key is CPUOS_ADMIN_KEY")
 
 

@@ -1,10 +1,11 @@
 """The audit chain shared by many nodes (cpuosd.store.audit_chain) on a real Postgres: two
 processes append at once and the rows verify as one chain; an edit, a deleted row and
-deleted newest rows are found."""
+deleted newest rows are found, also by ``cpuosd audit verify`` with CPUOS_DATABASE_URL."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -15,6 +16,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from cpuosd.accounting.audit import AuditLog
 from cpuosd.store.audit_chain import PgAuditChain
 from cpuosd.store.postgres import PostgresStore
 
@@ -108,3 +110,75 @@ def test_retention_keeps_the_chain_verifiable(chain: PgAuditChain) -> None:
     assert anchor is not None and anchor[0] == 10
     v = chain.verify(heads=[head, (3, "x" * 64)])  # (a head from before the anchor: pruned)
     assert v["ok"] and v["rows"] == 5
+
+
+def _cli_verify(home: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "cpuosd.main", "audit", "verify", "--home",
+                           str(home), *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env})
+
+
+def test_cpuosd_audit_verify_checks_the_shared_chain(chain: PgAuditChain, pg_url: str,
+                                                     tmp_path: Path) -> None:
+    """``cpuosd audit verify`` on a node's host with CPUOS_DATABASE_URL walks the chain in
+    Postgres (not the home's files) with the key of CPUOS_AUDIT_KEY_FILE and the home's
+    audit.head, and answers what ``GET /audit/verify`` answers (the same code: the
+    AuditLog of a node over that chain); an edited row, and the newest rows deleted with the
+    chain's head rolled back, are found."""
+    for b in range(3):
+        head = chain.append([(time.time(), "ws-1", f"sbx-{b}", "lifecycle", {"b": b, "i": i})
+                             for i in range(5)])
+    home = tmp_path / "node-a"
+    home.mkdir()
+    (home / "audit.head").write_text(json.dumps({"seq": head[0], "hash": head[1]}))
+    key_file = tmp_path / "audit.key"
+    key_file.write_text(KEY.hex() + "\n")
+    env = {"CPUOS_DATABASE_URL": pg_url, "CPUOS_AUDIT_KEY_FILE": str(key_file)}
+
+    def api_answer() -> dict[str, object]:  # (what a node's GET /audit/verify walks)
+        node = AuditLog(tmp_path / "api" / "audit.db", key_file, home / "audit.head",
+                        chain=PgAuditChain(pg_url, KEY))
+        try:
+            return node.verify()
+        finally:
+            node.close()
+
+    (tmp_path / "api").mkdir()
+    out = _cli_verify(home, env, "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    got = json.loads(out.stdout)
+    assert got["ok"] and got["rows"] == 15 and got["head"]["seq"] == 15
+    assert got == api_answer()
+    assert not (home / "audit.db").exists()  # (the home's files are not what it read)
+
+    with psycopg.connect(pg_url, autocommit=True) as c:
+        c.execute("UPDATE audit SET detail = '{\"b\": 1, \"i\": 9}' WHERE seq = 7")
+    out = _cli_verify(home, env)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "seq 7: its content does not match its hash (edited) (sandbox sbx-1)" in out.stdout
+    assert out.stdout.rstrip().splitlines()[-1].startswith("BROKEN: 15 rows checked")
+    got = json.loads(_cli_verify(home, env, "--json").stdout)
+    assert [p["seq"] for p in got["problems"]] == [7] and got == api_answer()
+
+    # the edit undone, the newest rows deleted and the chain's head row rolled back: the
+    # chain alone holds, the row this node last wrote (its audit.head) is gone
+    with psycopg.connect(pg_url, autocommit=True) as c:
+        c.execute("UPDATE audit SET detail = %s WHERE seq = 7",
+                  (json.dumps({"b": 1, "i": 1}, sort_keys=True, separators=(",", ":")),))
+        c.execute("DELETE FROM audit WHERE seq >= 12")
+        r = c.execute("SELECT seq, hash FROM audit ORDER BY seq DESC LIMIT 1").fetchone()
+        assert r is not None
+        c.execute("UPDATE audit_head SET seq = %s, hash = %s", r)
+    (tmp_path / "elsewhere").mkdir()
+    assert _cli_verify(tmp_path / "elsewhere", env).returncode == 0  # (no head kept there)
+    out = _cli_verify(home, env, "--json")
+    assert out.returncode == 1
+    got = json.loads(out.stdout)
+    assert got["problems"] == [{"seq": 15, "sandbox": None,
+                                "problem": "a node's last written row is gone or changed"}]
+    assert got == api_answer()
+
+    # no key where the configuration says: said, not made
+    out = _cli_verify(home, {**env, "CPUOS_AUDIT_KEY_FILE": str(tmp_path / "none.key")})
+    assert out.returncode == 2 and "no audit key at" in out.stderr
+    assert not (tmp_path / "none.key").exists()

@@ -617,18 +617,11 @@ class AuditLog:
     def verify(self) -> dict[str, Any]:
         """Walk the whole chain (a thread's work: call it off the event loop)."""
         if self.chain is not None:  # (the shared chain, and this node's last row in it)
-            mine = self._head_file()
-            return self.chain.verify([(int(mine["seq"]), str(mine["hash"]))] if mine else [])
+            return verify_shared(self.chain, self._head_file())
         return verify_chain(self.iter_rows(), self.key, self.anchor(), self._head_file())
 
     def _head_file(self) -> dict[str, Any] | None:
-        if self.head_path is None:
-            return None
-        try:
-            d = json.loads(self.head_path.read_text())
-            return d if isinstance(d, dict) else None
-        except (OSError, ValueError):
-            return None
+        return read_head(self.head_path)
 
     def prune(self, before: float) -> int:
         """Delete rows older than ``before`` from the front of the chain; the last one
@@ -703,22 +696,50 @@ def verify_chain(rows: Iterator[tuple[Any, ...]], key: bytes,
             "problem_count": n_problems, "head": {"seq": prev_seq, "hash": prev_hash}}
 
 
-def verify_file(home: Path) -> dict[str, Any]:
-    """The host-side check, without the daemon: the database and key under ``home``."""
+def read_head(path: Path | None) -> dict[str, Any] | None:
+    """The head a writer last recorded (``audit.head``: its seq and hash), if any."""
+    if path is None:
+        return None
+    try:
+        d = json.loads(path.read_text())
+        return d if isinstance(d, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def verify_shared(chain: PgAuditChain, head: dict[str, Any] | None) -> dict[str, Any]:
+    """The chain every node appends to (many hosts: cpuosd.store.audit_chain), and the row
+    this node last wrote (``head``, its ``audit.head``): ``GET /audit/verify`` on a node
+    and ``cpuosd audit verify`` with CPUOS_DATABASE_URL."""
+    return chain.verify([(int(head["seq"]), str(head["hash"]))] if head else [])
+
+
+def verify_database(url: str, key: bytes, head: dict[str, Any] | None) -> dict[str, Any]:
+    """The host-side check of the shared chain in Postgres at ``url``, without a daemon."""
+    from ..store.audit_chain import PgAuditChain
+
+    chain = PgAuditChain(url, key, max_size=1)
+    try:
+        return verify_shared(chain, head)
+    finally:
+        chain.close()
+
+
+def verify_file(home: Path, key_path: Path | None = None) -> dict[str, Any]:
+    """The host-side check, without the daemon: the database under ``home``, the key at
+    ``key_path`` (default ``home/audit.key``)."""
     db = sqlite3.connect(f"file:{home / DB_NAME}?mode=ro", uri=True)
     with contextlib.closing(db):
-        key = bytes.fromhex((home / "audit.key").read_text().strip())
+        key = bytes.fromhex((key_path or home / "audit.key").read_text().strip())
         try:
             a = db.execute("SELECT seq, hash, mac FROM audit_anchor").fetchone()
         except sqlite3.OperationalError:
             return {"ok": True, "rows": 0, "problems": [], "problem_count": 0,
                     "head": {"seq": 0, "hash": GENESIS}}
-        head = None
-        with contextlib.suppress(OSError, ValueError):
-            head = json.loads((home / "audit.head").read_text())
+        head = read_head(home / "audit.head")
 
         def rows() -> Iterator[tuple[Any, ...]]:
             yield from db.execute(f"SELECT {COLS} FROM audit ORDER BY seq")
 
         return verify_chain(rows(), key, (int(a[0]), str(a[1]), str(a[2])) if a else None,
-                            head if isinstance(head, dict) else None)
+                            head)

@@ -1,6 +1,7 @@
 """Admission: a sandbox is made only if its workspace's maxima and the host allow it,
-checked before anything is started (and in the same event-loop step as the row is written,
-so two creates cannot both take the last place).
+checked before anything is started, in one step with the write that makes the sandbox
+count (``Admission.admitting``: under the workspace's lock in the store, so two creates,
+on one host or on two nodes sharing Postgres, cannot both take the last place).
 
 - Per sandbox: vCPUs and memory at most the workspace's ``max_vcpus`` / ``max_memory_mib``
   (by default the host's cores and memory: no sandbox larger than the machine) -> 422.
@@ -25,11 +26,12 @@ so two creates cannot both take the last place).
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -351,6 +353,19 @@ class Admission:
                                {"limit": "max_total_memory_mib"})
         if reserve_host:
             self.check_host(vcpus, memory_mib, n)
+
+    @contextlib.contextmanager
+    def admitting(self, workspace_id: str, vcpus: int, memory_mib: int, **kw: Any
+                  ) -> Iterator[None]:
+        """``admit`` (same arguments), then the caller's block: the write that makes the
+        sandboxes count for the workspace (a row inserted, a pooled one handed over, a
+        paused one claimed) goes in it. Both run as one step of the store
+        (``Store.serialized``, scope ``admission:<workspace>``): where several nodes share
+        the store, one workspace's admissions wait for each other and each counts what the
+        one before it wrote, so no number of nodes creating at once passes its maxima."""
+        with self.store.serialized(f"admission:{workspace_id}"):
+            self.admit(workspace_id, vcpus, memory_mib, **kw)
+            yield
 
     def _needs(self, use: HostUse, memory_mib: int, n: int) -> int:
         """MiB n new sandboxes of this size are taken to hold once up: what a running one

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -457,40 +458,53 @@ class Manager:
             self.cfg.sandbox.default_pids,
             self.cfg.sandbox.default_disk_mib)
         pooled = default_size and self.pool.on(template)
-        # no await from here to the row's insert (or the pop): admission is atomic
         ready = pooled and bool(self.pool.ready.get(template))
         wait = pooled and not ready and self.pool.can_wait(template)
-        self.admission.admit(workspace_id, vcpus, memory_mib, pids=pids, disk_mib=disk_mib,
-                             reserve_host=not (ready or wait),
-                             pending=self.pool.claims.get(workspace_id, 0))
-        lv: Live | None = self.pool.take(template) if pooled else None
+        new_row = functools.partial(
+            self._new_row, workspace_id, template, info, timeout, metadata, env, vcpus,
+            memory_mib, on_timeout=on_timeout, network=network, pids=pids,
+            disk_mib=disk_mib, idle_timeout=idle_timeout)
+        row: SandboxRow | None = None
+        # admission and the write that makes the sandbox the workspace's in one step of the
+        # store (the workspace's lock where nodes share it): no await in between
+        with self.admission.admitting(workspace_id, vcpus, memory_mib, pids=pids,
+                                      disk_mib=disk_mib, reserve_host=not (ready or wait),
+                                      pending=self.pool.claims.get(workspace_id, 0)):
+            lv: Live | None = self.pool.take(template) if pooled else None
+            if lv is not None and lv.spec.network == network:
+                return self._hand_out(lv, workspace_id, metadata, on_timeout, env, timeout,
+                                      network, idle_timeout)
+            if lv is None and not wait:
+                row = new_row()
         if lv is None and wait:
             # a refill under way is done sooner than a restore of our own would be
             lv = await self.pool.wait(template, workspace_id)
             if lv is None:  # it failed or took too long: our own, admitted as any
-                self.admission.admit(workspace_id, vcpus, memory_mib, pids=pids,
-                                     disk_mib=disk_mib)
-        if lv is not None:
-            row = lv.row
-            row.workspace_id, row.metadata, row.on_timeout = workspace_id, metadata, on_timeout
-            row.spec = replace(row.spec, env=env, timeout=timeout, network=network,
-                               idle_timeout=idle_timeout)
-            lv.spec.env = env
+                with self.admission.admitting(workspace_id, vcpus, memory_mib, pids=pids,
+                                              disk_mib=disk_mib):
+                    row = new_row()
+        if lv is not None:  # (awaited: admitted again as it is handed over)
             if lv.spec.network != network:  # pooled with the default policy
-                self.store.update_sandbox(row.id, spec=row.spec)  # (its secrets: on record)
+                lv.row.spec = replace(lv.row.spec, network=network)
+                self.store.update_sandbox(lv.row.id, spec=lv.row.spec)  # (its secrets)
                 lv.spec.network = network
                 try:
                     await self._apply_network(lv)
                 except BaseException:
-                    await self.kill(row.id, reason="network setup failed")
+                    await self.kill(lv.row.id, reason="network setup failed")
                     raise
-            self._mark_running(row, timeout)
-            return row
+            try:
+                with self.admission.admitting(workspace_id, vcpus, memory_mib,
+                                              reserve_host=False,
+                                              pending=self.pool.claims.get(workspace_id, 0)):
+                    return self._hand_out(lv, workspace_id, metadata, on_timeout, env,
+                                          timeout, network, idle_timeout)
+            except BaseException:  # (refused now: over a maximum another node reached)
+                await self.kill(lv.row.id, reason="pool_discarded")
+                raise
+        assert row is not None
         # the row first: a create waiting for its template's snapshot is listed (creating)
         # and can be deleted
-        row = self._new_row(workspace_id, template, info, timeout, metadata, env, vcpus,
-                            memory_mib, on_timeout=on_timeout, network=network, pids=pids,
-                            disk_mib=disk_mib, idle_timeout=idle_timeout)
         async with self._lock(row.id):
             self._inflight[row.id] = asyncio.current_task()
             try:
@@ -505,6 +519,18 @@ class Manager:
             finally:
                 self._inflight.pop(row.id, None)
             self._mark_running(row, timeout)
+        return row
+
+    def _hand_out(self, lv: Live, workspace_id: str, metadata: dict[str, str],
+                  on_timeout: str, env: dict[str, str], timeout: float,
+                  network: dict[str, Any], idle_timeout: float) -> SandboxRow:
+        """A pooled sandbox becomes the workspace's, running (its network set already)."""
+        row = lv.row
+        row.workspace_id, row.metadata, row.on_timeout = workspace_id, metadata, on_timeout
+        row.spec = replace(row.spec, env=env, timeout=timeout, network=network,
+                           idle_timeout=idle_timeout)
+        lv.spec.env = env
+        self._mark_running(row, timeout)
         return row
 
     async def _boot_or_fallback(self, row: SandboxRow, image: Path | None,

@@ -229,8 +229,14 @@ class Snapshots:
         paused on no node again."""
         assert self.snapstore is not None
         sid = row.id
-        if not self.store.transition(sid, (State.PAUSED,), State.RESUMING, expect_epoch=row.epoch,
-                                     new_epoch=True, node_id=self.node_id):
+        # admitted (its running size counts for the workspace from the claim on) in one step
+        # with the claim, as creates on other nodes are
+        with self.admission.admitting(row.workspace_id, row.spec.vcpus, row.spec.memory_mib,
+                                      new_sandboxes=False):
+            claimed = self.store.transition(sid, (State.PAUSED,), State.RESUMING,
+                                            expect_epoch=row.epoch, new_epoch=True,
+                                            node_id=self.node_id)
+        if not claimed:
             now = self.store.get_sandbox(sid)
             raise ApiError("conflict", f"sandbox {sid} is being resumed elsewhere (now "
                            f"{now.state if now else 'gone'})",
@@ -283,12 +289,13 @@ class Snapshots:
         it is paused as it was (the snapshot is kept until the restore succeeded)."""
         sid = row.id
         snap = self._snap(sid)
-        claimed = row.state == State.RESUMING  # (fetched from the shared store: _claim)
+        claimed = row.state == State.RESUMING  # (fetched from the shared store: _claim,
+        # which admitted it)
         try:
-            self.admission.admit(row.workspace_id, row.spec.vcpus, row.spec.memory_mib,
-                                 new_sandboxes=False)
             if not claimed:
-                self._set_state(sid, State.RESUMING)
+                with self.admission.admitting(row.workspace_id, row.spec.vcpus,
+                                              row.spec.memory_mib, new_sandboxes=False):
+                    self._set_state(sid, State.RESUMING)
             await self._boot(row, snap, resume=True)
         except BaseException:
             if claimed:  # the store's copy is still good: paused on no node again
@@ -448,14 +455,19 @@ class Snapshots:
         clones: list[SandboxRow] = []
         try:
             for _ in range(n):
-                c = self._new_row(row.workspace_id, row.template, info, remaining,
-                                  row.metadata, row.spec.env, row.spec.vcpus,
-                                  row.spec.memory_mib, on_timeout=row.on_timeout)
-                c.spec = replace(c.spec, pids=row.spec.pids,  # rlimits must match at restore
-                                 disk_mib=row.spec.disk_mib,  # and the overlay's medium
-                                 network=row.spec.network,
-                                 idle_timeout=row.spec.idle_timeout or 0.0)
-                self.store.update_sandbox(c.id, spec=c.spec)
+                # each child admitted again as its row is made (the fork's own admission
+                # was before the checkpoint: creates meanwhile, here or on other nodes,
+                # count by now), the host's room aside (checked then)
+                with self.admission.admitting(row.workspace_id, row.spec.vcpus,
+                                              row.spec.memory_mib, reserve_host=False):
+                    c = self._new_row(row.workspace_id, row.template, info, remaining,
+                                      row.metadata, row.spec.env, row.spec.vcpus,
+                                      row.spec.memory_mib, on_timeout=row.on_timeout)
+                    c.spec = replace(c.spec, pids=row.spec.pids,  # rlimits must match at
+                                     disk_mib=row.spec.disk_mib,  # restore, and the
+                                     network=row.spec.network,  # overlay's medium
+                                     idle_timeout=row.spec.idle_timeout or 0.0)
+                    self.store.update_sandbox(c.id, spec=c.spec)
                 try:
                     await self._boot(c, image)
                 except BaseException as e:

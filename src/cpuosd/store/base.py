@@ -12,6 +12,7 @@ nothing.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import secrets
@@ -197,6 +198,16 @@ class Store(Protocol):
     def list_nodes(self) -> list[dict[str, Any]]: ...
     def set_node_cordoned(self, node_id: str, cordoned: bool) -> bool: ...
     def remove_node(self, node_id: str) -> None: ...
+
+    def serialized(self, scope: str) -> contextlib.AbstractContextManager[None]:
+        """A block that runs alone among every process sharing the store (per ``scope``,
+        e.g. ``admission:<workspace>``), as one transaction: the calls of this store made
+        by this thread inside it are that transaction's, committed at the block's end
+        (rolled back if it raises). Postgres: a transaction-scoped advisory lock on the
+        scope (waited for at most ``SERIAL_LOCK_TIMEOUT_MS``, then ``ApiError``
+        ``unavailable`` naming the scope); SQLite (one host): a write transaction. Not
+        nested; keep it short and without awaits (an event loop waits on it)."""
+        ...
 
     def take_lease(self, name: str, holder: str, ttl: float) -> bool:
         """Hold (or renew) the lease ``name`` for ``ttl`` s: True unless another holder's

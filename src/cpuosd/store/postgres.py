@@ -7,12 +7,20 @@ is bounded (``statement_timeout``, ``lock_timeout``; a connection is waited for 
 ``POOL_TIMEOUT`` s): an unreachable database fails a request with an error, it never hangs
 it. Migrations run under an advisory lock, so API processes starting together apply each
 once.
+
+``serialized(scope)`` (admission per workspace, the first start's bootstrap): one
+transaction on one connection of the pool holding ``pg_advisory_xact_lock(SERIAL_LOCK_CLASS,
+hashtext(scope))``; the store's calls made by the same thread inside the block run in it
+(``_Held``), and the lock goes with its commit (or rollback, or the connection's end).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
+import threading
+from dataclasses import dataclass
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -20,6 +28,7 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool
 
+from ..errors import ApiError
 from .migrations import MIGRATIONS, render
 from .sql import Conn, SqlStore
 
@@ -28,6 +37,10 @@ POOL_TIMEOUT = 10.0  # s a call waits for a connection of the pool
 STATEMENT_TIMEOUT_MS = 15_000
 LOCK_TIMEOUT_MS = 10_000
 MIGRATION_LOCK = 0x63_70_75_6F_73  # pg_advisory_xact_lock key ("cpuos")
+# serialized(scope): pg_advisory_xact_lock(SERIAL_LOCK_CLASS, hashtext(scope)) (two int4
+# keys: a space of its own beside MIGRATION_LOCK's one bigint)
+SERIAL_LOCK_CLASS = 0x63_70_75_73  # "cpus"
+SERIAL_LOCK_TIMEOUT_MS = 5_000  # ms a serialized block waits for its lock, then 503
 
 
 @functools.lru_cache(maxsize=1024)
@@ -55,6 +68,22 @@ class _PgConn:
     def many(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
         with self.conn.cursor() as cur:
             cur.executemany(_pg(sql), [_args(r) for r in rows])
+
+
+@dataclass
+class _Held:
+    """The connection of a ``serialized`` block, for the calls of its store on its thread
+    while it runs (``active``: a task or thread that copied the context inside the block
+    and runs after it uses the pool again)."""
+
+    store: PostgresStore
+    conn: _PgConn
+    thread: int
+    active: bool = True
+
+
+_HELD: contextvars.ContextVar[_Held | None] = contextvars.ContextVar("cpuos_store_held",
+                                                                     default=None)
 
 
 def _configure(conn: psycopg.Connection[Any]) -> None:
@@ -109,15 +138,55 @@ class PostgresStore(SqlStore):
         r = self._one("SELECT version FROM cpuos_schema WHERE id = 1")
         return int(r["version"]) if r else 0
 
+    def _held(self) -> _PgConn | None:
+        h = _HELD.get()
+        if h is not None and h.active and h.store is self and h.thread == threading.get_ident():
+            return h.conn
+        return None
+
     @contextlib.contextmanager
     def _conn(self) -> Iterator[Conn]:
+        held = self._held()
+        if held is not None:
+            yield held
+            return
         with self.pool.connection() as c:
             yield _PgConn(c)
 
     @contextlib.contextmanager
     def _tx(self) -> Iterator[Conn]:
+        held = self._held()
+        if held is not None:  # (a savepoint in the serialized block's transaction)
+            with held.conn.transaction():
+                yield held
+            return
         with self.pool.connection() as c, c.transaction():
             yield _PgConn(c)
+
+    serial_lock_timeout_ms = SERIAL_LOCK_TIMEOUT_MS
+
+    @contextlib.contextmanager
+    def serialized(self, scope: str) -> Iterator[None]:
+        if self._held() is not None:
+            raise RuntimeError(f"serialized({scope!r}) inside another serialized block")
+        with self.pool.connection() as c, c.transaction():
+            c.execute(f"SET LOCAL lock_timeout = {int(self.serial_lock_timeout_ms)}")
+            try:
+                c.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
+                          (SERIAL_LOCK_CLASS, scope))
+            except psycopg.errors.LockNotAvailable:
+                raise ApiError(
+                    "unavailable", f"the store's lock {scope!r} is held by another process "
+                    f"past {self.serial_lock_timeout_ms / 1000:g} s; try again",
+                    {"lock": scope}) from None
+            c.execute(f"SET LOCAL lock_timeout = {LOCK_TIMEOUT_MS}")
+            held = _Held(self, _PgConn(c), threading.get_ident())
+            token = _HELD.set(held)
+            try:
+                yield
+            finally:
+                held.active = False
+                _HELD.reset(token)
 
     def _json_int(self, col: str, key: str) -> str:
         return f"(({col})::jsonb->>'{key}')::numeric"

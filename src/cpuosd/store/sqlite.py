@@ -42,6 +42,7 @@ class SqliteStore(SqlStore):
                                    timeout=10)
         self._db.row_factory = sqlite3.Row
         self._lock = threading.RLock()
+        self._serial = False  # in a serialized block (its thread holds _lock)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA foreign_keys=ON")
@@ -66,6 +67,16 @@ class SqliteStore(SqlStore):
     @contextlib.contextmanager
     def _tx(self) -> Iterator[Conn]:
         with self._lock:
+            if self._serial:  # (inside serialized: a savepoint of its transaction)
+                self._db.execute("SAVEPOINT tx")
+                try:
+                    yield _SqliteConn(self._db)
+                except BaseException:
+                    self._db.execute("ROLLBACK TO tx")
+                    self._db.execute("RELEASE tx")
+                    raise
+                self._db.execute("RELEASE tx")
+                return
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 yield _SqliteConn(self._db)
@@ -73,6 +84,20 @@ class SqliteStore(SqlStore):
                 self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
+
+    @contextlib.contextmanager
+    def serialized(self, scope: str) -> Iterator[None]:
+        """(One host: one write transaction, the connection's lock held throughout, so
+        other threads' calls wait for its end.)"""
+        with self._lock:
+            if self._serial:
+                raise RuntimeError(f"serialized({scope!r}) inside another serialized block")
+            with self._tx():
+                self._serial = True
+                try:
+                    yield
+                finally:
+                    self._serial = False
 
     def _json_int(self, col: str, key: str) -> str:
         return f"json_extract({col}, '$.{key}')"
