@@ -44,9 +44,12 @@ def measure(ctx: Context) -> dict[str, Any]:
     d = ctx.daemon(DAEMON)
     kw = d.sdk_kwargs()
     n = ctx.pick(10, 5, 1)
+    # untimed warmups first (the first create makes the template snapshot); a smoke run
+    # (it proves the case runs, its figures mean nothing) has none
+    warm = ctx.pick(1, 1, 0)
     keys = ("ours_s", "ours_create_s", "floor_s", "floor_create_s", "warm_shot_s")
-    out: dict[str, Any] = {"n": n, **{k: [] for k in keys}}
-    for i in range(n + 1):  # the first (untimed) makes the template snapshot
+    out: dict[str, Any] = {"n": n, "warmup": warm, **{k: [] for k in keys}}
+    for i in range(warm + n):
         t0 = now()
         s = Sandbox.create(template="browser", timeout="10m", **kw)
         try:
@@ -69,22 +72,23 @@ def measure(ctx: Context) -> dict[str, Any]:
                 raise RuntimeError(f"exec true: {r}")
         finally:
             kill_quietly(f)
-        if i == 0:
+        if i < warm:
             continue
         for k, v in zip(keys, (t2 - t0, t1 - t0, t6 - t4, t5 - t4, t3 - t2), strict=True):
             out[k].append(v)
-        console.print(f"  {i}/{n}: create + screenshot {ms(t2 - t0)} (create {ms(t1 - t0)}); "
-                      f"create + exec {ms(t6 - t4)}; warm screenshot {ms(t3 - t2)}")
-    out["pool"] = pooled(ctx, n)
+        console.print(f"  {i + 1 - warm}/{n}: create + screenshot {ms(t2 - t0)} "
+                      f"(create {ms(t1 - t0)}); create + exec {ms(t6 - t4)}; "
+                      f"warm screenshot {ms(t3 - t2)}")
+    out["pool"] = pooled(ctx, n, warm)
     return out
 
 
-def pooled(ctx: Context, n: int) -> dict[str, Any]:
+def pooled(ctx: Context, n: int, warm: int) -> dict[str, Any]:
     """Create (from a full warm pool) + first screenshot."""
     d = ctx.daemon(POOLED)
     kw = d.sdk_kwargs()
     out: dict[str, Any] = {"n": n, "misses": 0, "ours_s": [], "ours_create_s": []}
-    for i in range(n + 1):
+    for i in range(warm + n):
         ready = wait_pool(d, 1, set())
         t0 = now()
         s = Sandbox.create(template="browser", timeout="10m", **kw)
@@ -96,20 +100,20 @@ def pooled(ctx: Context, n: int) -> dict[str, Any]:
                 raise RuntimeError(f"not a PNG: {png[:40]!r}")
         finally:
             kill_quietly(s)
-        if i == 0:
+        if i < warm:
             continue
         out["misses"] += s.id not in ready
         out["ours_s"].append(t2 - t0)
         out["ours_create_s"].append(t1 - t0)
-        console.print(f"  pool {i}/{n}: create + screenshot {ms(t2 - t0)} "
+        console.print(f"  pool {i + 1 - warm}/{n}: create + screenshot {ms(t2 - t0)} "
                       f"(create {ms(t1 - t0)}){'' if s.id in ready else ' (pool miss)'}")
     return out
 
 
 def report(r: dict[str, Any]) -> list[Row]:
     timing_table(
-        f"13. browser: create → first screenshot (N={r['n']}, after 1 warmup; "
-        "CPUOS_POOL_SIZE=0, from the template snapshot)",
+        f"13. browser: create → first screenshot (N={r['n']}, after {r.get('warmup', 1)} "
+        "warmup; CPUOS_POOL_SIZE=0, from the template snapshot)",
         [("ours: Sandbox.create('browser') + browser.screenshot()", r["ours_s"]),
          ("  of which Sandbox.create", r["ours_create_s"]),
          ("floor: Sandbox.create('browser') + exec('true')", r["floor_s"]),
@@ -122,8 +126,9 @@ def report(r: dict[str, Any]) -> list[Row]:
                    f"{ms(median(r['warm_shot_s']))}")
     p = r["pool"]
     timing_table(
-        f"13. browser: create from a warm pool → first screenshot (N={p['n']}, after 1 "
-        f"warmup; CPUOS_POOL_SIZE=1 CPUOS_POOL_TEMPLATES=browser; {p['misses']} pool misses)",
+        f"13. browser: create from a warm pool → first screenshot (N={p['n']}, after "
+        f"{r.get('warmup', 1)} warmup; CPUOS_POOL_SIZE=1 CPUOS_POOL_TEMPLATES=browser; "
+        f"{p['misses']} pool misses)",
         [("ours: Sandbox.create('browser') + browser.screenshot()", p["ours_s"]),
          ("  of which Sandbox.create", p["ours_create_s"])])
     po = median(p["ours_s"])

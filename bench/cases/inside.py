@@ -66,6 +66,14 @@ WORKLOADS = {
     "compute": "python3: sum of 3M squares (no system calls)",
     "syscalls": "dd bs=1 count=200000 (400k read/write calls)",
 }
+# the sizes of the workloads that have one (import: its modules), as their names say. A
+# smoke run (it proves the case runs, its figures mean nothing) makes them small, yet not so
+# small that bash's time (ms) could see one take none: on a host without KVM, syscalls' 200k
+# calls took ~20 s of CPU in each sandbox (3/4 of the smoke run's), import ~4 s
+SIZES = {"import": "numpy, pandas, matplotlib.pyplot", "fork100": "100", "pass20": "20",
+         "compute": "3_000_000", "syscalls": "200000"}
+SMOKE_SIZES = {"import": "numpy", "fork100": "10", "pass20": "2", "compute": "100_000",
+               "syscalls": "2000"}
 TARGET_RAW, TARGET_OFF = 1.10, 1.05
 # the same environment everywhere (cpuos's commands get PATH/HOME/USER/LANG/TERM too)
 ENV = ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -80,9 +88,11 @@ PIP_DISTS = ["pytest", "pluggy", "iniconfig", "packaging", "pygments", "rich",
              "markdown-it-py", "mdurl", "click"]
 
 RUN_SH = r"""#!/bin/bash
-# one workload, timed by bash: prints "<wall> <user> <sys>" in seconds
+# one workload (its size N where it has one), timed by bash: prints "<wall> <user> <sys>" in
+# seconds
 set -u
 B=/tmp/bench
+N=${2:-}
 cd $B
 case $1 in
   pip) rm -rf $B/pip-target ;;
@@ -91,15 +101,15 @@ esac
 step() {
   case $1 in
     noop) : ;;
-    import) python3 -c 'import numpy, pandas, matplotlib.pyplot' ;;
-    fork100) for ((i = 0; i < 100; i++)); do /bin/true; done ;;
-    pass20) for ((i = 0; i < 20; i++)); do python3 -c pass; done ;;
+    import) python3 -c "import $N" ;;
+    fork100) for ((i = 0; i < N; i++)); do /bin/true; done ;;
+    pass20) for ((i = 0; i < N; i++)); do python3 -c pass; done ;;
     pip) python3 -m pip install -q --no-index --no-deps --no-cache-dir \
            --disable-pip-version-check --target $B/pip-target $B/wheels/pip/*.whl ;;
     git) git clone -q $B/repo $B/clone && git -C $B/clone status --porcelain ;;
     pytest) PYTHONPATH=$B/site python3 -m pytest -q -p no:cacheprovider $B/suite ;;
-    compute) python3 -c 'sum(i * i for i in range(3_000_000))' ;;
-    syscalls) dd if=/dev/zero of=/dev/null bs=1 count=200000 status=none ;;
+    compute) python3 -c "sum(i * i for i in range($N))" ;;
+    syscalls) dd if=/dev/zero of=/dev/null bs=1 count=$N status=none ;;
     *) echo "unknown workload $1" >&2; return 2 ;;
   esac
 }
@@ -241,8 +251,8 @@ class Place:
     def setup(self, files: int, tests: int) -> None:
         raise NotImplementedError
 
-    def step(self, workload: str) -> tuple[float, float, float]:
-        """(wall inside, CPU, daemon CPU) of one run of ``workload``."""
+    def step(self, workload: str, n: str = "") -> tuple[float, float, float]:
+        """(wall inside, CPU, daemon CPU) of one run of ``workload`` (``n``: its SIZES)."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -280,8 +290,9 @@ class Native(Place):
     def setup(self, files: int, tests: int) -> None:
         self._run("bash", "/tmp/bench/setup.sh", str(files), str(tests))
 
-    def step(self, workload: str) -> tuple[float, float, float]:
-        wall, cpu = parse_time(self._run("bash", "/tmp/bench/run.sh", workload), "native")
+    def step(self, workload: str, n: str = "") -> tuple[float, float, float]:
+        wall, cpu = parse_time(self._run("bash", "/tmp/bench/run.sh", workload, n),
+                               "native")
         return wall, cpu, 0.0
 
 
@@ -309,9 +320,9 @@ class Raw(Place):
         self._exec("cp", "-r", "/opt/cpuos/bench-inside", "/tmp/bench")
         self._exec("bash", "/tmp/bench/setup.sh", str(files), str(tests))
 
-    def step(self, workload: str) -> tuple[float, float, float]:
+    def step(self, workload: str, n: str = "") -> tuple[float, float, float]:
         c0 = cgroup_cpu(self.cid)
-        out = self._exec("bash", "/tmp/bench/run.sh", workload)
+        out = self._exec("bash", "/tmp/bench/run.sh", workload, n)
         c1 = cgroup_cpu(self.cid)
         wall, _ = parse_time(out, "raw")
         return wall, c1 - c0, 0.0
@@ -337,10 +348,10 @@ class Cpuos(Place):
     def setup(self, files: int, tests: int) -> None:
         self._exec("bash", "/tmp/bench/setup.sh", str(files), str(tests))
 
-    def step(self, workload: str) -> tuple[float, float, float]:
+    def step(self, workload: str, n: str = "") -> tuple[float, float, float]:
         pid = self.d.proc.pid
         c0, d0 = self.sbx.metrics()["cpu_seconds"], proc_cpu(pid)
-        out = self._exec("bash", "/tmp/bench/run.sh", workload)
+        out = self._exec("bash", "/tmp/bench/run.sh", workload, n)
         c1, d1 = self.sbx.metrics()["cpu_seconds"], proc_cpu(pid)
         wall, _ = parse_time(out, self.name)
         return wall, c1 - c0, d1 - d0
@@ -356,8 +367,9 @@ def measure(ctx: Context) -> dict[str, Any]:
     off_d = ctx.extra_daemon(OFF)
     reps = ctx.pick(7, 3, 1)
     files_n, tests_n = ctx.pick(5000, 5000, 200), ctx.pick(400, 400, 20)
+    sizes = ctx.pick(SIZES, SIZES, SMOKE_SIZES)
     out: dict[str, Any] = {"reps": reps, "repo_files": files_n, "tests": tests_n,
-                           "load_before": list(os.getloadavg())}
+                           "sizes": sizes, "load_before": list(os.getloadavg())}
     files = bench_files(ctx.tmp / "inside-files", ctx.mode == "smoke")
     out["wheels"] = sorted(p.name for p in (files / "wheels/pip").iterdir())
     places: list[Place] = []
@@ -379,7 +391,7 @@ def measure(ctx: Context) -> dict[str, Any]:
         for p in places:  # warm the page cache, matplotlib's font cache... (smoke: not)
             for w in WORKLOADS if ctx.mode != "smoke" else ():
                 try:
-                    p.step(w)
+                    p.step(w, sizes.get(w, ""))
                 except Exception as e:
                     raise RuntimeError(f"{w} in {p.name} (warmup): {e}") from e
             for _ in range(ctx.pick(3, 3, 1)):
@@ -390,7 +402,7 @@ def measure(ctx: Context) -> dict[str, Any]:
             for w in WORKLOADS:
                 for p in order:
                     try:
-                        wall, cpu, dcpu = p.step(w)
+                        wall, cpu, dcpu = p.step(w, sizes.get(w, ""))
                     except Exception as e:
                         raise RuntimeError(f"{w} in {p.name} (rep {rep + 1}): {e}") from e
                     s = samples[w][p.name]
@@ -454,6 +466,9 @@ def report(e: dict[str, Any]) -> list[Row]:
                              f"{median(s['off']['daemon_cpu']):.3f} s"})
     console.print(t)
     console.print("  " + "; ".join(f"{w}: {label}" for w, label in WORKLOADS.items()))
+    if e.get("sizes", SIZES) != SIZES:
+        console.print("  [yellow]sizes of this run (not the names'):[/] " + ", ".join(
+            f"{w} {n}" for w, n in e["sizes"].items()))
     console.print("  empty step's CPU (subtracted): " + ", ".join(
         f"{p} {median(xs) * 1000:.0f} ms" for p, xs in e["noop_cpu"].items() if p != "native")
         + f"; load average before {e['load_before'][0]:.2f}, after {e['load_after'][0]:.2f}; "
