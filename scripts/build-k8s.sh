@@ -55,16 +55,16 @@ build() {
   rm -rf "$tmp"
 }
 
-if [ $force -eq 0 ] && [ -x "$etcd" ] && "$etcd" --version 2>/dev/null | grep -qF "etcd Version: ${etcd_version#v}"; then
+if [ $force -eq 0 ] && [ -x "$etcd" ] && "$etcd" --version 2>/dev/null | grep -F "etcd Version: ${etcd_version#v}" >/dev/null; then
   echo "==> etcd $etcd_version already installed at $etcd"
 else
   echo "==> building etcd $etcd_version with $(go version | cut -d' ' -f3) (about 1.5 min on 2 cores; cached afterwards)"
   build deps/k8s/etcd go.etcd.io/etcd/server/v3 "$etcd" "-s -w"
-  "$etcd" --version | head -1
+  "$etcd" --version | sed -n 1p
   echo "==> installed $etcd"
 fi
 
-if [ $force -eq 0 ] && [ -x "$apiserver" ] && "$apiserver" --version 2>/dev/null | grep -qxF "Kubernetes $k8s_version"; then
+if [ $force -eq 0 ] && [ -x "$apiserver" ] && "$apiserver" --version 2>/dev/null | grep -xF "Kubernetes $k8s_version" >/dev/null; then
   echo "==> kube-apiserver $k8s_version already installed at $apiserver"
 else
   minor=${k8s_version#v1.}; minor=${minor%%.*}

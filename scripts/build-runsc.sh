@@ -22,7 +22,7 @@ version="$version+cpuos.$patch_level"
 prefix=${CPUOS_RUNSC_PREFIX:-/usr/local/lib/cpuos}
 dest="$prefix/runsc-$version"
 
-if [ $force -eq 0 ] && [ -x "$dest/runsc" ] && "$dest/runsc" --version 2>/dev/null | grep -qF "$version"; then
+if [ $force -eq 0 ] && [ -x "$dest/runsc" ] && "$dest/runsc" --version 2>/dev/null | grep -F "$version" >/dev/null; then
   echo "==> runsc $version already installed at $dest/runsc"
   exit 0
 fi
@@ -70,5 +70,5 @@ fi
 mkdir -p "$dest"
 install -m 0755 "$tmp/runsc" "$dest/runsc.new"
 mv -f "$dest/runsc.new" "$dest/runsc"
-"$dest/runsc" --version | head -1
+"$dest/runsc" --version | sed -n 1p  # (sed reads it all: head would close the pipe, and runsc die of SIGPIPE under pipefail)
 echo "==> installed $dest/runsc"

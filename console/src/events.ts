@@ -36,7 +36,10 @@ class Stream {
     })
     for (const k of KINDS) {
       es.addEventListener(k, (m) => {
-        const ev = JSON.parse((m as MessageEvent).data) as SandboxEvent
+        // "error" is also the name of EventSource's own connection-error event (a plain
+        // Event, no data): only a message from the daemon carries a sandbox event
+        if (!(m instanceof MessageEvent) || typeof m.data !== "string") return
+        const ev = JSON.parse(m.data) as SandboxEvent
         this.listeners.forEach((fn) => fn(ev))
       })
     }

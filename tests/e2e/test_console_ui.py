@@ -448,6 +448,36 @@ def test_a_key_made_and_revoked_in_the_workspace_page(page: Page, d: Daemon) -> 
     assert fetch(page, "/sandboxes")[0] == 200  # the session's own key is untouched
 
 
+def test_a_broken_event_stream_is_no_page_error(browser: Browser, d: Daemon,
+                                               teams: dict[str, dict[str, str]]) -> None:
+    """EventSource's connection error is an event named "error", like the sandbox state of
+    that name the console listens for: a dropped stream shows "reconnecting" and throws
+    nothing (it threw '"undefined" is not valid JSON' once under load)."""
+    ctx = browser.new_context(viewport={"width": 1280, "height": 800})
+    p = ctx.new_page()
+    errors: list[str] = []
+    p.on("pageerror", lambda e: errors.append(str(e)))
+    tries: list[str] = []
+
+    def drop(route: Any) -> None:
+        tries.append(route.request.url)
+        route.abort()
+
+    ctx.route(re.compile(r".*/events(\?.*)?$"), drop)
+    sign_in(p, d.url, teams["team-a"]["key"])
+    p.goto(d.url + "/ui/#/sandboxes")
+    expect(p.locator("span.live")).to_have_text("reconnecting…", timeout=T)
+    for _ in range(1200):  # the page's events are handled only while Playwright waits
+        if len(tries) >= 2:  # an error was raised on the first (then it tried again)
+            break
+        p.wait_for_timeout(50)
+    assert len(tries) >= 2, f"the console did not retry its event stream: {tries}"
+    ctx.unroute(re.compile(r".*/events(\?.*)?$"))
+    expect(p.locator("span.live")).to_have_text("live", timeout=T)  # and it comes back
+    ctx.close()
+    assert not errors, f"uncaught errors in the page: {errors}"
+
+
 def test_sign_out_and_kill(browser: Browser, d: Daemon, teams: dict[str, dict[str, str]]
                            ) -> None:
     """Last: a sandbox killed from the console leaves the list; signing out ends the
