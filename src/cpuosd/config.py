@@ -577,7 +577,8 @@ class Config:
         "CPUOS_TEMPLATE_IMAGES_DIR", None,
         "template snapshot images, shareable between the daemons of one host (made under a "
         "file lock, used in place; a daemon deletes there only images no running daemon "
-        "uses; default $CPUOS_SNAPSHOTS_DIR/templates, the daemon's own)", _path,
+        "uses; a microVM image names files in its maker's CPUOS_MICROVM_DIR: share that "
+        "too; default $CPUOS_SNAPSHOTS_DIR/templates, the daemon's own)", _path,
         resolved="template_images_dir")
     api: ApiConfig = section(ApiConfig)
     sandbox: SandboxConfig = section(SandboxConfig)

@@ -156,7 +156,9 @@ class Daemon:
         self.log = home / "cpuosd.log"
 
     def start(self) -> None:
-        shared = os.environ.get(SHARED_IMAGES_ENV)
+        # (gVisor's: a microVM image names files of its maker's $CPUOS_HOME/microvm)
+        shared = (os.environ.get(SHARED_IMAGES_ENV)
+                  if self.extra_env.get("CPUOS_BACKEND", "gvisor") == "gvisor" else None)
         env = {**os.environ, "CPUOS_HOME": str(self.home), "CPUOS_TEMPLATES_DIR": str(TEMPLATES),
                "CPUOS_PORT": str(self.port), "CPUOS_BACKEND": "gvisor",
                **({"CPUOS_TEMPLATE_IMAGES_DIR": shared} if shared else {}),
@@ -238,8 +240,9 @@ class Daemon:
     def template_images_dir(self) -> Path:
         """Where the daemon keeps template images (CPUOS_TEMPLATE_IMAGES_DIR: the session's
         shared one, else ``<snapshots_dir>/templates``)."""
-        d = (self.extra_env.get("CPUOS_TEMPLATE_IMAGES_DIR")
-             or os.environ.get(SHARED_IMAGES_ENV))
+        d = self.extra_env.get("CPUOS_TEMPLATE_IMAGES_DIR") or (
+            os.environ.get(SHARED_IMAGES_ENV)
+            if self.extra_env.get("CPUOS_BACKEND", "gvisor") == "gvisor" else None)
         return Path(d) if d else self.snapshots_dir / "templates"
 
     def template_image(self, template: str) -> tuple[Path, Path]:
