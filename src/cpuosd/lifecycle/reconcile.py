@@ -99,7 +99,8 @@ class Reconcile:
         paused = {r.id for r in self.store.list_sandboxes(states=(State.PAUSED,),
                                                           node_id=self.node_id)}
         for d in self.cfg.snapshots_dir.iterdir():
-            if d.name != "templates" and d.name not in paused:
+            if d.name != "templates" and d.name not in paused \
+                    and d != self.cfg.template_images_dir:  # (CPUOS_TEMPLATE_IMAGES_DIR there)
                 shutil.rmtree(d, ignore_errors=True)
         # template images of older builds or older agents are never restored again (in the
         # daemon's own directory; a shared one: TemplateImages.prune)
