@@ -4,12 +4,33 @@ The daemon harness lives in support.daemon (shared with bench/)."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from support.daemon import Daemon, busybox_root, busybox_unavailable, e2e_unavailable, new_daemon
+from support.daemon import (SHARED_IMAGES_ENV, Daemon, busybox_root, busybox_unavailable,
+                            e2e_unavailable, new_daemon)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One template image directory for every daemon of the session (support.daemon:
+    SHARED_IMAGES_ENV), made by the process that starts the session (xdist's controller,
+    before its workers, which inherit the variable) unless the caller set one."""
+    if hasattr(config, "workerinput") or os.environ.get(SHARED_IMAGES_ENV):
+        return
+    d = tempfile.mkdtemp(prefix="cpuos-timages-", dir="/tmp")
+    os.environ[SHARED_IMAGES_ENV] = d
+    config._cpuos_images = d  # type: ignore[attr-defined]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    d = getattr(config, "_cpuos_images", None)
+    if d:
+        shutil.rmtree(d, ignore_errors=True)
+        os.environ.pop(SHARED_IMAGES_ENV, None)
 
 
 # the only skips CI accepts: KVM guests where this host's /dev/kvm cannot run them (their

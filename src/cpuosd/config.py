@@ -573,6 +573,13 @@ class Config:
     snapshots_path: Path | None = var("CPUOS_SNAPSHOTS_DIR", None,
                                       "snapshots (default $CPUOS_HOME/snapshots)", _path,
                                       resolved="snapshots_dir")
+    template_images_path: Path | None = var(
+        "CPUOS_TEMPLATE_IMAGES_DIR", None,
+        "template snapshot images, shareable between the daemons of one host (made under a "
+        "file lock, used in place; a daemon deletes there only images no running daemon "
+        "uses; a microVM image names files in its maker's CPUOS_MICROVM_DIR: share that "
+        "too; default $CPUOS_SNAPSHOTS_DIR/templates, the daemon's own)", _path,
+        resolved="template_images_dir")
     api: ApiConfig = section(ApiConfig)
     sandbox: SandboxConfig = section(SandboxConfig)
     pool: PoolConfig = section(PoolConfig)
@@ -619,6 +626,16 @@ class Config:
     @property
     def snapshots_dir(self) -> Path:
         return self.snapshots_path or self.home / "snapshots"
+
+    @property
+    def template_images_dir(self) -> Path:
+        """Template snapshot images (lifecycle.template_images); shared between daemons when
+        CPUOS_TEMPLATE_IMAGES_DIR is set (tests point every daemon at one)."""
+        return self.template_images_path or self.snapshots_dir / "templates"
+
+    @property
+    def shared_template_images(self) -> bool:
+        return self.template_images_path is not None
 
     @property
     def runsc_root(self) -> Path:

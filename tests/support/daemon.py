@@ -31,6 +31,10 @@ from cpuosd.backends.runsc import RunscUnavailable, find_runsc
 from cpuosd.config import Config
 
 TEMPLATES = Path(os.environ.get("CPUOS_TEMPLATES_DIR", "/var/lib/cpuos/templates"))
+# the template snapshot images every test daemon shares (CPUOS_TEMPLATE_IMAGES_DIR): one
+# directory per test session, made by tests/conftest.py (pytest_configure, on xdist's
+# controller: its workers inherit the variable) and deleted at its end; unset: each daemon's own
+SHARED_IMAGES_ENV = "CPUOSTEST_TEMPLATE_IMAGES"
 ARTIFACTS = Path.cwd() / ".cache" / "test-artifacts"
 
 
@@ -68,6 +72,28 @@ def mounts_under(path: Path) -> list[str]:
     with open("/proc/self/mounts") as f:
         points = [line.split()[1] for line in f]
     return [p for p in points if p.startswith(prefix) or p == str(path)]
+
+
+def held_flocks(pid: int) -> set[tuple[int, int]]:
+    """(device, inode) of the files process ``pid`` holds an flock on (/proc/locks)."""
+    out = set()
+    with open("/proc/locks") as f:
+        for line in f:
+            parts = line.split()
+            if "->" in parts:
+                continue  # (a waiter)
+            if len(parts) >= 6 and parts[1] == "FLOCK" and parts[4] == str(pid):
+                major, minor, inode = parts[5].split(":")
+                out.add((os.makedev(int(major, 16), int(minor, 16)), int(inode)))
+    return out
+
+
+def _inode(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return (st.st_dev, st.st_ino)
 
 
 def _free_port() -> int:
@@ -130,8 +156,12 @@ class Daemon:
         self.log = home / "cpuosd.log"
 
     def start(self) -> None:
+        # (gVisor's: a microVM image names files of its maker's $CPUOS_HOME/microvm)
+        shared = (os.environ.get(SHARED_IMAGES_ENV)
+                  if self.extra_env.get("CPUOS_BACKEND", "gvisor") == "gvisor" else None)
         env = {**os.environ, "CPUOS_HOME": str(self.home), "CPUOS_TEMPLATES_DIR": str(TEMPLATES),
                "CPUOS_PORT": str(self.port), "CPUOS_BACKEND": "gvisor",
+               **({"CPUOS_TEMPLATE_IMAGES_DIR": shared} if shared else {}),
                **self.net_env, **self.extra_env}
         env.pop("CPUOS_API_KEY", None)
         env.pop("CPUOS_API_URL", None)
@@ -206,13 +236,27 @@ class Daemon:
         sdir = Config(home=self.home).sandboxes_dir / sandbox_id
         return SandboxSpec(id=sandbox_id, rootfs=Path("/"), dir=sdir, agent_dir=Path("/")).sock_path
 
+    @property
+    def template_images_dir(self) -> Path:
+        """Where the daemon keeps template images (CPUOS_TEMPLATE_IMAGES_DIR: the session's
+        shared one, else ``<snapshots_dir>/templates``)."""
+        d = self.extra_env.get("CPUOS_TEMPLATE_IMAGES_DIR") or (
+            os.environ.get(SHARED_IMAGES_ENV)
+            if self.extra_env.get("CPUOS_BACKEND", "gvisor") == "gvisor" else None)
+        return Path(d) if d else self.snapshots_dir / "templates"
+
     def template_image(self, template: str) -> tuple[Path, Path]:
         """(image dir, agent package dir) of the daemon's one snapshot of ``template`` (made on
         the first create from it): what restoring that image outside the daemon needs
-        (bench/cases/snap_create.py). Images are ``<template>-<digest>-<agent copy>-<kind>``
-        under ``<snapshots_dir>/templates``; the agent copies under ``$CPUOS_HOME/agent``."""
-        found = sorted(p for p in (self.snapshots_dir / "templates").glob(f"{template}-*")
-                       if (p / "checkpoint.img").exists() and not p.name.endswith(".tmp"))
+        (bench/cases/snap_create.py). Images are ``<template>-<digest>-<agent copy>-<kind>...``
+        in ``template_images_dir``, which other daemons may share: the daemon's is the one
+        whose lock file (``<image>.lock``) it holds; the agent copies under
+        ``$CPUOS_HOME/agent``."""
+        assert self.proc is not None
+        held = held_flocks(self.proc.pid)
+        found = sorted(p for p in self.template_images_dir.glob(f"{template}-*")
+                       if (p / "checkpoint.img").exists() and p.is_dir()
+                       and _inode(p.with_name(p.name + ".lock")) in held)
         if len(found) != 1:
             raise RuntimeError(f"expected one {template} template snapshot, found {found}; "
                                f"see {self.log}")

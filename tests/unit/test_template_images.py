@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
+import os
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -68,8 +70,9 @@ def test_an_image_is_made_once_listed_and_forgotten(tmp_path: Path) -> None:
         backend = Checkpointing()
         ti = images(backend)
         name = ti.name("python", "1" * 16)
-        assert name == f"python-{'1' * 16}-0123456789abcdef-fake-p" \
-            f"{cfg.sandbox.default_pids}-d{cfg.sandbox.default_disk_mib}"
+        sb = cfg.sandbox
+        assert name == f"python-{'1' * 16}-0123456789abcdef-fake-p{sb.default_pids}" \
+            f"-d{sb.default_disk_mib}-m{sb.default_memory_mib}-c{sb.default_vcpus}"
         assert ti.made() == []
         a, b = await asyncio.gather(ti.ensure("python", info), ti.ensure("python", info))
         d = cfg.snapshots_dir / "templates" / name
@@ -83,6 +86,7 @@ def test_an_image_is_made_once_listed_and_forgotten(tmp_path: Path) -> None:
         other.mkdir()
         assert await ti.forget("python") == 2
         assert not d.exists() and not older.exists() and other.is_dir()
+        assert not (d.parent / f"{name}.lock").exists()
         assert ti.made() == []
 
         calls.clear()
@@ -90,3 +94,111 @@ def test_an_image_is_made_once_listed_and_forgotten(tmp_path: Path) -> None:
         assert calls == []
 
     asyncio.run(main())
+
+
+# ---- a directory shared by several daemons (CPUOS_TEMPLATE_IMAGES_DIR) ------------------
+def _shared_images(cfg: Config, backend: FakeBackend, *, made: Path | None = None,
+                   hold: Any = None) -> TemplateImages:
+    """TemplateImages of a daemon of its own (a process) over ``cfg``'s image directory:
+    its boot records ``made`` (a line per image made), its checkpoint waits for ``hold``
+    (an event) first."""
+
+    async def boot(row: SandboxRow, image: Path | None, *, template_boot: bool = False,
+                   resume: bool = False) -> Live:
+        if made is not None:
+            with made.open("a") as f:
+                f.write(f"{os.getpid()}\n")
+        row.spec = replace(row.spec, agent_key="k" * 64)
+        return Live(row, cast(Any, None), cast(Any, SimpleNamespace()))
+
+    async def nothing(_: Any) -> None:
+        if hold is not None:
+            await asyncio.to_thread(hold.wait, 30)
+
+    def save_agent_key(lv: Live, image_dir: Path) -> None:
+        (image_dir / "agent.key").write_text(str(lv.row.spec.agent_key))
+
+    locks: dict[str, asyncio.Lock] = {}
+    return TemplateImages(cfg, backend, cfg.home / "agent" / "0123456789abcdef",
+                          lock=lambda k: locks.setdefault(k, asyncio.Lock()), boot=boot,
+                          teardown=nothing, quiesce=nothing, save_agent_key=save_agent_key)
+
+
+def _shared_cfg(tmp_path: Path, home: str) -> tuple[Config, dict[str, Any]]:
+    tdir = tmp_path / "templates"
+    (tdir / "rootfs").mkdir(parents=True, exist_ok=True)
+    info = {"name": "python", "digest": "1" * 16, "rootfs": str(tdir / "rootfs")}
+    (tdir / "python.json").write_text(json.dumps(info))
+    return Config(home=tmp_path / home, templates_path=tdir,
+                  template_images_path=tmp_path / "images"), info
+
+
+def _racer(tmp_path: Path, home: str, made: Path, started: Any, other_started: Any,
+           out: Any, keep: Any) -> None:
+    """A daemon's process: makes (or finds) the python image, says where, and holds it
+    until ``keep`` is set."""
+    cfg, info = _shared_cfg(tmp_path, home)
+
+    async def main() -> None:
+        ti = _shared_images(cfg, Checkpointing(), made=made, hold=other_started)
+        started.set()
+        out.put(str(await ti.ensure("python", info)))
+        await asyncio.to_thread(keep.wait, 60)
+        ti.close()
+
+    asyncio.run(main())
+
+
+def test_daemons_sharing_the_directory_make_an_image_once(tmp_path: Path) -> None:
+    """Two daemons (processes) asking at once for one image: one makes it (under the
+    image's lock, in a directory of its own renamed into place), the other waits and uses
+    it; neither's forget or prune deletes an image the other still uses; once none does,
+    it goes (and its lock file)."""
+    mp = multiprocessing.get_context("fork")
+    made = tmp_path / "made"
+    a_started, b_started, keep_a, keep_b = (mp.Event() for _ in range(4))
+    out: Any = mp.Queue()
+    procs = [mp.Process(target=_racer, args=(tmp_path, "a", made, a_started, b_started,
+                                             out, keep_a)),
+             mp.Process(target=_racer, args=(tmp_path, "b", made, b_started, a_started,
+                                             out, keep_b))]
+    for p in procs:
+        p.start()
+    try:
+        got = {out.get(timeout=60), out.get(timeout=60)}
+        cfg, info = _shared_cfg(tmp_path, "c")
+        name = _shared_images(cfg, Checkpointing()).name("python", "1" * 16)
+        image = tmp_path / "images" / name
+        assert got == {str(image)} and len(made.read_text().split()) == 1
+        assert (image / "checkpoint.img").exists() and (image / "agent.key").exists()
+        assert sorted(p.name for p in image.parent.iterdir()) == [name, f"{name}.lock"]
+
+        async def third() -> None:
+            ti = _shared_images(cfg, Checkpointing())
+            # in use by a and b: a third daemon's forget leaves it; a rebuild's prune too
+            assert await ti.forget("python") == 0 and image.is_dir()
+            (cfg.templates_dir / "python.json").write_text(
+                json.dumps({**info, "digest": "2" * 16}))
+            await ti.prune()
+            assert image.is_dir()
+            keep_a.set()
+            procs[0].join(30)
+            await ti.prune()
+            assert image.is_dir()  # (b still holds it)
+            keep_b.set()
+            procs[1].join(30)
+            # a maker that died left its directory: pruned once nobody makes that image
+            dead = image.parent / f"{name[:-1]}9.tmp-1-abcd"
+            dead.mkdir()
+            await ti.prune()
+            assert list(image.parent.iterdir()) == []
+
+        asyncio.run(third())
+    finally:
+        keep_a.set()
+        keep_b.set()
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert [p.exitcode for p in procs] == [0, 0]

@@ -274,6 +274,8 @@ class Manager:
         self.cfg.snapshots_dir.mkdir(parents=True, exist_ok=True)
         self.cfg.snapshots_dir.chmod(0o700)
         await self.reconcile.run()
+        if self.cfg.shared_template_images:  # (a daemon's own: Reconcile prunes it)
+            await self.images.prune()
         self._spawn(self.deadlines.run())
         self._spawn(self.autopause.run())
         self._spawn(procs.reap_loop())  # the runsc/QEMU processes we adopted
@@ -304,6 +306,7 @@ class Manager:
                 await self.kill(pool.pop().row.id, reason="pool_discarded")
         for lv in list(self.live.values()):
             await lv.chan.close()  # sandboxes keep running; a restarted daemon reattaches
+        self.images.close()
         await self.backend.close()
 
     def _new_row(self, workspace_id: str, template: str, info: dict[str, Any], timeout: float,

@@ -99,15 +99,21 @@ class Reconcile:
         paused = {r.id for r in self.store.list_sandboxes(states=(State.PAUSED,),
                                                           node_id=self.node_id)}
         for d in self.cfg.snapshots_dir.iterdir():
-            if d.name != "templates" and d.name not in paused:
+            if d.name != "templates" and d.name not in paused \
+                    and d != self.cfg.template_images_dir:  # (CPUOS_TEMPLATE_IMAGES_DIR there)
                 shutil.rmtree(d, ignore_errors=True)
-        # template images of older builds or older agents are never restored again
+        # template images of older builds or older agents are never restored again (in the
+        # daemon's own directory; a shared one: TemplateImages.prune)
         current = {self._template_image_name(t["name"], t["digest"])
                    for t in list_templates(self.cfg.templates_dir)}
-        tdir = self.cfg.snapshots_dir / "templates"
-        for d in tdir.iterdir() if tdir.is_dir() else ():
-            if d.name not in current:
+        tdir = self.cfg.template_images_dir
+        for d in tdir.iterdir() if tdir.is_dir() and not self.cfg.shared_template_images else ():
+            if d.name in current:
+                continue
+            if d.is_dir() and not d.is_symlink():
                 shutil.rmtree(d, ignore_errors=True)
+            else:  # (lock files: no daemon holds one here yet)
+                d.unlink(missing_ok=True)
         self._prune_agents()
 
     def _prune_agents(self) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import fcntl
+import glob
 import logging
 import os
 import re
@@ -39,6 +41,9 @@ DEMAND_WINDOW = 10.0
 POOL_WAIT = 10.0
 # s before the pool tries again after a refill failed
 POOL_RETRY = 30.0
+# s a daemon waits for a template image's lock (another daemon making the image) before it
+# boots instead
+LOCK_WAIT = 300.0
 
 
 class PoolMiss(Exception):
@@ -51,7 +56,15 @@ class TemplateImages:
     (``agent_dir``: an image is of one agent), and the Manager's operations: ``lock`` (one
     snapshot of a template at a time), ``boot`` and ``teardown`` of the sandbox that is
     checkpointed, ``quiesce`` (its agent hangs up first) and ``save_agent_key`` (beside the
-    image, for the restored agent)."""
+    image, for the restored agent).
+
+    Images live in CPUOS_TEMPLATE_IMAGES_DIR, which the daemons of one host may share:
+    beside each image ``<name>`` is its lock file ``<name>.lock`` (flock). An image is made
+    under the exclusive lock, in a directory of its maker's own (``<name>.tmp-<pid>-...``)
+    renamed into place when complete (``checkpoint.img`` and ``agent.key`` in it); a
+    daemon that has used an image holds the shared lock until it exits (``close``), so an
+    image is deleted (under the exclusive lock, never waited for) only where no running
+    daemon uses it."""
 
     def __init__(self, cfg: Config, backend: Backend, agent_dir: Path, *,
                  lock: Callable[[str], asyncio.Lock], boot: Boot,
@@ -61,35 +74,95 @@ class TemplateImages:
         self.cfg, self.backend, self.agent_dir = cfg, backend, agent_dir
         self._lock, self._boot, self._teardown = lock, boot, teardown
         self._quiesce, self._save_agent_key = quiesce, save_agent_key
+        self._held: dict[str, int] = {}  # image name -> fd of its lock file (shared lock)
 
     @property
     def _dir(self) -> Path:
-        return self.cfg.snapshots_dir / "templates"
+        return self.cfg.template_images_dir
 
     def name(self, template: str, digest: str) -> str:
         """A template image is of one template build, one agent and one kind of machine
-        (an image of another backend, accelerator or device set never restores)."""
-        return (f"{template}-{digest}-{self.agent_dir.name}-{self.backend.image_kind}"
-                f"-p{self.cfg.sandbox.default_pids}-d{self.cfg.sandbox.default_disk_mib}")
-        # (rlimits must match at restore; the disk's size is the checkpoint's)
+        (an image of another backend, platform, accelerator or device set never restores;
+        nor one made with other limits: rlimits, and the writable layer's size and inode
+        limit, which memory sets, must match at restore)."""
+        s = self.cfg.sandbox
+        rt = self.backend.runtime()  # (runsc's platform; the audit's runtime monitoring)
+        extra = "".join(f"-{v}" for v in (rt.get("platform"), "audit" if "audit" in rt else "")
+                        if v)
+        return (f"{template}-{digest}-{self.agent_dir.name}-{self.backend.image_kind}{extra}"
+                f"-p{s.default_pids}-d{s.default_disk_mib}-m{s.default_memory_mib}"
+                f"-c{s.default_vcpus}")
 
     async def ensure(self, template: str, info: dict[str, Any]) -> Path | None:
-        """The template booted once and checkpointed; made on first use. None when
-        snapshots are off or could not be made (create then boots)."""
+        """The template booted once and checkpointed; made on first use (by this daemon or
+        another sharing the directory). None when snapshots are off or the image could not
+        be made (create then boots)."""
         if not self.cfg.pool.template_snapshots or not self.backend.capabilities.checkpoint:
             return None
-        d = self._dir / self.name(template, info["digest"])
-        if (d / "checkpoint.img").exists():
-            return d
+        name = self.name(template, info["digest"])
+        d = self._dir / name
+        if name in self._held:
+            return d  # (held: no daemon deletes it)
         async with self._lock("template:" + template):
-            if (d / "checkpoint.img").exists():
+            if name in self._held:
                 return d
+            self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = await self._flock(name, fcntl.LOCK_SH, LOCK_WAIT)
+            if fd is not None and _complete(d):
+                self._held[name] = fd
+                return d
+            if fd is not None:
+                os.close(fd)
+            fd = await self._flock(name, fcntl.LOCK_EX, LOCK_WAIT)
+            if fd is None:
+                log.warning("template %s: its image's lock not had in %.0fs; booting instead",
+                            template, LOCK_WAIT)
+                return None
             try:
-                await self._make(template, info, d)
+                if not _complete(d):
+                    # (what a maker that died left: nobody else makes this image now)
+                    for tmp in self._dir.glob(glob.escape(name) + ".tmp-*"):
+                        await asyncio.to_thread(shutil.rmtree, tmp, True)
+                    await asyncio.to_thread(shutil.rmtree, d, True)
+                    await self._make(template, info, d)
             except Exception:
                 log.exception("snapshot of template %s failed; booting instead", template)
                 return None
+            finally:
+                os.close(fd)
+            # (the exclusive lock is let go before the shared one is had: the image may be
+            # deleted between, then this create boots)
+            fd = await self._flock(name, fcntl.LOCK_SH, LOCK_WAIT)
+            if fd is None or not _complete(d):
+                if fd is not None:
+                    os.close(fd)
+                return None
+            self._held[name] = fd
         return d
+
+    async def _flock(self, name: str, op: int, wait: float) -> int | None:
+        """The fd of ``<name>.lock`` locked with ``op`` (LOCK_SH or LOCK_EX), tried every
+        0.1 s for ``wait`` seconds (0: once); None if not had. The lock is of the file
+        in place (one deleted meanwhile by its holder is opened again)."""
+        path = self._dir / f"{name}.lock"
+        deadline = time.monotonic() + wait
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, op | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                if time.monotonic() >= deadline:
+                    return None
+                await asyncio.sleep(0.1)
+                continue
+            try:
+                st, now = os.fstat(fd), os.stat(path)
+                if (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino):
+                    return fd
+            except FileNotFoundError:
+                pass
+            os.close(fd)
 
     async def _make(self, template: str, info: dict[str, Any], d: Path) -> None:
         t0 = time.monotonic()
@@ -107,9 +180,8 @@ class TemplateImages:
                                       template_env=info.get("env") or {},
                                       workdir=info.get("workdir")),
                          metadata={})
-        tmp = d.with_name(d.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        d.parent.mkdir(parents=True, exist_ok=True)
+        # a directory of this maker's own, renamed into place once complete
+        tmp = d.with_name(f"{d.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
         try:
             lv = await self._boot(row, None, template_boot=True)
             await start_command(lv, info, snapshot=True)
@@ -119,19 +191,77 @@ class TemplateImages:
             os.rename(tmp, d)
         finally:
             await self._teardown(row.id)
-            shutil.rmtree(tmp, ignore_errors=True)
+            await asyncio.to_thread(shutil.rmtree, tmp, True)
         log.info("template %s snapshotted in %.2fs", template, time.monotonic() - t0)
 
-    async def forget(self, template: str) -> int:
-        """Delete the template's snapshot images (its lock held: ``Manager.forget_template``).
-        Returns how many."""
-        ours = re.compile(rf"{re.escape(template)}-[0-9a-f]{{16}}-.+")
-        tdir = self._dir
-        gone = [d for d in (tdir.iterdir() if tdir.is_dir() else ())
-                if ours.fullmatch(d.name) and d.is_dir() and not d.is_symlink()]
-        for d in gone:
+    async def _delete(self, name: str) -> bool:
+        """Delete image ``name`` (and what a maker of it left) if no daemon uses or makes it
+        now (its lock had exclusively at once); True if an image was deleted."""
+        fd = self._held.pop(name, None)
+        if fd is not None:
+            os.close(fd)  # (our own use of it ends)
+        fd = await self._flock(name, fcntl.LOCK_EX, 0)
+        if fd is None:
+            return False  # in use by another daemon: left
+        try:
+            d = self._dir / name
+            existed = d.is_dir() and not d.is_symlink()
+            for tmp in self._dir.glob(glob.escape(name) + ".tmp-*"):
+                await asyncio.to_thread(shutil.rmtree, tmp, True)
             await asyncio.to_thread(shutil.rmtree, d, True)
-        return len(gone)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._dir / f"{name}.lock")  # (while held: see _flock)
+            return existed
+        finally:
+            os.close(fd)
+
+    def _names(self) -> set[str]:
+        """The image names the directory holds (images, their lock files, makers' tmp)."""
+        out = set()
+        for p in self._dir.iterdir() if self._dir.is_dir() else ():
+            out.add(_IMAGE_SUFFIX.sub("", p.name))
+        return out
+
+    async def forget(self, template: str) -> int:
+        """Delete the template's snapshot images (its lock held: ``Manager.forget_template``),
+        but those another daemon uses. Returns how many."""
+        ours = re.compile(rf"{re.escape(template)}-[0-9a-f]{{16}}-.+")
+        n = 0
+        for name in sorted(self._names()):
+            if ours.fullmatch(name) and await self._delete(name):
+                n += 1
+        return n
+
+    async def prune(self) -> None:
+        """At startup, in a directory shared with other daemons: delete the images of this
+        daemon's templates' older builds, and what makers that died left, where no daemon
+        uses them. (Images of other agents, machines or limits may be another daemon's:
+        left. A daemon's own directory is pruned by ``Reconcile``: all but the current.)"""
+        current = {str(t["name"]): str(t["digest"])
+                   for t in list_templates(self.cfg.templates_dir)
+                   if t.get("name") and t.get("digest")}
+        tmps = {_IMAGE_SUFFIX.sub("", p.name)
+                for p in (self._dir.glob("*.tmp-*") if self._dir.is_dir() else ())}
+        for name in sorted(self._names()):
+            if any(re.fullmatch(rf"{re.escape(t)}-(?!{re.escape(digest)}-)[0-9a-f]{{16}}-.+", name)
+                   for t, digest in current.items()):
+                await self._delete(name)  # (an older build of a template of ours)
+            elif name in tmps:
+                fd = await self._flock(name, fcntl.LOCK_EX, 0)
+                if fd is not None:  # no maker is at work: its tmp is a dead one's
+                    try:
+                        for tmp in self._dir.glob(glob.escape(name) + ".tmp-*"):
+                            await asyncio.to_thread(shutil.rmtree, tmp, True)
+                        if not (self._dir / name).exists():
+                            os.unlink(self._dir / f"{name}.lock")  # (while held: _flock)
+                    finally:
+                        os.close(fd)
+
+    def close(self) -> None:
+        """The images this daemon used are no longer held (the daemon ends)."""
+        for fd in self._held.values():
+            os.close(fd)
+        self._held.clear()
 
     def made(self) -> list[str]:
         """The templates whose checkpoint is made here for their current build (placement
@@ -140,10 +270,18 @@ class TemplateImages:
         if self.cfg.pool.template_snapshots and self.backend.capabilities.checkpoint:
             for t in list_templates(self.cfg.templates_dir):
                 name, digest = t.get("name"), t.get("digest")
-                if name and digest and (self._dir / self.name(
-                        str(name), str(digest)) / "checkpoint.img").exists():
+                if name and digest and _complete(self._dir / self.name(str(name), str(digest))):
                     images.append(str(name))
         return sorted(images)
+
+
+def _complete(d: Path) -> bool:
+    """Is image ``d`` complete (it is renamed into place only once it is)?"""
+    return (d / "checkpoint.img").exists()
+
+
+# what follows an image's name in its lock file's and its makers' directories' names
+_IMAGE_SUFFIX = re.compile(r"\.(lock|tmp-.*)$")
 
 
 class WarmPool:
