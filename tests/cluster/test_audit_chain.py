@@ -47,6 +47,20 @@ def chain(pg_url: str) -> Iterator[PgAuditChain]:
     c.close()
 
 
+
+def _restore_and_truncate(pg_url: str, edited: int, detail: dict[str, int], keep_below: int
+                          ) -> None:
+    """Row ``edited`` given back its ``detail``, the rows from ``keep_below`` on deleted and
+    the chain's head row rolled back to the newest left (what an intruder who knows the
+    chain's shape would do: the chain alone then holds)."""
+    with psycopg.connect(pg_url, autocommit=True) as c:
+        c.execute("UPDATE audit SET detail = %s WHERE seq = %s",
+                  (json.dumps(detail, sort_keys=True, separators=(",", ":")), edited))
+        c.execute("DELETE FROM audit WHERE seq >= %s", (keep_below,))
+        r = c.execute("SELECT seq, hash FROM audit ORDER BY seq DESC LIMIT 1").fetchone()
+        assert r is not None
+        c.execute("UPDATE audit_head SET seq = %s, hash = %s", r)
+
 def test_two_nodes_append_to_one_chain(chain: PgAuditChain, pg_url: str,
                                        tmp_path: Path) -> None:
     script = tmp_path / "writer.py"
@@ -88,13 +102,7 @@ def test_edits_and_deletions_are_found(chain: PgAuditChain, pg_url: str) -> None
     assert (4, "its content does not match its hash") in problems
     assert any(seq == 9 and "missing" in what for seq, what in problems)
     # the newest rows deleted and the head row rolled back with them: a node's head finds it
-    with psycopg.connect(pg_url, autocommit=True) as c:
-        c.execute("UPDATE audit SET detail = %s WHERE seq = 4",
-                  (json.dumps({"b": 0, "i": 3}, sort_keys=True, separators=(",", ":")),))
-        c.execute("DELETE FROM audit WHERE seq >= 9")
-        r = c.execute("SELECT seq, hash FROM audit ORDER BY seq DESC LIMIT 1").fetchone()
-        assert r is not None
-        c.execute("UPDATE audit_head SET seq = %s, hash = %s", r)
+    _restore_and_truncate(pg_url, 4, {"b": 0, "i": 3}, 9)
     assert chain.verify()["ok"]  # (the chain alone cannot tell)
     v = chain.verify(heads=[head])
     assert not v["ok"] and v["problems"][-1]["seq"] == 15
@@ -162,13 +170,7 @@ def test_cpuosd_audit_verify_checks_the_shared_chain(chain: PgAuditChain, pg_url
 
     # the edit undone, the newest rows deleted and the chain's head row rolled back: the
     # chain alone holds, the row this node last wrote (its audit.head) is gone
-    with psycopg.connect(pg_url, autocommit=True) as c:
-        c.execute("UPDATE audit SET detail = %s WHERE seq = 7",
-                  (json.dumps({"b": 1, "i": 1}, sort_keys=True, separators=(",", ":")),))
-        c.execute("DELETE FROM audit WHERE seq >= 12")
-        r = c.execute("SELECT seq, hash FROM audit ORDER BY seq DESC LIMIT 1").fetchone()
-        assert r is not None
-        c.execute("UPDATE audit_head SET seq = %s, hash = %s", r)
+    _restore_and_truncate(pg_url, 7, {"b": 1, "i": 1}, 12)
     (tmp_path / "elsewhere").mkdir()
     assert _cli_verify(tmp_path / "elsewhere", env).returncode == 0  # (no head kept there)
     out = _cli_verify(home, env, "--json")
