@@ -85,6 +85,9 @@ class Dial:
                     if not data or self.closed:
                         break
                     self.conn.send_data(self.sid, {"t": Kind.DATA, "id": self.sid}, data)
+                # no longer ours before the host hears of its end: a quiesce (pause, fork)
+                # it sends once it has the EOF finds no dial still running
+                self.agent.dials.pop(self.sid, None)
                 self.conn.send({"t": Kind.EOF, "id": self.sid})
             finally:
                 self.conn.close_stream(self.sid)

@@ -30,7 +30,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from cpuos_agent import protocol as P
@@ -58,6 +58,10 @@ DEFAULT_TIMEOUT = 300.0
 # after the cell's own timeout, the driver interrupts it and, if it ignores that, restarts
 # the kernel (warming a new one takes seconds): the host waits this much longer
 GRACE = 90.0
+# s the answer waits, after the driver's done, for the end of its stream (the driver closes
+# its connection right after): then the agent no longer counts the dial, and a pause or a
+# fork made as soon as the answer is out does not find it "still running"
+END_WAIT = 2.0
 DIAL_TIMEOUT = 15.0
 DRIVER_START = 180.0  # s a driver started on demand gets to have its kernel ready
 STATUSES = {"ok", "error", "timeout", "died", "busy", "invalid"}
@@ -115,7 +119,18 @@ async def _dial(mgr: Manager, lv: Live, req: dict[str, Any]) -> Any:
         await asyncio.sleep(0.2)
 
 
-async def _lines(st: Any, deadline: float) -> AsyncIterator[dict[str, Any]]:
+async def _ended(st: Any, wait: float) -> None:
+    """The end of a driver's stream after its done (what comes after it is not read),
+    waited for at most ``wait`` s (then given up: the stream is closed as it is)."""
+    deadline = time.monotonic() + wait
+    with contextlib.suppress(TimeoutError, TransportError):
+        while (left := deadline - time.monotonic()) > 0:
+            h, _ = await st.get(left)
+            if h["t"] != Kind.DATA:
+                return
+
+
+async def _lines(st: Any, deadline: float) -> AsyncGenerator[dict[str, Any], None]:
     """The driver's JSON lines, bounded in size, count and time."""
     buf = bytearray()
     total = 0
@@ -237,7 +252,8 @@ async def _cell_frames(mgr: Manager, lv: Live, st: Any, eid: str, timeout: float
     items = [0]
     try:
         yield P.encode({"t": Frame.STARTED, "exec_id": eid})
-        async for msg in _lines(st, t0 + timeout + GRACE):
+        lines = _lines(st, t0 + timeout + GRACE)
+        async for msg in lines:
             if msg.get("t") == InterpKind.DONE:
                 done = _done(msg, time.monotonic() - t0)
                 break
@@ -245,6 +261,9 @@ async def _cell_frames(mgr: Manager, lv: Live, st: Any, eid: str, timeout: float
                 if msg.get("t") == InterpKind.STREAM:
                     counts[2 if msg.get("name") == "stderr" else 1] += len(fr)
                 yield fr
+        await lines.aclose()
+        if done is not None:
+            await _ended(st, END_WAIT)
         if done is None:
             err = {"t": Frame.ERROR, "code": "unavailable",
                    "message": "the kernel driver ended without an answer"}
@@ -289,6 +308,7 @@ async def restart_kernel(mgr: Manager, lv: Live, language: str) -> dict[str, Any
         async for msg in _lines(st, t0 + 60 + GRACE):
             if msg.get("t") == InterpKind.DONE:
                 d = _done(msg, time.monotonic() - t0)
+                await _ended(st, END_WAIT)
                 if d["status"] == "invalid":
                     raise invalid(d["message"] or "the kernel refused", field="language")
                 if d["status"] != "ok":
