@@ -232,8 +232,7 @@ def test_limits_are_the_vms(daemon: Daemon) -> None:
 def test_template_ram_is_sealed_and_saved(daemon: Daemon) -> None:
     """After the first test: the template image holds the device state and the saved
     RAM pages; the daemon keeps the memfd sealed (checked through its /proc)."""
-    tdir = daemon.home / "snapshots" / "templates"
-    (img,) = [p for p in tdir.iterdir() if p.name.startswith("python-")]
+    img, _ = daemon.template_image("python")  # (beside it: its lock file, python-....lock)
     assert (img / "ram").stat().st_blocks * 512 < (img / "ram").stat().st_size  # sparse
     assert (img / "checkpoint.img").stat().st_size < 16 << 20  # no RAM in the stream
     assert daemon.proc is not None
