@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from cpuos import Sandbox
-from support.daemon import Daemon, e2e_unavailable, new_daemon, wait_until
+from support.daemon import Daemon, e2e_unavailable, free_port, new_daemon, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.net]
 
@@ -85,12 +85,6 @@ http {{
   }}
 }}
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import fcntl
 import os
+import random
 import shutil
 import signal
 import socket
@@ -96,7 +97,25 @@ def _inode(path: Path) -> tuple[int, int] | None:
     return (st.st_dev, st.st_ino)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port on 127.0.0.1 for a test listener, chosen below the kernel's ephemeral range:
+    a port the kernel picks (a daemon's own listeners on port 0, an outgoing connection)
+    never lands on it between our choice and the listener's bind (a node of a test cluster
+    once found its port taken by the node started just before it). Random, so test workers
+    rarely pick the same one; checked free; the kernel's choice if none is found."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(100) if low > 12000 else ():
+        port = rng.randrange(10000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -149,7 +168,7 @@ class Daemon:
     def __init__(self, home: Path, env: dict[str, str] | None = None) -> None:
         self.home = home
         self.extra_env = env or {}
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.net_slot, self._net_lock = _claim_net_slot(self.port % NET_SLOTS)
         self.proc: subprocess.Popen[bytes] | None = None

@@ -15,7 +15,6 @@ import pwd
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,15 +26,11 @@ from typing import IO, Any
 
 from cpuosd.store import SqliteStore, Store
 
+from .daemon import free_port as free_port  # (the one chooser of test ports)
+
 K8S_VERSION = "v1.37.2"
 ETCD_VERSION = "v3.7.0"
 K8S_PREFIX = Path(os.environ.get("CPUOS_K8S_PREFIX", "/usr/local/lib/cpuos"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for(cond: Callable[[], bool], what: str, timeout: float,
