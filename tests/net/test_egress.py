@@ -270,7 +270,10 @@ def test_network_survives_pause_resume_and_fork(netd: Daemon) -> None:
         clones = s.fork()
         for c in clones:
             wait_until(lambda c=c: curl(c, f"http://{WEB}/")[0], "a clone's network", 60)  # type: ignore[misc]
-            assert any(r["verdict"] == "allowed" for r in records(netd, c.id))
+            # (a connection is recorded when the proxy has closed both sides: after curl exits)
+            wait_until(lambda c=c: any(r["verdict"] == "allowed"  # type: ignore[misc]
+                                       for r in records(netd, c.id)),
+                       "the clone's connection recorded", 30)
         assert curl(s, f"http://{WEB}/")[0]
     finally:
         for c in clones:
