@@ -256,7 +256,7 @@ def test_case_smoke(module: str) -> None:
 
 @pytest.mark.e2e
 def test_density_thousand_smoke() -> None:
-    """density.py --thousand --smoke: 4 sandboxes with idle_timeout=30s (the workspace's
+    """density.py --thousand --smoke: 4 sandboxes with idle_timeout=5s (the workspace's
     max_sandboxes raised through the admin API), all paused by themselves before an exec
     in 2 of them resumes each."""
     r, res = run(["bench/cases/density.py", "--smoke", "--thousand"],
@@ -269,7 +269,7 @@ def test_density_thousand_smoke() -> None:
     assert data["exec_states"] == ["paused", "paused"] and not data["exec_failed"], data
     assert len(data["exec_s"]) == 2 and all(x > 0 for x in data["exec_s"])
     assert [row["metric"] for row in res["summary"]] == [
-        "sandboxes created with idle_timeout=30s", "exec in 2 picked at random, p50",
+        "sandboxes created with idle_timeout=5s", "exec in 2 picked at random, p50",
         "exec in 2 picked at random, p99"]
     assert "17. density --thousand" in r.stdout
 

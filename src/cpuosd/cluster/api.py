@@ -45,6 +45,7 @@ from ..config import Config
 from ..console.sessions import SAFE_METHODS, Sessions, cookie_token, csrf_ok, same_origin
 from ..errors import ApiError
 from ..store import Store
+from .transport import AiohttpTransport
 from .nodes import (ROUTE_HEADER, SANDBOX_PATH, TOKEN_HEADER, KubeNodeView, NodeInfo, NodeView,
                     check_token, fence_dead, place)
 from ..lifecycle.states import State
@@ -105,7 +106,7 @@ class Forwarder:
         # connections to the nodes) without the client's layers (cookie jar, redirects,
         # auth, an INFO log line per request); the client (same pool) is for the
         # forwarder's own calls (drain, forks)
-        self.transport: httpx.AsyncBaseTransport = httpx.AsyncHTTPTransport()
+        self.transport: httpx.AsyncBaseTransport = AiohttpTransport()  # (C parser: .transport)
         self.http = httpx.AsyncClient(transport=self.transport, timeout=TIMEOUT,
                                       follow_redirects=False)
         self._task: asyncio.Task[None] | None = None
