@@ -121,8 +121,7 @@ class TemplateImages:
             try:
                 if not _complete(d):
                     # (what a maker that died left: nobody else makes this image now)
-                    for tmp in self._dir.glob(glob.escape(name) + ".tmp-*"):
-                        await asyncio.to_thread(shutil.rmtree, tmp, True)
+                    await self._remove_tmps(name)
                     await asyncio.to_thread(shutil.rmtree, d, True)
                     await self._make(template, info, d)
             except Exception:
@@ -206,14 +205,19 @@ class TemplateImages:
         try:
             d = self._dir / name
             existed = d.is_dir() and not d.is_symlink()
-            for tmp in self._dir.glob(glob.escape(name) + ".tmp-*"):
-                await asyncio.to_thread(shutil.rmtree, tmp, True)
+            await self._remove_tmps(name)
             await asyncio.to_thread(shutil.rmtree, d, True)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._dir / f"{name}.lock")  # (while held: see _flock)
             return existed
         finally:
             os.close(fd)
+
+    async def _remove_tmps(self, name: str) -> None:
+        """The directories makers of image ``name`` left (its exclusive lock held: no maker
+        is at work)."""
+        for tmp in self._dir.glob(glob.escape(name) + ".tmp-*"):
+            await asyncio.to_thread(shutil.rmtree, tmp, True)
 
     def _names(self) -> set[str]:
         """The image names the directory holds (images, their lock files, makers' tmp)."""
@@ -250,8 +254,7 @@ class TemplateImages:
                 fd = await self._flock(name, fcntl.LOCK_EX, 0)
                 if fd is not None:  # no maker is at work: its tmp is a dead one's
                     try:
-                        for tmp in self._dir.glob(glob.escape(name) + ".tmp-*"):
-                            await asyncio.to_thread(shutil.rmtree, tmp, True)
+                        await self._remove_tmps(name)
                         if not (self._dir / name).exists():
                             os.unlink(self._dir / f"{name}.lock")  # (while held: _flock)
                     finally:
