@@ -241,3 +241,25 @@ def socket_closed() -> Iterator[int]:
     port = s.getsockname()[1]
     s.close()
     yield port
+
+
+@sync
+async def test_a_read_timeout_is_httpx_read_timeout() -> None:
+    """A node that answers nothing within the request's read timeout: httpx.ReadTimeout."""
+    gate = asyncio.Event()
+
+    async def never(s: Seen) -> tuple[int, list[tuple[bytes, bytes]], list[bytes], bool]:
+        await gate.wait()
+        return 200, [], [], False
+
+    async with server() as srv:
+        srv.answer = never
+        t = AiohttpTransport()
+        try:
+            req = httpx.Request("GET", f"http://127.0.0.1:{srv.port}/slow",
+                                extensions={"timeout": {"connect": 5.0, "read": 0.2}})
+            with pytest.raises(httpx.ReadTimeout):
+                await t.handle_async_request(req)
+        finally:
+            gate.set()
+            await t.aclose()

@@ -16,8 +16,11 @@ What it keeps of what the forwarder relied on:
 - a body given whole is sent with its head; an async stream is sent chunked;
 - the answer streams as it comes; closing it before its end closes the connection, so
   the node sees the client gone (an exec is killed, a download stops);
-- failures are httpx's errors (``ConnectError``, ``ConnectTimeout``, ``ReadError``,
-  ``WriteError``, ``RemoteProtocolError``), with the request;
+- failures are httpx's errors (``ConnectError``, ``ConnectTimeout``, ``ReadTimeout``,
+  ``ReadError``, ``WriteError``, ``RemoteProtocolError``), with the request;
+- the request's connect and read timeouts (``extensions["timeout"]``, as httpx passes
+  them); no write timeout: as with an answer that takes long, the node bounds what it does
+  with a body, and a client that goes away ends the request;
 - kept-alive connections, reused; closed after ``KEEPALIVE`` s idle (well below the
   node's own idle limit, ``CPUOS_API_KEEPALIVE``, so the node never closes one as it is
   reused). No cap on connections: the API process caps the connections it accepts
@@ -47,6 +50,9 @@ class _Answer(httpx.AsyncByteStream):
         try:
             async for chunk in self._resp.content.iter_any():
                 yield chunk
+        except aiohttp.ServerTimeoutError as e:
+            raise httpx.ReadTimeout(f"reading the node's answer: {e}",
+                                    request=self._request) from e
         except (aiohttp.ClientError, OSError) as e:
             raise httpx.ReadError(f"reading the node's answer: {e}",
                                   request=self._request) from e
@@ -98,6 +104,8 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             raise httpx.ConnectError(str(e), request=request) from e
         except aiohttp.ConnectionTimeoutError as e:
             raise httpx.ConnectTimeout(f"connecting: {e}", request=request) from e
+        except aiohttp.ServerTimeoutError as e:  # (the request's read timeout, if any)
+            raise httpx.ReadTimeout(f"reading: {e}", request=request) from e
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError,
                 aiohttp.ClientResponseError) as e:
             raise httpx.RemoteProtocolError(str(e) or type(e).__name__,
