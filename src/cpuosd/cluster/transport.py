@@ -93,7 +93,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         if isinstance(request.stream, httpx.ByteStream):
             data = request.content or None
         else:
-            data = _chunks(request.stream)
+            data = request.stream  # (an async iterable of bytes: aiohttp sends it as it comes)
         try:
             resp = await self._client().request(
                 request.method, URL(str(request.url), encoded=True), headers=headers,
@@ -121,8 +121,3 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         if self._session is not None:
             await self._session.close()
             self._session = None
-
-
-async def _chunks(stream: Any) -> AsyncIterator[bytes]:
-    async for chunk in stream:
-        yield chunk
