@@ -250,6 +250,9 @@ class SandboxConfig:
     spawner_idle_exit: float = var("CPUOS_SPAWNER_IDLE_EXIT", 120.0,
                                    "s with no command running after which a sandbox's command "
                                    "spawner exits (0: never)", _float)
+    kill_timeout: float = var("CPUOS_KILL_TIMEOUT", 20.0,
+                              "s a kill waits for a sandbox's teardown (its runsc delete, "
+                              "network, files) before it gives up and says error", _float)
     # not configurable
     default_timeout: float = 300.0
     max_timeout: float = 24 * 3600.0

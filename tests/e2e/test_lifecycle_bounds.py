@@ -16,6 +16,9 @@ import pytest
 from support.daemon import Daemon, e2e_unavailable, wait_until, wrapped_runsc_daemon
 
 pytestmark = pytest.mark.e2e
+# s a kill waits for its teardown here (the default is 20): a stuck kill gives up sooner,
+# and still long after the other sandbox's deadline kill is done (about 4 s)
+KILL_TIMEOUT = 10
 
 
 @pytest.fixture
@@ -33,7 +36,7 @@ done
 if [ -n "$sub" ] && [ -e "{hang}/$sub" ]; then exec sleep 300; fi
 if [ "$sub" = delete ]; then for a in "$@"; do [ -e "{hang}/$a" ] && exec sleep 300; done; fi
 exec {{real}} "$@"
-""")
+""", CPUOS_KILL_TIMEOUT=str(KILL_TIMEOUT))
     d.start()
     try:
         yield d, hang

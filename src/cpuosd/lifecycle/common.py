@@ -18,9 +18,9 @@ if TYPE_CHECKING:
 
 # s a request waits for the agent of a running sandbox that is reconnecting
 RECONNECT_GRACE = 5.0
-# s a kill waits for another operation on the sandbox to let go, then for its teardown
+# s a kill waits for another operation on the sandbox to let go (then for its teardown:
+# CPUOS_KILL_TIMEOUT), and between retries of a teardown that overran
 KILL_LOCK_WAIT = 3.0
-KILL_TIMEOUT = 20.0
 KILL_RETRY_INTERVAL = 5.0
 
 

@@ -48,7 +48,7 @@ from ..network.policy import Policy
 from ..templates.builder import template_info
 from ..snapstore import SnapshotStore
 from . import memwatch, states
-from .common import (KILL_LOCK_WAIT, KILL_RETRY_INTERVAL, KILL_TIMEOUT, RECONNECT_GRACE, Live,
+from .common import (KILL_LOCK_WAIT, KILL_RETRY_INTERVAL, RECONNECT_GRACE, Live,
                      _now)
 from .commands import ExecStdin
 from .deadlines import Deadlines
@@ -72,6 +72,8 @@ class Manager:
                  events: EventBus | None = None, measure: Measure | None = None,
                  snapstore: SnapshotStore | None = None) -> None:
         self.cfg = cfg
+        # s a kill waits for a teardown (as shutdown does for what is under way)
+        self.kill_timeout = cfg.sandbox.kill_timeout
         self.store = store
         # the node this daemon is (--role=node): its rows carry it, and what it reconciles,
         # reaps or prunes is only its own; None on one host (--role=all): every row
@@ -286,21 +288,21 @@ class Manager:
     async def shutdown(self) -> None:
         pausing = list(self.autopause.pausing.values())
         if pausing:  # auto-pauses under way finish (bounded): a sandbox is not lost to them
-            await asyncio.wait(pausing, timeout=KILL_TIMEOUT)
+            await asyncio.wait(pausing, timeout=self.kill_timeout)
         if self._teardowns:  # what pauses left behind them (stopped containers)
-            await asyncio.wait(list(self._teardowns.values()), timeout=KILL_TIMEOUT)
+            await asyncio.wait(list(self._teardowns.values()), timeout=self.kill_timeout)
         background = list(self._tasks)
         for t in background:
             t.cancel()
         if background:  # a template snapshot or pool fill under way tears its sandbox down
-            await asyncio.wait(background, timeout=KILL_TIMEOUT)
+            await asyncio.wait(background, timeout=self.kill_timeout)
         # creates still in progress are cancelled and clean up after themselves (their rows
         # end in error): a stopping daemon leaves nothing half-made
         creating = [t for t in self._inflight.values() if t is not None and not t.done()]
         for t in creating:
             t.cancel()
         if creating:
-            await asyncio.wait(creating, timeout=KILL_TIMEOUT)
+            await asyncio.wait(creating, timeout=self.kill_timeout)
         for pool in self.pool.ready.values():  # pooled sandboxes belong to no one: end them
             while pool:
                 await self.kill(pool.pop().row.id, reason="pool_discarded")
@@ -613,9 +615,10 @@ class Manager:
 
     async def kill(self, sid: str, reason: str = "killed",
                    final_state: State = State.KILLED) -> None:
-        """Returns within about KILL_LOCK_WAIT + KILL_TIMEOUT in every state: a create in
-        progress is cancelled; an operation that holds the sandbox longer is not waited
-        for; a teardown that overruns leaves the row in error with that reason."""
+        """Returns within about KILL_LOCK_WAIT + the kill timeout (CPUOS_KILL_TIMEOUT) in
+        every state: a create in progress is cancelled; an operation that holds the sandbox
+        longer is not waited for; a teardown that overruns leaves the row in error with that
+        reason."""
         # a create, an auto-pause or a wake under way is cancelled (each cleans up after
         # itself and lets go of the lock)
         for task in (self._inflight.get(sid), self.autopause.pausing.get(sid),
@@ -635,16 +638,16 @@ class Manager:
                 return
             self._set_state(sid, State.KILLING, reason=reason)
             try:
-                await asyncio.wait_for(self._teardown(sid), KILL_TIMEOUT)
+                await asyncio.wait_for(self._teardown(sid), self.kill_timeout)
             except TimeoutError:
-                log.error("kill of %s: teardown did not finish in %.0fs", sid, KILL_TIMEOUT)
-                self._finish(sid, State.ERROR, f"kill timed out after {KILL_TIMEOUT:.0f}s")
+                log.error("kill of %s: teardown did not finish in %.0fs", sid, self.kill_timeout)
+                self._finish(sid, State.ERROR, f"kill timed out after {self.kill_timeout:.0f}s")
                 self._spawn(self._retry_teardown(sid))
                 return
             shutil.rmtree(self.cfg.snapshots_dir / sid, ignore_errors=True)
             if self.snapstore is not None and row.state == State.PAUSED and row.node_id is None:
                 try:  # (paused into the shared store: its image goes too)
-                    await asyncio.wait_for(self.snapstore.delete(sid), KILL_TIMEOUT)
+                    await asyncio.wait_for(self.snapstore.delete(sid), self.kill_timeout)
                 except Exception as e:
                     log.warning("kill of %s: its snapshot in the store stays: %s", sid, e)
             self._finish(sid, final_state, reason)
@@ -658,7 +661,7 @@ class Manager:
         for _ in range(attempts):
             await asyncio.sleep(KILL_RETRY_INTERVAL)
             try:
-                await asyncio.wait_for(self._teardown(sid), KILL_TIMEOUT)
+                await asyncio.wait_for(self._teardown(sid), self.kill_timeout)
                 log.info("kill of %s: teardown finished on a retry", sid)
                 return
             except Exception as e:
@@ -696,7 +699,7 @@ class Manager:
             try:
                 if lv is not None:
                     await lv.chan.close()
-                await asyncio.wait_for(self.backend.kill(sid), KILL_TIMEOUT)
+                await asyncio.wait_for(self.backend.kill(sid), self.kill_timeout)
                 shutil.rmtree(self.cfg.sandboxes_dir / sid, ignore_errors=True)
             except Exception as e:  # a restarted daemon's reconcile ends what is left
                 log.warning("teardown of %s after its checkpoint failed: %s", sid, e)
