@@ -461,10 +461,9 @@ class ApiProcess:
     """One ``cpuosd --role=api`` (no root needed; a scratch home for its log)."""
 
     def __init__(self, database_url: str, token: str, lease: str = "3",
-                 extra: dict[str, str] | None = None,
-                 ports: tuple[int, int] | None = None) -> None:
+                 extra: dict[str, str] | None = None) -> None:
         # (its API port and its preview port: cpuosd.cluster.preview)
-        self.port, self.preview_port = ports or (free_port(), free_port())
+        self.port, self.preview_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.preview_url = f"http://127.0.0.1:{self.preview_port}"
         self.home = Path(tempfile.mkdtemp(prefix="cpuos-api-", dir="/tmp"))
@@ -494,6 +493,26 @@ class ApiProcess:
         shutil.rmtree(self.home, ignore_errors=True)
 
 
+def start_api(database_url: str, token: str, lease: str = "3",
+              extra: dict[str, str] | None = None, tries: int = 5) -> ApiProcess:
+    """An API process on free ports, answering /health. Started again on other ports when
+    it found one of its ports taken: another worker's listener can bind a port between our
+    choice (free_port) and the API process's bind (seen once in CI)."""
+    from .daemon import wait_until
+
+    for _ in range(tries):
+        a = ApiProcess(database_url, token, lease, extra)
+        try:
+            wait_until(lambda a=a: bool(a.health()),  # type: ignore[misc]
+                       "the API process to answer /health", 60)
+            return a
+        except Exception as e:
+            a.stop()
+            if not isinstance(e, RuntimeError) or "address already in use" not in str(e):
+                raise
+    raise RuntimeError(f"no API process started in {tries} tries: its ports were taken")
+
+
 @dataclass
 class Cluster:
     nodes: list[Any]  # support.daemon.Daemon, each started with --role=node
@@ -521,9 +540,21 @@ def node_cluster(database_url: str, node_env: dict[str, str] | None = None,
     for name in ("audit.key", "e2b.key", "secrets.key"):
         (key_dir / name).write_text(secrets.token_hex(32) + "\n")
         (key_dir / name).chmod(0o600)
-    api_ports = [(free_port(), free_port()) for _ in range(n_apis)]
+    # the API processes first, each answering on its ports (start_api), so that the nodes'
+    # preview URLs can name the first one's preview listener
+    apis: list[ApiProcess] = []
+    failed = True
+    try:
+        for _ in range(n_apis):
+            apis.append(start_api(database_url, token, lease, {
+                "CPUOS_E2B_KEY_FILE": str(key_dir / "e2b.key"), **(api_env or {})}))
+    except BaseException:
+        for a in apis:
+            a.stop()
+        shutil.rmtree(key_dir, ignore_errors=True)
+        raise
     env = {"CPUOS_ROLE": "node", "CPUOS_DATABASE_URL": database_url,
-           "CPUOS_PREVIEW_PUBLIC_ADDRESS": f"127.0.0.1:{api_ports[0][1]}" if n_apis else "",
+           "CPUOS_PREVIEW_PUBLIC_ADDRESS": f"127.0.0.1:{apis[0].preview_port}" if n_apis else "",
            "CPUOS_NODE_TOKEN": token, "CPUOS_NODE_LEASE": lease, "CPUOS_POOL_SIZE": "0",
            "CPUOS_HOST": "127.0.0.1", "CPUOS_AUDIT_KEY_FILE": str(key_dir / "audit.key"),
            "CPUOS_E2B_KEY_FILE": str(key_dir / "e2b.key"),
@@ -531,14 +562,9 @@ def node_cluster(database_url: str, node_env: dict[str, str] | None = None,
            **(node_env or {})}
     nodes = [new_daemon(CPUOS_NODE_ID=f"node-{chr(ord('a') + i)}", **env)
              for i in range(n_nodes)]
-    apis: list[ApiProcess] = []
-    failed = True
     try:
         for d in nodes:
             d.start()
-        apis = [ApiProcess(database_url, token, lease, {
-            "CPUOS_E2B_KEY_FILE": str(key_dir / "e2b.key"), **(api_env or {})}, ports)
-            for ports in api_ports]
         for a in apis:
             wait_until(lambda a=a: a.health().get("nodes_alive") == n_nodes,  # type: ignore[misc]
                        "the API process to see every node", timeout=120)
