@@ -126,13 +126,30 @@ CALLS: dict[str, Callable[..., Any]] = {
 }
 
 
-@pytest.mark.parametrize("kind", list(CALLS))
-def test_each_kind_of_call_resumes(daemon: Daemon, kind: str, tmp_path: Path) -> None:
-    s = Sandbox.create(template="python", timeout="10m", idle_timeout=IDLE,
-                       **daemon.sdk_kwargs())
+@pytest.fixture(scope="module")
+def asleep(daemon: Daemon) -> Iterator[dict[str, Sandbox]]:
+    """A sandbox for each kind of call, a file written in each, then left alone until every
+    one is paused for idleness: made together, they wait out the idle timeout once."""
+    made: dict[str, Sandbox] = {}
     try:
-        s.files.write("/work/a.txt", "a")
-        wait_idle_paused(s)
+        for kind in CALLS:
+            made[kind] = Sandbox.create(template="python", timeout="10m", idle_timeout=IDLE,
+                                        **daemon.sdk_kwargs())
+            made[kind].files.write("/work/a.txt", "a")
+        for s in made.values():
+            wait_idle_paused(s)
+        yield made
+    finally:
+        for s in made.values():
+            s.kill()
+
+
+@pytest.mark.parametrize("kind", list(CALLS))
+def test_each_kind_of_call_resumes(asleep: dict[str, Sandbox], kind: str,
+                                   tmp_path: Path) -> None:
+    s = asleep[kind]
+    try:
+        assert idle_paused(s), kind  # (nothing woke it since)
         CALLS[kind](s, tmp_path)
         assert s.info().state == "running", kind
     finally:
