@@ -34,7 +34,6 @@ import contextlib
 import datetime
 import json
 import logging
-import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -47,6 +46,8 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from kubernetes_asyncio.leaderelection import electionconfig, leaderelection
 from kubernetes_asyncio.leaderelection.resourcelock.leaselock import LeaseLock
 
+from .nodes import NODE_ID_RE  # (this module, and kubernetes_asyncio, only where Leases are used)
+
 log = logging.getLogger("cpuosd.cluster")
 
 NODE_PREFIX = "cpuos-node-"
@@ -56,7 +57,6 @@ CORDON_LABEL = "cpuos.dev/cordoned"
 FACTS = "cpuos.dev/facts"
 MAX_LISTED = 2000  # templates or snapshots named in a node's facts (more: "truncated")
 CALL_TIMEOUT = 10.0  # s for one call to the apiserver
-NODE_ID_RE = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,50}[a-z0-9])?$")
 
 
 def _now_rfc3339() -> str:

@@ -39,7 +39,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..errors import ApiError
 from ..store import Store
-from .membership import NODE_ID_RE
 from ..lifecycle.states import State
 
 if TYPE_CHECKING:
@@ -58,6 +57,8 @@ SANDBOX_PATH = re.compile(r"^/sandboxes/([A-Za-z0-9_-]{1,64})(?:/|$)")
 # "elsewhere" before anything runs, and the API process then takes the ordinary way (the
 # sandbox's row) with the same request.
 ROUTE_HEADER = "x-cpuos-route"
+# a node's id: a DNS label (its Lease's name is cpuos-node-<id>, cpuosd.cluster.membership)
+NODE_ID_RE = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,50}[a-z0-9])?$")
 
 
 def node_id_of(cfg: Config) -> str:
