@@ -62,12 +62,9 @@ args=("$@")
 # module-scoped daemons and testbeds are made once): each worker has its own daemons, homes
 # and network slots, and the template cache is shared. Most tests wait on sandboxes more
 # than they compute: more workers than cores. CPUOS_TEST_WORKERS=0 runs them in this process.
-# Modules go to the workers in the order collected, the longest first (tests/conftest.py:
-# LONGEST_FIRST).
 workers=${CPUOS_TEST_WORKERS:-2}
 set +e
-.venv/bin/python -m pytest tests -n "$workers" --dist loadfile --no-loadscope-reorder \
-  --durations=25 "${args[@]}"
+.venv/bin/python -m pytest tests -n "$workers" --dist loadfile --durations=25 "${args[@]}"
 rc=$?
 set -e
 if [ $rc -eq 5 ]; then

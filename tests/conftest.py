@@ -58,54 +58,12 @@ TIER2 = ("tests/bench/", "tests/cluster/test_bench_cluster.py", "tests/e2e/test_
          "tests/net/test_microvm_net.py", "tests/e2e/test_browser.py")
 
 
-# The modules that take longest, longest first (seconds of one CI-equivalent run, 2 workers:
-# `pytest --durations=0`, summed per module). scripts/test.sh hands whole modules to its
-# workers (--dist loadfile) in the order collected (--no-loadscope-reorder); these go first,
-# so that no long module starts last on one worker while the other has nothing left: the
-# E2B suites' module (2 tests, ~100 s) was sorted near the end by xdist's default order
-# (most tests first), and the run ended ~35 s after one worker went idle. A module not
-# listed keeps its place after them; a stale list only makes the run less even.
-LONGEST_FIRST = (
-    "tests/bench/test_bench_smoke.py",  # 230
-    "tests/cluster/test_two_nodes.py",  # 172
-    "tests/e2b/test_e2b_upstream.py",  # 98
-    "tests/security/test_admission.py",  # 79
-    "tests/e2e/test_idle.py",  # 76
-    "tests/net/test_microvm_net.py",  # 61
-    "tests/e2e/test_microvm.py",  # 58
-    "tests/e2e/test_audit.py",  # 47
-    "tests/e2e/test_snapshots.py",  # 44
-    "tests/net/test_egress.py",  # 42
-    "tests/e2e/test_console_ui.py",  # 38
-    "tests/cluster/test_cluster_console.py",  # 36
-    "tests/e2e/test_interp.py",  # 34
-    "tests/e2e/test_limits.py",  # 34
-    "tests/e2e/test_idle_quiet.py",  # 28
-    "tests/e2b/test_e2b_sdk.py",  # 28
-    "tests/cluster/test_cluster_routes.py",  # 27
-    "tests/e2e/test_lifecycle_bounds.py",  # 25
-    "tests/cluster/test_k8s_nodes.py",  # 23
-    "tests/e2e/test_commands.py",  # 20
-    "tests/e2e/test_ports.py",  # 20
-    "tests/cluster/test_k8s.py",  # 19
-    "tests/cluster/test_bench_cluster.py",  # 19
-    "tests/security/test_channel_flood.py",  # 18
-    "tests/e2e/test_sandbox.py",  # 18
-    "tests/e2e/test_lifecycle_stress.py",  # 18
-)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     root = Path(__file__).resolve().parent.parent
-    rank = {m: i for i, m in enumerate(LONGEST_FIRST)}
-    ranks: dict[str, int] = {}
     for item in items:
         rel = Path(item.fspath).resolve().relative_to(root).as_posix()
         if rel.startswith(TIER2):
             item.add_marker(pytest.mark.tier2)
-        ranks[item.nodeid] = rank.get(rel, len(rank))
-    # (a stable sort: a module's tests, and the modules not listed, keep their order)
-    items.sort(key=lambda item: ranks[item.nodeid])
 
 
 @pytest.fixture(scope="session")
