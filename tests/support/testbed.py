@@ -27,6 +27,7 @@ from typing import IO, Any
 from cpuosd.store import SqliteStore, Store
 
 from .daemon import free_port as free_port  # (the one chooser of test ports)
+from .daemon import http_get
 
 K8S_VERSION = "v1.37.2"
 ETCD_VERSION = "v3.7.0"
@@ -221,7 +222,6 @@ class S3Server:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 60) -> None:
-        import httpx
 
         self.base.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
@@ -236,7 +236,7 @@ class S3Server:
                      str(self.port)], stdout=logf, stderr=logf, env=env,
                     start_new_session=True)
             try:
-                wait_for(lambda: httpx.get(self.endpoint + "/moto-api/", timeout=2)
+                wait_for(lambda: http_get(self.endpoint + "/moto-api/", timeout=2)
                          .status_code < 500, "moto S3 server", timeout, self.proc, self.log)
                 return
             except RuntimeError:
@@ -389,7 +389,7 @@ class KubeApiserver:
                  "--listen-metrics-urls", "", "--unsafe-no-fsync",
                  "--quota-backend-bytes", str(256 << 20), "--log-level", "warn"],
                 stdout=logf, stderr=logf, start_new_session=True)
-        wait_for(lambda: httpx.get(f"http://127.0.0.1:{client_port}/health", timeout=2)
+        wait_for(lambda: http_get(f"http://127.0.0.1:{client_port}/health", timeout=2)
                  .status_code == 200, "etcd", 60, self.etcd, etcd_log)
         self.port = free_port()
         log = self.base / "kube-apiserver.log"
@@ -481,7 +481,7 @@ class ApiProcess:
         import httpx
 
         try:
-            r = httpx.get(self.url + "/health", timeout=2)
+            r = http_get(self.url + "/health", timeout=2)
             return dict(r.json()) if r.status_code == 200 else {}
         except httpx.TransportError:
             if self.proc.poll() is not None:
@@ -603,7 +603,6 @@ def place_only_on(database_url: str, key: str, apis: list[ApiProcess],
                   here: str | None) -> None:
     """Every node of a two-node cluster cordoned but ``here`` (None: none cordoned), until
     every API process sees it so, with the nodes left to place on alive."""
-    import httpx
 
     from .daemon import wait_until
 
@@ -616,7 +615,7 @@ def place_only_on(database_url: str, key: str, apis: list[ApiProcess],
         store.close()
 
     def seen(api: ApiProcess) -> bool:
-        r = httpx.get(api.url + "/nodes", headers={"Authorization": f"Bearer {key}"})
+        r = http_get(api.url + "/nodes", headers={"Authorization": f"Bearer {key}"})
         nodes = r.json()["nodes"]
         return {n["id"]: n["cordoned"] for n in nodes} == want and all(
             n["alive"] for n in nodes if not n["cordoned"])
