@@ -23,13 +23,16 @@ import time
 from pathlib import Path
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
 import httpx
 
 from cpuosd.backends.base import SandboxSpec
 from cpuosd.backends.runsc import RunscUnavailable, find_runsc
 from cpuosd.config import Config
+
+if TYPE_CHECKING:
+    from cpuos import Sandbox
 
 TEMPLATES = Path(os.environ.get("CPUOS_TEMPLATES_DIR", "/var/lib/cpuos/templates"))
 # the template snapshot images every test daemon shares (CPUOS_TEMPLATE_IMAGES_DIR): one
@@ -68,6 +71,20 @@ _POLL = httpx.Client(verify=False, limits=httpx.Limits(max_keepalive_connections
 def http_get(url: str, timeout: float = 2, **kw: object) -> httpx.Response:
     """GET url (http://, loopback) through the helpers' one client."""
     return _POLL.get(url, timeout=timeout, **kw)  # type: ignore[arg-type]
+
+
+def oserror_after(sbx: Sandbox, step: str, upto: int, setup: str = "",
+                  timeout: str = "2m") -> tuple[int, int]:
+    """Run, inside ``sbx``, the Python statement ``step`` for n in range(upto) until it
+    raises OSError (a limit met: EAGAIN, ENOSPC...): (n, errno) of that failure. ``setup``
+    is Python run first. A loop that never fails is an AssertionError."""
+    script = f"{setup}\nn = 0\ntry:\n    for n in range({upto}):\n        {step}\n" \
+             "except OSError as e:\n    print(n, e.errno)\nelse:\n    print('no OSError')\n"
+    sbx.files.write("/tmp/oserror_after.py", script)
+    r = sbx.exec("python3 /tmp/oserror_after.py", timeout=timeout)
+    out = r.stdout.split()
+    assert r.exit_code == 0 and len(out) == 2 and out[0].isdigit(), (r.stdout, r.stderr)
+    return int(out[0]), int(out[1])
 
 
 def wait_until(cond: Callable[[], bool], what: str, timeout: float = 60) -> None:
