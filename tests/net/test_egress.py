@@ -40,7 +40,9 @@ def inet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeInternet]:
 
 @pytest.fixture(scope="module")
 def netd(inet: FakeInternet) -> Iterator[Daemon]:
-    d = new_daemon(CPUOS_POOL_SIZE="1", **inet.env())
+    # (a pool of one that does not grow with demand: a burst of creates would grow it, and
+    # what is left after one is only gone once the pool shrinks back, 10 s after the burst)
+    d = new_daemon(CPUOS_POOL_SIZE="1", CPUOS_POOL_MAX="1", **inet.env())
     d.start()
     yield d
     try:
