@@ -196,14 +196,14 @@ def test_busy_cpu_and_open_streams_are_not_idle(daemon: Daemon) -> None:
         wait_idle_paused(quiet)  # the others were looked at past their timeout too
         for s in (busy, follow, term, never):
             assert s.info().state == "running", s.id
-        # what kept them up ends: then they pause
+        # what kept them up ends: then they pause (the spin first: it burns a core)
+        spin.kill()
+        wait_idle_paused(busy)
         t.disconnect()
         wait_idle_paused(term)
         sleeper.kill()
         followed.join(60)
         wait_idle_paused(follow)
-        spin.kill()
-        wait_idle_paused(busy)
         assert never.info().state == "running"
         # a terminal reattached wakes its sandbox, the shell as it was
         t2 = term.pty.connect(t.pid)
