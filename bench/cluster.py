@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import secrets
+import shutil
 import statistics
 import sys
 import tempfile
@@ -185,6 +186,7 @@ def main() -> int:
 
         finally:
             s3.stop()
+            shutil.rmtree(s3.base, ignore_errors=True)
         # the local figure: one host (--role=all, local snapshots), same sandbox kind
         from support.daemon import new_daemon
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,8 +12,7 @@ from cpuos_agent import protocol as P
 from cpuosd.agentconn import MAX_QUEUED, AgentChannel, AgentGone
 
 
-async def _setup() -> tuple[AgentChannel, asyncio.StreamReader, asyncio.StreamWriter]:
-    d = Path(tempfile.mkdtemp(prefix="cpuos-ac-"))
+async def _setup(d: Path) -> tuple[AgentChannel, asyncio.StreamReader, asyncio.StreamWriter]:
     chan = AgentChannel(d / "agent.sock")
     await chan.listen()
     r, w = await asyncio.open_unix_connection(str(d / "agent.sock"))
@@ -24,9 +22,9 @@ async def _setup() -> tuple[AgentChannel, asyncio.StreamReader, asyncio.StreamWr
     return chan, r, w
 
 
-def test_agent_ignoring_flow_control_is_dropped() -> None:
+def test_agent_ignoring_flow_control_is_dropped(tmp_path: Path) -> None:
     async def main() -> None:
-        chan, _, w = await _setup()
+        chan, _, w = await _setup(tmp_path)
         st = chan.open()
         chunk = b"x" * P.MAX_PAYLOAD
         sent = 0
@@ -53,9 +51,9 @@ def test_agent_ignoring_flow_control_is_dropped() -> None:
     asyncio.run(main())
 
 
-def test_frames_for_unknown_streams_are_ignored_and_hello_required() -> None:
+def test_frames_for_unknown_streams_are_ignored_and_hello_required(tmp_path: Path) -> None:
     async def main() -> None:
-        chan, _, w = await _setup()
+        chan, _, w = await _setup(tmp_path)
         st = chan.open()
         w.write(P.encode({"t": "out", "id": st.id + 99, "fd": 1}, b"nope"))
         w.write(P.encode({"t": "ok", "id": st.id}))
@@ -82,7 +80,7 @@ async def _until(cond: object, timeout: float = 5) -> None:
         await asyncio.sleep(0.005)
 
 
-def test_keyed_channel_refuses_impostors_and_old_agents() -> None:
+def test_keyed_channel_refuses_impostors_and_old_agents(tmp_path: Path) -> None:
     key = "ab" * 32
 
     async def hello(path: Path, **fields: object) -> asyncio.StreamWriter:
@@ -92,7 +90,7 @@ def test_keyed_channel_refuses_impostors_and_old_agents() -> None:
         return w
 
     async def main() -> None:
-        d = Path(tempfile.mkdtemp(prefix="cpuos-ac-"))
+        d = tmp_path
         chan = AgentChannel(d / "agent.sock", key)
         await chan.listen()
         # no key, a wrong key, an old protocol: refused, nothing connected
@@ -122,12 +120,12 @@ def test_keyed_channel_refuses_impostors_and_old_agents() -> None:
     asyncio.run(main())
 
 
-def test_liveness_watch_runs_only_while_streams_are_open() -> None:
+def test_liveness_watch_runs_only_while_streams_are_open(tmp_path: Path) -> None:
     """An idle channel (no stream) has no watch task, so no periodic wakeup per sandbox;
     a stream starts one, which pings a silent agent and ends with the last stream; one
     opened after a long quiet spell does not count that spell against the agent."""
     async def main() -> None:
-        chan, r, w = await _setup()
+        chan, r, w = await _setup(tmp_path)
         chan.liveness = 0.4  # ticks every 0.1 s
         await asyncio.sleep(0.5)  # idle longer than liveness: nothing runs, nothing dropped
         assert chan.watch_runs == 0 and chan.connected
@@ -160,7 +158,7 @@ def test_liveness_watch_runs_only_while_streams_are_open() -> None:
     asyncio.run(main())
 
 
-def test_connections_without_a_hello_are_bounded() -> None:
+def test_connections_without_a_hello_are_bounded(tmp_path: Path) -> None:
     """Issue 25: before the key is checked the channel reads one small hello, keeps at most
     MAX_UNAUTHENTICATED connections waiting for one (a newer one closes the oldest), and
     buffers nothing else; the agent still gets in through a flood of them."""
@@ -176,7 +174,7 @@ def test_connections_without_a_hello_are_bounded() -> None:
         return len(os.listdir("/proc/self/fd"))
 
     async def main() -> None:
-        d = Path(tempfile.mkdtemp(prefix="cpuos-ac-"))
+        d = tmp_path
         chan = AgentChannel(d / "agent.sock", key)
         await chan.listen()
         base = open_fds()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import tempfile
 from pathlib import Path
 
 from cpuos_agent import protocol as P
@@ -27,9 +26,9 @@ async def _frame(r: asyncio.StreamReader) -> P.Header:
     return P.parse_header((await r.readexactly(hlen + plen))[:hlen])
 
 
-def test_state_on_start_on_change_and_on_each_connection() -> None:
+def test_state_on_start_on_change_and_on_each_connection(tmp_path: Path) -> None:
     async def main() -> None:
-        d = Path(tempfile.mkdtemp(prefix="cpuos-mw-"))
+        d = tmp_path
         chan = AgentChannel(d / "agent.sock")
         await chan.listen()
         r, w = await _hello(chan.sock_path)
