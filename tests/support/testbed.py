@@ -222,7 +222,6 @@ class S3Server:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 60) -> None:
-
         self.base.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
         env.update({"AWS_ACCESS_KEY_ID": self.access_key,
@@ -497,7 +496,7 @@ def start_api(database_url: str, token: str, lease: str = "3",
               extra: dict[str, str] | None = None, tries: int = 5) -> ApiProcess:
     """An API process on free ports, answering /health. Started again on other ports when
     it found one of its ports taken: another worker's listener can bind a port between our
-    choice (free_port) and the API process's bind (seen once in CI)."""
+    choice (free_port) and the API process's bind (seen once in a local run of the suite)."""
     from .daemon import wait_until
 
     for _ in range(tries):
