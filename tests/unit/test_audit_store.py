@@ -54,6 +54,25 @@ def test_chain_verifies_and_rows_read_back(log: AuditLog, tmp_path: Path) -> Non
     assert verify_file(tmp_path)["ok"]
 
 
+def test_the_head_is_rewritten_in_place_and_made_anew_if_replaced(log: AuditLog,
+                                                                  tmp_path: Path) -> None:
+    """audit.head is one file rewritten after each batch (not a new file each time); if
+    its path comes to name another file, the next batch writes a whole head there."""
+    head = tmp_path / "audit.head"
+    fill(log, 5)
+    ino = head.stat().st_ino
+    fill(log, 5)
+    assert head.stat().st_ino == ino
+    assert json.loads(head.read_text()) == log.verify()["head"] and log.verify()["ok"]
+    stale = tmp_path / "stale"
+    stale.write_text(json.dumps({"seq": 99, "hash": "0" * 64}))
+    stale.replace(head)
+    assert not log.verify()["ok"]  # (the head says seq 99: rows 11..99 look deleted)
+    fill(log, 1)
+    assert json.loads(head.read_text())["seq"] == 11 and log.verify()["ok"]
+    assert verify_file(tmp_path)["ok"]
+
+
 def test_an_edited_row_is_found(log: AuditLog, tmp_path: Path) -> None:
     fill(log, 20)
     sql(tmp_path, "UPDATE audit SET detail=? WHERE seq=7", json.dumps({"argv": ["innocent"]}))
@@ -301,6 +320,43 @@ def test_a_repeat_past_its_window_before_the_row_is_made_keeps_the_count(
         rows = a.query("sbx-w", limit=100)
         assert sum(int(r["detail"].get("count") or 1) for r in rows) == 20, rows
         assert len(rows) == 2
+    finally:
+        a.close()
+
+
+def test_windows_end_in_the_order_they_started(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer makes a repeats' row when its window ends, one window at a time in the
+    order they started (it looks only at the oldest), and a row whose window ended without
+    repeats starts a new window when it comes again."""
+    clock = [1000.0]
+    monkeypatch.setattr("cpuosd.accounting.audit.time.monotonic", lambda: clock[0])
+    a = bounded(tmp_path, coalesce=5.0)
+
+    def w(path: str) -> dict[str, Any]:
+        return {"source": "runtime", "op": "open", "path": path, "uid": 1000}
+
+    def counts() -> dict[str, int]:
+        return {r["detail"]["path"]: r["detail"]["count"]
+                for r in a.query("sbx-o", limit=100) if "count" in r["detail"]}
+    try:
+        for _ in range(3):
+            a.record("sbx-o", "file_write", w("/a"), workspace="ws-1")
+        a.record("sbx-o", "file_write", w("/c"), workspace="ws-1")
+        clock[0] += 2
+        for _ in range(4):
+            a.record("sbx-o", "file_write", w("/b"), workspace="ws-1")
+        clock[0] += 3.5  # /a's and /c's windows ended, not /b's
+        wait_until(lambda: counts() == {"/a": 2}, "the row of /a's repeats", timeout=10)
+        assert a.pending_repeats() == 1
+        a.record("sbx-o", "file_write", w("/c"), workspace="ws-1")  # a new window: a row
+        a.record("sbx-o", "file_write", w("/c"), workspace="ws-1")  # ... and a repeat
+        clock[0] += 2  # /b's ended
+        wait_until(lambda: counts() == {"/a": 2, "/b": 3}, "the row of /b's", timeout=10)
+        assert a.pending_repeats() == 1  # /c's second window
+        assert a.flush(owed=True)
+        assert counts() == {"/a": 2, "/b": 3, "/c": 1}
+        assert len(a.query("sbx-o", limit=100)) == 7 and a.verify()["ok"]
     finally:
         a.close()
 
