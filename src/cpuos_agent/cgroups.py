@@ -181,9 +181,12 @@ class Cgroups:
         name = "memory.current" if self.kind == "v2" else "memory.usage_in_bytes"
         if cg is None and self.kind == "v2":
             return _meminfo_used()
-        try:
-            with open(os.path.join(base, name)) as f:
-                return int(f.read().split()[0])
+        try:  # (os.open/read: 3 system calls, where a text-mode open() makes 9)
+            fd = os.open(os.path.join(base, name), os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                return int(os.read(fd, 64).split()[0])
+            finally:
+                os.close(fd)
         except (OSError, ValueError, IndexError):
             return None
 
