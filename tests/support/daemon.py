@@ -8,6 +8,7 @@ run under .cache/test-artifacts/.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import fcntl
 import os
@@ -344,6 +345,38 @@ class Daemon:
                 self.proc.kill()
                 self.proc.wait()
 
+    def _runsc_processes(self, commands: frozenset[str] | None = None) -> list[int]:
+        """runsc processes of this daemon's root (its sandboxes' and gofers', the commands
+        it ran), by pid; ``commands``: only runsc commands with one of these verbs."""
+        flag = f"--root={self.runsc_root}".encode()
+        out = []
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            argv = _cmdline(int(d))
+            if flag not in argv or not argv[0].split(b"/")[-1].startswith(b"runsc"):
+                continue
+            if commands is None or any(a.decode(errors="replace") in commands
+                                       for a in argv[1:]):
+                out.append(int(d))
+        return out
+
+    def _until_gone(self, commands: frozenset[str] | None, timeout: float
+                    ) -> list[tuple[int, str]]:
+        """Wait (bounded) for the root's runsc processes (of ``commands``) to end; those
+        still there are SIGKILLed: [(pid, name)] of them."""
+        deadline = time.monotonic() + timeout
+        while (pids := self._runsc_processes(commands)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        out = []
+        for pid in pids:
+            argv = _cmdline(pid)
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+            out.append((pid, b" ".join(argv[:1] + [a for a in argv if a in INFLIGHT_B])
+                        .decode(errors="replace")))
+        return out
+
     def runsc_containers(self) -> list[str]:
         out = subprocess.run([self.runsc, "--root", str(self.runsc_root), "list",
                               "-format=json"], capture_output=True, check=True).stdout
@@ -359,10 +392,16 @@ class Daemon:
             except Exception:
                 pass
         self.stop()
+        # a restore or run the daemon had under way when it stopped (its warm pool's) goes
+        # on without it and makes its container after a look at runsc's root: wait for
+        # those commands (bounded) before looking, or the sandbox outlives its home
+        self._until_gone(INFLIGHT, 30)
         left = self.runsc_containers() if self.runsc_root.exists() else []
         for cid in left:
             subprocess.run([self.runsc, "--root", str(self.runsc_root), "delete", "--force",
                             cid], capture_output=True)
+        # what is left of the root's (not a container runsc knows, or not ending): a leak
+        left += [f"process {pid} ({name})" for pid, name in self._until_gone(None, 10)]
         left += [f"mount {m}" for m in mounts_under(self.home)]
         for m in reversed(mounts_under(self.home)):
             subprocess.run(["umount", "--lazy", m], capture_output=True)
@@ -373,6 +412,19 @@ class Daemon:
             shutil.copy(self.log, ARTIFACTS / f"cpuosd-{self.home.name}.log")
         shutil.rmtree(self.home, ignore_errors=True)
         return left
+
+
+# runsc commands that make a container (what may outlive the daemon that ran them)
+INFLIGHT = frozenset({"restore", "run", "create", "start"})
+INFLIGHT_B = frozenset(c.encode() for c in INFLIGHT)
+
+
+def _cmdline(pid: int) -> list[bytes]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().split(b"\0")
+    except OSError:
+        return []
 
 
 def wrapped_runsc_daemon(tmp_path: Path, script: str, **env: str) -> Daemon:
