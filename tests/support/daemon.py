@@ -401,7 +401,7 @@ class Daemon:
             subprocess.run([self.runsc, "--root", str(self.runsc_root), "delete", "--force",
                             cid], capture_output=True)
         # what is left of the root's (not a container runsc knows, or not ending): a leak
-        left += [f"process {pid} ({name})" for pid, name in self._until_gone(None, 10)]
+        left += [f"process {pid} ({name})" for pid, name in self._until_gone(None, 30)]
         left += [f"mount {m}" for m in mounts_under(self.home)]
         for m in reversed(mounts_under(self.home)):
             subprocess.run(["umount", "--lazy", m], capture_output=True)
