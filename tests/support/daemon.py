@@ -365,11 +365,11 @@ class Daemon:
                     ) -> list[tuple[int, str]]:
         """Wait (bounded) for the root's runsc processes (of ``commands``) to end; those
         still there are SIGKILLed: [(pid, name)] of them."""
-        deadline = time.monotonic() + timeout
-        while (pids := self._runsc_processes(commands)) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        with contextlib.suppress(TimeoutError):
+            wait_until(lambda: not self._runsc_processes(commands),
+                       f"runsc processes of {self.runsc_root} to end", timeout)
         out = []
-        for pid in pids:
+        for pid in self._runsc_processes(commands):
             argv = _cmdline(pid)
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
