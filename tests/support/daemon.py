@@ -345,7 +345,7 @@ class Daemon:
                 self.proc.kill()
                 self.proc.wait()
 
-    def _runsc_processes(self, commands: frozenset[str] | None = None) -> list[int]:
+    def _runsc_processes(self, commands: frozenset[bytes] | None = None) -> list[int]:
         """runsc processes of this daemon's root (its sandboxes' and gofers', the commands
         it ran), by pid; ``commands``: only runsc commands with one of these verbs."""
         flag = f"--root={self.runsc_root}".encode()
@@ -356,12 +356,11 @@ class Daemon:
             argv = _cmdline(int(d))
             if flag not in argv or not argv[0].split(b"/")[-1].startswith(b"runsc"):
                 continue
-            if commands is None or any(a.decode(errors="replace") in commands
-                                       for a in argv[1:]):
+            if commands is None or any(a in commands for a in argv[1:]):
                 out.append(int(d))
         return out
 
-    def _until_gone(self, commands: frozenset[str] | None, timeout: float
+    def _until_gone(self, commands: frozenset[bytes] | None, timeout: float
                     ) -> list[tuple[int, str]]:
         """Wait (bounded) for the root's runsc processes (of ``commands``) to end; those
         still there are SIGKILLed: [(pid, name)] of them."""
@@ -373,7 +372,7 @@ class Daemon:
             argv = _cmdline(pid)
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-            out.append((pid, b" ".join(argv[:1] + [a for a in argv if a in INFLIGHT_B])
+            out.append((pid, b" ".join(argv[:1] + [a for a in argv if a in INFLIGHT])
                         .decode(errors="replace")))
         return out
 
@@ -420,8 +419,7 @@ class Daemon:
 
 
 # runsc commands that make a container (what may outlive the daemon that ran them)
-INFLIGHT = frozenset({"restore", "run", "create", "start"})
-INFLIGHT_B = frozenset(c.encode() for c in INFLIGHT)
+INFLIGHT = frozenset({b"restore", b"run", b"create", b"start"})
 
 
 def _cmdline(pid: int) -> list[bytes]:
