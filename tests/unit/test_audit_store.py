@@ -301,6 +301,28 @@ def test_repeats_are_one_row_then_one_with_a_count(tmp_path: Path) -> None:
         a.close()
 
 
+def test_the_coalescing_key_ignores_only_what_varies_between_repeats() -> None:
+    """Two points are the same row but for their times, pids, fds and counts; any other
+    field (a path, a flag, the process) makes them two; a detail with a nested value (a
+    connection's policy, a list of lists) still has a key, equal for equal details."""
+    key = audit_mod.coalesce_key
+    w = {"source": "runtime", "op": "open", "path": "/tmp/x", "flags": ["O_WRONLY"],
+         "uid": 1000, "process": "sh"}
+    k = key("sbx-c", "file_write", {**w, "pid": 1, "ppid": 0, "fd": 3, "time_ns": 1})
+    assert k is not None and hash(k) is not None
+    assert key("sbx-c", "file_write", {**w, "pid": 9, "ppid": 8, "fd": 7, "time_ns": 2,
+                                       "count": 40}) == k
+    for change in ({"path": "/tmp/y"}, {"flags": ["O_WRONLY", "O_CREAT"]},
+                   {"process": "bash"}, {"uid": 0}):
+        assert key("sbx-c", "file_write", {**w, **change}) != k, change
+    assert key("sbx-d", "file_write", w) != k
+    nested = {"source": "runtime", "argv": [["a"], ["b"]], "opts": {"x": [1]}}
+    kn = key("sbx-c", "command", nested)
+    assert kn is not None and kn == key("sbx-c", "command", {**nested, "pid": 5})
+    assert kn != key("sbx-c", "command", {**nested, "opts": {"x": [2]}})
+    assert key("sbx-c", "command", {"source": "api", "argv": ["true"]}) is None
+
+
 def test_a_repeat_past_its_window_before_the_row_is_made_keeps_the_count(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A repeat that comes after its window ended but before the writer made the row of the

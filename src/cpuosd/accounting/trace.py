@@ -123,9 +123,15 @@ def session_config(endpoint: Path, cpuos_points: bool = True) -> dict[str, Any]:
 
 
 def flag_names(flags: int) -> list[str]:
+    """open(2)'s flags by name (a new list: the row's own)."""
+    return list(_flag_names(flags))
+
+
+@functools.lru_cache(maxsize=1024)  # (a program uses a handful of distinct flag sets)
+def _flag_names(flags: int) -> tuple[str, ...]:
     acc = flags & O_ACCMODE
-    out = ["O_WRONLY" if acc == O_WRONLY else "O_RDWR" if acc == O_RDWR else "O_RDONLY"]
-    return out + [n for bit, n in FLAG_NAMES if flags & bit == bit]
+    return ("O_WRONLY" if acc == O_WRONLY else "O_RDWR" if acc == O_RDWR else "O_RDONLY",
+            *[n for bit, n in FLAG_NAMES if flags & bit == bit])
 
 
 # opened for writing all the time and never a file's content: not kept
@@ -137,11 +143,17 @@ def is_write(flags: int) -> bool:
     return bool(flags & O_ACCMODE in (O_WRONLY, O_RDWR) or flags & (O_CREAT | O_TRUNC))
 
 
-def _ctx(c: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {"pid": c.thread_group_id, "ppid": c.parent_thread_group_id,
-                           "uid": c.credentials.real_uid, "euid": c.credentials.effective_uid}
-    if c.process_name:
-        out["process"] = c.process_name
+def _ctx(c: Any, out: dict[str, Any]) -> dict[str, Any]:
+    """The point's context into ``out`` (the row's detail), which it returns."""
+    out["pid"] = c.thread_group_id
+    out["ppid"] = c.parent_thread_group_id
+    cred = c.credentials
+    out["uid"] = cred.real_uid
+    out["euid"] = cred.effective_uid
+    name = c.process_name
+    if name:
+        out["process"] = name
+    out["time_ns"] = c.time_ns
     return out
 
 
@@ -166,7 +178,7 @@ def _decode(mtype: int, payload: bytes, cpuos_points: bool
         return "command", {
             "source": "runtime", "argv": list(m.argv), "binary": m.binary_path or m.execfn,
             "cwd": c.cwd, "env": sorted({e.partition("=")[0] for e in m.env})[:256],
-            **_ctx(c), "time_ns": c.time_ns}
+            **_ctx(c, {})}
     if mtype != MSG_OPEN:
         return None
     o = pb.Open.FromString(payload)
@@ -188,7 +200,7 @@ def _decode(mtype: int, payload: bytes, cpuos_points: bool
             detail["exchange"] = True
         if op in ("mkdir", "mknod"):
             detail["mode"] = oct(o.mode)
-        return "file_write", {**detail, **_ctx(c), "time_ns": c.time_ns}
+        return "file_write", _ctx(c, detail)
     if not is_write(o.flags):
         return None
     if cpuos_points and o.fd_path.startswith("/"):
@@ -207,7 +219,7 @@ def _decode(mtype: int, payload: bytes, cpuos_points: bool
         detail["syscall"] = "openat2"
     if o.pathname and o.pathname != path:
         detail["name"] = o.pathname  # how the process named it (a link, /proc/self/fd/N...)
-    return "file_write", {**detail, **_ctx(c), "time_ns": c.time_ns}
+    return "file_write", _ctx(c, detail)
 
 
 class _Hub:
