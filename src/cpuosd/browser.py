@@ -19,7 +19,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import WebSocketException
 
@@ -44,6 +43,8 @@ def no_browser(sid: str, why: str) -> ApiError:
 
 async def get_json(addr: str, path: str, sid: str, method: str = "GET") -> Any:
     """A small JSON answer from chromium's HTTP endpoint (``/json/...``), capped."""
+    import httpx  # (here: a daemon that never drives a browser does not load it, ~40 ms)
+
     try:
         async with httpx.AsyncClient(trust_env=False, timeout=CONNECT_TIMEOUT) as c:
             async with c.stream(method, f"http://{addr}:{CDP_PORT}{path}") as r:
