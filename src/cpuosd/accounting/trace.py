@@ -175,10 +175,9 @@ def _decode(mtype: int, payload: bytes, cpuos_points: bool
     if mtype == MSG_EXEC:
         m = pb.ExecveInfo.FromString(payload)
         c = m.context_data
-        return "command", {
+        return "command", _ctx(c, {
             "source": "runtime", "argv": list(m.argv), "binary": m.binary_path or m.execfn,
-            "cwd": c.cwd, "env": sorted({e.partition("=")[0] for e in m.env})[:256],
-            **_ctx(c, {})}
+            "cwd": c.cwd, "env": sorted({e.partition("=")[0] for e in m.env})[:256]})
     if mtype != MSG_OPEN:
         return None
     o = pb.Open.FromString(payload)
