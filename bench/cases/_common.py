@@ -37,7 +37,7 @@ from cpuosd.backends.base import SandboxSpec
 from cpuosd.backends.gvisor import SANDBOX_GID, SANDBOX_UID, oci_spec, overlay_flag
 from cpuosd.backends.runsc import Runsc, find_runsc
 from support.daemon import (TEMPLATES, Daemon, SdkKwargs, e2e_unavailable, new_daemon,
-                             wait_until)
+                            runsc_processes, wait_until)
 
 REPO = Path(__file__).resolve().parents[2]
 OUT = REPO / ".cache" / "bench"
@@ -177,20 +177,10 @@ PROCS = Procs()
 
 
 def runsc_procs() -> list[tuple[int, str, bytes]]:
-    """(pid, argv[0], cmdline) of runsc processes on the host (runsc, runsc-gofer,
-    runsc-sandbox and its ptrace stubs; their comm is often just "exe")."""
-    found = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            cmd = Path(f"/proc/{d}/cmdline").read_bytes()
-        except OSError:
-            continue
-        argv0 = os.path.basename(cmd.split(b"\0")[0].decode(errors="replace"))
-        if argv0.startswith("runsc"):
-            found.append((int(d), argv0, cmd))
-    return found
+    """(pid, argv[0]'s name, cmdline) of runsc processes on the host
+    (support.daemon.runsc_processes)."""
+    return [(pid, os.path.basename(argv[0].decode(errors="replace")), b"\0".join(argv))
+            for pid, argv in runsc_processes()]
 
 
 def runsc_pids_under(paths: Sequence[Path]) -> list[tuple[int, str]]:

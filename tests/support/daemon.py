@@ -349,16 +349,8 @@ class Daemon:
         """runsc processes of this daemon's root (its sandboxes' and gofers', the commands
         it ran), by pid; ``commands``: only runsc commands with one of these verbs."""
         flag = f"--root={self.runsc_root}".encode()
-        out = []
-        for d in os.listdir("/proc"):
-            if not d.isdigit():
-                continue
-            argv = _cmdline(int(d))
-            if flag not in argv or not argv[0].split(b"/")[-1].startswith(b"runsc"):
-                continue
-            if commands is None or any(a in commands for a in argv[1:]):
-                out.append(int(d))
-        return out
+        return [pid for pid, argv in runsc_processes() if flag in argv
+                and (commands is None or any(a in commands for a in argv[1:]))]
 
     def _until_gone(self, commands: frozenset[bytes] | None, timeout: float
                     ) -> list[tuple[int, str]]:
@@ -428,6 +420,18 @@ def _cmdline(pid: int) -> list[bytes]:
             return f.read().split(b"\0")
     except OSError:
         return []
+
+
+def runsc_processes() -> list[tuple[int, list[bytes]]]:
+    """(pid, argv) of every runsc process on the host (runsc, runsc-gofer, runsc-sandbox and
+    its stubs: their comm is often just "exe", their argv[0] says what they are)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            argv = _cmdline(int(d))
+            if argv and argv[0].split(b"/")[-1].startswith(b"runsc"):
+                out.append((int(d), argv))
+    return out
 
 
 def wrapped_runsc_daemon(tmp_path: Path, script: str, **env: str) -> Daemon:
