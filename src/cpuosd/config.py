@@ -71,6 +71,20 @@ def _at_least_1(name: str, v: str) -> int:
     return max(1, _int(name, v))
 
 
+def _memory_mib(name: str, v: str) -> int:
+    """A sandbox's memory: a size (``1GiB``, a bare number is MiB) of 128 MiB or more, in
+    MiB (what a create may ask for)."""
+    from cpuos_agent.protocol import parse_size_mib
+
+    try:
+        n = parse_size_mib(v, name)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if n < 128:
+        raise ConfigError(f"{name}={v!r}: a sandbox needs 128 MiB at least")
+    return n
+
+
 def _seconds(name: str, v: str) -> float:
     from cpuos_agent.protocol import parse_duration
 
@@ -241,6 +255,10 @@ class SandboxConfig:
     default_disk_mib: int = var("CPUOS_DEFAULT_DISK_MIB", 5120,
                                 "MiB the writable layer of a sandbox's root filesystem may "
                                 "hold (past it: ENOSPC)", _int)
+    default_memory_mib: int = var("CPUOS_DEFAULT_MEMORY_MIB", 2048,
+                                  "MiB of memory a sandbox gets when its create and its "
+                                  "workspace name none (templates are snapshotted at it)",
+                                  _memory_mib)
     agent_connect_timeout: float = var("CPUOS_AGENT_CONNECT_TIMEOUT", 15.0,
                                        "s a booting or restored sandbox's agent has to say "
                                        "hello", _float)
@@ -258,7 +276,6 @@ class SandboxConfig:
     max_timeout: float = 24 * 3600.0
     reaper_interval: float = 0.5
     default_vcpus: int = 2
-    default_memory_mib: int = 2048
     # free space a pause needs beyond the sandbox's memory (its image is at most that big)
     snapshot_margin: int = 64 << 20
 

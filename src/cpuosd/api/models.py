@@ -84,7 +84,8 @@ class CreateSandbox(BaseModel):
     vcpus: int | None = Field(None, ge=1, le=64, description="default: the workspace's "
                               "default_vcpus, else the daemon's (2)")
     memory_mib: int | None = Field(None, ge=128, le=262144, description="default: the "
-                                   "workspace's default_memory_mib, else 2048")
+                                   "workspace's default_memory_mib, else the daemon's "
+                                   "(CPUOS_DEFAULT_MEMORY_MIB, 2048)")
     disk_mib: int | None = Field(None, ge=64, le=1 << 22, description=(
         "MiB the root filesystem's writable layer may hold (ENOSPC inside past it); "
         "default: the workspace's default_disk_mib, else CPUOS_DEFAULT_DISK_MIB"))

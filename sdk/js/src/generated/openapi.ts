@@ -1197,7 +1197,7 @@ export interface components {
             idle_timeout?: number | string | null;
             /**
              * Memory Mib
-             * @description default: the workspace's default_memory_mib, else 2048
+             * @description default: the workspace's default_memory_mib, else the daemon's (CPUOS_DEFAULT_MEMORY_MIB, 2048)
              */
             memory_mib?: number | null;
             /** Metadata */
