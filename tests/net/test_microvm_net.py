@@ -68,7 +68,9 @@ def vmd(inet: FakeInternet, tmp_path_factory: pytest.TempPathFactory,
     home.mkdir()
     d = Daemon(home, {"CPUOS_BACKEND": "microvm", "CPUOS_MICROVM_ACCEL": "tcg",
                       "CPUOS_MICROVM_DIR": str(CACHE), "CPUOS_POOL_SIZE": "0",
-                      "CPUOS_AGENT_CONNECT_TIMEOUT": "240", **inet.env()})
+                      "CPUOS_AGENT_CONNECT_TIMEOUT": "240",
+                      # small VMs: a pause or fork moves the guest's whole RAM, emulated
+                      "CPUOS_DEFAULT_MEMORY_MIB": "896", **inet.env()})
     d.start()
     failed_before = request.session.testsfailed
     failed = True
