@@ -1,6 +1,6 @@
-"""The egress proxy refuses the daemon's own addresses: the list of them must be made off the
-event loop's thread (pyroute2's IPRoute fails inside a running loop: every check used to log
-'This event loop is already running' and refuse nothing)."""
+"""The egress proxy refuses the daemon's own addresses: their list is refreshed while an
+event loop runs (the listing once used pyroute2's IPRoute, which failed inside a running loop:
+every check logged 'This event loop is already running' and refused nothing)."""
 
 from __future__ import annotations
 

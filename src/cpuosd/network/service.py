@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
-from pyroute2 import IPRoute
+import psutil
 
 from ..config import NetworkConfig
 from . import firewall
@@ -171,8 +172,7 @@ class Network:
 
     def is_host_address(self, address: str) -> bool:
         """One of the daemon's own namespace's addresses (listed at start, refreshed in the
-        background at most every 10 s: pyroute2's IPRoute cannot run on the event loop's
-        thread, so the listing is never done here)."""
+        background at most every 10 s: with a sandbox's veth each, a host's list is long)."""
         now = time.monotonic()
         if now - self._host_addrs_at > 10:
             self._host_addrs_at = now
@@ -181,9 +181,11 @@ class Network:
         return address in self._host_addrs
 
     def _list_host_addrs(self) -> None:
+        # getifaddrs(3) through psutil (a link-local IPv6 address comes as "fe80::1%eth0")
         try:
-            with IPRoute() as ipr:
-                self._host_addrs = {str(a.get_attr("IFA_ADDRESS")) for a in ipr.get_addr()}
+            self._host_addrs = {a.address.partition("%")[0]
+                                for addrs in psutil.net_if_addrs().values() for a in addrs
+                                if a.family in (socket.AF_INET, socket.AF_INET6)}
         except Exception:
             log.exception("listing the host's addresses failed")
 
