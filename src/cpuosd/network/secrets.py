@@ -24,7 +24,6 @@ associated data, so a row copied under another name does not open.
 from __future__ import annotations
 
 import base64
-import datetime
 import hashlib
 import json
 import logging
@@ -35,13 +34,6 @@ import ssl
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
-
-from cryptography import x509
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from cryptography.x509.oid import NameOID
 
 from ..errors import ApiError, invalid
 
@@ -118,6 +110,8 @@ class Sealer:
     def __init__(self, keys: list[bytes]) -> None:
         if not keys or any(len(k) != KEY_BYTES for k in keys):
             raise SecretKeyError(f"a secrets key is {KEY_BYTES} bytes")
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # (cluster only)
+
         self.keys = {key_id(k): AESGCM(k) for k in keys}
         self.current = key_id(keys[0])
 
@@ -128,6 +122,8 @@ class Sealer:
         return self.current, base64.b64encode(nonce + ct).decode()
 
     def open(self, name: str, kid: str, data: str) -> bytes:
+        from cryptography.exceptions import InvalidTag
+
         aead = self.keys.get(kid)
         if aead is None:
             raise SecretKeyError(f"secret {name} is sealed under key {kid}, which this node "
@@ -339,23 +335,11 @@ class SecretStore:
         return {**{k: bundle for k in CA_ENV}, "NODE_EXTRA_CA_CERTS": f"{SANDBOX_CA_DIR}/ca.pem"}
 
     def new_ca(self) -> str:
-        key = ec.generate_private_key(ec.SECP256R1())
-        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "cpuos sandbox egress CA")])
-        now = datetime.datetime.now(datetime.UTC)
-        cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
-                .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(hours=1))
-                .not_valid_after(now + datetime.timedelta(days=30))
-                .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-                .add_extension(x509.KeyUsage(False, False, False, False, False, True, True,
-                                             False, False), critical=True)
-                .sign(key, hashes.SHA256()))
+        from .certs import new_ca
+
+        key, cert = new_ca()
         ca_id = f"ca-{secrets.token_hex(12)}"
-        self._write(ca_id, {
-            "key": key.private_bytes(serialization.Encoding.PEM,
-                                     serialization.PrivateFormat.PKCS8,
-                                     serialization.NoEncryption()).decode(),
-            "cert": cert.public_bytes(serialization.Encoding.PEM).decode()})
+        self._write(ca_id, {"key": key, "cert": cert})
         return ca_id
 
     def ca_cert_pem(self, ca_id: str) -> str | None:
@@ -372,26 +356,13 @@ class SecretStore:
         d = self._read(ca_id) if CA_RE.fullmatch(ca_id) else None
         if not d:
             return None
-        ca_key = serialization.load_pem_private_key(d["key"].encode(), None)
-        ca_cert = x509.load_pem_x509_certificate(d["cert"].encode())
-        assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
-        key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.UTC)
-        cert = (x509.CertificateBuilder()
-                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)]))
-                .issuer_name(ca_cert.subject).public_key(key.public_key())
-                .serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(hours=1))
-                .not_valid_after(now + datetime.timedelta(days=7))
-                .add_extension(x509.SubjectAlternativeName([x509.DNSName(host)]),
-                               critical=False)
-                .sign(ca_key, hashes.SHA256()))
+        from .certs import leaf
+
+        cert, key = leaf(d["key"], d["cert"], host)
         with tempfile.TemporaryDirectory(dir=self.root) as tmp:
             cp, kp = Path(tmp, "c.pem"), Path(tmp, "k.pem")
-            cp.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-            kp.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                             serialization.PrivateFormat.PKCS8,
-                                             serialization.NoEncryption()))
+            cp.write_bytes(cert)
+            kp.write_bytes(key)
             ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             ctx.load_cert_chain(cp, kp)
         ctx.set_alpn_protocols(["http/1.1"])
