@@ -34,7 +34,7 @@ def new_ca() -> tuple[str, str]:
 
 
 def leaf(ca_key_pem: str, ca_cert_pem: str, host: str) -> tuple[bytes, bytes]:
-    """(certificate, private key) for ``host``, PEM, signed by the CA; valid 7 days."""
+    """(private key, certificate) for ``host``, PEM, signed by the CA; valid 7 days."""
     ca_key = serialization.load_pem_private_key(ca_key_pem.encode(), None)
     ca_cert = x509.load_pem_x509_certificate(ca_cert_pem.encode())
     assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
@@ -49,4 +49,4 @@ def leaf(ca_key_pem: str, ca_cert_pem: str, host: str) -> tuple[bytes, bytes]:
             .add_extension(x509.SubjectAlternativeName([x509.DNSName(host)]),
                            critical=False)
             .sign(ca_key, hashes.SHA256()))
-    return cert.public_bytes(serialization.Encoding.PEM), _key_pem(key)
+    return _key_pem(key), cert.public_bytes(serialization.Encoding.PEM)

@@ -358,7 +358,7 @@ class SecretStore:
             return None
         from .certs import leaf
 
-        cert, key = leaf(d["key"], d["cert"], host)
+        key, cert = leaf(d["key"], d["cert"], host)
         with tempfile.TemporaryDirectory(dir=self.root) as tmp:
             cp, kp = Path(tmp, "c.pem"), Path(tmp, "k.pem")
             cp.write_bytes(cert)
