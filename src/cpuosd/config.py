@@ -71,15 +71,19 @@ def _at_least_1(name: str, v: str) -> int:
     return max(1, _int(name, v))
 
 
-def _memory_mib(name: str, v: str) -> int:
-    """A sandbox's memory: a size (``1GiB``, a bare number is MiB) of 128 MiB or more, in
-    MiB (what a create may ask for)."""
+def _size_mib(name: str, v: str) -> int:
+    """A size (``1GiB``, a bare number is MiB) in MiB."""
     from cpuos_agent.protocol import parse_size_mib
 
     try:
-        n = parse_size_mib(v, name)
+        return parse_size_mib(v, name)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _memory_mib(name: str, v: str) -> int:
+    """A sandbox's memory, MiB: 128 at least (what a create may ask for)."""
+    n = _size_mib(name, v)
     if n < 128:
         raise ConfigError(f"{name}={v!r}: a sandbox needs 128 MiB at least")
     return n
@@ -124,14 +128,7 @@ def _rows(name: str, v: str) -> float | None:
 
 def _min_free(name: str, v: str) -> int | None:
     """A size (``1GiB``, a bare number is MiB) in bytes; ``0``: no floor (None)."""
-    if v == "0":
-        return None
-    from cpuos_agent.protocol import parse_size_mib
-
-    try:
-        return parse_size_mib(v, name) << 20
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    return None if v == "0" else _size_mib(name, v) << 20
 
 
 def _templates(name: str, v: str) -> tuple[str, ...]:
