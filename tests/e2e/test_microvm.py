@@ -28,15 +28,11 @@ from cpuos import Sandbox
 from cpuosd.backends.microvm import guest_artifacts, jailer
 from cpuosd.backends.microvm.backend import MEM_OVERHEAD_MIB
 from cpuosd.backends.microvm.probe import kvm_boot_probe
-from support.daemon import Daemon, e2e_unavailable
+from support.daemon import MICROVM_TEST_MIB, Daemon, e2e_unavailable, microvm_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.tcg]
 
 CACHE = guest_artifacts.cache_dir()
-# the VMs' default size here (the template's, so what a clone gets): small, since under
-# emulation touching guest memory is what costs (a clone writing 1.5 of 2 GiB took ~25 s of
-# a core); the copy-on-write check below scales with it
-VM_MIB = 896
 
 
 @pytest.fixture(scope="module", params=["tcg", pytest.param("kvm", marks=pytest.mark.kvm)])
@@ -59,10 +55,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequ
             pytest.skip(f"KVM boot probe failed: {reason}")
     home = tmp_path_factory.mktemp("mvm") / "home"
     home.mkdir()
-    d = Daemon(home, {"CPUOS_BACKEND": "microvm", "CPUOS_MICROVM_ACCEL": accel,
-                      "CPUOS_MICROVM_DIR": str(CACHE), "CPUOS_POOL_SIZE": "0",
-                      "CPUOS_AGENT_CONNECT_TIMEOUT": "240",
-                      "CPUOS_DEFAULT_MEMORY_MIB": str(VM_MIB)})
+    d = Daemon(home, microvm_env(accel, CACHE))
     d.start()
     failed_before = request.session.testsfailed
     failed = True
@@ -116,8 +109,8 @@ def test_microvm_sandboxes_clone_pause_resume_fork(daemon: Daemon) -> None:
             # a clone may use (nearly) all its RAM: its cgroup is charged its own copies
             # of the template's pages, not those pages as well (were both charged, writing
             # 3/4 of the RAM would pass the cgroup's limit, RAM + overhead, and be killed)
-            big = VM_MIB * 3 // 4
-            assert 2 * big > VM_MIB + MEM_OVERHEAD_MIB
+            big = MICROVM_TEST_MIB * 3 // 4
+            assert 2 * big > MICROVM_TEST_MIB + MEM_OVERHEAD_MIB
             run = b.exec(f"python3 -c \"x = bytearray(b'x') * ({big} << 20); print(len(x))\"",
                          timeout="300s")
             assert (run.exit_code, run.stdout) == (0, f"{big << 20}\n"), run.stderr

@@ -30,7 +30,7 @@ from cpuos import Sandbox
 from cpuosd.backends.microvm import guest_artifacts, jailer
 from cpuosd.config import Config
 from support.fakenet import DENIED_LISTENERS, SMTP, WEB, FakeInternet
-from support.daemon import Daemon, e2e_unavailable, wait_until
+from support.daemon import Daemon, e2e_unavailable, microvm_env, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.net, pytest.mark.tcg]
 
@@ -66,11 +66,7 @@ def vmd(inet: FakeInternet, tmp_path_factory: pytest.TempPathFactory,
         request: pytest.FixtureRequest) -> Iterator[Daemon]:
     home = tmp_path_factory.mktemp("mvmnet") / "home"
     home.mkdir()
-    d = Daemon(home, {"CPUOS_BACKEND": "microvm", "CPUOS_MICROVM_ACCEL": "tcg",
-                      "CPUOS_MICROVM_DIR": str(CACHE), "CPUOS_POOL_SIZE": "0",
-                      "CPUOS_AGENT_CONNECT_TIMEOUT": "240",
-                      # small VMs: a pause or fork moves the guest's whole RAM, emulated
-                      "CPUOS_DEFAULT_MEMORY_MIB": "896", **inet.env()})
+    d = Daemon(home, {**microvm_env("tcg", CACHE), **inet.env()})
     d.start()
     failed_before = request.session.testsfailed
     failed = True

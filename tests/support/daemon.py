@@ -446,6 +446,21 @@ def wrapped_runsc_daemon(tmp_path: Path, script: str, **env: str) -> Daemon:
                       CPUOS_RUNSC_PLATFORM=real.platform, **env)
 
 
+# the microVM test daemons' default VM size (the template's, so what a clone gets): small,
+# since under emulation touching guest memory is what costs (a clone writing 1.5 of 2 GiB
+# took ~25 s of a core; a pause or fork moves the guest's whole RAM)
+MICROVM_TEST_MIB = 896
+
+
+def microvm_env(accel: str, artifacts: Path) -> dict[str, str]:
+    """The environment of a test daemon on the microVM backend (no warm pool; an agent
+    emulated by TCG may take minutes to say hello)."""
+    return {"CPUOS_BACKEND": "microvm", "CPUOS_MICROVM_ACCEL": accel,
+            "CPUOS_MICROVM_DIR": str(artifacts), "CPUOS_POOL_SIZE": "0",
+            "CPUOS_AGENT_CONNECT_TIMEOUT": "240",
+            "CPUOS_DEFAULT_MEMORY_MIB": str(MICROVM_TEST_MIB)}
+
+
 def new_daemon(**env: str) -> Daemon:
     """A daemon with its own home; keyword arguments become its environment (CPUOS_*)."""
     home = Path(tempfile.mkdtemp(prefix="cpuos-t-", dir="/tmp"))
