@@ -21,6 +21,7 @@ import sys
 import tempfile
 import zlib
 import time
+import warnings
 from pathlib import Path
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -374,7 +375,18 @@ class Daemon:
         return [c["id"] for c in json.loads(out or b"null") or []]
 
     def teardown(self, failed: bool) -> list[str]:
-        """Kill all sandboxes, stop the daemon, remove leftovers; returns leftovers found."""
+        """Kill all sandboxes, stop the daemon, remove leftovers; returns leftovers found.
+        A slow one (SLOW_TEARDOWN s or more) says where its time went, as a warning: the
+        test run's summary lists it (some took ~60 s in CI runs and never alone)."""
+        phases: list[tuple[str, float]] = []
+        t = time.monotonic()
+
+        def phase(name: str) -> None:
+            nonlocal t
+            now = time.monotonic()
+            phases.append((name, now - t))
+            t = now
+
         if self.proc is not None and self.proc.poll() is None:
             try:
                 with self.client() as c:
@@ -382,11 +394,14 @@ class Daemon:
                         c.delete(f"/sandboxes/{s['id']}")
             except Exception:
                 pass
+        phase("deletes")
         self.stop()
+        phase("stop")
         # a restore or run the daemon had under way when it stopped (its warm pool's) goes
         # on without it and makes its container after a look at runsc's root: wait for
         # those commands (bounded) before looking, or the sandbox outlives its home
         self._until_gone(INFLIGHT, 30)
+        phase("runsc commands under way")
         left = self.runsc_containers() if self.runsc_root.exists() else []
         for cid in left:
             subprocess.run([self.runsc, "--root", str(self.runsc_root), "delete", "--force",
@@ -398,6 +413,7 @@ class Daemon:
         for pid, name in self._until_gone(None, 10):
             print(f"teardown of {self.home}: runsc process {pid} ({name}) of its root was "
                   "still running: SIGKILLed", file=sys.stderr)
+        phase("runsc leftovers")
         left += [f"mount {m}" for m in mounts_under(self.home)]
         for m in reversed(mounts_under(self.home)):
             subprocess.run(["umount", "--lazy", m], capture_output=True)
@@ -407,8 +423,15 @@ class Daemon:
             ARTIFACTS.mkdir(parents=True, exist_ok=True)
             shutil.copy(self.log, ARTIFACTS / f"cpuosd-{self.home.name}.log")
         shutil.rmtree(self.home, ignore_errors=True)
+        phase("the rest")
+        if sum(d for _, d in phases) >= SLOW_TEARDOWN:
+            warnings.warn("slow teardown of a test daemon: " + ", ".join(
+                f"{name} {d:.1f} s" for name, d in phases), stacklevel=2)
         return left
 
+
+# s: a daemon's teardown this long or longer says where its time went (a warning)
+SLOW_TEARDOWN = 20.0
 
 # runsc commands that make a container (what may outlive the daemon that ran them)
 INFLIGHT = frozenset({b"restore", b"run", b"create", b"start"})

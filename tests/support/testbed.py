@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ from typing import IO, Any
 from cpuosd.store import SqliteStore, Store
 
 from .daemon import free_port as free_port  # (the one chooser of test ports)
-from .daemon import http_get
+from .daemon import SLOW_TEARDOWN, http_get
 
 K8S_VERSION = "v1.37.2"
 ETCD_VERSION = "v3.7.0"
@@ -570,8 +571,10 @@ def node_cluster(database_url: str, node_env: dict[str, str] | None = None,
         yield Cluster(nodes, apis, nodes[0].key, token)
         failed = False
     finally:
+        t0 = time.monotonic()
         for a in apis:
             a.stop()
+        t1 = time.monotonic()
         for d in nodes:
             if d.proc is not None and d.proc.poll() is None:
                 with httpx.Client(base_url=d.url, timeout=30, headers={
@@ -582,6 +585,11 @@ def node_cluster(database_url: str, node_env: dict[str, str] | None = None,
                             c.delete(f"/sandboxes/{s['id']}")
                     except httpx.HTTPError:
                         pass
+        t2 = time.monotonic()
+        if t2 - t0 >= SLOW_TEARDOWN:  # (each node's own teardown says its own)
+            warnings.warn(f"slow teardown of a test cluster: API processes stopped in "
+                          f"{t1 - t0:.1f} s, the nodes' sandboxes deleted in {t2 - t1:.1f} s",
+                          stacklevel=2)
         left = [x for d in nodes for x in d.teardown(failed)]
         shutil.rmtree(key_dir, ignore_errors=True)
         if left:
