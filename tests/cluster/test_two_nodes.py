@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from cpuos import Sandbox
+from cpuosd.store.audit_chain import PgAuditChain
 from support import testbed
 from support.testbed import ApiProcess, node_of, open_test_store
 from support.fakenet import FakeInternet
@@ -189,6 +190,13 @@ def test_pause_on_one_node_resume_on_the_other(cluster_s3: Cluster, pg_url: str)
         row = store.get_sandbox(sbx.id)
         assert row is not None and row.state == "paused" and row.node_id is None
         assert not (nodes[0].snapshots_dir / sbx.id).exists()  # (only in the store)
+        # what the pause did is in the shared chain when it answers (the node dies next)
+        chain = PgAuditChain(pg_url, b"")
+        try:
+            on_record = chain.query(sbx.id, ("lifecycle",))
+        finally:
+            chain.close()
+        assert [r["detail"].get("to") for r in on_record][-2:] == ["pausing", "paused"], on_record
 
         nodes[0].kill9()
         _cordon_all_but(pg_url, api1, "node-b")

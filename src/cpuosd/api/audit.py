@@ -47,7 +47,7 @@ def start_audit(cfg: Config, events: EventBus, store: Store) -> AuditLog:
     audit = AuditLog(cfg.home / DB_NAME, key_path, cfg.home / "audit.head",
                      cfg.audit.retention, workspace, Limits.of(cfg.audit), chain=chain)
     if cfg.audit.enabled:
-        events.subscribe(audit.on_event)
+        events.subscribe(audit.on_event, settle=audit.flush)
     return audit
 
 

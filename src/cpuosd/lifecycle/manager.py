@@ -651,6 +651,8 @@ class Manager:
                 except Exception as e:
                     log.warning("kill of %s: its snapshot in the store stays: %s", sid, e)
             self._finish(sid, final_state, reason)
+            if self.cfg.cluster.role == "node":  # its rows in the shared audit chain before
+                await self.events.settle()  # it answers (another node may serve the reads)
         finally:
             if locked:
                 lock.release()

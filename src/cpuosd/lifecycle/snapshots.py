@@ -172,6 +172,9 @@ class Snapshots:
             self._set_state(sid, State.PAUSED, paused_at=_now(), remaining=remaining,
                             snapshot_bytes=size, deadline=None, reason=reason,
                             node_id=None, new_epoch=True)
+            # handed off: its audit rows in the shared chain before the pause answers (a
+            # node that dies next, or is drained and stopped, loses none of them)
+            await self.events.settle()
             return
         self._set_state(sid, State.PAUSED, paused_at=_now(), remaining=remaining,
                         snapshot_bytes=size, deadline=None, reason=reason)
