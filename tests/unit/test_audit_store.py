@@ -3,10 +3,12 @@ Sentry on the real socket); the end-to-end tests are tests/e2e/test_audit.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import sqlite3
 import struct
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,7 @@ from cpuosd.accounting import audit as audit_mod
 from cpuosd.accounting import trace
 from cpuosd.accounting.audit import AuditLog, verify_file
 from cpuosd.config import Config, ConfigError
-from cpuosd.events import SandboxEvent
+from cpuosd.events import EventBus, SandboxEvent
 from support.daemon import wait_until
 
 pb: Any = trace.pb
@@ -151,6 +153,77 @@ def test_events_become_rows(log: AuditLog) -> None:
     assert rows[0]["detail"]["to"] == "running" and rows[0]["workspace"] == "ws-1"
     assert "s3cret" not in json.dumps(rows)
     assert log.query("sbx-p") == []
+
+
+def test_settling_the_bus_waits_for_the_audit_writer(log: AuditLog,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """EventBus.settle (a node handing a sandbox to the shared store) returns once the
+    audit's writer has written what it was given, and says False when it did not in time."""
+    bus = EventBus()
+    remove = bus.subscribe(log.on_event, settle=log.flush)
+    held, write = threading.Event(), log._write
+
+    def slow_write(batch: list[audit_mod.Pending]) -> None:
+        held.wait(30)
+        write(batch)
+
+    monkeypatch.setattr(log, "_write", slow_write)
+    bus.emit(SandboxEvent("paused", "sbx-s", "ws-1", "pausing", fields={"reason": "requested"}))
+    assert asyncio.run(bus.settle(0.2)) is False  # (the writer is held)
+    held.set()
+    assert asyncio.run(bus.settle()) is True
+    db = sqlite3.connect(log.db_path)
+    try:  # (in the database itself, not through a reader that flushes first)
+        got = db.execute("SELECT kind, detail FROM audit WHERE sandbox = 'sbx-s'").fetchall()
+    finally:
+        db.close()
+    assert [(k, json.loads(d)["to"]) for k, d in got] == [("lifecycle", "paused")]
+    remove()
+    held.clear()
+    bus.emit(SandboxEvent("running", "sbx-s", "ws-1", "paused"))
+    assert asyncio.run(bus.settle(0.2)) is True  # (no settler left)
+    held.set()
+
+
+def test_a_failed_write_is_tried_again_and_loses_nothing(
+        log: AuditLog, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A database that fails a write (Postgres restarting, a lock timeout): the rows are
+    written once it answers again, once each and in order; a flush waits for them."""
+    monkeypatch.setattr(audit_mod, "RETRY_FIRST", 0.01)
+    failures, write = [2], log._write
+
+    def flaky(batch: list[audit_mod.Pending]) -> None:
+        if failures[0]:
+            failures[0] -= 1
+            raise OSError("the database is restarting")
+        write(batch)
+
+    monkeypatch.setattr(log, "_write", flaky)
+    for i in range(5):
+        log.record("sbx-f", "command", {"argv": ["echo", str(i)]}, workspace="ws-1")
+    assert log.flush()
+    assert failures == [0]
+    rows = log.query("sbx-f")
+    assert [r["detail"]["argv"][1] for r in rows] == ["0", "1", "2", "3", "4"]
+    assert log.verify()["ok"]
+
+
+def test_closing_with_a_database_that_fails_ends(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() is bounded whatever the database does: what cannot be written is lost, said."""
+    monkeypatch.setattr(audit_mod, "RETRY_FIRST", 0.01)
+    a = AuditLog(tmp_path / "audit.db", tmp_path / "audit.key")
+
+    def broken(batch: list[audit_mod.Pending]) -> None:
+        raise OSError("gone")
+
+    monkeypatch.setattr(a, "_write", broken)
+    a.record("sbx-c", "lifecycle", {"to": "killed"}, workspace="ws-1")
+    assert not a.flush(timeout=0.3)
+    monkeypatch.setattr(audit_mod.AuditLog, "flush",
+                        lambda self, timeout=10.0, owed=False: False)  # (close's own wait)
+    a.close()
+    assert not a._thread.is_alive()
 
 
 def test_long_details_are_cut() -> None:

@@ -82,6 +82,7 @@ MAX_PENDING = 100_000
 MAX_PENDING_PER_SANDBOX = 20_000
 BATCH = 500  # rows per transaction (the write lock is held ~10 ms)
 GATHER = 0.01  # s the writer waits for more rows before writing a batch (unless flushed)
+RETRY_FIRST, RETRY_MAX = 0.5, 30.0  # s: a failed write is tried again after these (doubling)
 HEAD_SIZE = 128  # bytes of audit.head (its JSON padded with spaces), rewritten in place
 MAX_DETAIL = 16_384  # bytes of a row's detail JSON (longer strings are cut)
 COALESCE_WINDOW = 5.0  # s: repeats of a row within this are one row with a count
@@ -294,6 +295,7 @@ class AuditLog:
         self._held: dict[tuple[str, str, str], Held] = {}
         self._low_space = False
         self._space_checked = 0.0
+        self._failures = 0  # writes failed in a row (the writer backs off, then tries again)
         self.held_total = 0  # rows held back so far (budget, space, queue), all sandboxes
         r = self._db.execute("SELECT seq, hash FROM audit ORDER BY seq DESC LIMIT 1").fetchone()
         if r is None:
@@ -521,15 +523,44 @@ class AuditLog:
                         del self._per_sbx[p.sandbox]
                 owed = self._due(now)
             batch.extend(owed)
+            failed: Exception | None = None
             try:
                 if batch:
                     self._write(batch)
-                if self.retention is not None and time.time() - self._last_prune > 60:
-                    self._last_prune = time.time()
-                    self.prune(time.time() - self.retention)
-            except Exception:
-                log.exception("audit: writing %d rows failed", len(batch))
+            except Exception as e:
+                failed = e
+            if failed is None:
+                try:
+                    if self.retention is not None and time.time() - self._last_prune > 60:
+                        self._last_prune = time.time()
+                        self.prune(time.time() - self.retention)
+                except Exception:
+                    log.exception("audit: pruning rows past the retention failed")
             with self._cv:
+                if failed is not None and not self._closed:
+                    # a database that did not answer (Postgres restarting, a lock or pool
+                    # timeout): the rows go back to the queue's front, in order, and are
+                    # written when it answers again; meanwhile the queue's bound holds
+                    self._failures += 1
+                    self._queue.extendleft(reversed(batch))
+                    self._enqueued += len(owed)  # (owed rows now queued, as in flush)
+                    for p in batch:
+                        self._per_sbx[p.sandbox] += 1
+                    delay = min(RETRY_MAX, RETRY_FIRST * 2 ** (self._failures - 1))
+                    log.warning("audit: writing %d rows failed (%s); trying again in %.1f s",
+                                len(batch), failed, delay,
+                                exc_info=failed if self._failures == 1 else None)
+                    end = time.monotonic() + delay
+                    while not self._closed and (left := end - time.monotonic()) > 0:
+                        self._cv.wait(left)
+                    continue
+                if failed is not None:  # (closing: one try each, then what is left is lost)
+                    log.error("audit: %d rows lost: writing them failed while closing (%s)",
+                              len(batch), failed)
+                elif self._failures:
+                    log.warning("audit: writing rows again after %d failed tries",
+                                self._failures)
+                self._failures = 0
                 self._written += len(batch) - len(owed)
                 self._cv.notify_all()
 
@@ -545,7 +576,7 @@ class AuditLog:
             seq, head = self.chain.append([(p.time, p.workspace, p.sandbox, p.kind, p.detail)
                                            for p in batch])
             self._seq, self._head = seq, head
-            self._write_head(seq, head)
+            self._keep_head(seq, head)
             return
         rows = []
         seq, head = self._seq, self._head
@@ -565,7 +596,15 @@ class AuditLog:
                 self._db.execute("ROLLBACK")
                 raise
         self._seq, self._head = seq, head
-        self._write_head(seq, head)
+        self._keep_head(seq, head)
+
+    def _keep_head(self, seq: int, head: str) -> None:
+        """The head file after a committed batch: a failure to write it is logged, never
+        raised (the batch must not be written twice); the next batch writes it again."""
+        try:
+            self._write_head(seq, head)
+        except OSError as e:
+            log.warning("audit: the head file %s was not written: %s", self.head_path, e)
 
     def _write_head(self, seq: int, head: str) -> None:
         """The head file: written whole once (a new file renamed into place), then rewritten
