@@ -14,6 +14,7 @@ import fcntl
 import os
 import random
 import shutil
+import sqlite3
 import signal
 import socket
 import subprocess
@@ -374,6 +375,30 @@ class Daemon:
                               "-format=json"], capture_output=True, check=True).stdout
         return [c["id"] for c in json.loads(out or b"null") or []]
 
+    def describe(self, sid: str, lines: int = 12) -> str:
+        """A sandbox left behind, as the daemon knew it: its row (state, reason, workspace,
+        template) and the last lines of the daemon's log that name it (a leak shared by
+        many tests says which one made it, and how it ended)."""
+        what = [sid]
+        try:
+            db = sqlite3.connect(f"file:{self.home / 'cpuos.db'}?mode=ro", uri=True, timeout=5)
+            try:
+                r = db.execute("SELECT state, reason, workspace_id, template FROM sandboxes "
+                               "WHERE id = ?", (sid,)).fetchone()
+            finally:
+                db.close()
+            what.append("row: " + (f"state {r[0]}, reason {r[1]!r}, workspace {r[2]}, "
+                                   f"template {r[3]}" if r else "none"))
+        except sqlite3.Error as e:
+            what.append(f"row: unreadable ({e})")
+        try:
+            named = [ln for ln in self.log.read_text(errors="replace").splitlines()
+                     if sid in ln]
+        except OSError:
+            named = []
+        what += [f"log: {ln[:300]}" for ln in named[-lines:]]
+        return "\n  ".join(what)
+
     def teardown(self, failed: bool) -> list[str]:
         """Kill all sandboxes, stop the daemon, remove leftovers; returns leftovers found.
         A slow one (SLOW_TEARDOWN s or more) says where its time went, as a warning: the
@@ -414,12 +439,13 @@ class Daemon:
             print(f"teardown of {self.home}: runsc process {pid} ({name}) of its root was "
                   "still running: SIGKILLed", file=sys.stderr)
         phase("runsc leftovers")
+        left = [self.describe(cid) for cid in left]  # (what the daemon knew of each)
         left += [f"mount {m}" for m in mounts_under(self.home)]
         for m in reversed(mounts_under(self.home)):
             subprocess.run(["umount", "--lazy", m], capture_output=True)
         self.remove_network_leftovers()
         self.release_net_slot()
-        if failed and self.log.exists():
+        if (failed or left) and self.log.exists():
             ARTIFACTS.mkdir(parents=True, exist_ok=True)
             shutil.copy(self.log, ARTIFACTS / f"cpuosd-{self.home.name}.log")
         shutil.rmtree(self.home, ignore_errors=True)
