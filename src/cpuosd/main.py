@@ -37,10 +37,11 @@ def serve(host: str | None = None, port: int | None = None, home: str | None = N
           log_file: str | None = None, role: str | None = None) -> None:
     import uvicorn
 
-    from . import homedir, logs
+    from . import diagnose, homedir, logs
     from .api.app import create_app
 
     homedir.private_umask()  # before anything is opened (finding 9: SQLite's side files)
+    diagnose.install()  # SIGUSR1 / SIGUSR2: threads' and tasks' stacks to stderr
 
     cfg = load_config(home, host, port, role)
     if cfg.cluster.role == "api":  # (no sandboxes here: needs no root)

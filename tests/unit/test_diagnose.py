@@ -1,0 +1,42 @@
+"""cpuosd.diagnose: SIGUSR2 writes every asyncio task's stack to stderr (SIGUSR1, every
+thread's, is faulthandler's own)."""
+
+from __future__ import annotations
+
+import asyncio
+import faulthandler
+import os
+import signal
+
+import pytest
+
+from cpuosd import diagnose
+
+
+def test_sigusr2_writes_every_task_with_where_it_waits(capfd: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    previous = signal.getsignal(signal.SIGUSR2)
+    diagnose.install()
+    try:
+        async def stuck_in_here() -> None:
+            await asyncio.Event().wait()
+
+        async def main() -> str:
+            t = asyncio.create_task(stuck_in_here(), name="the-stuck-one")
+            await asyncio.sleep(0)
+            os.kill(os.getpid(), signal.SIGUSR2)
+            err = ""
+            for _ in range(200):  # (the handler runs between two steps of the loop)
+                await asyncio.sleep(0.01)
+                err += capfd.readouterr().err
+                if "--- end of tasks ---" in err:
+                    break
+            t.cancel()
+            return err
+
+        err = asyncio.run(main())
+    finally:
+        faulthandler.unregister(signal.SIGUSR1)
+        signal.signal(signal.SIGUSR2, previous)
+    assert "--- cpuosd asyncio tasks at" in err and "--- end of tasks ---" in err, err
+    assert "the-stuck-one" in err and "stuck_in_here" in err, err
