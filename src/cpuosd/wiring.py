@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import os
 import shutil
+import time
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from . import homedir
 from .accounting.audit import AuditLog
@@ -225,6 +228,17 @@ def preview_port(cfg: Config) -> int:
     return cfg.port + 1 if cfg.preview.port < 0 else cfg.preview.port
 
 
+async def _timed(what: str, fn: Callable[..., Any], *args: Any) -> None:
+    """One step of a stop, said when it takes a second or more (a slow stop says where its
+    time went)."""
+    t0 = time.monotonic()
+    r = fn(*args)
+    if inspect.isawaitable(r):
+        await r
+    if (took := time.monotonic() - t0) >= 1.0:
+        log.warning("stop: %s took %.1f s", what, took)
+
+
 async def _cancel(task: asyncio.Future[None]) -> None:
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
@@ -266,7 +280,7 @@ async def build_services(cfg: Config, *, backend: Backend | None = None,
         events = EventBus()
         events.subscribe(log_event)
         audit = start_audit(cfg, events, store)
-        stack.push_async_callback(asyncio.to_thread, audit.close)
+        stack.push_async_callback(_timed, "the audit log", asyncio.to_thread, audit.close)
         if cfg.audit.enabled and cfg.audit.runtime and backend.capabilities.name == "gvisor":
             backend = Traced(backend, audit, cfg.sandboxes_dir)
         meter = Meter(store, cfg.pricing)
@@ -274,28 +288,28 @@ async def build_services(cfg: Config, *, backend: Backend | None = None,
         if network is None:
             network = await start_network(cfg, backend, store, events)
             if network is not None:
-                stack.push_async_callback(network.close)
+                stack.push_async_callback(_timed, "the network", network.close)
         if network is not None:
             backend = Networked(backend, network, cfg.sandboxes_dir)
         mgr = Manager(cfg, store, backend, events, measure, snapstore=snapshot_store(cfg))
-        stack.push_async_callback(mgr.shutdown)
+        stack.push_async_callback(_timed, "the manager", mgr.shutdown)
         builds = TemplateBuilds(cfg)
-        stack.push_async_callback(builds.shutdown)
+        stack.push_async_callback(_timed, "template builds", builds.shutdown)
         enforcer = Enforcer(store, meter, events, partial(stop_for_cap, mgr))
         mgr.admission.check_spending = enforcer.check_cap
         await mgr.startup()
         meter.reconcile()
-        stack.push_async_callback(enforcer.close)
+        stack.push_async_callback(_timed, "the spending caps", enforcer.close)
         stack.push_async_callback(_cancel, asyncio.ensure_future(enforcer.run()))
         preview = Preview(mgr, network, preview_port(cfg), cfg.host, cfg.preview)
         await preview.start()
-        stack.push_async_callback(preview.close)
+        stack.push_async_callback(_timed, "the preview proxy", preview.close)
         node = None
         if cfg.cluster.role == "node":  # registration and heartbeat (cpuosd.cluster.nodes)
             from .cluster.nodes import start_node
 
             node = await start_node(cfg, store, backend, mgr, preview_port=preview.port)
-            stack.push_async_callback(node.close)
+            stack.push_async_callback(_timed, "the node's registration", node.close)
     except BaseException:
         await stack.aclose()
         raise

@@ -286,26 +286,43 @@ class Manager:
                 self.pool.want(template)
 
     async def shutdown(self) -> None:
-        pausing = list(self.autopause.pausing.values())
-        if pausing:  # auto-pauses under way finish (bounded): a sandbox is not lost to them
-            await asyncio.wait(pausing, timeout=self.kill_timeout)
-        if self._teardowns:  # what pauses left behind them (stopped containers)
-            await asyncio.wait(list(self._teardowns.values()), timeout=self.kill_timeout)
+        async def wait(what: str, tasks: list[asyncio.Task[Any]]) -> None:
+            """Each step's wait is bounded; one that takes a second or more is said (with
+            what it still waits for), so that a slow stop says where its time went."""
+            if not tasks:
+                return
+            t0 = time.monotonic()
+            _, pending = await asyncio.wait(tasks, timeout=self.kill_timeout)
+            took = time.monotonic() - t0
+            if took >= 1.0:
+                log.warning("shutdown: %d %s took %.1f s%s", len(tasks), what, took,
+                            f"; {len(pending)} not done: " + ", ".join(
+                                t.get_name() for t in pending) if pending else "")
+
+        # auto-pauses under way finish (bounded): a sandbox is not lost to them
+        await wait("auto-pauses", list(self.autopause.pausing.values()))
+        # what pauses left behind them (stopped containers)
+        await wait("teardowns after pauses", list(self._teardowns.values()))
         background = list(self._tasks)
         for t in background:
             t.cancel()
-        if background:  # a template snapshot or pool fill under way tears its sandbox down
-            await asyncio.wait(background, timeout=self.kill_timeout)
+        # a template snapshot or pool fill under way tears its sandbox down
+        await wait("background tasks", background)
         # creates still in progress are cancelled and clean up after themselves (their rows
         # end in error): a stopping daemon leaves nothing half-made
         creating = [t for t in self._inflight.values() if t is not None and not t.done()]
         for t in creating:
             t.cancel()
-        if creating:
-            await asyncio.wait(creating, timeout=self.kill_timeout)
+        await wait("creates under way", creating)
+        t0 = time.monotonic()
+        pooled = 0
         for pool in self.pool.ready.values():  # pooled sandboxes belong to no one: end them
             while pool:
+                pooled += 1
                 await self.kill(pool.pop().row.id, reason="pool_discarded")
+        if time.monotonic() - t0 >= 1.0:
+            log.warning("shutdown: killing %d pooled sandboxes took %.1f s", pooled,
+                        time.monotonic() - t0)
         for lv in list(self.live.values()):
             await lv.chan.close()  # sandboxes keep running; a restarted daemon reattaches
         self.images.close()
