@@ -343,9 +343,31 @@ class Daemon:
             except subprocess.TimeoutExpired:
                 # (said, so that what a SIGKILL leaves behind is not read as a leak)
                 print(f"cpuosd {self.proc.pid} did not stop within {self.STOP_GRACE}s of "
-                      "SIGTERM: SIGKILL", file=sys.stderr)
+                      "SIGTERM: SIGKILL (its threads' and tasks' stacks: its log)",
+                      file=sys.stderr)
+                self.dump_stacks()
                 self.proc.kill()
                 self.proc.wait()
+
+    def dump_stacks(self, timeout: float = 5.0) -> bool:
+        """The daemon's threads' and asyncio tasks' stacks into its log (cpuosd.diagnose:
+        SIGUSR1, SIGUSR2); True once they are there (bounded)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return False
+        start = self.log.stat().st_size if self.log.exists() else 0
+        for sig in (signal.SIGUSR1, signal.SIGUSR2):
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(sig)
+
+        def written() -> bool:
+            with open(self.log, "rb") as f:
+                f.seek(start)
+                return b"--- end of tasks ---" in f.read()
+        try:
+            wait_until(written, "the daemon's stacks in its log", timeout)
+        except TimeoutError:
+            return False
+        return True
 
     def _runsc_processes(self, commands: frozenset[bytes] | None = None) -> list[int]:
         """runsc processes of this daemon's root (its sandboxes' and gofers', the commands
@@ -445,14 +467,17 @@ class Daemon:
             subprocess.run(["umount", "--lazy", m], capture_output=True)
         self.remove_network_leftovers()
         self.release_net_slot()
-        if (failed or left) and self.log.exists():
+        slow = sum(d for _, d in phases) >= SLOW_TEARDOWN
+        kept = ARTIFACTS / f"cpuosd-{self.home.name}.log"
+        if (failed or left or slow) and self.log.exists():
             ARTIFACTS.mkdir(parents=True, exist_ok=True)
-            shutil.copy(self.log, ARTIFACTS / f"cpuosd-{self.home.name}.log")
+            shutil.copy(self.log, kept)
         shutil.rmtree(self.home, ignore_errors=True)
         phase("the rest")
         if sum(d for _, d in phases) >= SLOW_TEARDOWN:
             warnings.warn("slow teardown of a test daemon: " + ", ".join(
-                f"{name} {d:.1f} s" for name, d in phases), stacklevel=2)
+                f"{name} {d:.1f} s" for name, d in phases)
+                + (f"; its log: {kept}" if kept.exists() else ""), stacklevel=2)
         return left
 
 
