@@ -96,12 +96,15 @@ class Networked:
                 f.write(text)
             os.replace(tmp, spec.sock_dir / name)
 
+    # a start or restore that failed (or was cancelled) may leave its sandbox running until
+    # the caller's teardown kills it, holding the namespace: it is removed in the
+    # background (Network.detach_later), once that sandbox is gone
     async def start(self, spec: SandboxSpec) -> None:
         await self._attach(spec)
         try:
             await self.inner.start(spec)
         except BaseException:
-            await self.net.detach(spec.id)
+            self.net.detach_later(spec.id)
             raise
 
     async def restore(self, spec: SandboxSpec, image_dir: Path) -> None:
@@ -109,7 +112,7 @@ class Networked:
         try:
             await self.inner.restore(spec, image_dir)
         except BaseException:
-            await self.net.detach(spec.id)
+            self.net.detach_later(spec.id)
             raise
 
     async def checkpoint(self, sandbox_id: str, image_dir: Path) -> None:

@@ -200,7 +200,7 @@ class Network:
             await ns.in_thread(firewall.add_interface, self.names, slot.host_if,
                                     slot.address, policy.mode != "off")
         except BaseException:
-            await ns.in_thread(ns.destroy, slot)
+            await ns.destroy_async(slot)
             self.addresses.release(slot.index)
             raise
         self._register(Attached(sid, slot, policy))
@@ -248,7 +248,7 @@ class Network:
         try:
             await ns.in_thread(firewall.remove_interface, self.names, slot.host_if,
                                     slot.address)
-            await ns.in_thread(ns.destroy, slot)
+            await ns.destroy_async(slot)  # (its name free again before the slot is)
         finally:
             self.addresses.release(slot.index)
 
@@ -269,7 +269,7 @@ class Network:
         n = 0
         for index in ns.existing(self.tag):
             if index not in held:
-                await ns.in_thread(ns.destroy, self.addresses.slot(index))
+                await ns.destroy_async(self.addresses.slot(index))
                 n += 1
         return n
 
