@@ -13,7 +13,7 @@ import sys
 import time
 from types import FrameType
 
-TASK_FRAMES = 12  # frames shown per task (the innermost)
+TASK_FRAMES = 16  # frames shown per task (the innermost)
 
 
 def install() -> None:
@@ -30,8 +30,24 @@ def _tasks(signum: int, frame: FrameType | None) -> None:
         out.write("(no event loop running)\n")
     else:
         for t in sorted(asyncio.all_tasks(loop), key=lambda t: t.get_name()):
-            out.write(f"{t.get_name()}: {t.get_coro()!r}\n")
-            t.print_stack(limit=TASK_FRAMES, file=out)
+            out.write(f"{t.get_name()}:\n")
+            for line in _awaiting(t.get_coro())[-TASK_FRAMES:]:
+                out.write(f"  {line}\n")
     out.write("--- end of tasks ---\n")
     sys.stderr.write(out.getvalue())
     sys.stderr.flush()
+
+
+def _awaiting(coro: object) -> list[str]:
+    """The chain of awaits of a suspended coroutine, outermost first (a task's own stack
+    shows its outermost frame only): "file:line in function" each."""
+    lines: list[str] = []
+    seen = 0
+    while coro is not None and seen < 100:
+        seen += 1
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            code = frame.f_code
+            lines.append(f"{code.co_filename}:{frame.f_lineno} in {code.co_name}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return lines
