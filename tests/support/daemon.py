@@ -388,7 +388,8 @@ class Daemon:
             argv = _cmdline(pid)
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-            out.append((pid, b" ".join(argv[:1] + [a for a in argv if a in INFLIGHT])
+            out.append((pid, b" ".join(argv[:1] + [a for a in argv if a in INFLIGHT]
+                                       + [a for a in argv if a.startswith(b"sbx-")][-1:])
                         .decode(errors="replace")))
         return out
 
@@ -458,8 +459,11 @@ class Daemon:
         # return (a sandbox and its gofer still running 30 s after the deletes), a leak to
         # find (stop 35's note)
         for pid, name in self._until_gone(None, 10):
+            sid = name.rpartition(" ")[2]
             print(f"teardown of {self.home}: runsc process {pid} ({name}) of its root was "
-                  "still running: SIGKILLed", file=sys.stderr)
+                  "still running: SIGKILLed" + (f"; {self.describe(sid)}"
+                                               if sid.startswith("sbx-") else ""),
+                  file=sys.stderr)
         phase("runsc leftovers")
         left = [self.describe(cid) for cid in left]  # (what the daemon knew of each)
         left += [f"mount {m}" for m in mounts_under(self.home)]
