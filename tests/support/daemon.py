@@ -334,12 +334,17 @@ class Daemon:
         self.proc.wait()
 
     STOP_GRACE = 60  # s: a clean stop on a loaded host (tests run on several workers)
+    STOP_SLOW = 10  # s: a stop this slow has its stacks written to its log (dump_stacks)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(self.STOP_GRACE)
+                try:
+                    self.proc.wait(self.STOP_SLOW)
+                except subprocess.TimeoutExpired:
+                    self.dump_stacks()  # (where a slow stop waits: its log, kept)
+                    self.proc.wait(self.STOP_GRACE - self.STOP_SLOW)
             except subprocess.TimeoutExpired:
                 # (said, so that what a SIGKILL leaves behind is not read as a leak)
                 print(f"cpuosd {self.proc.pid} did not stop within {self.STOP_GRACE}s of "
