@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, TypedDict
 
 import httpx
+import psutil
 
 from cpuosd.backends.base import SandboxSpec
 from cpuosd.backends.runsc import RunscUnavailable, find_runsc
@@ -207,6 +208,30 @@ class Daemon:
         self.log = home / "cpuosd.log"
 
     def start(self) -> None:
+        """Start the daemon and wait for its /health; a port another process took meanwhile
+        (two test workers' daemons picked the same one: ours cannot bind it, and /health
+        answered from the other) is said by our process not listening on it: a new port,
+        a new start (at most three)."""
+        for _ in range(3):
+            if self._start_once():
+                return
+            print(f"test daemon {self.home}: port {self.port} was another process's; "
+                  "starting again on a new one", file=sys.stderr)
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+        raise RuntimeError(f"test daemon {self.home}: no port of its own in three tries")
+
+    def _listening(self) -> bool:
+        """Is our process (not another) the one listening on our port?"""
+        assert self.proc is not None
+        try:
+            conns = psutil.Process(self.proc.pid).net_connections(kind="tcp")
+        except psutil.Error:
+            return False
+        return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == self.port
+                   for c in conns)
+
+    def _start_once(self) -> bool:
         # (gVisor's: a microVM image names files of its maker's $CPUOS_HOME/microvm)
         shared = (os.environ.get(SHARED_IMAGES_ENV)
                   if self.extra_env.get("CPUOS_BACKEND", "gvisor") == "gvisor" else None)
@@ -226,7 +251,15 @@ class Daemon:
                 raise RuntimeError(f"cpuosd exited: {self.log.read_text()[-2000:]}")
             try:
                 if http_get(self.url + "/health", timeout=1).status_code == 200:
-                    return
+                    if self._listening():
+                        return True
+                    # (ours cannot bind the port: it ends, or is ended)
+                    try:
+                        self.proc.wait(30)
+                    except subprocess.TimeoutExpired:
+                        self.proc.kill()
+                        self.proc.wait()
+                    return False
             except httpx.TransportError:
                 pass
             time.sleep(0.05)
