@@ -31,8 +31,6 @@ log = logging.getLogger("cpuosd.gvisor")
 SANDBOX_UID = 1000
 SANDBOX_GID = 1000
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-# s a runsc run/restore whose caller was cancelled has to finish before it is killed
-CANCEL_GRACE = 5.0
 
 
 # 2: RLIMIT_NPROC and a pids cgroup limit; 3: the writable layer a size-limited file
@@ -214,23 +212,9 @@ class GVisorBackend:
         could grow; runsc's own messages go to runsc.log (--log)."""
         log_path = spec.dir / "runsc.log"
         flags = [*self._sandbox_flags(spec), f"--log={log_path}"]
-        run = asyncio.ensure_future(procs.run([*flags, *args], timeout=timeout,
-                                              log_path=log_path, null_stdio=True,
-                                              umask=PRIVATE_UMASK))
         try:
-            return await asyncio.shield(run)
-        except asyncio.CancelledError:
-            # our caller was cancelled (a DELETE of a create, a daemon stopping during a
-            # pool fill): runsc killed half-way can leave the sandbox and gofer it spawned
-            # running with no container state that runsc delete finds (they outlived their
-            # daemon in test runs). It finishes first, within CANCEL_GRACE; then the
-            # caller's teardown deletes what it made. Past that (runsc hangs), it is killed.
-            try:
-                await asyncio.wait_for(asyncio.shield(run), CANCEL_GRACE)
-            except BaseException:
-                run.cancel()
-                await asyncio.gather(run, return_exceptions=True)
-            raise
+            return await procs.run([*flags, *args], timeout=timeout, log_path=log_path,
+                                   null_stdio=True, umask=PRIVATE_UMASK)
         except TimeoutError:
             raise ApiError("timeout", f"runsc {args[0]} did not finish within "
                            f"{timeout:.0f}s") from None
