@@ -122,7 +122,12 @@ class Child:
                     self._waiters.remove(fut)
 
     def wait_sync(self, timeout: float | None = None) -> int | None:
-        """For threads: the exit status, or None after timeout."""
+        """For threads: the exit status, or None after timeout. It waits on a duplicate of
+        the pidfd: another thread may collect the child meanwhile (``reap_orphans`` takes
+        registered children nobody waits for asynchronously) and close the pidfd, whose
+        number a new descriptor can take before the wait begins; polling that stalled
+        the thread until the timeout (nft and ip, 30 s, after many sandboxes ended at
+        once: a daemon's stop took ~30 s)."""
         if self.poll() is not None:
             return self.returncode
         import select
@@ -131,9 +136,12 @@ class Child:
         with LOCK:
             if self.returncode is not None:
                 return self.returncode
-            fd = self.pidfd
-        p.register(fd, select.POLLIN)
-        p.poll(None if timeout is None else int(timeout * 1000))
+            fd = os.dup(self.pidfd)
+        try:
+            p.register(fd, select.POLLIN)
+            p.poll(None if timeout is None else int(timeout * 1000))
+        finally:
+            os.close(fd)
         return self.poll()
 
     # -- signals -----------------------------------------------------------------------

@@ -9,8 +9,11 @@ import ast
 import os
 from pathlib import Path
 
+import pytest
+
 from cpuosd import procs
 from cpuosd.templates import stepbox
+from support.daemon import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 SRC = REPO / "src" / "cpuosd"
@@ -124,3 +127,48 @@ def test_a_build_step_streams_its_lines_in_the_build_group() -> None:
     assert rc == 3
     assert lines[:2] == ["one", "two"] and int(lines[2]) == os.getpgrp()
     assert tail == lines[1:]
+
+
+def test_wait_sync_waits_on_a_pidfd_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thread's wait_sync whose child another thread collects (reap_orphans) just before
+    the wait begins, and whose pidfd number a new descriptor then takes, still waits on
+    the child: on a descriptor of its own, not on whatever took the number."""
+    import select
+
+    child = procs.spawn(["sleep", "0.2"])
+    real_poll = select.poll
+    seen: list[str] = []
+
+    class RacingPoll:
+        def __init__(self) -> None:
+            self.p = real_poll()
+
+        def register(self, fd: int, mask: int) -> None:
+            # (the race, made to happen here: the child ends, another thread collects it
+            # and closes its pidfd, and the number goes to a new pipe)
+            wait_until(lambda: _state(child.pid) in ("Z", "gone"), "the child to end", 10)
+            procs.reap_orphans()
+            r, w = os.pipe()
+            pipes.extend((r, w))
+            seen.append(os.readlink(f"/proc/self/fd/{fd}"))
+            self.p.register(fd, mask)
+
+        def poll(self, timeout: int | None = None) -> list[tuple[int, int]]:
+            return self.p.poll(timeout)
+
+    pipes: list[int] = []
+    monkeypatch.setattr(select, "poll", RacingPoll)
+    try:
+        assert child.wait_sync(30) == 0
+    finally:
+        for fd in pipes:
+            os.close(fd)
+    assert seen == ["anon_inode:[pidfd]"], seen
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except OSError:
+        return "gone"
