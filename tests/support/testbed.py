@@ -7,8 +7,10 @@ tokens. Nothing here listens beyond loopback or sends a packet off the machine.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import datetime
+import functools
 import glob
 import os
 import pwd
@@ -23,12 +25,14 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 from cpuosd.store import SqliteStore, Store
 
 from .daemon import free_port as free_port  # (the one chooser of test ports)
 from .daemon import SLOW_TEARDOWN, http_get
+
+T = TypeVar("T")
 
 K8S_VERSION = "v1.37.2"
 ETCD_VERSION = "v3.7.0"
@@ -513,6 +517,25 @@ def start_api(database_url: str, token: str, lease: str = "3",
     raise RuntimeError(f"no API process started in {tries} tries: its ports were taken")
 
 
+def _all_started(starts: list[Callable[[], T]], stop: Callable[[T], None] | None = None
+                 ) -> list[T]:
+    """Run ``starts`` (each starts a process and waits until it answers) at once, one
+    thread each: a cluster's processes come up side by side (each start is mostly waiting:
+    its imports, its database, its template). If one fails, the others are still waited
+    for, those that started are stopped (``stop``) and the first failure is raised."""
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(starts))) as pool:
+        futures = [pool.submit(f) for f in starts]
+        concurrent.futures.wait(futures)
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        if stop is not None:
+            for f in futures:
+                if f.exception() is None:
+                    stop(f.result())
+        raise errors[0]  # type: ignore[misc]
+    return [f.result() for f in futures]
+
+
 @dataclass
 class Cluster:
     nodes: list[Any]  # support.daemon.Daemon, each started with --role=node
@@ -542,15 +565,13 @@ def node_cluster(database_url: str, node_env: dict[str, str] | None = None,
         (key_dir / name).chmod(0o600)
     # the API processes first, each answering on its ports (start_api), so that the nodes'
     # preview URLs can name the first one's preview listener
-    apis: list[ApiProcess] = []
     failed = True
     try:
-        for _ in range(n_apis):
-            apis.append(start_api(database_url, token, lease, {
-                "CPUOS_E2B_KEY_FILE": str(key_dir / "e2b.key"), **(api_env or {})}))
+        apis = _all_started([functools.partial(
+            start_api, database_url, token, lease,
+            {"CPUOS_E2B_KEY_FILE": str(key_dir / "e2b.key"), **(api_env or {})})
+            for _ in range(n_apis)], ApiProcess.stop)
     except BaseException:
-        for a in apis:
-            a.stop()
         shutil.rmtree(key_dir, ignore_errors=True)
         raise
     env = {"CPUOS_ROLE": "node", "CPUOS_DATABASE_URL": database_url,
@@ -563,8 +584,7 @@ def node_cluster(database_url: str, node_env: dict[str, str] | None = None,
     nodes = [new_daemon(CPUOS_NODE_ID=f"node-{chr(ord('a') + i)}", **env)
              for i in range(n_nodes)]
     try:
-        for d in nodes:
-            d.start()
+        _all_started([d.start for d in nodes])  # (a failed one is torn down below)
         for a in apis:
             wait_until(lambda a=a: a.health().get("nodes_alive") == n_nodes,  # type: ignore[misc]
                        "the API process to see every node", timeout=120)
