@@ -326,11 +326,7 @@ def test_cleanup_kills_and_removes_everything(base: Path, jail_id: str) -> None:
     p = subprocess.Popen(argv(jail_id, base, "sleep", "60"), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE)
     paths = jailer.jail_paths(jail_id, BUSYBOX, base)
-    for _ in range(200):
-        if paths.pid_file.exists():
-            break
-        time.sleep(0.02)
-    vmm = int(paths.pid_file.read_text())
+    vmm = _wait_vmm(jail_id, base)
     assert os.path.exists(f"/proc/{vmm}")
     jailer.cleanup(jail_id, base)
     # the jailer (in the cgroup too) is killed, or reports its VMM's SIGKILL
@@ -344,11 +340,6 @@ def test_cleanup_kills_and_removes_everything(base: Path, jail_id: str) -> None:
 def test_vmm_dies_with_its_jailer(base: Path, jail_id: str) -> None:
     p = subprocess.Popen(argv(jail_id, base, "sleep", "60"), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE)
-    paths = jailer.jail_paths(jail_id, BUSYBOX, base)
-    for _ in range(200):
-        if paths.pid_file.exists():
-            break
-        time.sleep(0.02)
     vmm = _wait_vmm(jail_id, base)
     p.kill()
     p.wait()

@@ -363,6 +363,14 @@ def cgroup_dirs(sandbox_id: str, parent: str = DEFAULT_PARENT_CGROUP,
     return [root / c / parent / sandbox_id for c in ctrls if (root / c).is_dir()]
 
 
+def _write_whole(path: Path, text: str) -> None:
+    """A file whoever reads it sees whole or not at all (written aside, then renamed): the
+    pid files, which the daemon (and the tests) may read while the jailer writes them."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def _write(path: Path, value: str) -> None:
     try:
         with open(path, "w") as f:
@@ -719,7 +727,7 @@ def run(cfg: JailConfig) -> int:
         os._exit(127)
     os.close(alive_r)
     os.close(exec_w)
-    (paths.jail_dir / PID_FILE).write_text(f"{pid}\n")
+    _write_whole(paths.jail_dir / PID_FILE, f"{pid}\n")
     if cfg.detach:
         # wait for the exec (or the child's error), then leave the VMM to the nearest
         # subreaper (cpuosd) instead of staying beside it as a supervisor process
@@ -731,7 +739,7 @@ def run(cfg: JailConfig) -> int:
             return 127
         return 0
     os.close(exec_r)
-    (paths.jail_dir / JAILER_PID_FILE).write_text(f"{os.getpid()}\n")
+    _write_whole(paths.jail_dir / JAILER_PID_FILE, f"{os.getpid()}\n")
 
     def forward(signum: int, _frame: object) -> None:
         with contextlib.suppress(ProcessLookupError):
