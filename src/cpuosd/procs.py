@@ -13,7 +13,9 @@ cpuosd is a child subreaper (``become_subreaper``): a detached runsc leaves its 
 gofer processes to us, QEMU is left to us by its jailer. ``reap_orphans`` reaps those
 adopted orphans, and only them: a pid registered here is never touched by it, and it holds
 ``LOCK`` while it looks, so a child being spawned (in any thread) is registered before it
-can be seen. ``adopt`` takes an orphan we must watch (a microVM's QEMU) into the registry.
+can be seen. ``adopt`` takes an orphan we must watch (a microVM's QEMU) into the registry;
+``kill_orphans`` ends orphans nobody will end otherwise (what a runsc killed half-way had
+started).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import signal
 import subprocess
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -343,6 +345,27 @@ def reap_orphans() -> int:
             if child._loop is None and not child._waiters:
                 child._collect()
     return n
+
+
+def kill_orphans(match: Callable[[list[bytes]], bool], sig: int = signal.SIGKILL) -> list[int]:
+    """Signal every adopted orphan (our child by reparenting, not registered here) whose
+    argv ``match`` accepts; their pids. Under ``LOCK``, so none of them is reaped while we
+    look: an unreaped child's pid is its own, never another process's."""
+    hit: list[int] = []
+    with LOCK:
+        for pid in _children():
+            if pid in _owned:
+                continue
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+            except OSError:
+                continue
+            if match(argv):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+                hit.append(pid)
+    return hit
 
 
 async def reap_loop(interval: float = 5.0) -> None:

@@ -4,6 +4,7 @@ A runsc wrapper (the real runsc, except that it hangs on request) injects the st
 
 from __future__ import annotations
 
+import glob
 import os
 import threading
 from collections.abc import Iterator
@@ -13,7 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from support.daemon import Daemon, e2e_unavailable, wait_until, wrapped_runsc_daemon
+from support.daemon import (Daemon, e2e_unavailable, runsc_processes, wait_until,
+                            wrapped_runsc_daemon)
 
 pytestmark = pytest.mark.e2e
 # s a kill waits for its teardown here (the default is 20): a stuck kill gives up sooner,
@@ -28,12 +30,21 @@ def hang_daemon(tmp_path: Path) -> Iterator[tuple[Daemon, Path]]:
         pytest.skip(why)
     hang = tmp_path / "hang"
     hang.mkdir()
-    # hangs (in its own process, killable) when $hang/<subcommand> or $hang/<id> exists
+    # hangs (in its own process, killable) when $hang/<subcommand> or $hang/<id> exists;
+    # $hang/restore-midway: the real runsc restore, frozen once it has started its sandbox
     d = wrapped_runsc_daemon(tmp_path, f"""#!/bin/sh
 for a in "$@"; do
   case "$a" in delete|restore|run) sub=$a ;; esac
 done
 if [ -n "$sub" ] && [ -e "{hang}/$sub" ]; then exec sleep 300; fi
+if [ "$sub" = restore ] && [ -e "{hang}/restore-midway" ]; then
+  {{real}} "$@" &
+  r=$!
+  until pgrep -P $r -f '^runsc-sandbox' >/dev/null || ! kill -0 $r; do sleep 0.02; done
+  kill -STOP $r
+  wait $r
+  exit 1
+fi
 if [ "$sub" = delete ]; then for a in "$@"; do [ -e "{hang}/$a" ] && exec sleep 300; done; fi
 exec {{real}} "$@"
 """, CPUOS_KILL_TIMEOUT=str(KILL_TIMEOUT))
@@ -80,6 +91,53 @@ def test_delete_cancels_a_create_stuck_in_runsc(hang_daemon: tuple[Daemon, Path]
         assert not t.is_alive()
         assert _state(c, sid) in ("killed", "error")
     assert "r" not in result or result["r"].status_code >= 400
+
+
+def _runsc_of(home: Path, sid: str) -> list[int]:
+    """The runsc sandbox and gofer processes of sandbox ``sid`` (their argv names its
+    bundle)."""
+    bundle = str(home / "sandboxes" / sid / "bundle").encode()
+    return [pid for pid, argv in runsc_processes()
+            if argv[0] in (b"runsc-sandbox", b"runsc-gofer")
+            and (bundle in argv or b"--bundle=" + bundle in argv)]
+
+
+def test_delete_of_a_create_whose_runsc_started_its_sandbox(
+        hang_daemon: tuple[Daemon, Path]) -> None:
+    """runsc restore killed half-way (a DELETE cancels the create) after it had started the
+    sandbox and gofer (sessions of their own, which killing runsc's process group misses)
+    and before it wrote the container's state (so runsc delete cannot find them): the
+    daemon ends them; nothing of the sandbox runs on."""
+    d, hang = hang_daemon
+    (hang / "restore-midway").touch()
+    result: dict[str, Any] = {}
+
+    def create() -> None:
+        with d.client() as c:
+            try:
+                result["r"] = c.post("/sandboxes", json={"template": "python"}, timeout=120)
+            except httpx.HTTPError as e:
+                result["e"] = e
+
+    t = threading.Thread(target=create)
+    t.start()
+    with d.client() as c:
+        def creating() -> list[str]:
+            return [s["id"] for s in c.get("/sandboxes").json()["sandboxes"]
+                    if s["state"] == "creating"]
+        wait_until(lambda: bool(creating()), "a sandbox in creating")
+        sid = creating()[0]
+        wait_until(lambda: bool(_runsc_of(d.home, sid)), "runsc to start the sandbox")
+        r = c.delete(f"/sandboxes/{sid}", timeout=30)
+        assert r.status_code in (200, 204), r.text
+        t.join(60)
+        assert not t.is_alive()
+        assert _state(c, sid) in ("killed", "error")
+    wait_until(lambda: not _runsc_of(d.home, sid), "the sandbox's runsc processes to end", 30)
+    assert sid not in d.runsc_containers()
+    # nor its cgroups (runsc delete, which knew no such container, did not remove them)
+    wait_until(lambda: not glob.glob(f"/sys/fs/cgroup/*/cpuos/{sid}"),
+               "the sandbox's cgroups to be removed", 30)
 
 
 def test_deadlines_kept_while_one_kill_is_stuck(hang_daemon: tuple[Daemon, Path]) -> None:

@@ -9,6 +9,7 @@ run under .cache/test-artifacts/.
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import fcntl
 import os
@@ -460,6 +461,29 @@ class Daemon:
         what += [f"log: {ln[:300]}" for ln in named[-lines:]]
         return "\n  ".join(what)
 
+    def _leftover_cgroups(self) -> list[str]:
+        """The sandboxes of this daemon (its database's rows) whose gVisor cgroups
+        (``cpuos/<id>`` under each controller) are still there once the daemon has stopped:
+        removed (empty once their processes are gone), and named. Said, not failed on, as
+        the runsc leftovers are."""
+        try:
+            db = sqlite3.connect(f"file:{self.home / 'cpuos.db'}?mode=ro", uri=True, timeout=5)
+            try:
+                ids = [r[0] for r in db.execute("SELECT id FROM sandboxes")]
+            finally:
+                db.close()
+        except sqlite3.Error:
+            return []
+        left = []
+        for sid in ids:
+            dirs = glob.glob(f"/sys/fs/cgroup/*/cpuos/{sid}")
+            if dirs:
+                left.append(sid)
+                for d in dirs:
+                    with contextlib.suppress(OSError):
+                        os.rmdir(d)
+        return left
+
     def teardown(self, failed: bool) -> list[str]:
         """Kill all sandboxes, stop the daemon, remove leftovers; returns leftovers found.
         A slow one (SLOW_TEARDOWN s or more) says where its time went, as a warning: the
@@ -503,6 +527,9 @@ class Daemon:
                                                if sid.startswith("sbx-") else ""),
                   file=sys.stderr)
         phase("runsc leftovers")
+        for sid in self._leftover_cgroups():
+            print(f"teardown of {self.home}: the cgroups of {sid} were left (removed now); "
+                  f"{self.describe(sid)}", file=sys.stderr)
         left = [self.describe(cid) for cid in left]  # (what the daemon knew of each)
         left += [f"mount {m}" for m in mounts_under(self.home)]
         for m in reversed(mounts_under(self.home)):

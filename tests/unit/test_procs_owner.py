@@ -172,3 +172,74 @@ def _state(pid: int) -> str:
             return f.read().rsplit(b")", 1)[1].split()[0].decode()
     except OSError:
         return "gone"
+
+
+
+# run in a process of its own (a subreaper: orphans below it come to it, which the test
+# process must not become): prints what kill_orphans did, as JSON
+ORPHANS = r"""
+import json, os, sys
+from cpuosd import procs
+from support.daemon import wait_until
+
+HOLD = "import sys, time; print('up', flush=True); time.sleep(300)"
+MID = '''
+import subprocess, sys, time
+for bundle in ("/b/mine", "/b/other"):
+    p = subprocess.Popen([sys.executable, "-c", sys.argv[1], "--bundle=" + bundle],
+                         start_new_session=True, stdout=subprocess.PIPE)
+    assert p.stdout.readline() == b"up\\n"
+    print(p.pid, flush=True)
+time.sleep(300)
+'''
+assert procs.become_subreaper()
+# a middle process starts two processes in sessions of their own and is killed: they are
+# then our adopted orphans (as runsc's sandbox and gofer when runsc is killed half-way)
+r, w = os.pipe()
+mid = procs.spawn([sys.executable, "-c", MID, HOLD], stdout=w)
+os.close(w)
+with os.fdopen(r) as f:
+    mine, other = int(f.readline()), int(f.readline())
+mid.kill()
+assert mid.wait_sync(10) is not None
+wait_until(lambda: all(procs._ppid(p) == os.getpid() for p in (mine, other)), "adoption", 10)
+# a registered child whose argv matches too
+r, w = os.pipe()
+reg = procs.spawn([sys.executable, "-c", HOLD, "--bundle=/b/mine"], stdout=w)
+os.close(w)
+with os.fdopen(r) as f:
+    assert f.readline() == "up\n"
+
+killed = procs.kill_orphans(lambda argv: b"--bundle=/b/mine" in argv)
+
+
+def gone(pid):
+    procs.reap_orphans()
+    return not os.path.exists(f"/proc/{pid}")
+
+
+wait_until(lambda: gone(mine), "the matching orphan to end", 10)
+out = {"killed": killed, "mine": mine, "other_alive": not gone(other),
+       "registered_alive": reg.returncode is None and not gone(reg.pid)}
+procs.kill_orphans(lambda argv: True)
+reg.kill()
+assert reg.wait_sync(10) is not None
+wait_until(lambda: gone(other), "the other orphan to end", 10)
+print(json.dumps(out))
+"""
+
+
+def test_kill_orphans_ends_only_the_matching_adopted_orphans() -> None:
+    """kill_orphans signals the adopted orphans whose argv matches: not another orphan,
+    not a registered child whose argv matches too."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC.parent), str(REPO / "tests")])}
+    r = subprocess.run([sys.executable, "-c", ORPHANS], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert out["killed"] == [out["mine"]]
+    assert out["other_alive"] and out["registered_alive"]

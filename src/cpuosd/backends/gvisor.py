@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import errno
 import hashlib
 import json
 import logging
@@ -27,6 +28,7 @@ from .base import Capabilities, SandboxSpec
 from .runsc import Runsc
 
 log = logging.getLogger("cpuosd.gvisor")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 SANDBOX_UID = 1000
 SANDBOX_GID = 1000
@@ -215,9 +217,30 @@ class GVisorBackend:
         try:
             return await procs.run([*flags, *args], timeout=timeout, log_path=log_path,
                                    null_stdio=True, umask=PRIVATE_UMASK)
-        except TimeoutError:
-            raise ApiError("timeout", f"runsc {args[0]} did not finish within "
-                           f"{timeout:.0f}s") from None
+        except BaseException as e:  # overran, or our caller was cancelled: runsc was killed
+            self._end_strays(spec)
+            if isinstance(e, TimeoutError):
+                raise ApiError("timeout", f"runsc {args[0]} did not finish within "
+                               f"{timeout:.0f}s") from None
+            raise
+
+    def _end_strays(self, spec: SandboxSpec) -> None:
+        """What a runsc run/restore killed half-way had started: its sandbox and gofer run
+        in sessions of their own (killing runsc's process group missed them), and before
+        runsc has written the container's state ``runsc delete`` cannot find them: they
+        would run on, ours (adopted orphans), with nobody to end them. Ended here: the
+        orphans whose argv names this runsc root and this sandbox's bundle."""
+        root = f"--root={self.root}".encode()
+        bundle = str(spec.dir / "bundle").encode()
+
+        def of_this_sandbox(argv: list[bytes]) -> bool:
+            return (argv[0] in (b"runsc-sandbox", b"runsc-gofer") and root in argv
+                    and (bundle in argv or b"--bundle=" + bundle in argv))
+
+        pids = procs.kill_orphans(of_this_sandbox)
+        if pids:
+            log.warning("runsc was killed half-way through %s: ended what it had started "
+                        "(pids %s)", spec.id, pids)
 
     async def start(self, spec: SandboxSpec) -> None:
         bundle = self._bundle(spec)
@@ -241,10 +264,11 @@ class GVisorBackend:
             code = "no_space" if "no space left" in msg else "internal"
             raise ApiError(code, f"runsc checkpoint failed: {line[:300]}")
 
-    async def _delete_reaping(self, sandbox_id: str) -> None:
+    async def _delete_reaping(self, sandbox_id: str) -> bool:
         """runsc delete waits for the sandbox process (our adopted orphan) to be reaped:
         reap orphans while it waits (woken every 5 ms; each pass is one scan of our
-        children, bounded by runsc delete's own timeout)."""
+        children, bounded by runsc delete's own timeout). False if runsc delete failed (the
+        container may still be there)."""
         delete = asyncio.ensure_future(
             self._run(*self._global_flags(), "delete", "--force", sandbox_id))
         try:
@@ -257,6 +281,8 @@ class GVisorBackend:
         rc, _, err = delete.result()
         if rc != 0 and b"not exist" not in err:
             log.warning("runsc delete %s: %s", sandbox_id, err.decode(errors="replace")[-300:])
+            return False
+        return True
 
     async def restore(self, spec: SandboxSpec, image_dir: Path) -> None:
         bundle = self._bundle(spec)
@@ -397,7 +423,31 @@ class GVisorBackend:
         return None
 
     async def kill(self, sandbox_id: str) -> None:
-        await self._delete_reaping(sandbox_id)
+        if await self._delete_reaping(sandbox_id):
+            await self._remove_cgroups(sandbox_id)
+
+    async def _remove_cgroups(self, sandbox_id: str) -> None:
+        """The sandbox's cgroups (``cpuos/<id>`` under each controller). runsc delete removes
+        them with a container it knows; one whose runsc was killed before it wrote the
+        container's state (``_end_strays``), or whose state is gone, left them behind,
+        empty. rmdir never removes a cgroup that holds processes; those just killed are
+        reaped and waited for, 1 s at most."""
+        if not sandbox_id or "/" in sandbox_id or sandbox_id in (".", ".."):
+            return
+        for d in [*CGROUP_ROOT.glob(f"*/cpuos/{sandbox_id}"), CGROUP_ROOT / "cpuos" / sandbox_id]:
+            for attempt in range(50):
+                try:
+                    os.rmdir(d)
+                except FileNotFoundError:  # (none, or a controller's other name for it)
+                    break
+                except OSError as e:
+                    if e.errno != errno.EBUSY or attempt == 49:
+                        log.warning("the cgroup %s of %s stays: %s", d, sandbox_id, e.strerror)
+                        break
+                    await asyncio.to_thread(procs.reap_orphans)
+                    await asyncio.sleep(0.02)
+                else:
+                    break
 
     async def running(self) -> dict[str, str]:
         rc, out, err = await self._run(*self._global_flags(), "list", "-format=json")
