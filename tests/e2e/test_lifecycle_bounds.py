@@ -7,7 +7,7 @@ from __future__ import annotations
 import glob
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,10 +64,11 @@ def _state(c: httpx.Client, sid: str) -> str:
     return s
 
 
-def test_delete_cancels_a_create_stuck_in_runsc(hang_daemon: tuple[Daemon, Path]) -> None:
-    d, hang = hang_daemon
-    (hang / "restore").touch()
-    (hang / "run").touch()
+def _delete_while_creating(d: Daemon, started: Callable[[str], bool] = lambda sid: True
+                           ) -> tuple[str, dict[str, Any]]:
+    """A create in a thread; once its sandbox is in creating (and ``started`` says so of
+    its id), a DELETE of it, which must return and end the create. The sandbox's id and
+    the create's outcome ("r": its answer, or "e": its error)."""
     result: dict[str, Any] = {}
 
     def create() -> None:
@@ -85,11 +86,20 @@ def test_delete_cancels_a_create_stuck_in_runsc(hang_daemon: tuple[Daemon, Path]
                     if s["state"] == "creating"]
         wait_until(lambda: bool(creating()), "a sandbox in creating")
         sid = creating()[0]
+        wait_until(lambda: started(sid), "the create to get as far as the test wants")
         r = c.delete(f"/sandboxes/{sid}", timeout=30)  # (httpx raises past the bound)
         assert r.status_code in (200, 204), r.text
         t.join(60)
         assert not t.is_alive()
         assert _state(c, sid) in ("killed", "error")
+    return sid, result
+
+
+def test_delete_cancels_a_create_stuck_in_runsc(hang_daemon: tuple[Daemon, Path]) -> None:
+    d, hang = hang_daemon
+    (hang / "restore").touch()
+    (hang / "run").touch()
+    _, result = _delete_while_creating(d)
     assert "r" not in result or result["r"].status_code >= 400
 
 
@@ -110,29 +120,7 @@ def test_delete_of_a_create_whose_runsc_started_its_sandbox(
     daemon ends them; nothing of the sandbox runs on."""
     d, hang = hang_daemon
     (hang / "restore-midway").touch()
-    result: dict[str, Any] = {}
-
-    def create() -> None:
-        with d.client() as c:
-            try:
-                result["r"] = c.post("/sandboxes", json={"template": "python"}, timeout=120)
-            except httpx.HTTPError as e:
-                result["e"] = e
-
-    t = threading.Thread(target=create)
-    t.start()
-    with d.client() as c:
-        def creating() -> list[str]:
-            return [s["id"] for s in c.get("/sandboxes").json()["sandboxes"]
-                    if s["state"] == "creating"]
-        wait_until(lambda: bool(creating()), "a sandbox in creating")
-        sid = creating()[0]
-        wait_until(lambda: bool(_runsc_of(d.home, sid)), "runsc to start the sandbox")
-        r = c.delete(f"/sandboxes/{sid}", timeout=30)
-        assert r.status_code in (200, 204), r.text
-        t.join(60)
-        assert not t.is_alive()
-        assert _state(c, sid) in ("killed", "error")
+    sid, _ = _delete_while_creating(d, lambda sid: bool(_runsc_of(d.home, sid)))
     wait_until(lambda: not _runsc_of(d.home, sid), "the sandbox's runsc processes to end", 30)
     assert sid not in d.runsc_containers()
     # nor its cgroups (runsc delete, which knew no such container, did not remove them)
