@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
+import inspect
 import io
 import signal
 import sys
 import time
 from types import FrameType
 
-TASK_FRAMES = 16  # frames shown per task (the innermost)
+TASK_FRAMES = 40  # frames shown per task (the innermost)
 
 
 def install() -> None:
@@ -40,14 +41,33 @@ def _tasks(signum: int, frame: FrameType | None) -> None:
 
 def _awaiting(coro: object) -> list[str]:
     """The chain of awaits of a suspended coroutine, outermost first (a task's own stack
-    shows its outermost frame only): "file:line in function" each."""
+    shows its outermost frame only): "file:line in function" each. Through async
+    generators too (an ``asynccontextmanager``'s body: a lifespan's, whose exit is where a
+    stop waits)."""
     lines: list[str] = []
     seen = 0
     while coro is not None and seen < 100:
         seen += 1
-        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        frame = (getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+                 or getattr(coro, "ag_frame", None))
         if frame is not None:
             code = frame.f_code
             lines.append(f"{code.co_filename}:{frame.f_lineno} in {code.co_name}")
-        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+        nxt = (getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+               or getattr(coro, "ag_await", None))
+        if type(nxt).__name__ in ("async_generator_asend", "async_generator_athrow"):
+            # (an anext()/athrow() of an async generator does not say which: the running
+            # one among the frame's locals, or their ``gen``, as contextlib keeps it)
+            nxt = _running_agen(frame) or nxt
+        coro = nxt
     return lines
+
+
+def _running_agen(frame: FrameType | None) -> object | None:
+    if frame is None:
+        return None
+    for v in frame.f_locals.values():
+        for x in (v, getattr(v, "gen", None)):
+            if inspect.isasyncgen(x) and x.ag_running:
+                return x
+    return None

@@ -4,9 +4,11 @@ thread's, is faulthandler's own)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import faulthandler
 import os
 import signal
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -18,9 +20,17 @@ def test_sigusr2_writes_every_task_with_where_it_waits(capfd: pytest.CaptureFixt
     previous = signal.getsignal(signal.SIGUSR2)
     diagnose.install()
     try:
+        @contextlib.asynccontextmanager
+        async def lifespan(started: asyncio.Event) -> AsyncIterator[None]:
+            try:
+                yield
+            finally:  # (a stop that waits in a lifespan's exit)
+                started.set()
+                await asyncio.Event().wait()
+
         async def stuck_in_here(started: asyncio.Event) -> None:
-            started.set()
-            await asyncio.Event().wait()
+            async with lifespan(started):
+                pass
 
         async def main() -> str:
             started = asyncio.Event()
@@ -39,3 +49,6 @@ def test_sigusr2_writes_every_task_with_where_it_waits(capfd: pytest.CaptureFixt
         signal.signal(signal.SIGUSR2, previous)
     assert "--- cpuosd asyncio tasks at" in err and "--- end of tasks ---" in err, err
     assert "the-stuck-one" in err and "stuck_in_here" in err, err
+    # through the async generator of the context manager's exit, to the await in it
+    chain = err.split("the-stuck-one:")[1].split("--- end of tasks ---")[0]
+    assert "in __aexit__" in chain and "in lifespan" in chain and "in wait" in chain, err
