@@ -122,6 +122,42 @@ class Events(threading.Thread):
                     self.got.append((ev["sandbox"], ev["kind"], ev["time"], time.time()))
 
 
+def watch_trouble(page: Any) -> list[str]:
+    """What went wrong on the page as it loads (failed requests, answers >= 400, console
+    errors), kept to say why a first paint never came."""
+    out: list[str] = []
+
+    def answered(r: Any) -> None:
+        if r.status >= 400:
+            out.append(f"answer {r.status}: {r.request.method} {r.url}")
+
+    def logged(m: Any) -> None:
+        if m.type in ("error", "warning"):
+            out.append(f"console {m.type}: {m.text[:300]}")
+
+    page.on("requestfailed", lambda r: out.append(f"request failed: {r.method} {r.url}: "
+                                                   f"{r.failure}"))
+    page.on("response", answered)
+    page.on("console", logged)
+    page.on("pageerror", lambda e: out.append(f"page error: {str(e)[:300]}"))
+    return out
+
+
+def wait_paint(page: Any, trouble: list[str], timeout_s: float = 120) -> None:
+    """Until the sandboxes page has painted its rows (WATCH); if it never does, an error
+    that says what the page showed and what went wrong on it."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        page.wait_for_function("() => window.__paint > 0", timeout=timeout_s * 1000)
+    except PlaywrightTimeout:
+        seen = page.evaluate("""() => ({paint: window.__paint,
+            rows: document.querySelectorAll("tr[data-sid]").length,
+            url: location.href, text: document.body.innerText.slice(0, 600)})""")
+        raise RuntimeError(f"no first paint in {timeout_s:g} s: {seen}; on the page: "
+                           f"{trouble[-20:] or 'nothing failed'}") from None
+
+
 def measure(ctx: Context) -> dict[str, Any]:
     why = chromium_unavailable()
     if why:
@@ -156,8 +192,9 @@ def measure(ctx: Context) -> dict[str, Any]:
                         raise RuntimeError(f"sign-in failed: {r.status} {r.text()}")
                     page = bctx.new_page()
                     page.add_init_script(WATCH % len(ids))
+                    trouble = watch_trouble(page)
                     page.goto(d.url + "/ui/#/sandboxes")
-                    page.wait_for_function("() => window.__paint > 0", timeout=120_000)
+                    wait_paint(page, trouble)
                     paint_s.append(page.evaluate("() => window.__paint") / 1000)
                     floor_s.append(page.evaluate(FLOOR) / 1000)
                     bctx.close()
@@ -170,8 +207,9 @@ def measure(ctx: Context) -> dict[str, Any]:
                                   headers={"Origin": d.url})
                 page = bctx.new_page()
                 page.add_init_script(WATCH % len(ids))
+                trouble = watch_trouble(page)
                 page.goto(d.url + "/ui/#/sandboxes")
-                page.wait_for_function("() => window.__paint > 0", timeout=120_000)
+                wait_paint(page, trouble)
                 page.wait_for_selector(".live.on", timeout=60_000)
                 target = ids[-1]
                 t_first = time.time()
