@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for `cas
 from cases._common import (FROM_SNAPSHOT, Context, Row, case_main, console, median, ms, pct,
                            target_row, timing_table)
 
-from cpuosd.console.testing import chromium_unavailable, launch
+from support.browser import chromium_unavailable, launch
 from support.daemon import Daemon
 
 SECTION = KEY = "console"

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from cpuosd.console.testing import chromium_unavailable
+from support.browser import chromium_unavailable
 from cpuosd.templates.builder import template_info
 from support.daemon import TEMPLATES, e2e_unavailable
 

@@ -229,8 +229,8 @@ def test_the_console_in_a_browser_through_the_api_tier(cluster: tuple[Cluster, s
     """Debian's chromium signed in at API 2: the list shows a sandbox of each node, its node
     and its sparklines (``/metrics`` of both nodes), and a pause and a resume from the list show up
     live (``/events`` fanned in) on the sandbox of the node API 2's page did not ask."""
-    from cpuosd.console.testing import COUNT_PIXELS, chromium_unavailable, launch, shot
-    from cpuosd.console.testing import sign_in as ui_sign_in
+    from support.browser import COUNT_PIXELS, chromium_unavailable, launch, shot
+    from support.browser import sign_in as ui_sign_in
 
     why = chromium_unavailable()
     if why:

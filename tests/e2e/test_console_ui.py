@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from cpuos import Conflict, Sandbox
-from cpuosd.console.testing import COUNT_PIXELS, chromium_unavailable, launch, shot, sign_in
+from support.browser import COUNT_PIXELS, chromium_unavailable, launch, shot, sign_in
 from support.fakenet import DENIED_LISTENERS, FakeInternet
 from support.daemon import Daemon, e2e_unavailable, new_daemon, wait_until
 

@@ -30,17 +30,10 @@ ALLOWED = {
         "the operator's http(s)_proxy variables passed on to build steps",
     ("backends/microvm/jailer.py", "main"):
         "the jailer clears its environment before it execs the VMM",
-    ("console/testing.py", "*"):
-        "test support: the chromium the console's tests and benchmark drive "
-        "(CPUOS_TEST_CHROMIUM)",
-    ("testing.py", "*"):
-        "test support (daemons under test are child processes given an environment); "
-        "moves to tests/support",
 }
 # CPUOS_* names in cpuosd that are not the daemon's configuration: set inside sandboxes
-# for the agent, or read by the SDK and CLI (testing.py drops them for test daemons)
-NOT_CONFIG = {"CPUOS_TEST_CHROMIUM",
-              "CPUOS_AGENT_SOCKET", "CPUOS_UID", "CPUOS_TEMPLATE_SNAPSHOT", "CPUOS_API_KEY",
+# for the agent, or read by the SDK and CLI (tests/support drops them for test daemons)
+NOT_CONFIG = {"CPUOS_AGENT_SOCKET", "CPUOS_UID", "CPUOS_TEMPLATE_SNAPSHOT", "CPUOS_API_KEY",
               "CPUOS_API_URL"}
 
 
