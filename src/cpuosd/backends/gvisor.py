@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -424,26 +425,38 @@ class GVisorBackend:
 
     async def kill(self, sandbox_id: str) -> None:
         if await self._delete_reaping(sandbox_id):
-            await self._remove_cgroups(sandbox_id)
+            await self._clear_cgroups(sandbox_id)
 
-    async def _remove_cgroups(self, sandbox_id: str) -> None:
-        """The sandbox's cgroups (``cpuos/<id>`` under each controller). runsc delete removes
-        them with a container it knows; one whose runsc was killed before it wrote the
-        container's state (``_end_strays``), or whose state is gone, left them behind,
-        empty. rmdir never removes a cgroup that holds processes; those just killed are
-        reaped and waited for, 1 s at most."""
+    async def _clear_cgroups(self, sandbox_id: str) -> None:
+        """The sandbox's cgroups (``cpuos/<id>`` under each controller), once runsc delete
+        has done its part. runsc removes them with a container it knows; of one it did not
+        know (its runsc was killed before it wrote the container's state) they are left,
+        with whatever of the sandbox still runs in them (a sandbox and gofer started by
+        that runsc that ``_end_strays`` could not see as ours yet). What runs in them is
+        killed (the cgroup says whose they are), then they are removed: 2 s at most."""
         if not sandbox_id or "/" in sandbox_id or sandbox_id in (".", ".."):
             return
-        for d in [*CGROUP_ROOT.glob(f"*/cpuos/{sandbox_id}"), CGROUP_ROOT / "cpuos" / sandbox_id]:
-            for attempt in range(50):
+        dirs = [d for d in (*CGROUP_ROOT.glob(f"*/cpuos/{sandbox_id}"),
+                            CGROUP_ROOT / "cpuos" / sandbox_id) if d.is_dir()]
+        if not dirs:
+            return
+        killed = _kill_members(sandbox_id, dirs)
+        if killed:
+            log.warning("%s: killed what runsc left running in its cgroups (pids %s)",
+                        sandbox_id, killed)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 2.0
+        for d in dirs:
+            while True:
                 try:
                     os.rmdir(d)
-                except FileNotFoundError:  # (none, or a controller's other name for it)
+                except FileNotFoundError:  # (a controller's other name for one removed)
                     break
                 except OSError as e:
-                    if e.errno != errno.EBUSY or attempt == 49:
+                    if e.errno != errno.EBUSY or loop.time() > deadline:
                         log.warning("the cgroup %s of %s stays: %s", d, sandbox_id, e.strerror)
                         break
+                    # (processes just killed: their exit, and our reaping of those ours)
                     await asyncio.to_thread(procs.reap_orphans)
                     await asyncio.sleep(0.02)
                 else:
@@ -478,3 +491,34 @@ class GVisorBackend:
             return False
         return (state != b"Z" and argv[:1] == [b"runsc-sandbox"] and cid.encode() in argv
                 and f"--root={self.root}".encode() in argv)
+
+
+def _kill_members(sandbox_id: str, dirs: list[Path]) -> list[int]:
+    """SIGKILL every process in the sandbox's cgroups ``dirs``; their pids. Each is opened
+    as a pidfd and its cgroup read again through that identity before it is signalled (a
+    pid read from cgroup.procs may have exited and been reused meanwhile)."""
+    pids: set[int] = set()
+    for d in dirs:
+        try:
+            pids.update(int(x) for x in (d / "cgroup.procs").read_text().split())
+        except (OSError, ValueError):
+            continue
+    mine = f"/cpuos/{sandbox_id}"
+    killed = []
+    for pid in sorted(pids):
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            continue
+        try:
+            with open(f"/proc/{pid}/cgroup") as f:
+                if not any(line.rstrip("\n").endswith(mine) for line in f):
+                    continue
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+            killed.append(pid)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return killed
+
