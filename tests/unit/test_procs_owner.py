@@ -182,15 +182,15 @@ import json, os, sys
 from cpuosd import procs
 from support.daemon import wait_until
 
-HOLD = "import sys, time; print('up', flush=True); time.sleep(300)"
+HOLD = "import signal; print('up', flush=True); signal.pause()"
 MID = '''
-import subprocess, sys, time
+import signal, subprocess, sys
 for bundle in ("/b/mine", "/b/other"):
     p = subprocess.Popen([sys.executable, "-c", sys.argv[1], "--bundle=" + bundle],
                          start_new_session=True, stdout=subprocess.PIPE)
     assert p.stdout.readline() == b"up\\n"
     print(p.pid, flush=True)
-time.sleep(300)
+signal.pause()
 '''
 assert procs.become_subreaper()
 # a middle process starts two processes in sessions of their own and is killed: they are
