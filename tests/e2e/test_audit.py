@@ -54,6 +54,28 @@ def runtime_argvs(d: Daemon, sid: str, **params: Any) -> list[list[str]]:
             if r["detail"].get("source") == "runtime"]
 
 
+def wait_argvs(d: Daemon, sid: str, *wanted: list[str]) -> list[list[str]]:
+    """The runtime points reach the audit a moment after the command ends (the Sentry sends
+    them in batches, the daemon writes them in batches): wait until every argv wanted is
+    on record, and return what is."""
+    got: list[list[str]] = []
+
+    def seen() -> bool:
+        got[:] = runtime_argvs(d, sid)
+        return all(w in got for w in wanted)
+
+    wait_until(seen, f"{wanted} recorded from inside {sid}", 60)
+    return got
+
+
+def wait_written(d: Daemon, sid: str, *paths: str) -> None:
+    def seen() -> bool:
+        return set(paths) <= {x["detail"]["path"] for x in rows(d, sid, kind="file_write")
+                              if x["detail"].get("source") == "runtime"}
+
+    wait_until(seen, f"writes to {paths} recorded from inside {sid}", 60)
+
+
 def cli(d: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "CPUOS_API_URL": d.url, "CPUOS_API_KEY": d.key}
     return subprocess.run([sys.executable, "-m", "cpuos.cli.main", *args], env=env,
@@ -91,7 +113,7 @@ def test_every_api_exec_and_file_write_is_in_the_log(daemon: Daemon) -> None:
                    if r["detail"].get("background")]  # a background command through the API
         assert [(x["argv"], x["pid"], x["env"]) for x in started] == [
             (["/bin/sh", "-c", "echo background"], bg.pid, ["BG"])]
-        assert ["/bin/sh", "-c", "echo background"] in runtime_argvs(daemon, s.id)
+        wait_argvs(daemon, s.id, ["/bin/sh", "-c", "echo background"])
 
         writes = {r["detail"]["path"]: r["detail"] for r in rows(daemon, s.id, kind="file_write")
                   if r["detail"].get("source") == "api"}
@@ -149,7 +171,8 @@ def test_processes_started_inside_are_recorded_with_their_argv(daemon: Daemon) -
     try:
         r = s.exec(NESTED)
         assert r.exit_code == 0 and "uid=1000" in r.stdout
-        argvs = runtime_argvs(daemon, s.id)
+        argvs = wait_argvs(daemon, s.id, ["python3", "-c", 'import os; os.system("id")'],
+                           ["id"])
         i = argvs.index(["python3", "-c", 'import os; os.system("id")'])
         assert ["sh", "-c", 'python3 -c "import os; os.system(\\"id\\")"'] in argvs[:i]
         assert ["sh", "-c", "id"] in argvs[i:] and ["id"] in argvs[i:]
@@ -160,19 +183,17 @@ def test_processes_started_inside_are_recorded_with_their_argv(daemon: Daemon) -
 
         s.exec("echo hi > /work/inside.txt; python3 -c \"open('rel.txt', 'a').write('x')\"",
                cwd="/tmp")
-        paths = {x["detail"]["path"] for x in rows(daemon, s.id, kind="file_write")
-                 if x["detail"].get("source") == "runtime"}
-        assert {"/work/inside.txt", "/tmp/rel.txt"} <= paths
+        wait_written(daemon, s.id, "/work/inside.txt", "/tmp/rel.txt")
 
         # a pause and resume (the sandbox is restored: a new Sentry connects again)
         s.pause()
         s = Sandbox.connect(s.id, **daemon.sdk_kwargs())
         s.exec(["/bin/echo", "after-resume"])
-        assert ["/bin/echo", "after-resume"] in runtime_argvs(daemon, s.id)
+        wait_argvs(daemon, s.id, ["/bin/echo", "after-resume"])
         # a fork: the clone has a trace session of its own
         forks = s.fork()
         forks[0].exec(["/bin/echo", "in-the-fork"])
-        assert ["/bin/echo", "in-the-fork"] in runtime_argvs(daemon, forks[0].id)
+        wait_argvs(daemon, forks[0].id, ["/bin/echo", "in-the-fork"])
         assert ["/bin/echo", "in-the-fork"] not in runtime_argvs(daemon, s.id)
     finally:
         for f in forks:
@@ -207,7 +228,7 @@ def test_killing_or_replacing_the_agent_does_not_stop_the_recording(daemon: Daem
         wait_rows(daemon, s.id, lambda x: (x["detail"].get("argv") or [""])[0] == "/bin/echo"
                   and x["time"] > frozen + 1 and x["detail"]["argv"][1].startswith("tick-"),
                   "ticks recorded while the agent is frozen", kind="command")
-        assert ["sh", "-c", "/bin/echo replaced-agent"] in runtime_argvs(daemon, s.id)
+        wait_argvs(daemon, s.id, ["sh", "-c", "/bin/echo replaced-agent"])
 
         p = as_root("sh", "-c", "kill -KILL 1")
         ended = wait_rows(daemon, s.id, lambda x: x["detail"].get("to") in ("error", "killed"),
@@ -255,7 +276,7 @@ def test_a_restarted_daemon_records_what_runs_in_sandboxes_it_reattaches(
     s = Sandbox.create(template="python", timeout="5m", **d.sdk_kwargs())
     try:
         s.exec(["/bin/echo", "before-restart"])
-        assert ["/bin/echo", "before-restart"] in runtime_argvs(d, s.id)
+        wait_argvs(d, s.id, ["/bin/echo", "before-restart"])
         d.kill9()
         d.start()
         s = Sandbox.connect(s.id, **d.sdk_kwargs())
