@@ -61,10 +61,14 @@ args=("$@")
 # tiers 1 and 2 on several workers (pytest-xdist; a test module stays on one worker, so its
 # module-scoped daemons and testbeds are made once): each worker has its own daemons, homes
 # and network slots, and the template cache is shared. Most tests wait on sandboxes more
-# than they compute: more workers than cores. CPUOS_TEST_WORKERS=0 runs them in this process.
-workers=${CPUOS_TEST_WORKERS:-2}
+# than they compute: more workers than cores (2 cores: with 2 workers the cores were 73-74 %
+# busy and pytest took 11:29-11:41, with 3 90 % and 9:51). The longest modules go first
+# (tests/conftest.py LONGEST_FIRST; xdist's reordering by test count is off).
+# CPUOS_TEST_WORKERS=0 runs them in this process.
+workers=${CPUOS_TEST_WORKERS:-3}
 set +e
-.venv/bin/python -m pytest tests -n "$workers" --dist loadfile --durations=25 "${args[@]}"
+.venv/bin/python -m pytest tests -n "$workers" --dist loadfile --no-loadscope-reorder \
+  --durations=25 "${args[@]}"
 rc=$?
 set -e
 if [ $rc -eq 5 ]; then

@@ -58,12 +58,24 @@ TIER2 = ("tests/bench/", "tests/cluster/test_bench_cluster.py", "tests/e2e/test_
          "tests/net/test_microvm_net.py", "tests/e2e/test_browser.py")
 
 
+# the modules that take longest (minutes of a worker: each its own daemons, clusters or
+# suites), handed to the workers first (scripts/test.sh runs xdist with
+# --no-loadscope-reorder, which keeps this order; xdist's own puts the modules with most
+# tests first, and these came last, one worker busy with them while the others idled)
+LONGEST_FIRST = ("tests/bench/test_bench_smoke.py", "tests/cluster/test_two_nodes.py",
+                 "tests/e2b/test_e2b_upstream.py")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     root = Path(__file__).resolve().parent.parent
+    rank: dict[str, int] = {}
     for item in items:
         rel = Path(item.fspath).resolve().relative_to(root).as_posix()
         if rel.startswith(TIER2):
             item.add_marker(pytest.mark.tier2)
+        rank[item.nodeid] = (LONGEST_FIRST.index(rel) if rel in LONGEST_FIRST
+                             else len(LONGEST_FIRST))
+    items.sort(key=lambda item: rank[item.nodeid])  # (stable: the rest keep their order)
 
 
 @pytest.fixture(scope="session")
