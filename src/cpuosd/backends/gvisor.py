@@ -64,8 +64,11 @@ def disk_inodes(disk_mib: int, memory_mib: int) -> int:
 
 def host_memory_limit_mib(memory_mib: int) -> int:
     """The sandbox cgroup's memory limit for a sandbox of ``memory_mib``: room for the
-    sentry and gofer, and for an allocation the agent's OOM killer sees only after it."""
-    return memory_mib + max(256, memory_mib // 4)
+    sentry and gofer, and for an allocation the agent's OOM killer sees only after it.
+    Past it the host kills the sentry, and the whole sandbox is lost: the room is the time
+    the guard has to end a process growing fast (a Python loop filling 8 MiB buffers grows
+    at ~1 GiB/s here; with 256 MiB of room a small sandbox was lost on a loaded host)."""
+    return memory_mib + max(512, memory_mib // 4)
 
 
 def host_pids_limit(pids: int) -> int:
