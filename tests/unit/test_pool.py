@@ -20,6 +20,7 @@ from cpuosd.errors import ApiError
 from cpuosd.lifecycle import template_images as pool_mod
 from cpuosd.lifecycle.common import Live
 from cpuosd.lifecycle.manager import Manager
+from cpuosd.lifecycle.states import State
 from cpuosd.store import SandboxRow, SqliteStore, Store
 from support.fakes import FakeBackend, FakeHost
 
@@ -161,5 +162,27 @@ def test_waiters_count_against_the_workspace_maximum(tmp_path: Path) -> None:
         done = await asyncio.gather(first, second, third, return_exceptions=True)
         errors = [d for d in done if isinstance(d, ApiError)]
         assert len(errors) == 1 and errors[0].details["limit"] == "max_sandboxes"
+
+    run(tmp_path, test, size=1, max=4, parallel=2)
+
+
+def test_a_stopping_daemon_starts_no_refill_and_ends_every_pooled_sandbox(
+        tmp_path: Path) -> None:
+    """A refill started during the stop would restore a sandbox after the step that ends
+    the pooled ones (run 44 left one running, its row pooled); a pooled sandbox live but
+    not in the pool's list (a refill whose teardown outran its bound) is ended too."""
+    async def test(mgr: PoolManager, ws: str, host: FakeHost) -> None:
+        pool = mgr.pool.ready.setdefault("python", [])
+        mgr.pool.want("python")
+        await until(lambda: len(pool) == 1, "the pool filled")
+        stray = pool.pop()  # live, its row pooled, no longer in the list
+        mgr.pool.want("python")
+        await until(lambda: len(pool) == 1, "the pool refilled")
+        await mgr.shutdown()
+        mgr.pool.want("python")  # (a create's take, a refill's end, the tick)
+        assert not mgr.pool.inflight.get("python")
+        assert mgr.store.list_sandboxes(None, (State.POOLED,)) == []
+        ended = mgr.store.get_sandbox(stray.row.id)
+        assert ended is not None and ended.state == State.KILLED
 
     run(tmp_path, test, size=1, max=4, parallel=2)

@@ -299,6 +299,9 @@ class Manager:
                             f"; {len(pending)} not done: " + ", ".join(
                                 t.get_name() for t in pending) if pending else "")
 
+        # no refill of the warm pool starts from here on (a create taking a pooled sandbox,
+        # a refill ending, the tick would start one that no step below would end)
+        self.pool.close()
         # auto-pauses under way finish (bounded): a sandbox is not lost to them
         await wait("auto-pauses", list(self.autopause.pausing.values()))
         # what pauses left behind them (stopped containers)
@@ -320,6 +323,12 @@ class Manager:
             while pool:
                 pooled += 1
                 await self.kill(pool.pop().row.id, reason="pool_discarded")
+        # and any other pooled row of this node's still live (a refill whose teardown did
+        # not end within its bound: its row is still pooled, its sandbox may run)
+        for row in self.store.list_sandboxes(None, (State.POOLED,), node_id=self.node_id):
+            if row.id in self.live:
+                pooled += 1
+                await self.kill(row.id, reason="pool_discarded")
         if time.monotonic() - t0 >= 1.0:
             log.warning("shutdown: killing %d pooled sandboxes took %.1f s", pooled,
                         time.monotonic() - t0)

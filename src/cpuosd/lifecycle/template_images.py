@@ -312,6 +312,12 @@ class WarmPool:
         self.demand: dict[str, collections.deque[float]] = {}
         self.gen: dict[str, int] = {}
         self.retry: dict[str, float] = {}
+        self.closed = False  # the daemon is stopping: no more refills
+
+    def close(self) -> None:
+        """No refill starts from now on (the daemon is stopping; those under way are its
+        tasks, cancelled with them)."""
+        self.closed = True
 
     async def forget(self, template: str) -> None:
         """A template is being removed (its lock held: ``Manager.forget_template``): its
@@ -338,7 +344,8 @@ class WarmPool:
         """Start refills (at most CPUOS_POOL_PARALLEL at once) until the pool, with what is
         under way and not yet claimed, reaches its target; never where the host could not
         then take one more sandbox of a user's (admission)."""
-        if not self.on(template) or time.monotonic() < self.retry.get(template, 0):
+        if (self.closed or not self.on(template)
+                or time.monotonic() < self.retry.get(template, 0)):
             return
         pool = self.ready.setdefault(template, [])
         while True:
