@@ -57,23 +57,15 @@ def runtime_argvs(d: Daemon, sid: str, **params: Any) -> list[list[str]]:
 def wait_argvs(d: Daemon, sid: str, *wanted: list[str]) -> list[list[str]]:
     """The runtime points reach the audit a moment after the command ends (the Sentry sends
     them in batches, the daemon writes them in batches): wait until every argv wanted is
-    on record, and return what is."""
-    got: list[list[str]] = []
-
-    def seen() -> bool:
-        got[:] = runtime_argvs(d, sid)
-        return all(w in got for w in wanted)
-
-    wait_until(seen, f"{wanted} recorded from inside {sid}", 60)
-    return got
+    on record; the argvs recorded from inside."""
+    for w in wanted:
+        wait_rows(d, sid, from_inside("argv", w), f"{w} recorded from inside", kind="command")
+    return runtime_argvs(d, sid)
 
 
-def wait_written(d: Daemon, sid: str, *paths: str) -> None:
-    def seen() -> bool:
-        return set(paths) <= {x["detail"]["path"] for x in rows(d, sid, kind="file_write")
-                              if x["detail"].get("source") == "runtime"}
-
-    wait_until(seen, f"writes to {paths} recorded from inside {sid}", 60)
+def from_inside(key: str, value: Any) -> Callable[[dict[str, Any]], bool]:
+    """A row recorded from inside (runtime monitoring) whose detail has key = value."""
+    return lambda x: x["detail"].get(key) == value and x["detail"].get("source") == "runtime"
 
 
 def cli(d: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
@@ -183,7 +175,9 @@ def test_processes_started_inside_are_recorded_with_their_argv(daemon: Daemon) -
 
         s.exec("echo hi > /work/inside.txt; python3 -c \"open('rel.txt', 'a').write('x')\"",
                cwd="/tmp")
-        wait_written(daemon, s.id, "/work/inside.txt", "/tmp/rel.txt")
+        for path in ("/work/inside.txt", "/tmp/rel.txt"):
+            wait_rows(daemon, s.id, from_inside("path", path),
+                      f"the write to {path} recorded from inside", kind="file_write")
 
         # a pause and resume (the sandbox is restored: a new Sentry connects again)
         s.pause()
@@ -282,9 +276,7 @@ def test_a_restarted_daemon_records_what_runs_in_sandboxes_it_reattaches(
         s = Sandbox.connect(s.id, **d.sdk_kwargs())
         wait_until(lambda: s.exec("true").exit_code == 0, "the sandbox reattached", 60)
         s.exec(["/bin/echo", "after-restart"])
-        wait_rows(d, s.id, lambda x: x["detail"].get("argv") == ["/bin/echo", "after-restart"]
-                  and x["detail"].get("source") == "runtime", "the exec after the restart",
-                  kind="command")
+        wait_argvs(d, s.id, ["/bin/echo", "after-restart"])
         with d.client() as c:
             assert c.get("/audit/verify").json()["ok"]
     finally:
@@ -504,9 +496,8 @@ def test_a_flood_cannot_push_out_what_follows(daemon: Daemon) -> None:
         reads, writes = (int(x) for x in r.stdout.split())
         assert reads == writes > 1000, r.stdout
         assert s.exec("echo after > /work/after.txt").exit_code == 0
-        wait_rows(daemon, s.id, lambda x: x["detail"].get("path") == "/work/after.txt"
-                  and x["detail"].get("source") == "runtime", "the write after the flood",
-                  kind="file_write")
+        wait_rows(daemon, s.id, from_inside("path", "/work/after.txt"),
+                  "the write after the flood", kind="file_write")
 
         def flood_rows() -> list[dict[str, Any]]:
             return [x["detail"] for x in rows(daemon, s.id, kind="file_write")
