@@ -524,4 +524,3 @@ def _kill_members(sandbox_id: str, dirs: list[Path]) -> list[int]:
         finally:
             os.close(fd)
     return killed
-

@@ -319,12 +319,11 @@ class Manager:
         await wait("creates under way", creating)
         t0 = time.monotonic()
         pooled = 0
-        for pool in self.pool.ready.values():  # pooled sandboxes belong to no one: end them
-            while pool:
-                pooled += 1
-                await self.kill(pool.pop().row.id, reason="pool_discarded")
-        # and any other pooled row of this node's still live (a refill whose teardown did
-        # not end within its bound: its row is still pooled, its sandbox may run)
+        # pooled sandboxes belong to no one: end them, those in the pool's lists and any other
+        # pooled row of this node's still live (a refill whose teardown did not end within
+        # its bound: its row is still pooled, its sandbox may run)
+        for pool in self.pool.ready.values():
+            pool.clear()
         for row in self.store.list_sandboxes(None, (State.POOLED,), node_id=self.node_id):
             if row.id in self.live:
                 pooled += 1
