@@ -324,6 +324,70 @@ def test_sink_bounds_a_flood(log: AuditLog, tmp_path: Path,
     assert sum(r["kind"] == "dropped" for r in rows) <= 10  # one a second at most
 
 
+def test_a_busy_sandbox_s_points_wait_until_it_quiets_or_the_audit_is_read(
+        log: AuditLog, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sandbox sending much (here: any message counts as much) is read at most every
+    READ_EVERY and its messages kept unparsed (parsing them while it works slows it); an
+    audit query (AuditLog.catch_up: Traced.drain) parses them first; and once the sandbox
+    quiets down (the next look finds nothing) they are parsed without one."""
+    monkeypatch.setattr(trace, "BUSY_BYTES", 1)
+    monkeypatch.setattr(trace, "READ_EVERY", 3600.0)  # (no next look in this test's time)
+    monkeypatch.setattr(trace, "DEFER_MAX", 3600.0)
+
+    def batch(*argvs: list[str]) -> bytes:
+        recs = [message(trace.MSG_EXEC, execve(a)) for a in argvs]
+        return struct.pack("<HHI", 8, trace.MSG_BATCH, 0) + b"".join(
+            struct.pack("<I", len(r)) + r for r in recs)
+
+    def argvs(sid: str) -> list[list[str]]:
+        return [r["detail"]["argv"] for r in log.query(sid) if r["kind"] == "command"]
+
+    sink = trace.Sink("sbx-d", tmp_path / "trace.sock", log)
+
+    def drain(timeout: float) -> bool:
+        done = threading.Event()
+
+        def run() -> None:
+            sink.drain()
+            done.set()
+
+        trace.hub().call(run)
+        return done.wait(timeout)
+
+    try:
+        s = sentry(tmp_path / "trace.sock")
+        s.send(batch(["make", "1"], ["make", "2"]))
+        wait_until(lambda: sink.wakeups >= 1, "the batch read")
+        assert log.flush() and argvs("sbx-d") == [] and sink.messages == 0  # kept, unparsed
+        log.drain = drain
+        assert log.catch_up()
+        assert argvs("sbx-d") == [["make", "1"], ["make", "2"]]  # the query parsed it first
+    finally:
+        sink.close(wait=5)
+    # a session that ends (the sandbox paused or killed) parses what it kept, and what the
+    # socket still held, first
+    sink = trace.Sink("sbx-k", tmp_path / "trace3.sock", log)
+    try:
+        s = sentry(tmp_path / "trace3.sock")
+        s.send(batch(["make", "4"]))
+        wait_until(lambda: sink.wakeups >= 1, "the batch read")
+        s.send(batch(["make", "5"]))
+    finally:
+        sink.close(wait=5)
+    assert log.flush() and argvs("sbx-k") == [["make", "4"], ["make", "5"]]
+    # busy, then quiet: READ_EVERY later the sink looks again, finds nothing, parses the rest
+    monkeypatch.setattr(trace, "READ_EVERY", 0.05)
+    sink = trace.Sink("sbx-e", tmp_path / "trace2.sock", log)
+    try:
+        s = sentry(tmp_path / "trace2.sock")
+        s.send(batch(["make", "3"]))
+        wait_until(lambda: log.flush() and argvs("sbx-e") == [["make", "3"]],
+                   "parsed once quiet")
+        assert sink.wakeups >= 2  # (the read that kept it, the look that found nothing)
+    finally:
+        sink.close(wait=5)
+
+
 def test_session_config_names_the_socket(tmp_path: Path) -> None:
     cfg = trace.session_config(tmp_path / "trace.sock")
     sess = cfg["trace_session"]

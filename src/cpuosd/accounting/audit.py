@@ -303,6 +303,9 @@ class AuditLog:
             r = a if a is not None else (0, GENESIS)
         self._seq, self._head = int(r[0]), str(r[1])
         self._last_prune = 0.0
+        # the runtime monitoring's (cpuosd.accounting.trace.Traced.drain): what it has read
+        # or can read now, parsed into rows (catch_up)
+        self.drain: Callable[[float], bool] | None = None
         self._thread = threading.Thread(target=self._writer, name="audit-writer", daemon=True)
         self._thread.start()
 
@@ -652,6 +655,13 @@ class AuditLog:
                                          timeout)
             finally:
                 self._flushing -= 1
+
+    def catch_up(self, timeout: float = 10.0) -> bool:
+        """``flush`` after what runs inside up to now is queued (the runtime monitoring's
+        drain: it parses a busy sandbox's points once it quiets down). A thread's wait."""
+        if self.drain is not None:
+            self.drain(min(timeout, 2.0))
+        return self.flush(timeout)
 
     def close(self) -> None:
         self.flush(10.0, owed=True)

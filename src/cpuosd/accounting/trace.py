@@ -29,6 +29,11 @@ burst of BURST), and otherwise does not read that socket, so a flood inside cost
 daemon at most that; rows go to the audit's bounded queue. Every loss ends up in a counted
 ``dropped`` row, at most one a second (the Sentry's last count only once another message
 gets through).
+
+Off the sandbox's way: a sandbox that keeps sending (a build writing files) is read at most
+every READ_EVERY, and what is read is kept as it came (SPOOL_BYTES at most) and parsed once
+the sandbox quiets down (DEFER_MAX at the latest), or at once when someone reads the audit
+(``Traced.drain``, which ``AuditLog.catch_up`` calls): see READ_EVERY below.
 """
 
 from __future__ import annotations
@@ -68,6 +73,22 @@ MAX_MESSAGE = 256 << 10  # a bigger one (a huge argv) is cut by the socket: coun
 RATE = 5000.0  # points parsed per second per sandbox (beyond: counted as dropped)
 BURST = 20000.0
 BATCH = 64  # messages read from one socket before the others get their turn
+# A sandbox busy writing files sends a batch every few milliseconds. Reading and parsing
+# them while it works costs it dearly on this virtualized host: git clone of 5000 files took
+# 1.4-1.8x as long with the audit on, as much with the daemon's threads at nice 19 or
+# SCHED_IDLE, and 1.0x with nothing read (perf: the added time is mostly the Sentry's own,
+# in the kernel waking its systrap stubs, which a busy other core makes dearer); a loop
+# making and removing 5000 files, 1.56-1.77x audit off before this, 1.4x with it. So a busy
+# sandbox's messages (it sent again within BUSY_GAP, or BUSY_BYTES at once) are read at
+# most every READ_EVERY seconds, kept as they came (SPOOL_BYTES at most), and parsed once
+# it quiets down (a look that finds nothing), at the latest DEFER_MAX after the first of
+# them, or when someone reads the audit (Traced.drain). A quiet sandbox's few points (a
+# command run) are parsed at once.
+READ_EVERY = 0.05
+BUSY_GAP = 0.1
+BUSY_BYTES = 16 << 10
+SPOOL_BYTES = 4 << 20
+DEFER_MAX = 5.0
 COALESCE = "1s"  # the Sentry's window for repeated points (cpuos's runsc, level 2)
 EXEC_CONTEXT = ["time", "group_id", "parent_thread_group_id", "credentials", "cwd",
                 "process_name"]
@@ -314,6 +335,13 @@ class Sink:
         self._lost = self._malformed = 0  # not yet in a dropped row (one a second at most)
         self._noted = 0.0
         self._note_due = False
+        # messages read, not yet parsed (a busy sandbox's: READ_EVERY above)
+        self._spool: collections.deque[bytes] = collections.deque()
+        self._spooled = 0  # their bytes
+        self._spool_since = 0.0  # when the first of them was read
+        self._watched = False  # the socket is in the hub's selector (else a timer is due)
+        self._timer = False  # a _resume is due
+        self._last_got = 0.0  # when a read last found something
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
         self._lsock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -341,6 +369,14 @@ class Sink:
         if self._stopped:
             return
         self._stopped = True
+        if self._conn is not None and not self._hello_deadline:
+            # what the Sentry sent before it stopped (its last batch, a quieting sandbox's
+            # spool) is on record before the session ends
+            for _ in range(4):  # (bounded: a Sentry still sending does not hold the hub)
+                self._parse(everything=True)
+                if not self._read(drain=True, final=True):
+                    break
+            self._parse(everything=True)
         if self._conn is not None:
             self._end()
         with contextlib.suppress(KeyError, ValueError):
@@ -390,40 +426,99 @@ class Sink:
         self._tokens, self._last = BURST, time.monotonic()
         self._seen_dropped = self._lost = self._malformed = 0
         self._noted, self._note_due = time.monotonic(), False
+        self._spool.clear()
+        self._spooled, self._watched, self._timer = 0, True, False
         self._hub.sel.modify(conn, selectors.EVENT_READ, self._read)
 
-    def _read(self) -> None:
-        """What arrived, up to a batch (the others' turn comes next), at most RATE messages
-        a second: over it, the socket is not read for a while (its buffer fills and the
-        Sentry drops and counts what does not fit, at no cost to the daemon)."""
+    def _read(self, drain: bool = False, final: bool = False) -> int:
+        """What arrived, up to a batch (the others' turn comes next), into the spool; then
+        parse it if the sandbox is quiet (or ``drain``: everything there is, now), else look
+        again in READ_EVERY. At most RATE points a second are parsed: over it, what is read
+        waits in the spool, and once the spool is full the socket is not read (its buffer
+        fills and the Sentry drops and counts what does not fit, at no cost to the daemon).
+        ``final``: the session is ending: read a spool's worth whatever the rate. The bytes
+        read."""
         conn = self._conn
         assert conn is not None
         self.wakeups += 1
-        for _ in range(BATCH):
-            now = time.monotonic()
-            self._tokens = min(BURST, self._tokens + (now - self._last) * RATE)
-            self._last = now
-            if self._tokens < 1:
-                self._hub.sel.unregister(conn)
-                self._hub.later(min(0.2, (1 - self._tokens) / RATE),
-                                functools.partial(self._resume, conn))
+        self._refill()
+        got = 0
+        for _ in range(BATCH if not drain else 1 << 30):
+            if self._spooled >= SPOOL_BYTES or (self._spool and self._tokens < 1
+                                                 and not final):
                 break
             try:
                 data, _, flags, _ = conn.recvmsg(MAX_MESSAGE)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError:
+                self._parse(everything=True)
                 self._end()
-                return
+                return got
             if not data:
+                self._parse(everything=True)
                 self._end()  # the Sentry is gone (sandbox stopped, checkpointed, killed)
-                return
-            self._tokens -= self._handle(data, flags)
+                return got
+            if flags & socket.MSG_TRUNC:
+                self._malformed += 1
+                continue
+            if not self._spool:
+                self._spool_since = time.monotonic()
+            self._spool.append(data)
+            self._spooled += len(data)
+            got += len(data)
+        now = time.monotonic()
+        busy = (got > 0 and (got >= BUSY_BYTES or now - self._last_got < BUSY_GAP)
+                and not drain and self._spooled < SPOOL_BYTES
+                and now - self._spool_since < DEFER_MAX)
+        if got:
+            self._last_got = now
+        if not busy:
+            self._parse()
         self._maybe_note()
+        if busy or self._spool:  # look again later (the spool's rest: when tokens come)
+            if self._watched:
+                self._watched = False
+                self._hub.sel.unregister(conn)
+            if not self._timer:
+                self._timer = True
+                wait = READ_EVERY if busy else min(0.2, max(READ_EVERY,
+                                                            (1 - self._tokens) / RATE))
+                self._hub.later(wait, functools.partial(self._resume, conn))
+        elif not self._watched:
+            self._watched = True
+            self._hub.sel.register(conn, selectors.EVENT_READ, self._read)
+        return got
 
     def _resume(self, conn: socket.socket) -> None:
-        if self._conn is conn and not self._stopped:
-            self._hub.sel.register(conn, selectors.EVENT_READ, self._read)
+        """A while later: read what came meanwhile (none: the sandbox has quieted, and the
+        spool is parsed)."""
+        if self._conn is conn:
+            self._timer = False
+            if not self._stopped:
+                self._read()
+
+    def drain(self) -> None:
+        """(In the hub's thread) read what the socket holds and parse it all now (within
+        RATE): an audit query sees what happened up to now."""
+        if self._conn is not None and not self._stopped and not self._hello_deadline:
+            self._read(drain=True)
+
+    def _parse(self, everything: bool = False) -> None:
+        """The spool's messages, oldest first, while tokens last (``everything``: all of
+        them: the session is ending)."""
+        self._refill()
+        while self._spool and (everything or self._tokens >= 1):
+            data = self._spool.popleft()
+            self._spooled -= len(data)
+            self._tokens -= self._handle(data, 0)
+        if not self._spool:
+            self._spooled = 0
+
+    def _refill(self) -> None:
+        now = time.monotonic()
+        self._tokens = min(BURST, self._tokens + (now - self._last) * RATE)
+        self._last = now
 
     def _maybe_note(self) -> None:
         """Losses go into a dropped row at most once a second (a timer, if none comes)."""
@@ -452,7 +547,8 @@ class Sink:
             conn.close()
         if session:
             self._note()
-            log.info("trace session of %s ended", self.sid)
+            log.info("trace session of %s ended (%d reads, %d messages, %d points)", self.sid,
+                     self.wakeups, self.messages, self.points)
         if not self._stopped:
             self._listen()
 
@@ -528,6 +624,26 @@ class Traced:
         self._adopted = False
         info = getattr(inner, "info", None)  # the gVisor backend's Runsc
         self.cpuos_points = bool(getattr(info, "audit_points", False))
+        audit.drain = self.drain
+
+    def drain(self, timeout: float = 2.0) -> bool:
+        """Every sandbox's points sent up to now parsed into the audit (what an audit query
+        does first: a busy sandbox's are parsed once it quiets down); False if the hub's
+        thread did not get to it within timeout."""
+        sinks = list(self.sinks.values())
+        if not sinks:
+            return True
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                for sink in sinks:
+                    sink.drain()
+            finally:
+                done.set()
+
+        hub().call(run)
+        return done.wait(timeout)
 
     def __getattr__(self, name: str) -> Any:  # what the wrapper does not change
         return getattr(self.inner, name)

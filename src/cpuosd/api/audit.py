@@ -92,7 +92,7 @@ async def sandbox_audit(sid: str, mgr: ManagerDep, audit: AuditDep, ws: Ws, kind
     t_since, t_until = _time(since, "since"), _time(until, "until")
     deadline = time.monotonic() + wait
     while True:
-        await asyncio.to_thread(audit.flush)  # what happened up to now is on record
+        await asyncio.to_thread(audit.catch_up)  # what happened up to now is on record
         rows = await asyncio.to_thread(audit.query, sid, kinds, t_since, t_until, after, limit)
         if rows or time.monotonic() >= deadline:
             break
@@ -110,7 +110,7 @@ async def export_audit(sid: str, mgr: ManagerDep, audit: AuditDep, ws: Ws, kind:
     mgr.get(ws, sid)
     kinds = _kinds(kind)
     t_since, t_until = _time(since, "since"), _time(until, "until")
-    await asyncio.to_thread(audit.flush)
+    await asyncio.to_thread(audit.catch_up)
 
     async def lines() -> AsyncIterator[bytes]:
         last = after
@@ -136,7 +136,7 @@ async def verify(request: Request, audit: AuditDep, store: StoreDep, ws: Ws) -> 
     if lock is None:
         lock = request.app.state.audit_verify_lock = asyncio.Lock()
     async with lock:  # one walk of the chain at a time, however many ask
-        await asyncio.to_thread(audit.flush)
+        await asyncio.to_thread(audit.catch_up)
         out = await asyncio.to_thread(audit.verify)
     if is_admin(request, ws):
         return out
