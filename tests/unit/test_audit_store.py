@@ -372,9 +372,11 @@ def test_a_busy_sandbox_s_points_wait_until_it_quiets_or_the_audit_is_read(
         s.send(batch(["make", "4"]))
         wait_until(lambda: sink.wakeups >= 1, "the batch read")
         s.send(batch(["make", "5"]))
+        s.close()  # (the Sentry gone: the last read meets the socket's end)
     finally:
         sink.close(wait=5)
     assert log.flush() and argvs("sbx-k") == [["make", "4"], ["make", "5"]]
+    assert sink._done.is_set()  # the session ended whole: its listener closed
     # busy, then quiet: READ_EVERY later the sink looks again, finds nothing, parses the rest
     monkeypatch.setattr(trace, "READ_EVERY", 0.05)
     sink = trace.Sink("sbx-e", tmp_path / "trace2.sock", log)

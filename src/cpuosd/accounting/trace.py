@@ -369,20 +369,23 @@ class Sink:
         if self._stopped:
             return
         self._stopped = True
-        if self._conn is not None and not self._hello_deadline:
-            # what the Sentry sent before it stopped (its last batch, a quieting sandbox's
-            # spool) is on record before the session ends
-            for _ in range(4):  # (bounded: a Sentry still sending does not hold the hub)
+        try:
+            if self._conn is not None and not self._hello_deadline:
+                # what the Sentry sent before it stopped (its last batch, a quieting
+                # sandbox's spool) is on record before the session ends
+                for _ in range(4):  # (bounded: a Sentry still sending does not hold the hub)
+                    self._parse(everything=True)
+                    # (a read that meets the socket's end ends the session)
+                    if self._conn is None or not self._read(drain=True, final=True):
+                        break
                 self._parse(everything=True)
-                if not self._read(drain=True, final=True):
-                    break
-            self._parse(everything=True)
-        if self._conn is not None:
-            self._end()
-        with contextlib.suppress(KeyError, ValueError):
-            self._hub.sel.unregister(self._lsock)
-        self._lsock.close()
-        self._done.set()
+        finally:
+            if self._conn is not None:
+                self._end()
+            with contextlib.suppress(KeyError, ValueError):
+                self._hub.sel.unregister(self._lsock)
+            self._lsock.close()
+            self._done.set()
 
     def _accept(self) -> None:
         try:
