@@ -455,14 +455,13 @@ class Sink:
             except (BlockingIOError, InterruptedError):
                 break
             except OSError:
+                data = b""
+            if not data:  # the Sentry is gone (sandbox stopped, checkpointed, killed)
                 self._parse(everything=True)
                 self._end()
                 return got
-            if not data:
-                self._parse(everything=True)
-                self._end()  # the Sentry is gone (sandbox stopped, checkpointed, killed)
-                return got
-            if flags & socket.MSG_TRUNC:
+            if flags & socket.MSG_TRUNC:  # (cut by the socket: counted, not kept)
+                self.messages += 1
                 self._malformed += 1
                 continue
             if not self._spool:
@@ -514,9 +513,7 @@ class Sink:
         while self._spool and (everything or self._tokens >= 1):
             data = self._spool.popleft()
             self._spooled -= len(data)
-            self._tokens -= self._handle(data, 0)
-        if not self._spool:
-            self._spooled = 0
+            self._tokens -= self._handle(data)
 
     def _refill(self) -> None:
         now = time.monotonic()
@@ -555,11 +552,11 @@ class Sink:
         if not self._stopped:
             self._listen()
 
-    def _handle(self, data: bytes, flags: int) -> int:
+    def _handle(self, data: bytes) -> int:
         """One message from the socket (a batch of records, cpuos's sink, or one point);
         how many points it held."""
         self.messages += 1
-        if len(data) < HEADER.size or flags & socket.MSG_TRUNC:
+        if len(data) < HEADER.size:
             self._malformed += 1
             return 1
         hsize, mtype, dropped = HEADER.unpack_from(data)
