@@ -345,14 +345,7 @@ def test_a_busy_sandbox_s_points_wait_until_it_quiets_or_the_audit_is_read(
     sink = trace.Sink("sbx-d", tmp_path / "trace.sock", log)
 
     def drain(timeout: float) -> bool:
-        done = threading.Event()
-
-        def run() -> None:
-            sink.drain()
-            done.set()
-
-        trace.hub().call(run)
-        return done.wait(timeout)
+        return trace.hub().call_wait(sink.drain, timeout)
 
     try:
         s = sentry(tmp_path / "trace.sock")

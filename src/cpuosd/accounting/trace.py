@@ -268,6 +268,20 @@ class _Hub:
         with contextlib.suppress(BlockingIOError, OSError):
             self._w.send(b"x")
 
+    def call_wait(self, fn: Callable[[], None], timeout: float) -> bool:
+        """Run fn in the hub's thread and wait for it (from another thread); False if it
+        had not run within timeout."""
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                fn()
+            finally:
+                done.set()
+
+        self.call(run)
+        return done.wait(timeout)
+
     def later(self, delay: float, fn: Callable[[], None]) -> None:
         """(In the hub's thread) run fn after delay seconds."""
         heapq.heappush(self._timers, (time.monotonic() + delay, next(self._seq), fn))
@@ -633,17 +647,12 @@ class Traced:
         sinks = list(self.sinks.values())
         if not sinks:
             return True
-        done = threading.Event()
 
         def run() -> None:
-            try:
-                for sink in sinks:
-                    sink.drain()
-            finally:
-                done.set()
+            for sink in sinks:
+                sink.drain()
 
-        hub().call(run)
-        return done.wait(timeout)
+        return hub().call_wait(run, timeout)
 
     def __getattr__(self, name: str) -> Any:  # what the wrapper does not change
         return getattr(self.inner, name)
