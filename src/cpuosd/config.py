@@ -229,7 +229,8 @@ class ApiConfig:
                                "API connections at once (at most a quarter of the daemon's "
                                "descriptor reserve)", _int)
     head_timeout: float = var("CPUOS_API_HEAD_TIMEOUT", 10.0,
-                              "s an API request head has to arrive whole", _float)
+                              "s an API request head has to arrive whole (from its first "
+                              "byte)", _float)
     keepalive: float = var("CPUOS_API_KEEPALIVE", 310.0,
                            "s an idle kept-alive API connection is kept", _float)
     console_session_ttl: float = var("CPUOS_CONSOLE_SESSION_TTL", 12 * 3600.0,

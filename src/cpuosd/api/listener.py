@@ -9,13 +9,15 @@ already held. Here:
   most a quarter of the descriptors the daemon keeps for itself (``cpuosd.fdbudget``: what
   sandboxes and preview visitors hold never counts here, so they cannot shut the API out):
   past that a new connection is closed at once;
-- a request head must arrive whole within ``CPUOS_API_HEAD_TIMEOUT`` s of its first byte (of
-  the connection, for the first one) and be at most ``MAX_HEAD`` bytes, else the connection is
-  closed;
-- between requests a connection is kept ``CPUOS_API_KEEPALIVE`` s (310:
-  longer than the clients' own pools keep one, E2B's SDK 300 s, so a client never reuses a
-  connection the daemon is closing); when the cap is reached, an idle kept-alive connection
-  is closed to make room for a new one.
+- a request head must arrive whole within ``CPUOS_API_HEAD_TIMEOUT`` s of its first byte and
+  be at most ``MAX_HEAD`` bytes, else the connection is closed;
+- between requests, and before its first byte, a connection is kept ``CPUOS_API_KEEPALIVE``
+  s (310: longer than the clients' own pools keep one, E2B's SDK 300 s, so a client never
+  reuses a connection the daemon is closing; a browser opens connections ahead of its
+  requests and may use one ~10 s later, so a deadline from the connect would cut a request
+  sent just then, which a browser does not resend); when the cap is reached, such an idle
+  connection (kept alive, or silent since it was made) is closed to make room for a new one,
+  so connections that send nothing never keep a client out.
 """
 
 from __future__ import annotations
@@ -55,11 +57,13 @@ class Refusals:
 
 
 class GuardedHTTP(_Base):
-    """uvicorn's HTTP protocol with a connection cap, a head deadline and a head size
-    (``guarded_http`` sets the first two from the configuration)."""
+    """uvicorn's HTTP protocol with a connection cap, a head deadline, a head size and a
+    deadline for a connection that never sends (``guarded_http`` sets the cap and the
+    deadlines from the configuration)."""
 
     max_connections: int = ApiConfig.max_connections
     head_timeout: float = ApiConfig.head_timeout
+    keepalive: float = ApiConfig.keepalive
     refusals: Refusals  # (set by guarded_http)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -67,25 +71,42 @@ class GuardedHTTP(_Base):
         # this one set)
         conns = self.connections
         self._head_timer: asyncio.TimerHandle | None = None
+        self._silent_timer: asyncio.TimerHandle | None = None
         self._head_bytes = 0
         cap = min(self.max_connections, max(16, BUDGET.reserve // 4))
         if len(conns) >= cap:
-            idle = next((c for c in conns if isinstance(c, GuardedHTTP) and c._kept_alive()),
-                        None)
+            idle = next((c for c in conns if isinstance(c, GuardedHTTP) and c._idle()), None)
             if idle is None:
                 self.refusals.note(f"{len(conns)} connections open (at most {cap})")
                 transport.abort()
                 return
-            idle.transport.close()  # an idle kept-alive one makes way (between requests)
+            idle.transport.close()  # an idle one makes way (between requests, or silent)
+            idle._end_silence()
             conns.discard(idle)
         super().connection_made(transport)
-        self._start_head()
+        # nothing sent yet: kept as long as an idle kept-alive connection (uvicorn's own
+        # keep-alive timer starts only after a first response); the head's deadline starts
+        # with its first byte (data_received)
+        self._silent_timer = self.loop.call_later(self.keepalive, self._silent_timeout)
 
-    def _kept_alive(self) -> bool:
-        """Between requests: its last answer sent, no new request begun."""
+    def _idle(self) -> bool:
+        """Between requests (its last answer sent, no new request begun) or silent since it
+        was made."""
+        if self.transport.is_closing():
+            return False
+        if self._silent_timer is not None:
+            return True
         cycle = getattr(self, "cycle", None)
-        return (cycle is not None and cycle.response_complete and self._head_timer is None
-                and not self.transport.is_closing())
+        return cycle is not None and cycle.response_complete and self._head_timer is None
+
+    def _end_silence(self) -> None:
+        if self._silent_timer is not None:
+            self._silent_timer.cancel()
+            self._silent_timer = None
+
+    def _silent_timeout(self) -> None:
+        self._silent_timer = None
+        self.transport.close()
 
     def _start_head(self) -> None:
         self._head_bytes = 0
@@ -103,6 +124,7 @@ class GuardedHTTP(_Base):
         self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
+        self._end_silence()
         idle = self.cycle is None or self.cycle.response_complete
         if idle and self._head_timer is None:
             self._start_head()  # the first bytes of the next request on this connection
@@ -142,13 +164,15 @@ class GuardedHTTP(_Base):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._end_head()
+        self._end_silence()
         if getattr(self, "transport", None) is None:
             return  # refused in connection_made
         super().connection_lost(exc)
 
 
 def guarded_http(cfg: ApiConfig) -> type[GuardedHTTP]:
-    """The protocol class for uvicorn (``http=``), with ``cfg``'s cap and head deadline."""
+    """The protocol class for uvicorn (``http=``), with ``cfg``'s cap and deadlines."""
     return type("GuardedHTTP", (GuardedHTTP,), {"max_connections": cfg.max_connections,
                                                "head_timeout": cfg.head_timeout,
+                                               "keepalive": cfg.keepalive,
                                                "refusals": Refusals()})
