@@ -245,6 +245,43 @@ def test_connections_waiting_for_a_head_are_bounded(monkeypatch: pytest.MonkeyPa
     run(main())
 
 
+def test_a_connection_silent_past_the_head_timeout_is_served_and_makes_way(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A browser opens connections ahead of its requests: one that sends its first request
+    later than a head may take is served (the head's deadline starts at its first byte),
+    and silent ones make way for a new client at the cap."""
+    monkeypatch.setattr(preview, "HEAD_TIMEOUT", 0.3)
+
+    async def main() -> None:
+        cfg = PreviewConfig(max_pending_per_ip=3, max_pending=8)
+        async with proxied(echo, cfg=cfg) as (pv, url, _):
+            u = httpx.URL(url)
+            target = (u.host, u.port or 80)
+            req = (f"GET {u.raw_path.decode()}late HTTP/1.1\r\nHost: {u.host}\r\n"
+                   f"X-Cpuos-Token: {TOKEN}\r\n\r\n").encode()
+            r, w = await asyncio.open_connection(*target)
+            await asyncio.sleep(preview.HEAD_TIMEOUT * 3)  # (the deadline passing)
+            w.write(req)
+            assert (await r.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+            w.close()
+            silent = [await asyncio.open_connection(*target) for _ in range(3)]
+            for _ in range(200):
+                await asyncio.sleep(0.01)
+                if len(pv.pending_by_ip) == 1 and pv.pending_by_ip["127.0.0.1"] == 3:
+                    break
+            assert pv.pending_by_ip == {"127.0.0.1": 3}
+            r, w = await asyncio.open_connection(*target)
+            w.write(req)
+            assert (await r.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+            w.close()
+            # the oldest silent one was closed to make way
+            assert await asyncio.wait_for(silent[0][0].read(), 10) == b""
+            for _, sw in silent:
+                sw.close()
+
+    run(main())
+
+
 def test_host_form_cookie_and_redirects() -> None:
     async def main() -> None:
         async with proxied(echo) as (_, url, heads):

@@ -29,15 +29,17 @@ kept for the next request to the same place. Only a WebSocket (or other) upgrade
 sandbox's server answered ``101`` becomes a byte relay.
 
 Bounds (issue 25): a request head is at most ``MAX_HEAD`` bytes and must arrive within
-``HEAD_TIMEOUT`` s of its first byte (of the connection, for its first request); a
-kept-alive connection waits ``IDLE_TIMEOUT`` s for the next. At most
-``CPUOS_PREVIEW_MAX_CONNECTIONS`` client connections, of which at most
-``CPUOS_PREVIEW_MAX_PENDING`` (``..._PER_IP`` from one address) wait for a request head
-(unauthenticated): past that the oldest idle kept-alive connection is closed, else the new
-one is; at most ``CPUOS_PREVIEW_MAX_PER_SANDBOX`` upstream connections into one sandbox
-(503 past it); and every connection takes its descriptor from the daemon's budget
-(``cpuosd.fdbudget``). Readers are bounded (``CLIENT_LIMIT``, ``UPSTREAM_LIMIT``) and a head is
-at most ``MAX_HEAD``, so what one connection makes the daemon buffer is bounded.
+``HEAD_TIMEOUT`` s of its first byte; a connection waits ``IDLE_TIMEOUT`` s for that byte
+(a kept-alive one for its next request, a new one for its first: a browser opens connections
+ahead of its requests and may send one ~10 s later, which a deadline from the connect would
+cut and the browser not resend). At most ``CPUOS_PREVIEW_MAX_CONNECTIONS`` client
+connections, of which at most ``CPUOS_PREVIEW_MAX_PENDING`` (``..._PER_IP`` from one
+address) wait for a request head (unauthenticated): past that the oldest idle connection
+(kept alive, or silent since it was made) is closed, else the new one is; at most
+``CPUOS_PREVIEW_MAX_PER_SANDBOX`` upstream connections into one sandbox (503 past it); and
+every connection takes its descriptor from the daemon's budget (``cpuosd.fdbudget``).
+Readers are bounded (``CLIENT_LIMIT``, ``UPSTREAM_LIMIT``) and a head is at most
+``MAX_HEAD``, so what one connection makes the daemon buffer is bounded.
 
 A request to a paused sandbox resumes it (unless the sandbox was created with
 ``wake_on_request`` false) and is served once it is up; requests arriving meanwhile wait
@@ -183,7 +185,6 @@ class _Client:
                  ip: str) -> None:
         self.reader, self.writer, self.ip = reader, writer, ip
         self.h = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
-        self.served = 0  # requests answered
         self.started = False  # bytes of the next request head have arrived
         self.up: _Upstream | None = None
 
@@ -347,15 +348,15 @@ class Preview:
                 self.pending_by_ip.pop(c.ip, None)
 
     def _make_room(self, ip: str) -> str | None:
-        """Room for one more connection waiting for a request head from ip: the oldest kept-
-        alive connection that is idle (from ip, when ip is at its cap) is closed if need be.
-        None, or why there is no room."""
+        """Room for one more connection waiting for a request head from ip: the oldest idle
+        connection, none of whose next head has come (from ip, when ip is at its cap), is
+        closed if need be. None, or why there is no room."""
         per_ip, pending = self.cfg.max_pending_per_ip, self.cfg.max_pending
         for over, mine, cap in ((self.pending_by_ip.get(ip, 0) >= per_ip, True, per_ip),
                                 (len(self.pending) >= pending, False, pending)):
             if not over:
                 continue
-            victim = next((c for c in self.pending if c.served and not c.started
+            victim = next((c for c in self.pending if not c.started
                            and (c.ip == ip or not mine)), None)
             if victim is None:
                 return (f"{cap} connections {'from ' + ip if mine else 'in all'} are "
@@ -398,28 +399,24 @@ class Preview:
             BUDGET.give()
 
     async def _serve(self, c: _Client) -> None:
-        first = True
         while True:
-            req = await self._next_request(c, first)
+            req = await self._next_request(c)
             if req is None:
                 return
             self._set_pending(c, False)
             if not await self._exchange(c, req):
                 return
-            c.served += 1
             if c.h.our_state is not h11.DONE or c.h.their_state is not h11.DONE:
                 return
             c.h.start_next_cycle()
             c.started = False
             self._set_pending(c, True)
-            first = False
 
-    async def _next_request(self, c: _Client, first: bool) -> h11.Request | None:
-        """The next request's head (None: the connection is over, any error answered).
-        The first must be whole HEAD_TIMEOUT s after the connection was made; a later one
-        HEAD_TIMEOUT s after its first byte, which may take IDLE_TIMEOUT s to come."""
+    async def _next_request(self, c: _Client) -> h11.Request | None:
+        """The next request's head (None: the connection is over, any error answered):
+        whole HEAD_TIMEOUT s after its first byte, which may take IDLE_TIMEOUT s to come."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + (HEAD_TIMEOUT if first else IDLE_TIMEOUT)
+        deadline = loop.time() + IDLE_TIMEOUT
         while True:
             try:
                 ev = c.h.next_event()
@@ -437,8 +434,7 @@ class Preview:
                     return None
                 if data and not c.started:
                     c.started = True
-                    if not first:
-                        deadline = loop.time() + HEAD_TIMEOUT
+                    deadline = loop.time() + HEAD_TIMEOUT
                 c.h.receive_data(data)
                 continue
             return ev if isinstance(ev, h11.Request) else None
