@@ -383,6 +383,29 @@ def test_a_busy_sandbox_s_points_wait_until_it_quiets_or_the_audit_is_read(
         sink.close(wait=5)
 
 
+def test_a_few_points_in_quick_succession_are_parsed_at_once(
+        log: AuditLog, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two small batches within BUSY_GAP (a command starting another) are not a busy
+    sandbox: each is parsed as it comes, with no audit query and no later look (so a
+    command's runtime rows come before the API's row, written when it ends)."""
+    monkeypatch.setattr(trace, "READ_EVERY", 3600.0)  # (a deferred batch: never parsed here)
+    monkeypatch.setattr(trace, "DEFER_MAX", 3600.0)
+    sink = trace.Sink("sbx-q", tmp_path / "trace.sock", log)
+
+    def rows() -> list[list[str]]:
+        log.flush()
+        return [r["detail"]["argv"] for r in log.query("sbx-q") if r["kind"] == "command"]
+
+    try:
+        s = sentry(tmp_path / "trace.sock")
+        s.send(message(trace.MSG_EXEC, execve(["sh", "-c", "x"])))
+        wait_until(lambda: rows() == [["sh", "-c", "x"]], "the first parsed")
+        s.send(message(trace.MSG_EXEC, execve(["x"])))  # (well within BUSY_GAP of the first)
+        wait_until(lambda: rows() == [["sh", "-c", "x"], ["x"]], "the second parsed", 10)
+    finally:
+        sink.close(wait=5)
+
+
 def test_session_config_names_the_socket(tmp_path: Path) -> None:
     cfg = trace.session_config(tmp_path / "trace.sock")
     sess = cfg["trace_session"]

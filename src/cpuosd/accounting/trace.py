@@ -79,11 +79,12 @@ BATCH = 64  # messages read from one socket before the others get their turn
 # SCHED_IDLE, and 1.0x with nothing read (perf: the added time is mostly the Sentry's own,
 # in the kernel waking its systrap stubs, which a busy other core makes dearer); a loop
 # making and removing 5000 files, 1.56-1.77x audit off before this, 1.4x with it. So a busy
-# sandbox's messages (it sent again within BUSY_GAP, or BUSY_BYTES at once) are read at
-# most every READ_EVERY seconds, kept as they came (SPOOL_BYTES at most), and parsed once
-# it quiets down (a look that finds nothing), at the latest DEFER_MAX after the first of
-# them, or when someone reads the audit (Traced.drain). A quiet sandbox's few points (a
-# command run) are parsed at once.
+# sandbox's messages (BUSY_BYTES or more sent with no pause of BUSY_GAP between sends) are
+# read at most every READ_EVERY seconds, kept as they came (SPOOL_BYTES at most), and parsed
+# once it quiets down (a look that finds nothing), at the latest DEFER_MAX after the first
+# of them, or when someone reads the audit (Traced.drain). A few points (a command run,
+# even a few in quick succession) are parsed at once: their rows come before the API's
+# row of the command, written when it ends.
 READ_EVERY = 0.05
 BUSY_GAP = 0.1
 BUSY_BYTES = 16 << 10
@@ -356,6 +357,7 @@ class Sink:
         self._watched = False  # the socket is in the hub's selector (else a timer is due)
         self._timer = False  # a _resume is due
         self._last_got = 0.0  # when a read last found something
+        self._burst = 0  # bytes read since the last pause of BUSY_GAP between sends
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
         self._lsock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -484,11 +486,13 @@ class Sink:
             self._spooled += len(data)
             got += len(data)
         now = time.monotonic()
-        busy = (got > 0 and (got >= BUSY_BYTES or now - self._last_got < BUSY_GAP)
-                and not drain and self._spooled < SPOOL_BYTES
-                and now - self._spool_since < DEFER_MAX)
         if got:
+            if now - self._last_got >= BUSY_GAP:
+                self._burst = 0
+            self._burst += got
             self._last_got = now
+        busy = (got > 0 and self._burst >= BUSY_BYTES and not drain
+                and self._spooled < SPOOL_BYTES and now - self._spool_since < DEFER_MAX)
         if not busy:
             self._parse()
         self._maybe_note()
