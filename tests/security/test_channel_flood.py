@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from cpuos import Sandbox
-from support.daemon import Daemon, e2e_unavailable, new_daemon, wait_until
+from support.daemon import Daemon, closed_by_peer, e2e_unavailable, new_daemon, wait_until
 
 pytestmark = [pytest.mark.e2e]
 
@@ -275,19 +275,6 @@ def test_preview_flood_from_one_client(fd: Daemon) -> None:
         sbx.kill()
 
 
-def gone(s: socket.socket) -> bool:
-    """Closed by the daemon (without waiting)."""
-    s.setblocking(False)
-    try:
-        return s.recv(1) == b""
-    except BlockingIOError:
-        return False
-    except ConnectionResetError:
-        return True
-    finally:
-        s.setblocking(True)
-
-
 def test_api_listener_bounds(fd: Daemon) -> None:
     """Past CPUOS_API_MAX_CONNECTIONS (64 here) connections that send nothing make way for
     new ones (kept as idle kept-alive ones: tests/unit/test_api_listener.py); a request head
@@ -300,7 +287,7 @@ def test_api_listener_bounds(fd: Daemon) -> None:
             s = socket.create_connection(("127.0.0.1", fd.port), timeout=10)
             socks.append(s)
         # at most 64 held: each new one closed an older silent one
-        wait_until(lambda: sum(map(gone, socks)) >= 200 - 64, "silent ones closed", 60)
+        wait_until(lambda: sum(map(closed_by_peer, socks)) >= 200 - 64, "silent ones closed", 60)
         assert fds(fd) - base <= 64 + 8, (base, fds(fd))
         assert httpx.get(fd.url + "/health", timeout=30).status_code == 200
         for s in socks:

@@ -155,6 +155,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def closed_by_peer(s: socket.socket) -> bool:
+    """Whether the other end has closed (or reset) the connection, without waiting."""
+    s.setblocking(False)
+    try:
+        return s.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True
+    finally:
+        s.setblocking(True)
+
+
 NET_SLOTS = 6400
 NET_LOCKS = Path("/tmp/cpuos-test-net-slots")
 

@@ -18,6 +18,7 @@ import uvicorn
 
 from cpuosd.api.listener import guarded_http
 from cpuosd.config import ApiConfig
+from support.daemon import closed_by_peer
 
 HEAD_TIMEOUT = 0.3
 KEEPALIVE = 2.0
@@ -97,19 +98,8 @@ def test_silent_connections_make_way_for_a_client_at_the_cap(server: int) -> Non
         with socket.create_connection(("127.0.0.1", server), timeout=30) as s:
             assert get(s).startswith(b"HTTP/1.1 200")
         # one of them was closed to make way (before the new one was served)
-        assert sum(map(_gone, silent)) == 1
+        assert sum(map(closed_by_peer, silent)) == 1
     finally:
         for c in silent:
             c.close()
 
-
-def _gone(s: socket.socket) -> bool:
-    s.setblocking(False)
-    try:
-        return s.recv(1) == b""
-    except BlockingIOError:
-        return False
-    except ConnectionResetError:
-        return True
-    finally:
-        s.setblocking(True)
