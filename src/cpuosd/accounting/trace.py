@@ -74,11 +74,11 @@ RATE = 5000.0  # points parsed per second per sandbox (beyond: counted as droppe
 BURST = 20000.0
 BATCH = 64  # messages read from one socket before the others get their turn
 # A sandbox busy writing files sends a batch every few milliseconds. Reading and parsing
-# them while it works costs it dearly on this virtualized host: git clone of 5000 files took
-# 1.4-1.8x as long with the audit on, as much with the daemon's threads at nice 19 or
-# SCHED_IDLE, and 1.0x with nothing read (perf: the added time is mostly the Sentry's own,
-# in the kernel waking its systrap stubs, which a busy other core makes dearer); a loop
-# making and removing 5000 files, 1.56-1.77x audit off before this, 1.4x with it. So a busy
+# them while it works costs it on this virtualized host, most when the host is loaded (git
+# clone of 5000 files took 1.4-1.8x as long with the audit on, as much with the daemon's
+# threads at nice 19 or SCHED_IDLE; a loop making and removing 5000 files, 1.56-1.77x audit
+# off before this, 1.4x with it); on a quiet host the Sentry's own work per point is most
+# of what is left, whoever reads (README, speed: stop 42). So a busy
 # sandbox's messages (BUSY_BYTES or more sent with no pause of BUSY_GAP between sends) are
 # read at most every READ_EVERY seconds, kept as they came (SPOOL_BYTES at most), and parsed
 # once it quiets down (a look that finds nothing), at the latest DEFER_MAX after the first
