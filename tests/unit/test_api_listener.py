@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -18,7 +17,7 @@ import uvicorn
 
 from cpuosd.api.listener import guarded_http
 from cpuosd.config import ApiConfig
-from support.daemon import closed_by_peer
+from support.daemon import closed_by_peer, wait_until
 
 HEAD_TIMEOUT = 0.3
 KEEPALIVE = 2.0
@@ -46,10 +45,8 @@ def server() -> Iterator[int]:
     srv = uvicorn.Server(config)
     t = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     t.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline and t.is_alive(), "uvicorn did not start"
-        time.sleep(0.01)
+    wait_until(lambda: srv.started or not t.is_alive(), "uvicorn started", 30)
+    assert srv.started, "uvicorn did not start"
     yield port
     srv.should_exit = True
     t.join(30)
@@ -74,9 +71,11 @@ def closed(s: socket.socket) -> bool:
 
 
 def test_a_connection_used_after_the_head_timeout_is_answered(server: int) -> None:
-    with socket.create_connection(("127.0.0.1", server), timeout=30) as s:
-        # silent for longer than a head may take (the deadline passing is the condition)
-        time.sleep(HEAD_TIMEOUT * 3)
+    with socket.create_connection(("127.0.0.1", server), timeout=30) as s, \
+            socket.create_connection(("127.0.0.1", server), timeout=30) as begun:
+        # silent for longer than a head may take: a head begun at the same time is cut
+        begun.sendall(b"GET / HTTP/1.1\r\n")
+        assert closed(begun)
         assert get(s).startswith(b"HTTP/1.1 200")
 
 
