@@ -119,6 +119,17 @@ async def echo(r: asyncio.StreamReader, w: asyncio.StreamWriter, heads: list[byt
         await w.drain()
 
 
+async def until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    """Poll cond (every 10 ms, the proxy's tasks running meanwhile) until it holds;
+    TimeoutError naming what after timeout."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not cond():
+        if loop.time() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
 def run(coro: Awaitable[None]) -> None:
     async def bounded() -> None:
         await asyncio.wait_for(coro, 60)
@@ -202,11 +213,7 @@ def test_connections_waiting_for_a_head_are_bounded(monkeypatch: pytest.MonkeyPa
                 s = socket.create_connection((u.host, u.port or 80))
                 s.sendall(b"GET / HTTP/1.1\r\nHost: ")
                 socks.append(s)
-            await asyncio.sleep(0)
-            for _ in range(100):
-                await asyncio.sleep(0.01)
-                if len(pv.clients) <= 5:
-                    break
+            await until(lambda: pv.refused + len(pv.clients) >= 20, "all 20 taken or refused")
             assert len(pv.pending) <= 5 and len(pv.clients) <= 5
             # from another address there is room, up to the global cap
             others = []
@@ -215,18 +222,12 @@ def test_connections_waiting_for_a_head_are_bounded(monkeypatch: pytest.MonkeyPa
                 s.bind((f"127.0.0.{2 + i}", 0))
                 s.connect((u.host, u.port or 80))
                 others.append(s)
-            for _ in range(100):
-                await asyncio.sleep(0.01)
-                if len(pv.pending) == 8:
-                    break
-            assert len(pv.pending) == 8
+            await until(lambda: len(pv.pending) == 8, "the global cap")
             # and an idle kept-alive connection makes way for a new one from its address
             for s in socks + others:
                 s.close()
-            for _ in range(200):  # (the head timeout ends what is left)
-                await asyncio.sleep(0.01)
-                if not pv.pending:
-                    break
+            # (the head timeout ends what is left)
+            await until(lambda: not pv.pending, "nothing pending")
             assert not pv.pending and not pv.clients
             async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(
                     max_keepalive_connections=10)) as c:
@@ -235,10 +236,7 @@ def test_connections_waiting_for_a_head_are_bounded(monkeypatch: pytest.MonkeyPa
                 assert len(pv.pending) == 5  # five idle kept-alive connections
                 extra = socket.create_connection((u.host, u.port or 80))
                 extra.sendall(b"GET / HTTP/1.1\r\nHost: ")
-                for _ in range(100):
-                    await asyncio.sleep(0.01)
-                    if len(pv.clients) == 5:
-                        break
+                await until(lambda: len(pv.clients) == 5, "an idle one closed")
                 assert len(pv.pending) == 5 and len(pv.clients) == 5  # one idle one closed
                 extra.close()
 
@@ -269,11 +267,7 @@ def test_a_connection_silent_past_the_head_timeout_is_served_and_makes_way(
             assert (await r.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
             w.close()
             silent = [await asyncio.open_connection(*target) for _ in range(3)]
-            for _ in range(200):
-                await asyncio.sleep(0.01)
-                if len(pv.pending_by_ip) == 1 and pv.pending_by_ip["127.0.0.1"] == 3:
-                    break
-            assert pv.pending_by_ip == {"127.0.0.1": 3}
+            await until(lambda: pv.pending_by_ip == {"127.0.0.1": 3}, "three pending")
             r, w = await asyncio.open_connection(*target)
             w.write(req)
             assert (await r.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
