@@ -203,7 +203,8 @@ def test_pipelined_requests_and_bad_heads() -> None:
 
 
 def test_connections_waiting_for_a_head_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(preview, "HEAD_TIMEOUT", 0.5)
+    # (long enough for the checks below to come before it ends, on a loaded host too)
+    monkeypatch.setattr(preview, "HEAD_TIMEOUT", 2.0)
 
     async def main() -> None:
         cfg = PreviewConfig(max_pending_per_ip=5, max_pending=8)
