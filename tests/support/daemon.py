@@ -101,6 +101,19 @@ def wait_until(cond: Callable[[], bool], what: str, timeout: float = 60) -> None
         time.sleep(0.05)
 
 
+async def until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    """wait_until in an event loop: poll cond (every 10 ms, the loop's other tasks running
+    meanwhile) until it holds; TimeoutError naming what after timeout."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not cond():
+        if loop.time() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
 def mounts_under(path: Path) -> list[str]:
     """Mount points at or below path (e.g. a runsc root's null-netns a daemon left)."""
     prefix = str(path).rstrip("/") + "/"

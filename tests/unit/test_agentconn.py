@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 
 from cpuos_agent import protocol as P
 from cpuosd.agentconn import MAX_QUEUED, AgentChannel, AgentGone
+from support.daemon import until
 
 
 async def _setup(d: Path) -> tuple[AgentChannel, asyncio.StreamReader, asyncio.StreamWriter]:
@@ -72,14 +74,6 @@ def test_frames_for_unknown_streams_are_ignored_and_hello_required(tmp_path: Pat
     asyncio.run(main())
 
 
-async def _until(cond: object, timeout: float = 5) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():  # type: ignore[operator]
-        assert loop.time() < end, "condition not reached"
-        await asyncio.sleep(0.005)
-
-
 def test_keyed_channel_refuses_impostors_and_old_agents(tmp_path: Path) -> None:
     key = "ab" * 32
 
@@ -98,7 +92,8 @@ def test_keyed_channel_refuses_impostors_and_old_agents(tmp_path: Path) -> None:
         bad: list[dict[str, object]] = [{}, {"key": "cd" * 32}, {"key": key, "version": 1}]
         for i, fields in enumerate(bad, 1):
             await hello(chan.sock_path, **fields)
-            await _until(lambda n=i: chan.refusals == n)
+            await until(functools.partial(lambda n: chan.refusals == n, i),
+                        "the refusal counted")
         assert not chan.connected
         with pytest.raises(Exception, match="protocol version 1"):
             await chan.wait_connected(0.1)
@@ -107,11 +102,11 @@ def test_keyed_channel_refuses_impostors_and_old_agents(tmp_path: Path) -> None:
         await chan.wait_connected(5)
         gen = chan.generation
         impostor = await hello(chan.sock_path, key="00" * 32)
-        await _until(lambda: chan.refusals == 4)
+        await until(lambda: chan.refusals == 4, "four refusals")
         assert chan.connected and chan.generation == gen
         # the agent itself reconnecting replaces its old connection
         again = await hello(chan.sock_path, key=key)
-        await _until(lambda: chan.generation == gen + 1)
+        await until(lambda: chan.generation == gen + 1, "the next generation")
         assert chan.connected
         for w in (agent, impostor, again):
             w.close()
@@ -193,7 +188,8 @@ def test_connections_without_a_hello_are_bounded(tmp_path: Path) -> None:
                 s.send(struct.pack("!II", 200, 0) + b'{"t": "hello"')
             held.append(s)
             await asyncio.sleep(0)
-        await _until(lambda: len(chan._unauthenticated) <= agentconn.MAX_UNAUTHENTICATED)
+        await until(lambda: len(chan._unauthenticated) <= agentconn.MAX_UNAUTHENTICATED,
+                    "the unauthenticated bounded")
         # what the channel holds: its few waiting connections (ours are in `held`)
         assert open_fds() - base - len(held) <= agentconn.MAX_UNAUTHENTICATED + 2
         # a frame too big for a hello is refused after its prefix, its rest never read
@@ -205,7 +201,8 @@ def test_connections_without_a_hello_are_bounded(tmp_path: Path) -> None:
             big.send(struct.pack("!II", P.MAX_HEADER, P.MAX_PAYLOAD) + b"{" * 65536)
         except OSError:
             pass
-        await _until(lambda: chan.refusals > n and "at most" in (chan.last_refusal or ""))
+        await until(lambda: chan.refusals > n and "at most" in (chan.last_refusal or ""),
+                    "a refusal past the bound")
         assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0 < 16 << 10  # KiB
         # the agent connects (its hello comes at once) and is taken, flood or not
         _, w = await asyncio.open_unix_connection(str(chan.sock_path))

@@ -22,6 +22,7 @@ from cpuosd.lifecycle.common import Live
 from cpuosd.lifecycle.manager import Manager
 from cpuosd.lifecycle.states import State
 from cpuosd.store import SandboxRow, SqliteStore, Store
+from support.daemon import until
 from support.fakes import FakeBackend, FakeHost
 
 
@@ -57,13 +58,6 @@ class PoolManager(Manager):
         lv = Live(row, spec, AgentChannel(spec.sock_path))
         self.live[row.id] = lv
         return lv
-
-
-async def until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out: {what}"
-        await asyncio.sleep(0.01)
 
 
 def run(tmp_path: Path, test: Callable[[PoolManager, str, FakeHost], Awaitable[None]],

@@ -21,7 +21,7 @@ import pytest
 from cpuosd.store import RowSpec
 from cpuosd.config import PreviewConfig
 from cpuosd.network import preview
-from support.daemon import closed_by_peer
+from support.daemon import closed_by_peer, until
 
 SID = "sbx-aaaaaaaaaaaa"
 TOKEN = "t0ken"
@@ -118,17 +118,6 @@ async def echo(r: asyncio.StreamReader, w: asyncio.StreamWriter, heads: list[byt
         else:
             w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(out), out))
         await w.drain()
-
-
-async def until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    """Poll cond (every 10 ms, the proxy's tasks running meanwhile) until it holds;
-    TimeoutError naming what after timeout."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not cond():
-        if loop.time() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 def run(coro: Awaitable[None]) -> None:
