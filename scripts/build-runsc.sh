@@ -16,7 +16,7 @@ force=0
 version=$(grep -oE 'gvisor.dev/gvisor v[^ ]+' deps/runsc/go.mod | head -1 | cut -d' ' -f2)
 [ -n "$version" ] || { echo "build-runsc: no gvisor.dev/gvisor version in deps/runsc/go.mod" >&2; exit 2; }
 # the changes in deps/runsc/patches (keep in step with PATCH_LEVEL in cpuosd/backends/runsc.py)
-patch_level=3
+patch_level=4
 module_version=$version
 version="$version+cpuos.$patch_level"
 prefix=${CPUOS_RUNSC_PREFIX:-/usr/local/lib/cpuos}

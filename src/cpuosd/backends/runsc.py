@@ -32,7 +32,7 @@ log = logging.getLogger("cpuosd.runsc")
 # changes to it (deps/runsc/patches; a unit test keeps these, deps/runsc/go.mod and the
 # build script in step).
 MODULE_VERSION = "v0.0.0-20260905035102-160fafc42237"
-PATCH_LEVEL = 3
+PATCH_LEVEL = 4
 PINNED_VERSION = f"{MODULE_VERSION}+cpuos.{PATCH_LEVEL}"
 PLATFORMS = ("systrap", "ptrace", "kvm")
 PROBE_TIMEOUT = 20.0  # s each of the commands that tell what a runsc binary can do
