@@ -9,6 +9,7 @@ pool: tests/unit/test_pool.py; real images: tests/e2e/test_snapshots.py.)"""
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import multiprocessing
 import os
@@ -19,6 +20,7 @@ from typing import Any, cast
 
 from cpuosd.config import Config
 from cpuosd.lifecycle.common import Live
+from cpuosd.lifecycle import template_images
 from cpuosd.lifecycle.template_images import TemplateImages
 from cpuosd.store import SandboxRow
 from support.fakes import FakeBackend
@@ -202,3 +204,49 @@ def test_daemons_sharing_the_directory_make_an_image_once(tmp_path: Path) -> Non
             if p.is_alive():
                 p.kill()
     assert [p.exitcode for p in procs] == [0, 0]
+
+
+def test_a_daemon_waiting_to_make_an_image_takes_the_one_another_made(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """The interleaving the race above hits now and then (1 run in ~70 under load): this
+    daemon saw no image (under the shared lock) and waits for the exclusive one to make it;
+    meanwhile another daemon makes it and holds it shared, for as long as it runs. This one
+    takes that image at once (it waited its whole lock wait, 300 s, then booted)."""
+    monkeypatch.setattr(template_images, "LOCK_WAIT", 5.0)
+    cfg, info = _shared_cfg(tmp_path, "b")
+    made = tmp_path / "made"
+    ti = _shared_images(cfg, Checkpointing(), made=made)
+    name = ti.name("python", "1" * 16)
+    image = tmp_path / "images" / name
+    image.parent.mkdir(parents=True)
+
+    wants_to_make = asyncio.Event()
+    flock = ti._flock
+
+    async def recording(name: str, op: int, wait: float, **kw: Any) -> int | None:
+        if op == fcntl.LOCK_EX:
+            wants_to_make.set()
+        return await flock(name, op, wait, **kw)
+
+    monkeypatch.setattr(ti, "_flock", recording)
+
+    async def main() -> Path | None:
+        # the other daemon: holds the lock shared (it too has just looked: no image yet)
+        other = os.open(image.parent / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(other, fcntl.LOCK_SH)
+        try:
+            ours = asyncio.ensure_future(ti.ensure("python", info))
+            await asyncio.wait_for(wants_to_make.wait(), 3.0)  # (it found no image)
+            assert not ours.done()
+            # the other makes the image and keeps it (shared) while it runs
+            tmp = image.with_name(name + ".tmp-1-abcd")
+            tmp.mkdir()
+            (tmp / "checkpoint.img").write_bytes(b"image")
+            os.rename(tmp, image)
+            return await asyncio.wait_for(ours, 3.0)  # (< LOCK_WAIT: not its end)
+        finally:
+            os.close(other)
+
+    assert asyncio.run(main()) == image
+    assert not made.exists()  # (it made none of its own)
+    ti.close()

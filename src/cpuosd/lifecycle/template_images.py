@@ -113,22 +113,24 @@ class TemplateImages:
                 return d
             if fd is not None:
                 os.close(fd)
-            fd = await self._flock(name, fcntl.LOCK_EX, LOCK_WAIT)
-            if fd is None:
+            # (until another daemon has made it: that one then holds it shared, for good)
+            fd = await self._flock(name, fcntl.LOCK_EX, LOCK_WAIT, unless=lambda: _complete(d))
+            if fd is None and not _complete(d):
                 log.warning("template %s: its image's lock not had in %.0fs; booting instead",
                             template, LOCK_WAIT)
                 return None
-            try:
-                if not _complete(d):
-                    # (what a maker that died left: nobody else makes this image now)
-                    await self._remove_tmps(name)
-                    await asyncio.to_thread(shutil.rmtree, d, True)
-                    await self._make(template, info, d)
-            except Exception:
-                log.exception("snapshot of template %s failed; booting instead", template)
-                return None
-            finally:
-                os.close(fd)
+            if fd is not None:
+                try:
+                    if not _complete(d):
+                        # (what a maker that died left: nobody else makes this image now)
+                        await self._remove_tmps(name)
+                        await asyncio.to_thread(shutil.rmtree, d, True)
+                        await self._make(template, info, d)
+                except Exception:
+                    log.exception("snapshot of template %s failed; booting instead", template)
+                    return None
+                finally:
+                    os.close(fd)
             # (the exclusive lock is let go before the shared one is had: the image may be
             # deleted between, then this create boots)
             fd = await self._flock(name, fcntl.LOCK_SH, LOCK_WAIT)
@@ -139,10 +141,12 @@ class TemplateImages:
             self._held[name] = fd
         return d
 
-    async def _flock(self, name: str, op: int, wait: float) -> int | None:
+    async def _flock(self, name: str, op: int, wait: float,
+                     unless: Callable[[], bool] | None = None) -> int | None:
         """The fd of ``<name>.lock`` locked with ``op`` (LOCK_SH or LOCK_EX), tried every
-        0.1 s for ``wait`` seconds (0: once); None if not had. The lock is of the file
-        in place (one deleted meanwhile by its holder is opened again)."""
+        0.1 s for ``wait`` seconds (0: once) or until ``unless()`` says it is no longer
+        needed; None if not had. The lock is of the file in place (one deleted meanwhile
+        by its holder is opened again)."""
         path = self._dir / f"{name}.lock"
         deadline = time.monotonic() + wait
         while True:
@@ -151,7 +155,7 @@ class TemplateImages:
                 fcntl.flock(fd, op | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
-                if time.monotonic() >= deadline:
+                if time.monotonic() >= deadline or (unless is not None and unless()):
                     return None
                 await asyncio.sleep(0.1)
                 continue
