@@ -24,6 +24,8 @@ Stdlib only: it runs inside every sandbox."""
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -35,6 +37,19 @@ if TYPE_CHECKING:
     from .cgroups import Cgroups
 
 INTERVAL = 0.05  # s between looks while a command runs
+
+
+def give_back() -> None:
+    """What the agent holds and no longer uses goes back: its cyclic garbage, then glibc's
+    free heap (``malloc_trim``, which gVisor turns into pages released on the host). Called
+    as the sandbox goes idle (its spawner's idle exit) and before a checkpoint (the image
+    holds less): after a few commands and file transfers an idle sandbox held ~1.8 MiB
+    less of host memory for it. A few ms, never on a command's path."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):  # (not glibc)
+        pass
 
 
 class Killable(Protocol):

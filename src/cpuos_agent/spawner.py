@@ -266,6 +266,9 @@ class Spawner:
             self.sock = None
             self._exited_idle = True
             self.idle_exits += 1
+        from .memguard import give_back  # (the agent's: not loaded before the spawner's fork)
+
+        give_back()  # the sandbox goes idle
 
     def _on_stop(self, pid: int) -> None:
         """A child of the agent stopped: if it is the spawner, it cannot report exits any
