@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 
 from . import protocol as P
 from .identity import apply_identity
-from .memguard import give_back
 from .protocol import ErrorCode, Kind
 from .transport import Quiesce
 
@@ -49,7 +48,6 @@ def quiesce(agent: Agent, conn: Conn, sid: int, h: P.Header, payload: bytes) -> 
         conn.send({"t": Kind.ERR, "id": sid, "code": ErrorCode.EXISTS,
                    "message": "commands or file transfers are still running"})
         return
-    give_back()  # (the checkpoint holds less)
     conn.send({"t": Kind.OK, "id": sid})
     raise Quiesce()
 

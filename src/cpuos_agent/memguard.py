@@ -42,9 +42,10 @@ INTERVAL = 0.05  # s between looks while a command runs
 def give_back() -> None:
     """What the agent holds and no longer uses goes back: its cyclic garbage, then glibc's
     free heap (``malloc_trim``, which gVisor turns into pages released on the host). Called
-    as the sandbox goes idle (its spawner's idle exit) and before a checkpoint (the image
-    holds less): after a few commands and file transfers an idle sandbox held ~1.8 MiB
-    less of host memory for it. A few ms, never on a command's path."""
+    as the sandbox goes idle (its spawner's idle exit): after a few commands and file
+    transfers an idle sandbox held ~1.8 MiB less of host memory for it. A few ms, never on
+    a command's path. (Not before a checkpoint: a pause took ~5 ms more, and a sandbox
+    restored from a trimmed image faults those pages in again at its first command.)"""
     gc.collect()
     try:
         ctypes.CDLL(None).malloc_trim(0)
