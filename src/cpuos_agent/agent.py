@@ -30,7 +30,7 @@ from .dial import Dial
 from .exec import MAX_BG_KEPT, Exec
 from .files import _unlink_quiet
 from .identity import drop_inheritable_caps, not_dumpable, read_key
-from .memguard import MemGuard
+from .memguard import MemGuard, one_arena
 from .protocol import ErrorCode, Kind
 from .reaper import Reaper
 from .service import errcode
@@ -167,6 +167,7 @@ def main(spawner: Spawner | None = None) -> None:
     forked (before any thread, before the key is read: ``__main__`` does it before
     importing this module, else it is done here), the cgroup tree mounted, and the agent
     drops to the user's effective ids; then it reads its key and becomes non-dumpable."""
+    one_arena()  # (before any thread of the agent's)
     privs.shield_signals()
     not_dumpable()
     os.umask(0o022)

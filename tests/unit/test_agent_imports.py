@@ -48,3 +48,41 @@ def test_give_back_returns_the_agents_free_heap() -> None:
                        check=True, env={"PYTHONPATH": str(SRC)})
     before, after = map(int, r.stdout.split())
     assert after < before - 20_000, (before, after)  # KiB: of ~39 MB freed
+
+
+ARENAS = """
+import ctypes, sys, threading
+from cpuos_agent.memguard import one_arena
+
+if sys.argv[1] == "one":
+    one_arena()
+libc = ctypes.CDLL(None)
+alive = threading.Barrier(5)
+
+def thread():  # (mallocs while the others live: glibc would give each an arena)
+    blocks = [bytes(5000) for _ in range(200)]
+    alive.wait()
+    alive.wait()
+
+ts = [threading.Thread(target=thread) for _ in range(4)]
+for t in ts:
+    t.start()
+alive.wait()
+buf, size = ctypes.c_char_p(), ctypes.c_size_t()
+libc.open_memstream.restype = ctypes.c_void_p
+fp = ctypes.c_void_p(libc.open_memstream(ctypes.byref(buf), ctypes.byref(size)))
+libc.malloc_info(0, fp)
+libc.fclose(fp)
+alive.wait()
+print(buf.value.decode().count("<heap nr="))
+"""
+
+
+def test_the_agents_threads_share_one_malloc_arena() -> None:
+    def arenas(mode: str) -> int:
+        r = subprocess.run([sys.executable, "-s", "-c", ARENAS, mode], capture_output=True,
+                           text=True, check=True, env={"PYTHONPATH": str(SRC)})
+        return int(r.stdout)
+
+    assert arenas("default") > 1  # (glibc's own way: the check below can fail)
+    assert arenas("one") == 1
