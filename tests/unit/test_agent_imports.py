@@ -14,12 +14,17 @@ ON_DEMAND = ["tarfile", "cpuos_agent.tarx", "subprocess", "hashlib", "secrets", 
              "ipaddress"]
 
 
+def _agent_python(code: str, *args: str) -> str:
+    """stdout of ``code`` run by a fresh interpreter as the agent's (-s, only src/)."""
+    return subprocess.run([sys.executable, "-s", "-c", code, *args], capture_output=True,
+                          text=True, check=True, env={"PYTHONPATH": str(SRC)}).stdout
+
+
 def test_the_agent_loads_archive_and_process_modules_only_when_asked() -> None:
     code = ("import sys, cpuos_agent.agent; "
             f"print(sorted(m for m in {ON_DEMAND!r} if m in sys.modules))")
-    r = subprocess.run([sys.executable, "-s", "-c", code], capture_output=True, text=True,
-                       check=True, env={"PYTHONPATH": str(SRC)})
-    assert r.stdout.strip() == "[]", r.stdout
+    out = _agent_python(code)
+    assert out.strip() == "[]", out
 
 
 HOLES = """
@@ -44,9 +49,7 @@ print(before, anon_kib())
 def test_give_back_returns_the_agents_free_heap() -> None:
     """What the agent calls as the sandbox goes idle and before a checkpoint: free heap in
     holes between live blocks goes back (to gVisor, which releases the pages)."""
-    r = subprocess.run([sys.executable, "-s", "-c", HOLES], capture_output=True, text=True,
-                       check=True, env={"PYTHONPATH": str(SRC)})
-    before, after = map(int, r.stdout.split())
+    before, after = map(int, _agent_python(HOLES).split())
     assert after < before - 20_000, (before, after)  # KiB: of ~39 MB freed
 
 
@@ -79,10 +82,6 @@ print(buf.value.decode().count("<heap nr="))
 
 
 def test_the_agents_threads_share_one_malloc_arena() -> None:
-    def arenas(mode: str) -> int:
-        r = subprocess.run([sys.executable, "-s", "-c", ARENAS, mode], capture_output=True,
-                           text=True, check=True, env={"PYTHONPATH": str(SRC)})
-        return int(r.stdout)
-
-    assert arenas("default") > 1  # (glibc's own way: the check below can fail)
-    assert arenas("one") == 1
+    assert int(_agent_python(ARENAS, "default")) > 1  # (glibc's own way: the check
+    # below can fail)
+    assert int(_agent_python(ARENAS, "one")) == 1
