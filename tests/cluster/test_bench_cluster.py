@@ -27,7 +27,7 @@ def test_cluster_bench_smoke() -> None:
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "overhead" in r.stdout and "A -> B (S3)" in r.stdout, r.stdout
     out = json.loads((REPO / ".cache" / "bench" / "cluster-smoke.json").read_text())
-    for k in ("exec_api_s", "exec_node_s", "stream_api_MBps", "stream_node_MBps",
+    for k in ("exec_api_s", "exec_node_s", "stream_api_MBps", "stream_node_MBps", "stream_ratio",
               "preview_api_s", "preview_node_s", "pause_upload_s", "resume_download_s",
               "pause_local_s", "resume_local_s"):
         assert out[k] and all(v > 0 for v in out[k]), k
