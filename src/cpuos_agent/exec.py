@@ -40,14 +40,17 @@ F_SETPIPE_SZ = 1031
 
 
 PIPE_SIZE = 1 << 20
-# A command writing its output in bulk (a read took GATHER_AT bytes or more) is read again
-# only GATHER s later: that read takes what it wrote meanwhile (its pipe holds PIPE_SIZE), so
-# bulk output goes out in fewer, bigger messages. Every read, message and wakeup costs the
-# sandbox (systrap's switches); ``head -c 64M /dev/zero`` streamed 67 -> 115 MB/s straight
-# from a node, 40 -> 100 MB/s through the API tier, the sandbox's CPU 16-21 -> 8-9 ms per MB
-# (bench/README.md, many hosts). Output in small pieces (a line, a prompt) is sent at
-# once, and the command's exit ends the wait.
+# A command writing its output in bulk in small writes (a read took GATHER_AT bytes or more,
+# less than GATHER_MAX) is read again only GATHER s later: that read takes what it wrote
+# meanwhile (its pipe holds PIPE_SIZE), so its output goes out in fewer, bigger messages.
+# Every read, message and wakeup costs the sandbox (systrap's switches): ``head -c
+# 64M /dev/zero`` (8 KiB writes) streamed 67 -> 115 MB/s straight from a node, 40 -> 100 MB/s
+# through the API tier, the sandbox's CPU 16-21 -> 8-9 ms per MB (bench/README.md, many
+# hosts). Output in small pieces (a line, a prompt) is sent at once, so is a read of
+# GATHER_MAX or more (the command writes big pieces already: waiting would only let its pipe
+# fill), and the command's exit ends the wait.
 GATHER_AT = 16 << 10
+GATHER_MAX = 256 << 10
 GATHER = 0.002
 
 
@@ -411,7 +414,7 @@ class Exec:
                     else:
                         self.conn.send_data(self.sid, {"t": Kind.OUT, "id": self.sid,
                                                        "fd": key.data}, data)
-                    if len(data) >= GATHER_AT and exited_at is None:
+                    if GATHER_AT <= len(data) < GATHER_MAX and exited_at is None:
                         self.done_ev.wait(GATHER)  # (its exit ends the wait)
             while not self.done_ev.wait(None if deadline is None
                                         else max(0.0, deadline - time.monotonic())):

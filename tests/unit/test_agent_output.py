@@ -1,7 +1,8 @@
 """The agent's output loop (cpuos_agent.exec.Exec._run) gathers bulk output: after a read of
-GATHER_AT bytes or more it leaves the pipes alone for GATHER, so what the command writes
-meanwhile goes out in one message; output in small pieces is sent at once, and the
-command's exit ends the wait. Driven here on real pipes, the agent's own loop and Conn, with
+GATHER_AT bytes or more (less than GATHER_MAX) it leaves the pipes alone for GATHER, so what
+the command writes meanwhile goes out in one message; output in small pieces is sent at
+once, so is what follows a read of GATHER_MAX or more, and the command's exit ends the
+wait. Driven here on real pipes, the agent's own loop and Conn, with
 GATHER made long (30 s) so that nothing depends on timing."""
 
 from __future__ import annotations
@@ -139,6 +140,14 @@ def test_bulk_output_written_after_a_big_read_goes_out_in_one_message(command: _
     assert command.link.exit.wait(10)
     assert command.link.out[-1] == b"b" * 20000 + b"c" * 20000
     assert command.link.received() == big + 40000
+
+
+def test_a_read_of_big_pieces_is_not_followed_by_a_wait(command: _Command) -> None:
+    big = agent_exec.GATHER_MAX
+    command.write(b"a" * big)
+    assert command.link.until(lambda: command.link.received() == big, 10)
+    command.write(b"b" * 20000)  # (read at once: its pipe could fill meanwhile)
+    assert command.link.until(lambda: command.link.received() == big + 20000, 10)
 
 
 def _count_is(link: _Link, n: int) -> bool:
