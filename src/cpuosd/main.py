@@ -95,10 +95,11 @@ def serve_api(cfg: Config, log_file: str | None) -> None:
 
     from . import logs
     from .api.listener import guarded_http
-    from .cluster.api import create_api_app
+    from .cluster.api import create_api_app, tune_malloc
     from .fdbudget import raise_nofile
 
     logs.setup(path=log_file, cfg=cfg.logs)
+    tune_malloc()
     raise_nofile(conn_fds=cfg.limits.conn_fds)
     try:
         app = create_api_app(cfg)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -80,3 +82,25 @@ def test_a_node_answers_the_node_token_only() -> None:
         assert r.status_code == 403 and r.json()["error"]["code"] == "permission_denied"
         assert c.get("/sandboxes", headers={TOKEN_HEADER: "x" * 24}).status_code == 403
         assert c.get("/sandboxes", headers={TOKEN_HEADER: TOKEN}).text == "ok"
+
+
+HEAP_PROBE = """
+import sys
+from cpuosd.cluster.api import tune_malloc
+if sys.argv[1] == "tuned":
+    assert tune_malloc()
+block = bytes(3 << 20)  # (a bytes object's id is its address)
+heap = [ln for ln in open("/proc/self/maps") if ln.rstrip().endswith("[heap]")]
+lo, hi = (int(x, 16) for x in heap[0].split()[0].split("-"))
+print(lo <= id(block) < hi)
+"""
+
+
+@pytest.mark.parametrize("mode", ["tuned", "default"])
+def test_the_api_process_takes_stream_sized_blocks_from_its_heap(mode: str) -> None:
+    """With tune_malloc (the API process's start), a 3 MiB block comes from the heap (no
+    fresh mapping to fault in and unmap per chunk of a stream); glibc's default maps it."""
+    r = subprocess.run([sys.executable, "-c", HEAP_PROBE, mode], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == ("True" if mode == "tuned" else "False")
