@@ -187,8 +187,32 @@ class Session:
                            what: dict[str, Any] | None = None) -> AsyncIterator[bytes]:
         t0 = time.monotonic()
         counts = {1: 0, 2: 0}
-        done = False
+        done = settled = False
         result: dict[str, Any] = {}
+
+        def settle() -> None:
+            """The exec's record, its stdin sender and the ``command`` event. Done before
+            its last frame is yielded (the answer's end then follows that frame at once: a
+            client, or an API process between, reads them together), else when the stream
+            ends otherwise."""
+            nonlocal settled
+            settled = True
+            self.exec_stdin.end(lv.row.id, eid, st)
+            st.close()
+            self.store.finish_exec(
+                eid, exit_code=result.get("exit_code"), signal=result.get("signal"),
+                timed_out=int(bool(result.get("timed_out"))), error=result.get("message"),
+                stdout_bytes=counts[1], stderr_bytes=counts[2])
+            self.events.emit(SandboxEvent("command", lv.row.id, lv.row.workspace_id, None,
+                                          fields={**(what or {"exec_id": eid}),
+                                                  "exit_code": result.get("exit_code"),
+                                                  "signal": result.get("signal"),
+                                                  "timed_out": bool(result.get("timed_out")),
+                                                  "error": result.get("message"),
+                                                  "duration": round(time.monotonic() - t0, 6),
+                                                  "stdout_bytes": counts[1],
+                                                  "stderr_bytes": counts[2]}))
+
         try:
             yield P.encode({"t": Frame.STARTED, "exec_id": eid})
             # The agent enforces the timeout; the host allows a grace period on top.
@@ -215,8 +239,9 @@ class Session:
                         self.events.emit(SandboxEvent(
                             "oom", lv.row.id, lv.row.workspace_id, None,
                             fields={"exec_id": eid, "exit_code": result["exit_code"]}))
-                    yield P.encode(result)
                     done = True
+                    settle()
+                    yield P.encode(result)
                     break
                 elif t == Kind.ERR:
                     raise_for_agent_error(h)
@@ -235,21 +260,8 @@ class Session:
                 # client went away or we gave up: kill the command's whole tree
                 with contextlib.suppress(Exception):
                     self.spawn(lv.chan.send({"t": Kind.KILL, "id": st.id, "reason": "cancelled"}))
-            self.exec_stdin.end(lv.row.id, eid, st)
-            st.close()
-            self.store.finish_exec(
-                eid, exit_code=result.get("exit_code"), signal=result.get("signal"),
-                timed_out=int(bool(result.get("timed_out"))), error=result.get("message"),
-                stdout_bytes=counts[1], stderr_bytes=counts[2])
-            self.events.emit(SandboxEvent("command", lv.row.id, lv.row.workspace_id, None,
-                                          fields={**(what or {"exec_id": eid}),
-                                                  "exit_code": result.get("exit_code"),
-                                                  "signal": result.get("signal"),
-                                                  "timed_out": bool(result.get("timed_out")),
-                                                  "error": result.get("message"),
-                                                  "duration": round(time.monotonic() - t0, 6),
-                                                  "stdout_bytes": counts[1],
-                                                  "stderr_bytes": counts[2]}))
+            if not settled:
+                settle()
 
     async def write_file(self, lv: Live, path: str, body: AsyncIterator[bytes]
                          ) -> dict[str, Any]:
