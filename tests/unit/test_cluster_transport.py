@@ -15,7 +15,7 @@ import h11
 import httpx
 import pytest
 
-from cpuosd.cluster.transport import AiohttpTransport
+from cpuosd.cluster.transport import AiohttpTransport, NodeAnswer
 
 
 def sync(f: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[], None]:
@@ -262,4 +262,37 @@ async def test_a_read_timeout_is_httpx_read_timeout() -> None:
                 await t.handle_async_request(req)
         finally:
             gate.set()
+            await t.aclose()
+
+
+@sync
+async def test_an_answer_says_when_it_is_whole() -> None:
+    """``NodeAnswer.at_end``: what the API process uses to send a node's last chunk with the
+    answer's end (cluster.api._Streamed): False while more may come, True once the end was
+    read."""
+    async def endless(s: Seen) -> tuple[int, list[tuple[bytes, bytes]], list[bytes], bool]:
+        return 200, [], [b"first"], True
+
+    async with server() as srv:
+        t = AiohttpTransport()
+        try:
+            srv.answer = endless
+            resp = await t.handle_async_request(
+                httpx.Request("POST", f"http://127.0.0.1:{srv.port}/exec", content=b"{}"))
+            assert isinstance(resp.stream, NodeAnswer)
+            it = resp.aiter_raw().__aiter__()
+            assert await asyncio.wait_for(it.__anext__(), 10) == b"first"
+            assert not resp.stream.at_end()  # (the node has not ended it)
+            await resp.aclose()
+            srv.answer = _answer_ok
+            resp = await t.handle_async_request(
+                httpx.Request("GET", f"http://127.0.0.1:{srv.port}/x"))
+            stream = resp.stream
+            assert isinstance(stream, NodeAnswer)
+            body = b""
+            async for chunk in stream:  # (to its end; aiter_raw would close it there)
+                body += chunk
+            assert body == b"hello world" and stream.at_end()
+            await resp.aclose()
+        finally:
             await t.aclose()

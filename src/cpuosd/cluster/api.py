@@ -45,7 +45,7 @@ from ..config import Config
 from ..console.sessions import SAFE_METHODS, Sessions, cookie_token, csrf_ok, same_origin
 from ..errors import ApiError
 from ..store import Store
-from .transport import AiohttpTransport
+from .transport import AiohttpTransport, NodeAnswer
 from .nodes import (ROUTE_HEADER, SANDBOX_PATH, TOKEN_HEADER, KubeNodeView, NodeInfo, NodeView,
                     check_token, fence_dead, place)
 from ..lifecycle.states import State
@@ -585,14 +585,22 @@ class _Streamed(Response):
 
         listener = asyncio.ensure_future(_disconnect(receive))
         listener.add_done_callback(gone)
+        # (cluster.transport's answers say when a chunk was the last: it then goes out with
+        # the answer's end, one write, as an exec's exit frame does)
+        at_end = resp.stream.at_end if isinstance(resp.stream, NodeAnswer) else None
         try:
             await send({"type": "http.response.start", "status": self.status_code,
                         "headers": self.raw_headers})
+            last = False
             async for chunk in resp.aiter_raw():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                last = at_end is not None and at_end()
+                await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+                if last:
+                    break
             copying = False
             listener.cancel()
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            if not last:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not left:
                 raise

@@ -40,7 +40,7 @@ KEEPALIVE = 60.0  # s an idle connection to a node is kept for reuse
 READ_BUFFER = 256 << 10  # bytes of an answer read ahead of the client (aiohttp: 64 KiB)
 
 
-class _Answer(httpx.AsyncByteStream):
+class NodeAnswer(httpx.AsyncByteStream):
     """A node's answer body as it comes; closed early: the connection is closed."""
 
     def __init__(self, resp: aiohttp.ClientResponse, request: httpx.Request) -> None:
@@ -56,6 +56,11 @@ class _Answer(httpx.AsyncByteStream):
         except (aiohttp.ClientError, OSError) as e:
             raise httpx.ReadError(f"reading the node's answer: {e}",
                                   request=self._request) from e
+
+    def at_end(self) -> bool:
+        """The answer's body is all read: nothing more will come (a chunk just read was its
+        last; its end arrived with it)."""
+        return self._resp.content.at_eof() and not self._resp.content.exception()
 
     async def aclose(self) -> None:
         resp = self._resp
@@ -113,7 +118,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             raise httpx.WriteError(str(e) or type(e).__name__, request=request) from e
         return httpx.Response(resp.status, headers=list(resp.raw_headers),
-                              stream=_Answer(resp, request),
+                              stream=NodeAnswer(resp, request),
                               extensions={"http_version": b"HTTP/1.1",
                                           "reason_phrase": (resp.reason or "").encode()})
 
