@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import fcntl
 import functools
-import io
 import os
 import struct
 import termios
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 
@@ -26,6 +24,7 @@ from cpuos_agent.agent import Agent
 from cpuos_agent.conn import Conn
 from cpuos_agent.exec import Exec
 from cpuos_agent.protocol import Kind
+from support.agent_link import HostEnd
 
 SID = 5
 LONG = 30.0  # GATHER in these tests: far longer than any of their waits
@@ -41,7 +40,7 @@ class _Agent(Agent):
         self.memguard = None
 
 
-class _Link:
+class _Link(HostEnd):
     """The host's end: the payload of each ``out`` message, and the exit."""
 
     def __init__(self) -> None:
@@ -49,22 +48,13 @@ class _Link:
         self.exit = threading.Event()
         self.cv = threading.Condition()
 
-    @property
-    def rfile(self) -> Any:
-        return io.BytesIO()
-
-    def sendall(self, data: bytes) -> None:
-        hlen, _ = P.parse_prefix(data[:P.PREFIX_LEN])
-        h = P.parse_header(data[P.PREFIX_LEN:P.PREFIX_LEN + hlen])
+    def frame(self, h: P.Header, payload: bytes) -> None:
         with self.cv:
             if h["t"] == Kind.OUT:
-                self.out.append(data[P.PREFIX_LEN + hlen:])
+                self.out.append(payload)
             elif h["t"] == Kind.EXIT:
                 self.exit.set()
             self.cv.notify_all()
-
-    def close(self) -> None:
-        pass
 
     def until(self, cond: Callable[[], bool], timeout: float) -> bool:
         with self.cv:

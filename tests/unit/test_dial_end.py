@@ -6,19 +6,18 @@ met that once in CI, the dial's thread not yet past its EOF)."""
 
 from __future__ import annotations
 
-import io
 import shutil
 import socket
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any
 
 from cpuos_agent import protocol as P
 from cpuos_agent.agent import Agent
 from cpuos_agent.conn import Conn
 from cpuos_agent.dial import Dial
 from cpuos_agent.protocol import Kind
+from support.agent_link import HostEnd
 
 
 class _Agent(Agent):
@@ -28,7 +27,7 @@ class _Agent(Agent):
         self.dials = {}
 
 
-class _Link:
+class _Link(HostEnd):
     """The host's end: each frame the agent sends, with whether the dial is still counted
     at that moment."""
 
@@ -37,19 +36,10 @@ class _Link:
         self.seen: list[tuple[str, bool]] = []
         self.ended = threading.Event()
 
-    @property
-    def rfile(self) -> Any:
-        return io.BytesIO()
-
-    def sendall(self, data: bytes) -> None:
-        hlen, _ = P.parse_prefix(data[:P.PREFIX_LEN])
-        h = P.parse_header(data[P.PREFIX_LEN:P.PREFIX_LEN + hlen])
+    def frame(self, h: P.Header, payload: bytes) -> None:
         self.seen.append((str(h["t"]), self.sid in self.agent.dials))
         if h["t"] in (Kind.EOF, Kind.ERR):
             self.ended.set()
-
-    def close(self) -> None:
-        pass
 
 
 def test_a_dial_leaves_the_agents_table_before_its_end_is_sent() -> None:
