@@ -187,16 +187,14 @@ class Session:
                            what: dict[str, Any] | None = None) -> AsyncIterator[bytes]:
         t0 = time.monotonic()
         counts = {1: 0, 2: 0}
-        done = settled = False
+        done = False
         result: dict[str, Any] = {}
 
         def settle() -> None:
             """The exec's record, its stdin sender and the ``command`` event. Done before
-            its last frame is yielded (the answer's end then follows that frame at once: a
+            its exit frame is yielded (the answer's end then follows that frame at once: a
             client, or an API process between, reads them together), else when the stream
             ends otherwise."""
-            nonlocal settled
-            settled = True
             self.exec_stdin.end(lv.row.id, eid, st)
             st.close()
             self.store.finish_exec(
@@ -260,7 +258,6 @@ class Session:
                 # client went away or we gave up: kill the command's whole tree
                 with contextlib.suppress(Exception):
                     self.spawn(lv.chan.send({"t": Kind.KILL, "id": st.id, "reason": "cancelled"}))
-            if not settled:
                 settle()
 
     async def write_file(self, lv: Live, path: str, body: AsyncIterator[bytes]
