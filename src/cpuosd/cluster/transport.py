@@ -64,7 +64,7 @@ class NodeAnswer(httpx.AsyncByteStream):
 
     async def aclose(self) -> None:
         resp = self._resp
-        if resp.content.at_eof() and not resp.content.exception():
+        if self.at_end():
             resp.release()  # (read to its end: the connection goes back to the pool)
         else:
             resp.close()
