@@ -14,7 +14,7 @@ process and straight to the node (with the node token), on the same sandbox:
   sees the same moment of the host's load);
 - stdout streaming (``head -c 64M /dev/zero``, the framed stream read to its end): MB/s,
   the two paths alternating as well; the ratio is the median of the pairs' ratios (one
-  path alone spreads 35-65 MB/s here with the host's load, which a pair shares);
+  path alone spreads 35-112 MB/s here with the host's load, which a pair shares);
 - a preview request (``GET /index.html`` of ``python -m http.server`` in the sandbox, a
   public port, host form) through the API process's preview listener and straight to the
   node's: p50 and the overhead;
